@@ -1,0 +1,22 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# tests/ on the path so `from distributed import run_distributed` works in every test module
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+
+
+REPO = Path(__file__).resolve().parent.parent
+GSM8K_SHARED = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
