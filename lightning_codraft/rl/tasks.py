@@ -1,0 +1,125 @@
+"""Built-in verifiable tasks: multi-step arithmetic generated on the fly, and a character tokenizer.
+
+A task yields :class:`TaskSample` items (prompt text, reference answer, worked solution) and scores a
+completion with an exact-answer reward. The arithmetic task is learnable by a tiny policy trained from
+scratch: the worked solution spells each partial sum (``"3+4-2="`` -> ``"3+4=7,7-2=5#5"``), so most
+completion tokens are copies a draft predicts well, and the final answer after ``#`` is checked exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+#: A reward function: ``(prompt, completion, reference_answer) -> float``.
+RewardFn = Callable[[str, str, str], float]
+
+
+@dataclass(frozen=True)
+class TaskSample:
+    """One prompt of a verifiable task.
+
+    Attributes:
+        prompt: the text given to the policy.
+        answer: the reference final answer the reward checks against (e.g. ``"5"``).
+        solution: a correct completion (worked steps + answer) used by the SFT warm-up.
+    """
+
+    prompt: str
+    answer: str
+    solution: str
+
+
+class CharTokenizer:
+    """A character tokenizer for the tiny built-in policy (the project's tokenizer protocol).
+
+    Ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``; then one id per character of ``alphabet``.
+    ``encode`` adds no special tokens; it raises on a character outside the alphabet.
+    """
+
+    DEFAULT_ALPHABET = "0123456789+-*=,#?:. \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
+        self.alphabet = alphabet
+        self.pad_token_id = 0
+        self.bos_token_id = 1
+        self.eos_token_id = 2
+        self._to_id = {c: i + 3 for i, c in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet) + 3
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._to_id[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet "
+                             f"{self.alphabet!r}") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_token_id:
+                break
+            if i >= 3:
+                out.append(self.alphabet[i - 3])
+        return "".join(out)
+
+
+_ANSWER_RE = re.compile(r"#\s*(-?\d+)")
+
+
+def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 when the first integer after ``#`` in ``completion`` equals ``answer`` exactly, else 0.0."""
+    m = _ANSWER_RE.search(completion)
+    return 1.0 if m is not None and m.group(1) == answer.strip() else 0.0
+
+
+@dataclass
+class ArithmeticTask:
+    """Multi-step integer addition / subtraction, e.g. prompt ``"7+5-3="``, solution ``"7+5=12,12-3=9#9"``.
+
+    Attributes:
+        min_terms: fewest operands in a problem (>= 2).
+        max_terms: most operands in a problem.
+        max_operand: operands are drawn uniformly from ``0..max_operand``.
+    """
+
+    min_terms: int = 2
+    max_terms: int = 3
+    max_operand: int = 9
+
+    def __post_init__(self):
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={self.min_terms}, "
+                             f"max_terms={self.max_terms}")
+        if self.max_operand < 1:
+            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+
+    def make(self, rng: random.Random) -> TaskSample:
+        """Draw one problem with ``rng``."""
+        n = rng.randint(self.min_terms, self.max_terms)
+        nums = [rng.randint(0, self.max_operand) for _ in range(n)]
+        ops = [rng.choice("+-") for _ in range(n - 1)]
+        prompt = str(nums[0]) + "".join(o + str(x) for o, x in zip(ops, nums[1:])) + "="
+        acc, steps = nums[0], []
+        for o, x in zip(ops, nums[1:]):
+            new = acc + x if o == "+" else acc - x
+            steps.append(f"{acc}{o}{x}={new}")
+            acc = new
+        return TaskSample(prompt=prompt, answer=str(acc), solution=",".join(steps) + f"#{acc}")
+
+    def sample(self, n: int, seed: int) -> list[TaskSample]:
+        """``n`` problems, a pure function of ``seed`` (so a resumed run sees the same prompts)."""
+        rng = random.Random(seed)
+        return [self.make(rng) for _ in range(n)]
+
+    def reward(self, prompt: str, completion: str, answer: str) -> float:
+        """The task's built-in exact-answer reward (:func:`arithmetic_reward`)."""
+        return arithmetic_reward(prompt, completion, answer)
