@@ -1,0 +1,118 @@
+import math
+
+import pytest
+import torch
+
+from lightning_codraft.models.vocab import build_vocab_mapping
+from lightning_codraft.training.draft_loss import ttt_draft_loss
+
+
+def _reference_loss(step_logits, policy_logits, doc_lengths, loss_mask, chosen, decay):
+    """Loop over documents, rows and steps exactly as the definition reads."""
+    V = policy_logits.shape[1]
+    in_vocab = set(chosen.tolist())
+    total_loss = 0.0
+    per_step, correct, total = [], [], []
+    for k, logits in enumerate(step_logits):
+        num, cnt, hits = 0.0, 0, 0
+        start = 0
+        for n in doc_lengths:
+            for i in range(start, start + n):
+                j = i + 1 + k
+                if j >= start + n or not loss_mask[j]:
+                    continue
+                top = int(policy_logits[j].argmax())
+                if top not in in_vocab:
+                    continue
+                p = torch.softmax(policy_logits[j, chosen], 0)
+                num = num - (p * torch.log_softmax(logits[i], 0)).sum()
+                cnt += 1
+                hits += int(chosen[int(logits[i].argmax())]) == top
+            start += n
+        per_step.append(num / max(cnt, 1))
+        correct.append(hits)
+        total.append(cnt)
+        total_loss = total_loss + decay**k * per_step[-1]
+    assert V == policy_logits.shape[1]
+    return total_loss, per_step, correct, total
+
+
+@pytest.mark.parametrize("K,Vd", [(1, 16), (3, 9), (4, 16)])
+def test_loss_matches_dense_reference(K, Vd):
+    g = torch.Generator().manual_seed(K * 31 + Vd)
+    V, lengths = 16, [5, 1, 9, 4]
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    policy_logits = torch.randn(T, V, generator=g) * 3
+    loss_mask = torch.rand(T, generator=g) > 0.2
+    d2t, t2d = build_vocab_mapping(torch.rand(V, generator=g), Vd)
+    chosen = torch.arange(Vd) + d2t
+    # make some draft logits agree with the policy so accuracy is not trivially 0
+    step_logits = [(torch.randn(T, Vd, generator=g) + 2 * torch.roll(policy_logits[:, chosen], -1 - k, 0))
+                   .requires_grad_() for k in range(K)]
+
+    out = ttt_draft_loss(step_logits, policy_logits, cu, loss_mask, d2t, t2d, decay=0.8)
+    ref_steps = [s.detach().clone().requires_grad_() for s in step_logits]
+    ref, ref_per_step, ref_correct, ref_total = _reference_loss(ref_steps, policy_logits, lengths, loss_mask,
+                                                                chosen, 0.8)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.per_step_loss, torch.stack(ref_per_step).detach(), rtol=1e-5, atol=1e-5)
+    assert out.correct.tolist() == [float(c) for c in ref_correct]
+    assert out.total.tolist() == [float(c) for c in ref_total]
+    assert sum(ref_correct) > 0 and min(ref_total) > 0
+    out.loss.backward()
+    ref.backward()
+    for a, b in zip(step_logits, ref_steps):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_perfect_draft_has_entropy_loss_and_full_accuracy():
+    V, lengths, K = 8, [6, 7], 2
+    T = sum(lengths)
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+    policy_logits = torch.randn(T, V)
+    d2t, t2d = build_vocab_mapping(torch.ones(V), V)
+    # step k row i sees the policy row i+1+k of its own document
+    steps = []
+    for k in range(K):
+        rows = []
+        for s, n in ((0, 6), (6, 7)):
+            for i in range(s, s + n):
+                rows.append(policy_logits[min(i + 1 + k, s + n - 1)])
+        steps.append(torch.stack(rows))
+    out = ttt_draft_loss(steps, policy_logits, cu, torch.ones(T), d2t, t2d)
+    assert out.accuracy.tolist() == [1.0, 1.0]
+    assert out.total.tolist() == [11.0, 9.0]
+    entropy = [float(-(torch.softmax(policy_logits[r], 0) * torch.log_softmax(policy_logits[r], 0)).sum())
+               for r in range(T)]
+    first = [entropy[r] for r in list(range(1, 6)) + list(range(7, 13))]
+    torch.testing.assert_close(out.per_step_loss[0], torch.tensor(sum(first) / len(first)))
+    assert math.isclose(float(out.loss), float(out.per_step_loss[0] + 0.8 * out.per_step_loss[1]), rel_tol=1e-6)
+
+
+def test_policy_top1_outside_draft_vocab_is_not_counted():
+    V = 6
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    policy_logits = torch.full((4, V), -5.0)
+    policy_logits[:, 5] = 5.0  # top-1 is token 5 everywhere ...
+    d2t, t2d = build_vocab_mapping(torch.tensor([9, 9, 9, 1, 1, 0]), 3)  # ... which the draft lacks
+    out = ttt_draft_loss([torch.randn(4, 3, requires_grad=True)], policy_logits, cu, torch.ones(4), d2t, t2d)
+    assert out.total.tolist() == [0.0] and float(out.loss.detach()) == 0.0
+    out.loss.backward()
+
+
+def test_errors_name_the_bad_value():
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    d2t, t2d = build_vocab_mapping(torch.ones(6), 3)
+    pl = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="K >= 1"):
+        ttt_draft_loss([], pl, cu, torch.ones(4), d2t, t2d)
+    with pytest.raises(ValueError, match=r"step_logits\[0\] has shape \(4, 5\)"):
+        ttt_draft_loss([torch.randn(4, 5)], pl, cu, torch.ones(4), d2t, t2d)
+    with pytest.raises(ValueError, match="does not cover the batch of 4"):
+        ttt_draft_loss([torch.randn(4, 3)], pl, torch.tensor([0, 3], dtype=torch.int32), torch.ones(4), d2t, t2d)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ttt_draft_loss([torch.randn(4, 3)], pl, torch.tensor([0, 3, 3, 4], dtype=torch.int32), torch.ones(4),
+                       d2t, t2d)
+    with pytest.raises(ValueError, match=r"t2d has shape \(5,\)"):
+        ttt_draft_loss([torch.randn(4, 3)], pl, cu, torch.ones(4), d2t, t2d[:5])
