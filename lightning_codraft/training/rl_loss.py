@@ -1,0 +1,123 @@
+"""GRPO / PPO clipped-surrogate policy loss with token-level averaging over a distributed batch.
+
+Every quantity is row-local (the RL batch is next-token aligned, docs/design/interfaces.md), so under
+context or data parallelism each rank scores its own rows and only two scalars cross ranks: the masked token
+count and, for logging, the masked sums. The loss is the mean over ALL masked tokens of the global batch
+(DAPO-style token-level averaging), not a mean of per-rank or per-sequence means, so that a sharded run equals
+the single-process run exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
+    """Log-probability of each row's target token.
+
+    Args:
+        logits: ``(T, V)`` policy logits of this rank's rows.
+        target_ids: ``(T,)`` int64 next tokens (row ``t`` is scored against ``target_ids[t]``).
+
+    Returns:
+        ``(T,)`` fp32 ``log softmax(logits)[t, target_ids[t]]``.
+    """
+    if logits.shape[:-1] != target_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target_ids {tuple(target_ids.shape)} disagree on rows")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _all_reduce_sum(x: Tensor, group: Optional[Any]) -> Tensor:
+    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def policy_gradient_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    group: Optional[Any] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO / GRPO clipped surrogate (+ optional k3 KL to a reference policy), averaged over masked tokens.
+
+    Per token ``t``: ``r = exp(logprobs - old_logprobs)``,
+    ``pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))`` and, when ``kl_coef > 0``,
+    ``kl = exp(ref - logp) - (ref - logp) - 1`` (Schulman's k3, unbiased and >= 0). The loss is
+    ``sum_t mask_t (pg_t + kl_coef kl_t) / sum_t mask_t`` with both sums over every rank of ``group``.
+
+    Args:
+        logprobs: ``(T,)`` log-prob of each row's target under the current policy (differentiable).
+        old_logprobs: ``(T,)`` log-prob under the sampling policy.
+        advantages: ``(T,)`` advantage of the row's sample (0 off-mask).
+        loss_mask: ``(T,)`` 1 on scored (completion) rows, 0 elsewhere.
+        clip_eps: lower clip range ``eps`` (ratio >= 1 - eps).
+        clip_eps_high: upper clip range (DAPO "clip higher"); ``None`` uses ``clip_eps``.
+        ref_logprobs: ``(T,)`` reference-policy log-probs; required when ``kl_coef > 0``.
+        kl_coef: weight of the KL penalty.
+        group: process group over which the batch is split (the flattened dp x cp group), or ``None``.
+
+    Returns:
+        ``(loss, stats)``. ``loss`` is THIS rank's share: ``sum_local / count_global``, so that the sum of
+        ``loss`` over ``group`` is the global token mean (its value and its gradient); a data-parallel wrapper
+        that AVERAGES gradients over ``group`` needs ``loss * group_size``. ``stats`` holds detached global
+        token means: ``loss``, ``pg_loss``, ``kl``, ``clip_frac``, ``ratio``, ``approx_kl`` and ``num_tokens``.
+    """
+    shape = logprobs.shape
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; all are (T,) rows")
+    if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
+        raise ValueError(f"clip ranges must be >= 0, got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef={kl_coef} must be >= 0")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs (T,) from the reference policy")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
+    mask = loss_mask.to(dtype)
+    logprobs_f = logprobs.to(dtype)
+    log_ratio = logprobs_f - old_logprobs.to(dtype)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(dtype)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    per_token = pg
+    if ref_logprobs is not None and kl_coef > 0:
+        delta = ref_logprobs.to(dtype) - logprobs_f
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = pg + kl_coef * kl
+    elif ref_logprobs is not None:
+        delta = (ref_logprobs.to(dtype) - logprobs_f).detach()
+        kl = torch.exp(delta) - delta - 1.0
+    else:
+        kl = torch.zeros_like(pg)
+
+    count = _all_reduce_sum(mask.detach().sum(), group)
+    denom = count.clamp(min=1.0)
+    loss = (per_token * mask).sum() / denom
+
+    with torch.no_grad():
+        clipped = (pg_clipped > pg_unclipped).to(dtype)
+        sums = torch.stack([
+            (per_token * mask).sum(), (pg * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(),
+            (ratio * mask).sum(), (0.5 * log_ratio.square() * mask).sum(),
+        ])
+        sums = _all_reduce_sum(sums, group) / denom
+    stats = {
+        "loss": sums[0], "pg_loss": sums[1], "kl": sums[2], "clip_frac": sums[3], "ratio": sums[4],
+        "approx_kl": sums[5], "num_tokens": count,
+    }
+    return loss, stats

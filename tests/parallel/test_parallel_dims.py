@@ -1,0 +1,61 @@
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from lightning_codraft.parallel.parallel_dims import ParallelDims
+
+
+def test_infers_dp_and_lays_out_ranks_row_major():
+    dims = ParallelDims(dp=-1, pp=2, cp=2, world_size=8)
+    assert dims.dp == 2
+    seen = set()
+    for rank in range(8):
+        d, p, c = dims.coordinates_of(rank)
+        assert dims.rank_of(d, p, c) == rank
+        assert rank == d * 4 + p * 2 + c
+        seen.add((d, p, c))
+    assert len(seen) == 8
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pp=3, cp=1, world_size=4), "not divisible by pp\\*cp"),
+    (dict(pp=2, cp=2, world_size=6), "not divisible by pp\\*cp = 2\\*2 = 4"),
+    (dict(dp=3, pp=1, cp=2, world_size=4), "!= world size 4"),
+    (dict(pp=0, world_size=4), "pp=0 must be a positive integer"),
+])
+def test_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kwargs)
+
+
+def test_single_process_has_no_groups():
+    dims = ParallelDims(world_size=1)
+    assert dims.build_mesh("cpu") is None
+    assert dims.dp_group is None and dims.cp_group is None and dims.pp_group is None and dims.dp_cp_group is None
+    assert dims.coordinates == (0, 0, 0) and dims.is_first_stage and dims.is_last_stage
+
+
+def _mesh_worker(rank, world_size):
+    dims = ParallelDims(dp=-1, pp=2, cp=2, world_size=world_size)
+    dims.build_mesh("cpu")
+    out = {}
+    for name in ("dp", "pp", "cp", "dp_cp"):
+        g = dims.group(name)
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=g)
+        out[name] = (dist.get_process_group_ranks(g), float(x))
+    return dims.coordinates, out
+
+
+def test_groups_match_layout():
+    # world 4 with pp=2, cp=2 -> dp=1: the dp group is trivial (None), the others real
+    results = run_distributed(_mesh_worker, world_size=4, timeout=120)
+    dims = ParallelDims(pp=2, cp=2, world_size=4)
+    for rank, (coords, out) in enumerate(results):
+        assert coords == dims.coordinates_of(rank)
+        d, p, c = coords
+        assert out["cp"][0] == [dims.rank_of(d, p, cc) for cc in range(2)]
+        assert out["pp"][0] == [dims.rank_of(d, pp, c) for pp in range(2)]
+        assert out["dp_cp"][0] == [dims.rank_of(d, p, cc) for cc in range(2)]
+        assert out["cp"][1] == sum(out["cp"][0])
