@@ -1,0 +1,69 @@
+"""Draft quality as a torchmetrics Metric: per-step top-1 accuracy and the acceptance length it implies.
+
+With ``acc_k`` the top-1 accuracy of unroll step ``k`` (``k = 0 .. K-1``, conditioned on the earlier steps
+having been fed the true tokens, as in TTT), a chain draft of K tokens verified greedily is accepted up to
+step k with probability ``prod_{j<=k} acc_j``, so the expected number of tokens per verification is
+
+    acceptance_length = 1 + sum_k prod_{j<=k} acc_j        (1 = the policy's own token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class DraftAcceptance(Metric):
+    """Accumulates per-step (correct, total) counts; ``compute()`` returns accuracies and acceptance length.
+
+    The states are sums, so torchmetrics' synchronisation (``dist_reduce_fx="sum"`` over the metric's
+    process group) gives the exact global accuracy whatever the per-process counts are.
+
+    Args:
+        num_steps: K, number of TTT unroll steps tracked.
+        **kwargs: forwarded to :class:`torchmetrics.Metric` (e.g. ``process_group``, ``sync_on_compute``).
+
+    Example::
+
+        metric = DraftAcceptance(num_steps=3)
+        metric.update(out.correct, out.total)       # the counts of a DraftLossOutput
+        metric.compute()   # {"acc/step0": ..., "acc/step1": ..., "acc/step2": ..., "acceptance_length": ...}
+    """
+
+    full_state_update = False
+    higher_is_better = True
+    is_differentiable = False
+
+    def __init__(self, num_steps: int, **kwargs):
+        super().__init__(**kwargs)
+        if int(num_steps) < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1 (one per TTT unroll step)")
+        self.num_steps = int(num_steps)
+        self.add_state("correct", default=torch.zeros(self.num_steps, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.zeros(self.num_steps, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, correct: Tensor, total: Tensor) -> None:
+        """Add counts of one batch.
+
+        Args:
+            correct: ``(K,)`` rows of each step whose draft top-1 equals the policy top-1.
+            total: ``(K,)`` rows counted at each step; ``correct <= total``.
+        """
+        correct = torch.as_tensor(correct).detach().reshape(-1)
+        total = torch.as_tensor(total).detach().reshape(-1)
+        if correct.numel() != self.num_steps or total.numel() != self.num_steps:
+            raise ValueError(f"DraftAcceptance(num_steps={self.num_steps}) got correct of {correct.numel()} and "
+                             f"total of {total.numel()} entries; pass one count per step")
+        if bool((correct > total).any()) or bool((correct < 0).any()):
+            raise ValueError(f"need 0 <= correct <= total per step, got correct={correct.tolist()} "
+                             f"total={total.tolist()}")
+        self.correct += correct.to(self.correct)
+        self.total += total.to(self.total)
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{"acc/step{k}": (), "acceptance_length": ()}`` fp32 scalars; a step with no rows has accuracy 0."""
+        acc = (self.correct / self.total.clamp(min=1)).float()
+        result = {f"acc/step{k}": acc[k] for k in range(self.num_steps)}
+        result["acceptance_length"] = 1 + torch.cumprod(acc, 0).sum()
+        return result
