@@ -1,0 +1,131 @@
+"""The rollout-engine protocol and its output types.
+
+Every engine (the embedded :class:`~lightning_codraft.rollout.speculative.SpeculativeEngine`, the
+vLLM-backed :class:`~lightning_codraft.rollout.vllm_engine.VLLMEngine`) takes prompts as token ids
+and returns, per prompt, the generated ids, their log-probabilities under the policy's sampling
+distribution, why generation stopped, and speculative-decoding acceptance statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+class RolloutError(RuntimeError):
+    """Generation failed; the message names the request(s) in flight and the cause is chained."""
+
+
+@dataclass
+class AcceptanceStats:
+    """Speculative-decoding acceptance counters (summable across sequences and calls)."""
+
+    draft_steps: int = 0
+    """Number of verification rounds in which the draft proposed tokens."""
+    drafted: int = 0
+    """Total draft tokens proposed (= draft_steps * K)."""
+    accepted: int = 0
+    """Total draft tokens accepted by the policy."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """accepted_per_position[j]: rounds in which draft position j (0-based) was accepted; length K."""
+    policy_forwards: int = 0
+    """Policy forward passes spent on this sequence after the prompt prefill (one per round)."""
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verification round: 1 + accepted / draft_steps (1.0 without drafting)."""
+        return 1.0 + self.accepted / self.draft_steps if self.draft_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens accepted (0.0 without drafting)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def per_position_rate(self) -> list[float]:
+        """Acceptance rate of each draft position j: accepted_per_position[j] / draft_steps."""
+        return [a / self.draft_steps if self.draft_steps else 0.0 for a in self.accepted_per_position]
+
+    def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
+        return AcceptanceStats(
+            draft_steps=self.draft_steps + other.draft_steps,
+            drafted=self.drafted + other.drafted,
+            accepted=self.accepted + other.accepted,
+            accepted_per_position=[a + b for a, b in zip(pad(self.accepted_per_position),
+                                                         pad(other.accepted_per_position))],
+            policy_forwards=self.policy_forwards + other.policy_forwards,
+        )
+
+    @staticmethod
+    def total(stats: Iterable["AcceptanceStats"]) -> "AcceptanceStats":
+        out = AcceptanceStats()
+        for s in stats:
+            out = out + s
+        return out
+
+    def as_dict(self) -> dict[str, float]:
+        d = {"draft_steps": float(self.draft_steps), "drafted": float(self.drafted),
+             "accepted": float(self.accepted), "acceptance_length": self.acceptance_length,
+             "acceptance_rate": self.acceptance_rate}
+        d.update({f"acc/pos{j}": r for j, r in enumerate(self.per_position_rate())})
+        return d
+
+
+@dataclass
+class RolloutOutput:
+    """One generated sequence."""
+
+    token_ids: list[int]
+    """Generated token ids only (the prompt is not repeated)."""
+    logprobs: list[float]
+    """logprobs[t]: log-probability of token_ids[t] under the policy's sampling distribution
+    (temperature-scaled, top-k / top-p filtered; at temperature 0 the unscaled policy distribution)."""
+    finish_reason: str
+    """"stop" (emitted a stop token, included in token_ids) or "length" (max_new_tokens or the context)."""
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    """Acceptance statistics of this sequence."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the RL loop needs from an inference engine."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[RolloutOutput]:
+        """Generate one continuation per prompt (prompts are token-id lists)."""
+        ...
+
+    def update_weights(
+        self,
+        policy_state: Mapping[str, torch.Tensor] | None,
+        draft_state: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        """Load full HF-named policy / vLLM-named draft state dicts (None leaves that model unchanged)."""
+        ...
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_context: int) -> None:
+    """Raise ValueError naming the first bad request: empty, out-of-vocabulary id, or no room to generate."""
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; pass at least one prompt (a list of token ids)")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"request {i}: prompt is empty; every prompt needs at least one token id")
+        if len(prompt) >= max_context:
+            raise ValueError(f"request {i}: prompt has {len(prompt)} tokens but the context holds "
+                             f"{max_context}; prompts must be shorter than the context to generate anything")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"request {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")

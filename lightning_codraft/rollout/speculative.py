@@ -1,0 +1,318 @@
+"""The embedded speculative-decoding engine: a policy verifies EAGLE-3 draft proposals, batched, in PyTorch.
+
+One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whose next token
+``x_{L_b}`` (the *pending* token) is already emitted:
+
+1. **Draft** K tokens by chaining the EAGLE-3 draft: the step-0 proposal comes from the draft's
+   output at position ``L_b - 1`` (input ``fuse(taps_{L_b-1})`` and ``emb(x_{L_b})``, computed at the
+   end of the previous round); steps 1..K-1 feed the draft its own output hidden state and the
+   token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards.
+2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_K]`` (positions ``L_b .. L_b+K``),
+   capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
+   sampling: standard rejection sampling (:func:`~lightning_codraft.rollout.sampling.rejection_sample`).
+   ``a_b`` accepted tokens plus one token from the policy are emitted; the policy cache is rolled
+   back to ``L_b + 1 + a_b``.
+3. **Catch up** the draft: one draft forward over positions ``L_b .. L_b+a_b`` with the policy's real
+   taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
+   the next round's step-0 proposal.
+
+Per round: 1 policy forward and K draft forwards, however many tokens are accepted. With no draft
+(or K = 0) the same loop is plain decoding: one policy forward per token.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
+from lightning_codraft.rollout.sampling import (
+    SamplingParams,
+    filter_logits,
+    greedy_verify,
+    rejection_sample,
+    sample_from_probs,
+    sampling_logprobs,
+    stop_mask,
+)
+
+
+def _cfg(config, name: str, default=None):
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _head_dim(config) -> int:
+    return int(_cfg(config, "head_dim", config.hidden_size // config.num_attention_heads))
+
+
+class SpeculativeEngine:
+    """Batched speculative decoding with a policy and an (optional) EAGLE-3 draft.
+
+    Args:
+        policy: a :class:`~lightning_codraft.models.Policy` (any module with its ``forward(ids, kv_cache=,
+            taps=)``, ``embed`` and ``config``).
+        draft: an :class:`~lightning_codraft.models.Eagle3Draft` fitted to ``policy``, or None for plain decoding.
+        num_speculative_tokens: K, draft tokens proposed per round; 0 means plain decoding.
+        max_batch_size: prompts are generated in chunks of at most this many sequences (None: all at once).
+
+    The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
+    weights into them in place.
+    """
+
+    def __init__(self, policy: nn.Module, draft: nn.Module | None = None, num_speculative_tokens: int = 3,
+                 *, max_batch_size: int | None = None):
+        if int(num_speculative_tokens) < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 "
+                             "(0 = plain decoding without the draft)")
+        if max_batch_size is not None and int(max_batch_size) < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
+        self.policy = policy
+        self.draft = draft if int(num_speculative_tokens) > 0 else None
+        self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
+        self.max_batch_size = max_batch_size
+        self._check_draft()
+        self._draft_to_target: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def vocab_size(self) -> int:
+        return int(self.policy.config.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.policy.config.max_position_embeddings)
+
+    def _check_draft(self) -> None:
+        if self.draft is None:
+            return
+        pc, dc = self.policy.config, self.draft.config
+        if int(dc.hidden_size) != int(pc.hidden_size):
+            raise ValueError(f"draft hidden_size={dc.hidden_size} does not fit the policy's "
+                             f"hidden_size={pc.hidden_size}; build the draft with Eagle3Draft.from_policy(policy)")
+        if int(dc.vocab_size) != int(pc.vocab_size):
+            raise ValueError(f"draft vocab_size={dc.vocab_size} (target vocabulary) does not match the policy's "
+                             f"vocab_size={pc.vocab_size}; build the draft with Eagle3Draft.from_policy(policy)")
+        taps = tuple(int(t) for t in dc.taps)
+        num_layers = int(pc.num_hidden_layers)
+        if len(taps) != 3 or any(t < 0 or t > num_layers for t in taps):
+            raise ValueError(f"draft taps={taps} must be 3 tap ids in [0, {num_layers}] of the policy")
+
+    def _draft_index(self, device: torch.device) -> torch.Tensor:
+        """(Vd,) target id of every draft-vocabulary id."""
+        if self._draft_to_target is None or self._draft_to_target.device != device:
+            vd = int(self.draft.config.draft_vocab_size)
+            self._draft_to_target = self.draft.draft_to_target(torch.arange(vd, device=device)).long()
+        return self._draft_to_target
+
+    def _device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.policy.parameters()).dtype
+
+    def _allocate(self, config, num_layers: int, batch: int, capacity: int) -> KVCache:
+        return KVCache.allocate(num_layers, batch, int(_cfg(config, "num_key_value_heads", config.num_attention_heads)),
+                                _head_dim(config), capacity, self._dtype(), self._device())
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[RolloutOutput]:
+        """Generate one continuation per prompt.
+
+        Args:
+            prompts: B lists of token ids (non-empty, shorter than the context).
+            max_new_tokens: generated tokens per sequence at most (also capped by the context length).
+            temperature, top_p, top_k: sampling distribution (temperature 0 = greedy).
+            seed: makes sampling reproducible (None: fresh randomness).
+            stop_token_ids: a sequence finishes after emitting one of these (included in its output).
+
+        Returns:
+            B :class:`RolloutOutput` in prompt order.
+        """
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop_token_ids=tuple(stop_token_ids))
+        validate_prompts(prompts, self.vocab_size, self.max_context)
+        device = self._device()
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(int(seed))
+        chunk = self.max_batch_size or len(prompts)
+        outputs: list[RolloutOutput] = []
+        for start in range(0, len(prompts), chunk):
+            batch = prompts[start:start + chunk]
+            try:
+                with torch.inference_mode():
+                    outputs.extend(self._generate_batch(batch, params, generator))
+            except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
+                lens = [len(p) for p in batch]
+                raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
+                                   f"(prompt lengths {lens}, max_new_tokens={max_new_tokens}, "
+                                   f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}") from err
+        return outputs
+
+    def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
+                       draft_state: Mapping[str, torch.Tensor] | None) -> None:
+        """Copy full HF-named policy / vLLM-named draft state dicts into the engine's modules (None: keep)."""
+        for name, module, state in (("policy", self.policy, policy_state), ("draft", self.draft, draft_state)):
+            if state is None:
+                continue
+            if module is None:
+                raise ValueError(f"update_weights got a {name} state but the engine has no {name} "
+                                 "(constructed with draft=None or num_speculative_tokens=0)")
+            result = module.load_state_dict(dict(state), strict=False)
+            if result.missing_keys or result.unexpected_keys:
+                raise ValueError(f"{name} state does not match the engine's {name}: missing "
+                                 f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
+        self._draft_to_target = None
+        if self.draft is not None:
+            self._check_draft()
+
+    # ------------------------------------------------------------------ decoding
+    def _draft_probs(self, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """(B, Vd) draft logits -> (B, Vd) filtered draft sampling distribution."""
+        logits = filter_logits(draft_logits.float() / params.temperature, params.top_k, params.top_p)
+        return torch.softmax(logits, dim=-1)
+
+    def _propose(self, h_last: torch.Tensor, dl_last: torch.Tensor, dcache: KVCache, params: SamplingParams,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Chain-draft K tokens. h_last (B, H), dl_last (B, Vd) the step-0 output.
+
+        Returns:
+            draft_ids: (B, K) target-vocabulary ids; draft_probs: (B, K, V) target-space q (None if greedy).
+        """
+        k = self.num_speculative_tokens
+        index = self._draft_index(dl_last.device)
+        ids, probs = [], []
+        hidden, logits = h_last, dl_last
+        start = dcache.lengths.clone()
+        for j in range(k):
+            if params.greedy:
+                d = index[torch.argmax(logits, dim=-1)]
+            else:
+                q = self._draft_probs(logits, params)
+                d = index[sample_from_probs(q, generator)]
+                probs.append(q)
+            ids.append(d)
+            if j + 1 < k:
+                hidden, logits = self.draft.step(hidden[:, None], self.policy.embed(d[:, None]), dcache)
+                hidden, logits = hidden[:, 0], logits[:, 0]
+        dcache.truncate(start)
+        draft_ids = torch.stack(ids, dim=1)
+        if params.greedy:
+            return draft_ids, None
+        q_draft = torch.stack(probs, dim=1)
+        if q_draft.shape[-1] == self.vocab_size and bool((index == torch.arange(len(index), device=index.device)).all()):
+            return draft_ids, q_draft
+        q_target = q_draft.new_zeros(*q_draft.shape[:2], self.vocab_size)
+        q_target.index_copy_(2, index, q_draft)
+        return draft_ids, q_target
+
+    def _catch_up(self, taps, next_ids: torch.Tensor, last: torch.Tensor, dcache: KVCache, new_lengths: torch.Tensor):
+        """Draft forward at the verified positions with the policy's taps; returns its output at index ``last``.
+
+        taps: 3 tensors (B, S, H); next_ids: (B, S) token following each position; last: (B,) index to read.
+        """
+        hidden, logits = self.draft.step(self.draft.fuse(taps), self.policy.embed(next_ids), dcache)
+        dcache.truncate(new_lengths)
+        rows = torch.arange(len(last), device=last.device)
+        return hidden[rows, last], logits[rows, last]
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[RolloutOutput]:
+        device, k, batch = self._device(), self.num_speculative_tokens, len(prompts)
+        use_draft = self.draft is not None and k > 0
+        taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
+        lens = torch.tensor([len(p) for p in prompts], device=device)
+        budget = torch.clamp(self.max_context - lens, max=params.max_new_tokens)  # tokens each row may emit
+        max_len = int(lens.max())
+        capacity = int((lens + budget).max()) + k + 1
+        pc = self.policy.config
+        pcache = self._allocate(pc, int(pc.num_hidden_layers), batch, max(capacity, max_len))
+        dcache = self._allocate(self.draft.config, 1, batch, max(capacity, max_len)) if use_draft else None
+        rows = torch.arange(batch, device=device)
+
+        # ---- prefill (prompts right-padded; padding slots are beyond each row's length, never attended)
+        ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        out = self.policy(ids, kv_cache=pcache, taps=taps_ids)
+        pcache.truncate(lens)
+        last_logits = out.logits[rows, lens - 1]
+        lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
+        pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
+        pending_lp = lp[rows, pending]
+        if use_draft:
+            next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            next_ids[rows, lens - 1] = pending
+            h_last, dl_last = self._catch_up(out.taps, next_ids, lens - 1, dcache, lens)
+        del out
+
+        tokens: list[list[int]] = [[t] for t in pending.tolist()]
+        logprobs: list[list[float]] = [[x] for x in pending_lp.tolist()]
+        stats = [AcceptanceStats(accepted_per_position=[0] * k) for _ in range(batch)]
+        first_stop = stop_mask(pending, params.stop_token_ids)
+        finish = ["stop" if s else "length" for s in first_stop.tolist()]
+        done = first_stop | (budget <= 1)
+        emitted = torch.ones(batch, dtype=torch.long, device=device)
+        length = lens.clone()
+        positions = torch.arange(k + 1, device=device)
+
+        while not bool(done.all()):
+            if use_draft:
+                draft_ids, q = self._propose(h_last, dl_last, dcache, params, generator)
+                verify_ids = torch.cat([pending[:, None], draft_ids], dim=1)
+            else:
+                draft_ids, q = pending.new_zeros(batch, 0), None
+                verify_ids = pending[:, None]
+            out = self.policy(verify_ids, kv_cache=pcache, taps=taps_ids)
+            lp = sampling_logprobs(out.logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
+            if params.greedy:
+                accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
+            else:
+                accepted, bonus = rejection_sample(lp.exp(), q if q is not None else lp.new_zeros(batch, 0, lp.shape[-1]),
+                                                   draft_ids, generator)
+            accepted = torch.where(done, torch.zeros_like(accepted), accepted)
+            new_ids = torch.cat([draft_ids, torch.zeros_like(pending[:, None])], dim=1)
+            new_ids[rows, accepted] = bonus
+            new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
+            # how many of the a+1 new tokens each row keeps: up to its first stop token and its budget
+            valid = positions[None, :] <= accepted[:, None]
+            is_stop = stop_mask(new_ids, params.stop_token_ids) & valid
+            stop_at = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(accepted, k + 1))
+            keep = torch.minimum(torch.minimum(accepted + 1, stop_at + 1), budget - emitted)
+            keep = torch.where(done, torch.zeros_like(keep), keep)
+            stopped = stop_at + 1 <= keep
+            new_length = torch.where(done, length, length + 1 + accepted)
+            pcache.truncate(new_length)
+            if use_draft:
+                span = int(accepted.max()) + 1
+                taps = tuple(t[:, :span] for t in out.taps)
+                h_last, dl_last = self._catch_up(taps, new_ids[:, :span], accepted, dcache, new_length)
+            del out
+            for b, (n, a, ids_b, lp_b, st) in enumerate(zip(keep.tolist(), accepted.tolist(), new_ids.tolist(),
+                                                           new_lp.tolist(), stopped.tolist())):
+                if n == 0:
+                    continue
+                tokens[b].extend(ids_b[:n])
+                logprobs[b].extend(lp_b[:n])
+                s = stats[b]
+                s.policy_forwards += 1
+                if k:
+                    s.draft_steps += 1
+                    s.drafted += k
+                    s.accepted += a
+                    for j in range(a):
+                        s.accepted_per_position[j] += 1
+                if st:
+                    finish[b] = "stop"
+            emitted = emitted + keep
+            done = done | stopped | (emitted >= budget)
+            length, pending = new_length, torch.where(done, pending, bonus)
+        return [RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
+                for b in range(batch)]
