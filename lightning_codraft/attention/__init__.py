@@ -1,5 +1,14 @@
 """Attention kernels: local varlen attention with LSE, branch attention, LSE merge, zigzag CP ring."""
 
+from lightning_codraft.attention.branch import branch_attention_backward, branch_attention_forward
+from lightning_codraft.attention.codraft import codraft_attention
+from lightning_codraft.attention.local import (
+    select_backend,
+    varlen_attention,
+    varlen_attention_backward,
+    varlen_attention_forward,
+)
+from lightning_codraft.attention.merge import merge_attention
 from lightning_codraft.attention.packing import (
     PackedBatch,
     document_ids_from_cu_seqlens,
@@ -11,9 +20,17 @@ from lightning_codraft.attention.packing import (
 
 __all__ = [
     "PackedBatch",
+    "branch_attention_backward",
+    "branch_attention_forward",
+    "codraft_attention",
     "document_ids_from_cu_seqlens",
+    "merge_attention",
     "pack_documents",
     "position_ids_from_cu_seqlens",
+    "select_backend",
     "shift_left_local",
     "validate_cu_seqlens",
+    "varlen_attention",
+    "varlen_attention_backward",
+    "varlen_attention_forward",
 ]

@@ -1,0 +1,345 @@
+"""Local (single-block) variable-length attention returning the log-sum-exp.
+
+One packed block of queries against one packed block of keys, documents paired by ``cu_seqlens_q`` /
+``cu_seqlens_k`` (document ``i`` of the queries sees only document ``i`` of the keys). This is the kernel
+every other attention in the package is built from: the ring feeds it K/V blocks of other ranks and merges
+the partial results with :func:`~lightning_codraft.attention.merge.merge_attention` using the returned
+``lse``. The backward takes the ``(out, lse)`` to differentiate against as arguments, so a caller can pass the
+*merged* output of a joint softmax (the flash-attention identity ``dS = P * (dP - rowsum(dO * O))`` holds
+for each block of keys with ``P = exp(S - lse_joint)``).
+
+Backends, chosen by device:
+
+- CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, one call per document.
+- CUDA with ``flash_attn`` installed and 16-bit inputs: ``flash_attn``'s varlen kernels.
+- anything else: a pure-PyTorch math path (one document at a time, fp32 softmax).
+
+``causal=True`` aligns the causal mask to the bottom-right corner of each document's block (as
+flash-attention >= 2.1 does): query ``i`` of a document with ``Lq`` queries and ``Lk`` keys sees keys
+``j <= i + Lk - Lq``. Rows that see no key get ``out = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_BACKENDS = ("cpu", "flash_attn", "torch")
+
+
+def _flash_attn_module():
+    try:
+        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return flash_attn_interface
+
+
+def select_backend(q: Tensor) -> str:
+    """Name of the kernel :func:`varlen_attention` uses for ``q``: ``"cpu"``, ``"flash_attn"`` or ``"torch"``."""
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_module() is not None:
+        return "flash_attn"
+    return "torch"
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> tuple[list[int], list[int]]:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be (T, H, D) packed tensors, got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head dim {q.shape[2]} != k head dim {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]} (GQA)")
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq) - 1} documents but cu_seqlens_k has {len(ck) - 1}")
+    if cq[0] != 0 or ck[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens_q[0]={cq[0]}, cu_seqlens_k[0]={ck[0]}")
+    if cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1]={cq[-1]} / cu_seqlens_k[-1]={ck[-1]} must equal the token counts "
+                         f"{q.shape[0]} / {k.shape[0]} of q / k")
+    return cq, ck
+
+
+def _causal_mask(lq: int, lk: int, device) -> Tensor:
+    """``(lq, lk)`` float mask, 0 where visible, -inf elsewhere (bottom-right aligned)."""
+    i = torch.arange(lq, device=device).unsqueeze(1)
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    zero = torch.zeros((), device=device)
+    return torch.where(j <= i + (lk - lq), zero, torch.full((), float("-inf"), device=device))
+
+
+def _heads_first(x: Tensor, groups: int) -> Tensor:
+    """``(L, Hx, D)`` -> ``(1, Hx * groups, L, D)`` (a view when ``groups == 1``)."""
+    if groups > 1:
+        x = x.repeat_interleave(groups, dim=1)
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _fold_heads(g: Tensor, groups: int) -> Tensor:
+    """``(1, H, L, D)`` gradient -> ``(L, H // groups, D)`` summed over each GQA group."""
+    g = g[0].transpose(0, 1)
+    if groups > 1:
+        g = g.unflatten(1, (-1, groups)).sum(2)
+    return g
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+def _fwd_cpu(q, k, v, cq, ck, causal, scale):
+    T, H, D = q.shape
+    groups = H // k.shape[1]
+    out = q.new_zeros(T, H, D)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(len(cq) - 1):
+        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if a == b or c == d:
+            continue
+        lq, lk = b - a, d - c
+        mask = None
+        square = causal and lq == lk
+        if causal and not square:
+            mask = _causal_mask(lq, lk, q.device).to(q.dtype)
+        o, l = _CPU_FWD(_heads_first(q[a:b], 1), _heads_first(k[c:d], groups), _heads_first(v[c:d], groups),
+                        0.0, square, attn_mask=mask, scale=scale)
+        out[a:b] = o[0].transpose(0, 1)
+        l = l[0].transpose(0, 1)
+        if mask is not None:  # rows with no visible key report lse = 0; make them -inf
+            blind = torch.arange(lq, device=q.device) + (lk - lq) < 0
+            l = l.masked_fill(blind.unsqueeze(1), float("-inf"))
+        lse[a:b] = l
+    return out, lse
+
+
+def _fwd_torch(q, k, v, cq, ck, causal, scale):
+    T, H, D = q.shape
+    groups = H // k.shape[1]
+    out = q.new_zeros(T, H, D)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(len(cq) - 1):
+        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if a == b or c == d:
+            continue
+        qs = q[a:b].float().transpose(0, 1)                                   # (H, lq, D)
+        ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)     # (H, lk, D)
+        vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
+        s = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        if causal:
+            s = s + _causal_mask(b - a, d - c, q.device)
+        l = torch.logsumexp(s, dim=-1)                                        # (H, lq)
+        p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0).unsqueeze(-1))
+        out[a:b] = torch.matmul(p, vs).transpose(0, 1).to(q.dtype)
+        lse[a:b] = l.transpose(0, 1)
+    return out, lse
+
+
+def _fa_call(fn, **kwargs):
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:
+        kwargs["window_size"] = (kwargs["window_size_left"], kwargs["window_size_right"])
+    return fn(**{name: val for name, val in kwargs.items() if name in params})
+
+
+def _fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
+    return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                cu_seqlens_q=cu_q.to(device=q.device, dtype=torch.int32),
+                cu_seqlens_k=cu_k.to(device=q.device, dtype=torch.int32),
+                max_seqlen_q=max(b - a for a, b in zip(cq[:-1], cq[1:])),
+                max_seqlen_k=max(b - a for a, b in zip(ck[:-1], ck[1:])),
+                dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+                softcap=0.0, alibi_slopes=None, return_softmax=False, deterministic=False)
+
+
+def _fwd_flash_attn(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
+    fa = _flash_attn_module()
+    res = _fa_call(fa._flash_attn_varlen_forward, **_fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale))
+    out, lse = res[0], res[1]
+    if lse.dim() != 2 or lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"flash_attn returned a softmax_lse of shape {tuple(lse.shape)}; lightning_codraft "
+                           f"needs the unpadded (H, T) layout of flash-attn >= 2.4")
+    lse = lse.transpose(0, 1).float()
+    # flash-attn reports lse = +inf (or -inf) on rows that see nothing; normalise to -inf
+    if causal:
+        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------- backward
+
+
+def _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, scale):
+    T, H, D = q.shape
+    groups = H // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: P = exp(-inf - 0) = 0
+    for i in range(len(cq) - 1):
+        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if a == b or c == d:
+            continue
+        lq, lk = b - a, d - c
+        square = causal and lq == lk
+        mask = _causal_mask(lq, lk, q.device).to(q.dtype) if causal and not square else None
+        g_q, g_k, g_v = _CPU_BWD(_heads_first(dout[a:b], 1), _heads_first(q[a:b], 1),
+                                 _heads_first(k[c:d], groups), _heads_first(v[c:d], groups),
+                                 _heads_first(out[a:b], 1), lse_safe[a:b].t().unsqueeze(0).contiguous(),
+                                 0.0, square, attn_mask=mask, scale=scale)
+        dq[a:b] = g_q[0].transpose(0, 1)
+        dk[c:d] = _fold_heads(g_k, groups)
+        dv[c:d] = _fold_heads(g_v, groups)
+    return dq, dk, dv
+
+
+def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
+    T, H, D = q.shape
+    groups = H // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(len(cq) - 1):
+        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if a == b or c == d:
+            continue
+        qs = q[a:b].float().transpose(0, 1)
+        ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
+        vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
+        do = dout[a:b].float().transpose(0, 1)                               # (H, lq, D)
+        o = out[a:b].float().transpose(0, 1)
+        l = lse[a:b].t().masked_fill(torch.isinf(lse[a:b].t()), 0.0)          # (H, lq)
+        s = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        if causal:
+            s = s + _causal_mask(b - a, d - c, q.device)
+        p = torch.exp(s - l.unsqueeze(-1))
+        delta = (do * o).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(do, vs.transpose(1, 2)) - delta)
+        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1).to(q.dtype)
+        dk[c:d] = _fold_heads((torch.matmul(ds.transpose(1, 2), qs) * scale).unsqueeze(0), groups).to(k.dtype)
+        dv[c:d] = _fold_heads(torch.matmul(p.transpose(1, 2), do).unsqueeze(0), groups).to(v.dtype)
+    return dq, dk, dv
+
+
+def _bwd_flash_attn(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, scale):
+    fa = _flash_attn_module()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kwargs = _fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale)
+    lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    kwargs.update(dout=dout.contiguous(), out=out.contiguous(),
+                  softmax_lse=lse_safe.t().contiguous(), dq=dq, dk=dk, dv=dv, rng_state=None)
+    _fa_call(fa._flash_attn_varlen_backward, **kwargs)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------- public
+
+
+def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                             causal: bool, softmax_scale: float, backend: Optional[str] = None
+                             ) -> tuple[Tensor, Tensor]:
+    """Non-differentiable forward of :func:`varlen_attention` (for callers that write their own backward).
+
+    Args:
+        q: ``(Tq, H, D)`` packed queries.
+        k, v: ``(Tk, Hkv, D)`` packed keys / values, ``H % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: ``(N + 1,)`` prefix sums pairing query document ``i`` with key document ``i``.
+        causal: bottom-right-aligned causal mask inside each document.
+        softmax_scale: multiplier of ``q @ k``.
+        backend: ``"cpu"``, ``"flash_attn"`` or ``"torch"``; default :func:`select_backend`.
+
+    Returns:
+        ``out (Tq, H, D)`` in q's dtype and ``lse (Tq, H)`` fp32 (``-inf`` on rows that see no key).
+    """
+    cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    backend = backend or select_backend(q)
+    with torch.no_grad():
+        if backend == "cpu":
+            return _fwd_cpu(q, k, v, cq, ck, causal, softmax_scale)
+        if backend == "flash_attn":
+            return _fwd_flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cq, ck, causal, softmax_scale)
+        if backend == "torch":
+            return _fwd_torch(q, k, v, cq, ck, causal, softmax_scale)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
+
+
+def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool, softmax_scale: float,
+                              backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one attention block given the ``(out, lse)`` of the softmax it is part of.
+
+    Args:
+        dout: ``(Tq, H, D)`` gradient of the (joint) attention output.
+        q, k, v: the block's inputs, as in :func:`varlen_attention_forward`.
+        out: ``(Tq, H, D)`` output of the joint softmax this block's keys belong to (the merged output).
+        lse: ``(Tq, H)`` fp32 log-sum-exp of that joint softmax.
+
+    Returns:
+        ``dq (Tq, H, D)``, ``dk (Tk, Hkv, D)``, ``dv (Tk, Hkv, D)``: this block's contribution.
+    """
+    cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    backend = backend or select_backend(q)
+    with torch.no_grad():
+        if backend == "cpu":
+            return _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, softmax_scale)
+        if backend == "flash_attn":
+            return _bwd_flash_attn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cq, ck, causal,
+                                   softmax_scale)
+        if backend == "torch":
+            return _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, softmax_scale)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, backend):
+        out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale,
+                                            backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is not None and bool((dlse != 0).any()):
+            # d lse_i / d s_ij = P_ij, so dS = P * (dO.v_j - rowsum(dO*O) + dlse_i). Append a head-dim column:
+            # v' = [v, 1], dO' = [dO, dlse], and hand the kernel out' = [O, 0] so its rowsum stays dO.O;
+            # then dO'.v'_j = dO.v_j + dlse_i, exactly the term needed. q and k get a zero column.
+            pad = lambda x, val: torch.cat([x, x.new_full((*x.shape[:-1], 1), val)], -1)  # noqa: E731
+            dq, dk, dv = varlen_attention_backward(
+                torch.cat([dout, dlse.to(dout.dtype).unsqueeze(-1)], -1), pad(q, 0.0), pad(k, 0.0), pad(v, 1.0),
+                pad(out, 0.0), lse, cu_q, cu_k, causal=ctx.causal, softmax_scale=ctx.scale, backend=ctx.backend)
+            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
+        else:
+            dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=ctx.causal,
+                                                   softmax_scale=ctx.scale, backend=ctx.backend)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     causal: bool, softmax_scale: Optional[float] = None, backend: Optional[str] = None
+                     ) -> tuple[Tensor, Tensor]:
+    """Packed variable-length attention returning ``(out, lse)``; differentiable in q, k, v via both outputs.
+
+    Args:
+        q: ``(Tq, H, D)`` packed queries, documents delimited by ``cu_seqlens_q``.
+        k, v: ``(Tk, Hkv, D)`` packed keys / values (GQA when ``Hkv < H``), delimited by ``cu_seqlens_k``.
+        cu_seqlens_q, cu_seqlens_k: ``(N + 1,)`` int32 prefix sums; query document ``i`` sees key document ``i``.
+        causal: causal mask inside each document, aligned bottom-right (query ``i`` sees key
+            ``j <= i + Lk - Lq``).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: force ``"cpu"``, ``"flash_attn"`` or ``"torch"``; default picks by device (:func:`select_backend`).
+
+    Returns:
+        ``out (Tq, H, D)`` (q's dtype) and ``lse (Tq, H)`` fp32; rows with no visible key give 0 and ``-inf``.
+    """
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal), scale, backend)
