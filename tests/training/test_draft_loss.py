@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from distributed import run_distributed
 
 from lightning_codraft.models.vocab import build_vocab_mapping
 from lightning_codraft.training.draft_loss import ttt_draft_loss
@@ -116,3 +117,40 @@ def test_errors_name_the_bad_value():
                        d2t, t2d)
     with pytest.raises(ValueError, match=r"t2d has shape \(5,\)"):
         ttt_draft_loss([torch.randn(4, 3)], pl, cu, torch.ones(4), d2t, t2d[:5])
+
+
+def _cp_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from lightning_codraft.attention import zigzag_shard
+
+    g = torch.Generator().manual_seed(5)
+    V, Vd, K = 24, 12, 3
+    lengths = [8, 12, 16]  # multiples of 2 * cp; every chunk holds >= K rows for the halo shift
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    policy_logits = torch.randn(T, V, generator=g) * 3
+    loss_mask = (torch.rand(T, generator=g) > 0.2).float()
+    d2t, t2d = build_vocab_mapping(torch.rand(V, generator=g), Vd)
+    chosen = torch.arange(Vd) + d2t
+    full = [(torch.randn(T, Vd, generator=g) + 2 * torch.roll(policy_logits[:, chosen], -1 - k, 0)).requires_grad_()
+            for k in range(K)]
+    single = ttt_draft_loss(full, policy_logits, cu, loss_mask, d2t, t2d)
+    single.loss.backward()
+
+    shard = lambda x: zigzag_shard(x, cu, rank, world_size)  # noqa: E731
+    local = [shard(s.detach()).requires_grad_() for s in full]
+    out = ttt_draft_loss(local, shard(policy_logits), cu, shard(loss_mask), d2t, t2d, group=dist.group.WORLD)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), single.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.per_step_loss, single.per_step_loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.correct, single.correct) and torch.equal(out.total, single.total)
+    assert float(single.correct.sum()) > 0
+    for a, s in zip(local, full):  # each rank's gradient is its share of the global gradient
+        torch.testing.assert_close(a.grad, shard(s.grad), rtol=1e-5, atol=1e-7)
+    return float(out.loss.detach())
+
+
+def test_loss_under_context_parallelism_equals_single_process():
+    losses = run_distributed(_cp_worker, world_size=2, timeout=120)
+    assert losses[0] == losses[1]
