@@ -1,0 +1,200 @@
+"""``PolicyConfig``: the shape of a Llama-family policy (Llama 2/3, Qwen2, Qwen3, SmolLM2), HF field names.
+
+``PolicyConfig.from_hf_dict(json.load(open("config.json")))`` reads a Hugging Face config;
+``to_hf_dict()`` writes one that ``transformers`` (and vLLM) load. The architecture decides the details HF
+hard-codes per family: Qwen2 always has q/k/v biases and no o_proj bias, Qwen3 normalises q and k per head,
+Llama's ``attention_bias`` covers all four projections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_codraft.models.rope import SUPPORTED_ROPE_TYPES, _rope_type
+
+#: architecture name -> HF model_type
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+
+
+@dataclass
+class PolicyConfig:
+    """Shape and numerics of a Llama-family decoder (field names as in HF ``config.json``)."""
+
+    vocab_size: int = 32000
+    """Number of token ids (rows of ``embed_tokens`` and ``lm_head``)."""
+    hidden_size: int = 4096
+    """Model width H."""
+    intermediate_size: int = 11008
+    """Inner width of the gated MLP."""
+    num_hidden_layers: int = 32
+    """Number of decoder layers L."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (GQA when fewer than query heads); None means equal to ``num_attention_heads``."""
+    head_dim: int | None = None
+    """Per-head dimension; None means ``hidden_size // num_attention_heads`` (Qwen3 sets it explicitly)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: dict | None = None
+    """HF ``rope_scaling`` dict (``rope_type`` ``linear`` or ``llama3``) or None for plain RoPE."""
+    max_position_embeddings: int = 4096
+    """Longest position the model was trained for (informational; RoPE is computed on the fly)."""
+    tie_word_embeddings: bool = False
+    """``lm_head`` shares its weight with ``embed_tokens`` (SmolLM2, small Qwen models)."""
+    attention_bias: bool = False
+    """q/k/v projections carry biases (always True for Qwen2)."""
+    o_proj_bias: bool = False
+    """o_proj carries a bias (Llama/Qwen3 with ``attention_bias: true``; never Qwen2)."""
+    mlp_bias: bool = False
+    """gate/up/down projections carry biases (Llama ``mlp_bias``)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``, Qwen3)."""
+    architecture: str = "LlamaForCausalLM"
+    """HF architecture name, one of :data:`ARCHITECTURES`."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id, if any."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token id(s), if any."""
+    pad_token_id: int | None = None
+    """Padding token id, if any."""
+    extra: dict = field(default_factory=dict)
+    """Other config.json fields, written back unchanged by :meth:`to_hf_dict`."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: {sorted(ARCHITECTURES)}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                 f"{self.num_attention_heads}; set head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        kind = _rope_type(self.rope_scaling)
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def model_type(self) -> str:
+        """HF ``model_type`` of :attr:`architecture`."""
+        return ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "PolicyConfig":
+        """A 4-layer, 64-wide, GQA model for tests; keyword arguments override any field.
+
+        ``architecture="Qwen2ForCausalLM"`` defaults to q/k/v biases, ``"Qwen3ForCausalLM"`` to q/k norms and
+        ``head_dim=32`` (not ``hidden_size // heads``), as those families have.
+        """
+        arch = overrides.get("architecture", "LlamaForCausalLM")
+        family = {"Qwen2ForCausalLM": dict(attention_bias=True),
+                  "Qwen3ForCausalLM": dict(qk_norm=True, head_dim=32)}.get(arch, {})
+        base = dict(**family, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    max_position_embeddings=256)
+        base.update(overrides)
+        return cls(**base)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "PolicyConfig":
+        """Build from a HF ``config.json`` dict (transformers 4 ``rope_scaling`` or 5 ``rope_parameters``)."""
+        d = dict(d)
+        archs = d.pop("architectures", None) or []
+        model_type = d.pop("model_type", None)
+        if archs:
+            arch = archs[0]
+            if arch not in ARCHITECTURES:
+                raise ValueError(f"unsupported architectures {archs} in config.json; supported: {sorted(ARCHITECTURES)}")
+        elif model_type in _MODEL_TYPE_TO_ARCH:
+            arch = _MODEL_TYPE_TO_ARCH[model_type]
+        else:
+            raise ValueError(f"unsupported model_type {model_type!r} (and no architectures) in config.json; "
+                             f"supported model types: {sorted(_MODEL_TYPE_TO_ARCH)}")
+        if model_type is not None and model_type != ARCHITECTURES[arch]:
+            raise ValueError(f"config.json: model_type {model_type!r} does not match architecture {arch!r} "
+                             f"(expected model_type {ARCHITECTURES[arch]!r})")
+        act = d.pop("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
+        if d.pop("use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported; full causal attention only")
+        rope_params = d.pop("rope_parameters", None)
+        rope_scaling = d.pop("rope_scaling", None)
+        rope_theta = d.pop("rope_theta", None)
+        if rope_params:
+            rope_params = dict(rope_params)
+            rope_theta = rope_params.pop("rope_theta", rope_theta)
+            if _rope_type(rope_params) != "default":
+                rope_scaling = rope_params
+        attn_bias = bool(d.pop("attention_bias", False))
+        kw: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "architecture", "rope_scaling", "rope_theta",
+                                                            "attention_bias", "o_proj_bias", "qk_norm"}
+        for name in names:
+            if name in d:
+                kw[name] = d.pop(name)
+        if arch == "Qwen2ForCausalLM":
+            kw.update(attention_bias=True, o_proj_bias=False, qk_norm=False)
+        elif arch == "Qwen3ForCausalLM":
+            kw.update(attention_bias=attn_bias, o_proj_bias=attn_bias, qk_norm=True)
+        else:
+            kw.update(attention_bias=attn_bias, o_proj_bias=attn_bias, qk_norm=False)
+        if rope_theta is not None:
+            kw["rope_theta"] = float(rope_theta)
+        if rope_scaling:
+            kw["rope_scaling"] = dict(rope_scaling)
+        keep = {k: v for k, v in d.items() if k in _PASSTHROUGH and v is not None}
+        return cls(architecture=arch, extra=keep, **kw)
+
+    def to_hf_dict(self) -> dict:
+        """A HF ``config.json`` dict that ``transformers.AutoConfig`` and vLLM read back to this config."""
+        d: dict[str, Any] = dict(self.extra)
+        d.update(
+            architectures=[self.architecture], model_type=self.model_type, hidden_act="silu",
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+        )
+        if self.architecture == "Qwen2ForCausalLM":
+            if not self.attention_bias or self.o_proj_bias or self.qk_norm:
+                raise ValueError("Qwen2ForCausalLM needs attention_bias=True, o_proj_bias=False, qk_norm=False; got "
+                                 f"{self.attention_bias}, {self.o_proj_bias}, {self.qk_norm}")
+            d["use_sliding_window"] = False
+        else:
+            if self.attention_bias != self.o_proj_bias:
+                raise ValueError(f"{self.architecture} biases all four attention projections or none; got "
+                                 f"attention_bias={self.attention_bias}, o_proj_bias={self.o_proj_bias}")
+            if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
+                raise ValueError(f"qk_norm={self.qk_norm} is not expressible as {self.architecture}; "
+                                 "use Qwen3ForCausalLM for q/k norms")
+            d["attention_bias"] = self.attention_bias
+            if self.architecture == "LlamaForCausalLM":
+                d["mlp_bias"] = self.mlp_bias
+        if self.mlp_bias and self.architecture != "LlamaForCausalLM":
+            raise ValueError(f"mlp_bias=True is only expressible as LlamaForCausalLM, not {self.architecture}")
+        return d
+
+
+#: config.json fields carried through unchanged (not used by the model, but useful to tools reading the dir)
+_PASSTHROUGH = ("torch_dtype", "dtype", "initializer_range", "transformers_version", "use_cache")

