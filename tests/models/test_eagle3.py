@@ -256,3 +256,48 @@ def test_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="draft_vocab_size=200 exceeds"):
         DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
                     vocab_size=100, draft_vocab_size=200, taps=(0, 1, 2))
+
+
+def _cp_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from lightning_codraft.attention import zigzag_shard
+    from lightning_codraft.training.draft_loss import ttt_draft_loss
+
+    _, draft = _draft(Vd=40)
+    K, lengths = 3, [8, 4, 12]
+    T, H = sum(lengths), draft.config.hidden_size
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    g = torch.Generator().manual_seed(7)
+    taps = [torch.randn(T, H, generator=g) for _ in range(3)]
+    embeds = [torch.randn(T, H, generator=g) for _ in range(K)]
+    policy_logits = torch.randn(T, draft.config.vocab_size, generator=g)
+    mask = torch.ones(T)
+
+    def run(shard, group):
+        draft.zero_grad()
+        outs = draft.ttt_forward([shard(t) for t in taps], [shard(e) for e in embeds], cu, shard(pos),
+                                 cp_group=group)
+        loss = ttt_draft_loss([lg for lg, _ in outs], shard(policy_logits), cu, shard(mask), draft.d2t, draft.t2d,
+                              group=group).loss
+        loss.backward()
+        return [lg.detach() for lg, _ in outs], loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()}
+
+    ref_logits, ref_loss, ref_grads = run(lambda x: x, None)
+    shard = lambda x: zigzag_shard(x, cu, rank, world_size)  # noqa: E731
+    logits, loss, grads = run(shard, dist.group.WORLD)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, shard(b), rtol=1e-5, atol=1e-5)
+    for n, gr in grads.items():  # gradients of replicated draft weights are summed over the CP group
+        dist.all_reduce(gr)
+        torch.testing.assert_close(gr, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    return float(loss)
+
+
+def test_ttt_and_loss_under_context_parallelism_equal_single_process():
+    from distributed import run_distributed
+
+    losses = run_distributed(_cp_worker, world_size=2, timeout=180)
+    assert losses[0] == losses[1]
