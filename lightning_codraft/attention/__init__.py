@@ -9,6 +9,7 @@ from lightning_codraft.attention.local import (
     varlen_attention_forward,
 )
 from lightning_codraft.attention.merge import merge_attention
+from lightning_codraft.attention.zigzag import ZigzagLayout, shift_left, zigzag_shard, zigzag_unshard
 from lightning_codraft.attention.packing import (
     PackedBatch,
     document_ids_from_cu_seqlens,
@@ -20,6 +21,7 @@ from lightning_codraft.attention.packing import (
 
 __all__ = [
     "PackedBatch",
+    "ZigzagLayout",
     "branch_attention_backward",
     "branch_attention_forward",
     "codraft_attention",
@@ -28,9 +30,12 @@ __all__ = [
     "pack_documents",
     "position_ids_from_cu_seqlens",
     "select_backend",
+    "shift_left",
     "shift_left_local",
     "validate_cu_seqlens",
     "varlen_attention",
     "varlen_attention_backward",
     "varlen_attention_forward",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]
