@@ -1,0 +1,52 @@
+"""KVCache bookkeeping: ragged positions, writes at each row's own slots, advance, truncate, overflow errors."""
+
+import pytest
+import torch
+
+from lightning_codraft.models import KVCache
+
+
+def test_write_goes_to_each_rows_next_slots():
+    cache = KVCache.allocate(num_layers=2, batch_size=3, num_kv_heads=2, head_dim=4, capacity=8)
+    cache.lengths = torch.tensor([0, 3, 5])
+    assert torch.equal(cache.positions(2), torch.tensor([[0, 1], [3, 4], [5, 6]]))
+    k = torch.randn(3, 2, 2, 4)
+    v = torch.randn(3, 2, 2, 4)
+    cache.write(1, k, v)
+    for b, start in enumerate([0, 3, 5]):
+        assert torch.equal(cache.k[1][b, :, start:start + 2], k[b].transpose(0, 1))
+        assert torch.equal(cache.v[1][b, :, start:start + 2], v[b].transpose(0, 1))
+    assert cache.k[0].abs().sum() == 0                      # other layers untouched
+    untouched = torch.ones(3, 8, dtype=torch.bool)
+    for b, start in enumerate([0, 3, 5]):
+        untouched[b, start:start + 2] = False
+    assert (cache.k[1].permute(0, 2, 1, 3)[untouched] == 0).all()
+
+
+def test_advance_ragged_and_truncate():
+    cache = KVCache.allocate(1, 3, 1, 2, capacity=10)
+    cache.advance(torch.tensor([4, 1, 0]))
+    cache.advance(2)
+    assert cache.lengths.tolist() == [6, 3, 2]
+    cache.truncate(torch.tensor([5, 3, 0]))
+    assert cache.lengths.tolist() == [5, 3, 0]
+    cache.reset()
+    assert cache.lengths.tolist() == [0, 0, 0]
+    assert (cache.num_layers, cache.batch_size, cache.capacity) == (1, 3, 10)
+
+
+def test_errors():
+    cache = KVCache.allocate(1, 2, 1, 2, capacity=4)
+    cache.advance(3)
+    with pytest.raises(ValueError, match="needs 5 slots but capacity is 4"):
+        cache.positions(2)
+    with pytest.raises(ValueError, match=r"truncate: lengths \[4, 1\]"):
+        cache.truncate(torch.tensor([4, 1]))
+    with pytest.raises(ValueError, match="exceed capacity 4"):
+        cache.advance(torch.tensor([2, 0]))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cache.advance(-1)
+    with pytest.raises(ValueError, match="expected \\(B, S, Hkv, D\\)"):
+        cache.write(0, torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))
+    with pytest.raises(ValueError, match="capacity=0 must be >= 1"):
+        KVCache.allocate(1, 1, 1, 2, capacity=0)
