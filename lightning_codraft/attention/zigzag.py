@@ -122,12 +122,13 @@ def shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dis
     Under CP, the rows past the end of a chunk come from the head of the next chunk: for the front chunk
     ``r`` that is rank ``r + 1``'s front chunk (or this rank's own back chunk when ``r = cp - 1``), for the
     back chunk ``2cp - 1 - r`` it is rank ``r - 1``'s back chunk (or past the document end when ``r = 0``).
-    One point-to-point halo exchange of ``shift`` rows per document and direction.
+    One point-to-point halo exchange of ``shift`` rows per document and direction (repeated when ``shift`` is
+    longer than a chunk).
 
     Args:
         x: ``(T_local, ...)`` this rank's zigzag shard (any dtype).
         cu_seqlens: ``(N + 1,)`` GLOBAL prefix sum of document lengths.
-        shift: ``0 <= shift <=`` the shortest chunk length ``min(L) / (2 * cp)``.
+        shift: ``>= 0``; shifts longer than the shortest chunk ``min(L) / (2 * cp)`` take several exchanges.
         group: CP process group.
         fill: value of rows whose source lies past their document's end.
 
@@ -146,10 +147,20 @@ def shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dis
                          f"over cp={P} has {lay.global_rows.numel()}")
     if shift == 0:
         return x
-    if shift > min(lay.chunk):
-        raise ValueError(f"shift={shift} exceeds the shortest zigzag chunk ({min(lay.chunk)} rows = shortest "
-                         f"document / 2*cp={2 * P}); the halo exchange reaches one chunk only: use longer "
-                         f"documents or a smaller cp")
+    hop = min(lay.chunk)
+    if shift > hop:
+        # one exchange reaches one chunk ahead; y[i] = x[i + a + b] composes exactly (fill stays fill)
+        for _ in range(shift // hop):
+            x = _shift_one_chunk(x, lay, hop, group, fill)
+        return _shift_one_chunk(x, lay, shift % hop, group, fill) if shift % hop else x
+    return _shift_one_chunk(x, lay, shift, group, fill)
+
+
+def _shift_one_chunk(x: Tensor, lay: ZigzagLayout, shift: int, group: dist.ProcessGroup,
+                     fill: float | int) -> Tensor:
+    """:func:`shift_left` for ``1 <= shift <=`` the shortest chunk: one halo exchange each way."""
+    P, r = lay.world_size, lay.rank
+    T = x.shape[0]
     n = len(lay.chunk)
     dev = x.device
     cu_local = lay.cu_local.to(torch.int64)
