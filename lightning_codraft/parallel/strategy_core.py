@@ -1,0 +1,181 @@
+"""What both Lightning front ends share: the (dp, pp, cp) mesh, module preparation, batch sharding,
+gradient reduction and mesh-aware collectives.
+
+``lightning_codraft.fabric.CoDraftStrategy`` and ``lightning_codraft.pytorch.CoDraftStrategy`` are thin
+adapters that forward to one :class:`CoDraftCore`. The core knows the model only through a small duck-typed
+protocol, so it stays below ``training/`` in the layer order:
+
+- ``module.configure_parallel(dims)``: the module records the mesh (its ``cp_group``, the groups over which
+  losses are token-averaged) and, under PP, splits itself into this rank's pipeline stage.
+- ``module.policy`` and ``module.draft``: the two models (checked here so a wrong module fails early).
+
+Gradient semantics: every rank's loss is its share of the global token-mean loss, so the gradient of a
+parameter is the SUM over the ``dp_cp`` group (all ranks of one pipeline stage) of the per-rank gradients.
+Without PP a DDP wrapper over ``dp_cp`` does this (it averages, so the module scales its loss by ``dp*cp``);
+under PP, where the pipeline schedule runs forward and backward itself, :meth:`CoDraftCore.reduce_gradients`
+sums the gradients explicitly after the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_codraft.attention.packing import validate_cu_seqlens
+from lightning_codraft.parallel.parallel_dims import ParallelDims
+
+#: keys of an RL batch (docs/design/interfaces.md) that are never sharded over CP
+GLOBAL_KEYS = ("cu_seqlens",)
+
+
+def check_codraft_module(module: nn.Module) -> None:
+    """Raise ``TypeError`` unless ``module`` holds a policy and a draft and can be parallelised."""
+    missing = [name for name in ("policy", "draft") if not isinstance(getattr(module, name, None), nn.Module)]
+    if missing:
+        raise TypeError(
+            f"CoDraftStrategy needs a module holding both a policy and a draft (attributes `policy` and `draft`, "
+            f"each an nn.Module, e.g. lightning_codraft.CoDraftModule); {type(module).__name__} lacks "
+            f"{' and '.join(missing)}"
+        )
+    if not callable(getattr(module, "configure_parallel", None)):
+        raise TypeError(f"{type(module).__name__} has no configure_parallel(dims); subclass "
+                        f"lightning_codraft.CoDraftModule")
+
+
+def shard_batch(batch: Mapping[str, Any], dims: ParallelDims) -> dict[str, Any]:
+    """Zigzag-shard every per-token tensor of a packed batch over the CP group; keep ``cu_seqlens`` global.
+
+    Args:
+        batch: the RL batch dict: per-token tensors ``(T, ...)`` and the GLOBAL ``cu_seqlens (N+1,)``.
+        dims: the mesh; with ``dims.cp == 1`` the batch is returned unchanged (as a new dict).
+
+    Returns:
+        A dict with the same keys: per-token tensors ``(T / cp, ...)`` holding chunks ``r`` and ``2cp-1-r`` of
+        every document (r = this CP rank), ``cu_seqlens`` unchanged, non-tensors unchanged.
+    """
+    if "cu_seqlens" not in batch:
+        raise KeyError(f"a packed batch needs 'cu_seqlens' (the GLOBAL document boundaries); got keys {sorted(batch)}")
+    out = dict(batch)
+    if dims.cp == 1:
+        return out
+    from lightning_codraft.attention import zigzag_shard
+
+    cu = batch["cu_seqlens"]
+    total = int(cu[-1])
+    validate_cu_seqlens(cu, total_tokens=total, multiple_of=2 * dims.cp)
+    for key, value in batch.items():
+        if key in GLOBAL_KEYS or not isinstance(value, Tensor):
+            continue
+        if value.dim() == 0 or value.shape[0] != total:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; every per-token tensor must have "
+                             f"cu_seqlens[-1]={total} rows (or be listed in GLOBAL_KEYS)")
+        out[key] = zigzag_shard(value, cu, dims.cp_rank, dims.cp)
+    return out
+
+
+def is_sharded(batch: Mapping[str, Any], dims: ParallelDims) -> bool:
+    """True when ``batch`` already holds this CP rank's shard (token rows = total / cp)."""
+    total = int(batch["cu_seqlens"][-1])
+    return int(batch["input_ids"].shape[0]) * dims.cp == total and dims.cp > 1
+
+
+def reduce_gradients(params: Iterable[nn.Parameter], group: Optional[Any]) -> None:
+    """Sum the ``.grad`` of ``params`` over ``group`` (one flattened all-reduce per dtype); no-op for ``None``.
+
+    Parameters without a gradient take part as zeros on ranks where others have one, so every rank issues the
+    same collective. Call on every rank of ``group`` with the same parameter list.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    params = [p for p in params if p.requires_grad]
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for _, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for p in ps:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+
+class CoDraftCore:
+    """The strategy logic shared by the Fabric and Trainer adapters.
+
+    Args:
+        dp: data-parallel size (``-1``: infer from the world size).
+        pp: pipeline stages.
+        cp: context-parallel size.
+        ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (non-PP meshes).
+    """
+
+    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, ddp_kwargs: Optional[dict] = None):
+        for name, value in (("pp", pp), ("cp", cp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(dp, int) or (dp < 1 and dp != -1):
+            raise ValueError(f"dp={dp!r} must be a positive integer or -1 (infer from the world size)")
+        self.dp, self.pp, self.cp = dp, pp, cp
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.dims: Optional[ParallelDims] = None
+
+    # ---------------------------------------------------------------- mesh
+    def setup_mesh(self, world_size: int, device_type: str) -> ParallelDims:
+        """Validate sizes against ``world_size`` and build the DeviceMesh (process group already initialised)."""
+        self.dims = ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, world_size=world_size)
+        self.dims.build_mesh(device_type)
+        return self.dims
+
+    def require_dims(self) -> ParallelDims:
+        if self.dims is None:
+            raise RuntimeError("the CoDraftStrategy mesh is not built yet: call fabric.launch() / Trainer.fit first")
+        return self.dims
+
+    def sampler_kwargs(self) -> dict[str, int]:
+        """DistributedSampler arguments over the dp dimension only: PP and CP peers read the same samples."""
+        dims = self.require_dims()
+        return {"num_replicas": dims.dp, "rank": dims.dp_rank}
+
+    # ---------------------------------------------------------------- module
+    def prepare_module(self, module: nn.Module) -> nn.Module:
+        """Install the mesh into ``module`` (CP groups, PP split), then wrap for data parallelism.
+
+        Returns:
+            ``DistributedDataParallel`` over the ``dp_cp`` group when there is no PP and more than one rank
+            holds different tokens; otherwise ``module`` itself (PP reduces gradients in
+            :meth:`reduce_gradients`).
+        """
+        check_codraft_module(module)
+        dims = self.require_dims()
+        ddp = (not dims.pp_enabled) and dims.dp_cp > 1
+        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1)
+        if not ddp:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=dims.dp_cp_group, **self.ddp_kwargs)
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: str = "mean") -> Tensor:
+        """All-reduce over ``group`` (default: the whole world), ``"mean"`` or ``"sum"``; returns a new tensor.
+
+        Logged scalars in lightning_codraft are already global (token-level over dp x cp) on every rank, so a
+        world mean leaves them unchanged; pass ``dims.group("dp")`` to average per-replica values.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            return tensor
+        op = str(reduce_op).lower()
+        if op not in ("mean", "avg", "sum", "max", "min"):
+            raise ValueError(f"reduce_op={reduce_op!r}; expected 'mean', 'sum', 'max' or 'min'")
+        out = tensor.clone()
+        torch_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(out, op=torch_op, group=group)
+        if op in ("mean", "avg"):
+            out = out / dist.get_world_size(group)
+        return out

@@ -1,0 +1,80 @@
+"""``CoDraftStrategy`` for ``lightning.pytorch.Trainer``: a DDPStrategy that lays processes on a (dp, pp, cp) mesh.
+
+Example::
+
+    import lightning.pytorch as pl
+    from lightning_codraft import CoDraftModule
+    from lightning_codraft.pytorch import CoDraftStrategy
+
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=CoDraftStrategy(dp=2, cp=2), max_steps=100)
+    trainer.fit(CoDraftModule(policy, draft), DataLoader(rl_batches, batch_size=None))
+
+``Trainer(strategy="codraft")`` selects it too (dp inferred, pp = cp = 1) once this module is imported. The
+Trainer's distributed sampler shards over the dp dimension only; CP peers read the same batch and the module
+zigzag-shards it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.ddp import DDPStrategy
+
+from lightning_codraft.parallel.parallel_dims import ParallelDims
+from lightning_codraft.parallel.strategy_core import CoDraftCore
+
+
+class CoDraftStrategy(DDPStrategy):
+    """Trainer strategy for online draft co-training on a (dp, pp, cp) mesh over gloo or NCCL.
+
+    Args:
+        dp: data-parallel replicas (``-1``: ``world_size // (pp * cp)``).
+        pp: pipeline stages.
+        cp: context-parallel ranks.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        timeout: collective timeout.
+        start_method: how the Trainer starts local processes (``"popen"`` re-runs the script, as torchrun).
+        **kwargs: Trainer strategy plugins (accelerator, parallel_devices, cluster_environment, checkpoint_io,
+            precision_plugin) and ``DistributedDataParallel`` options.
+    """
+
+    strategy_name = "codraft"
+
+    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 start_method: str = "popen", **ddp_kwargs: Any):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, ddp_kwargs=ddp_kwargs)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The (dp, pp, cp) layout; available once the Trainer set up the processes."""
+        return self.core.require_dims()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.core.setup_mesh(self.world_size, self.root_device.type)
+
+    def configure_ddp(self) -> None:
+        """Install the mesh into the CoDraftModule (CP groups, PP stage), then DDP over dp x cp."""
+        self.model = self.core.prepare_module(self.model)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Samplers shard over the dp dimension only: PP and CP peers read the same samples."""
+        return self.core.sampler_kwargs()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if "codraft" not in strategy_registry:
+            strategy_registry.register("codraft", cls, description="online draft co-training on a (dp, pp, cp) mesh")
+
+
+CoDraftStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,67 @@
+"""Tiny policy + draft + next-token-aligned RL batches shared by the strategy / module / checkpoint tests."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+
+VOCAB = 48
+
+
+def make_models(seed: int = 0, layers: int = 4, draft_vocab: int | None = None):
+    """A 4-layer, 32-wide policy and its EAGLE-3 draft, identical for a given seed on every process."""
+    torch.manual_seed(seed)
+    policy = Policy(PolicyConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
+    counts = torch.arange(VOCAB, 0, -1).float() if draft_vocab else None
+    draft = Eagle3Draft.from_policy(policy, draft_vocab_size=draft_vocab, token_counts=counts)
+    return policy, draft
+
+
+def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int = 14) -> dict:
+    """One next-token aligned RL batch (docs/design/interfaces.md) of ``num_docs`` padded documents."""
+    g = torch.Generator().manual_seed(seed)
+    cols = {k: [] for k in ("input_ids", "target_ids", "position_ids", "valid", "loss_mask", "old_logprobs",
+                            "advantages", "ref_logprobs")}
+    lengths = []
+    for _ in range(num_docs):
+        n = int(torch.randint(5, max_len + 1, (1,), generator=g))
+        padded = -(-n // multiple_of) * multiple_of
+        prompt = int(torch.randint(2, n - 1, (1,), generator=g))
+        ids = torch.zeros(padded, dtype=torch.long)
+        ids[:n] = torch.randint(1, VOCAB, (n,), generator=g)
+        tgt = torch.zeros(padded, dtype=torch.long)
+        tgt[:n - 1] = ids[1:n]
+        valid = torch.arange(padded) < n
+        mask = ((torch.arange(padded) >= prompt - 1) & (torch.arange(padded) < n - 1)).float()
+        adv = float(torch.randn(1, generator=g))
+        cols["input_ids"].append(ids)
+        cols["target_ids"].append(tgt)
+        cols["position_ids"].append(torch.arange(padded))
+        cols["valid"].append(valid)
+        cols["loss_mask"].append(mask)
+        cols["old_logprobs"].append((-3.9 - 0.1 * torch.rand(padded, generator=g)) * mask)
+        cols["advantages"].append(adv * mask)
+        cols["ref_logprobs"].append((-3.9 - 0.1 * torch.rand(padded, generator=g)) * mask)
+        lengths.append(padded)
+    batch = {k: torch.cat(v) for k, v in cols.items()}
+    batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    batch["draft_mask"] = batch["valid"].float()
+    return batch
+
+
+def concat_batches(batches: list[dict]) -> dict:
+    """The batches of several dp replicas as one packed batch (what one process trains on)."""
+    out = {k: torch.cat([b[k] for b in batches]) for k in batches[0] if k != "cu_seqlens"}
+    cu, offset = [0], 0
+    for b in batches:
+        cu.extend((b["cu_seqlens"][1:].long() + offset).tolist())
+        offset += int(b["cu_seqlens"][-1])
+    out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    return out
+
+
+def step_batches(num_steps: int, dp: int, seed: int = 100) -> list[list[dict]]:
+    """``[step][dp_rank]`` batches: what each replica reads at each step."""
+    return [[make_batch(seed + 10 * s + r) for r in range(dp)] for s in range(num_steps)]
