@@ -67,8 +67,8 @@ class PolicyConfig:
     """End-of-sequence token id(s), if any."""
     pad_token_id: int | None = None
     """Padding token id, if any."""
-    extra: dict = field(default_factory=dict)
-    """Other config.json fields, written back unchanged by :meth:`to_hf_dict`."""
+    extra: dict = field(default_factory=dict, compare=False)
+    """Informational config.json fields kept for :meth:`to_hf_dict` (not compared: they do not shape the model)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -197,4 +197,4 @@ class PolicyConfig:
 
 
 #: config.json fields carried through unchanged (not used by the model, but useful to tools reading the dir)
-_PASSTHROUGH = ("torch_dtype", "dtype", "initializer_range", "transformers_version", "use_cache")
+_PASSTHROUGH = ("initializer_range", "use_cache")
