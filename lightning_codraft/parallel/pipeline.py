@@ -210,8 +210,9 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
         num_microbatches: microbatches per step ``M``.
         tokens: tokens ``T`` of every microbatch on this rank (padded length, zigzag shard under CP).
         schedule: ``"1f1b"`` or ``"gpipe"``.
-        loss_fn: ``loss_fn(logits (T, V), mb (1,) int64) -> scalar`` on the last stage; the value it returns is
-            back-propagated as is (``scale_grads=False``: divide by ``M`` yourself for a microbatch mean).
+        loss_fn: ``loss_fn(logits (T, V), mb (1,) int64) -> scalar``, called on the last stage; the value it
+            returns is back-propagated as is (``scale_grads=False``: divide by ``M`` yourself for a microbatch
+            mean). ``None`` builds a forward-only schedule. Pass the same on every stage.
         dtype: activation dtype.
         device: device of the stage.
 
@@ -235,4 +236,5 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
     pipe_stage = PipelineStage(stage_module, stage_module.stage, stage_module.num_stages, device,
                                input_args=(example_in,), output_args=(example_out,), group=pp_group)
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    return cls(pipe_stage, num_microbatches, loss_fn=loss_fn if stage_module.is_last else None, scale_grads=False)
+    # every stage gets the loss_fn: the schedule runs backward only when one is set (it is called on the last)
+    return cls(pipe_stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
