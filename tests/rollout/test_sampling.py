@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from rollout_helpers import reference_filter as _reference_filter
+
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
     filter_logits,
@@ -15,27 +17,6 @@ from lightning_codraft.rollout.sampling import (
     sample_from_probs,
     sampling_logprobs,
 )
-
-
-def _reference_filter(logits: list[float], top_k: int, top_p: float) -> list[bool]:
-    """Kept tokens, from the definitions: top-k by rank, then the smallest top-p nucleus."""
-    v = len(logits)
-    keep = [True] * v
-    if 0 < top_k < v:
-        kth = sorted(logits, reverse=True)[top_k - 1]
-        keep = [x >= kth for x in logits]
-    if top_p < 1.0:
-        kept = [x if k else -math.inf for x, k in zip(logits, keep)]
-        z = sum(math.exp(x) for x in kept if x > -math.inf)
-        order = sorted(range(v), key=lambda i: -kept[i])
-        mass, nucleus = 0.0, set()
-        for i in order:
-            if mass >= top_p:
-                break
-            nucleus.add(i)
-            mass += math.exp(kept[i]) / z if kept[i] > -math.inf else 0.0
-        keep = [k and (i in nucleus) for i, k in enumerate(keep)]
-    return keep
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.5), (4, 0.8), (1, 0.9), (0, 0.05)])
