@@ -143,6 +143,6 @@ def test_smollm2_135m_logits_equal_transformers_and_it_answers():
         ref = hf(ids, output_hidden_states=True)
         out = ours(ids, taps=ours.default_taps)
     assert (out.logits - ref.logits).abs().max() <= 1e-4
-    for t, h in zip(ours.default_taps, out.taps):
-        assert (h - ref.hidden_states[t]).abs().max() <= 1e-4
+    for t, h in zip(ours.default_taps, out.taps):          # hidden states reach |x| ~ 100: relative fp32 tolerance
+        torch.testing.assert_close(h, ref.hidden_states[t], rtol=1e-5, atol=1e-4)
     assert tok.decode(out.logits[0, -1].argmax()).strip() == "France"
