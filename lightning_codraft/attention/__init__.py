@@ -9,7 +9,6 @@ from lightning_codraft.attention.local import (
     varlen_attention_forward,
 )
 from lightning_codraft.attention.merge import merge_attention
-from lightning_codraft.attention.zigzag import ZigzagLayout, shift_left, zigzag_shard, zigzag_unshard
 from lightning_codraft.attention.packing import (
     PackedBatch,
     document_ids_from_cu_seqlens,
@@ -18,6 +17,7 @@ from lightning_codraft.attention.packing import (
     shift_left_local,
     validate_cu_seqlens,
 )
+from lightning_codraft.attention.zigzag import ZigzagLayout, shift_left, zigzag_shard, zigzag_unshard
 
 __all__ = [
     "PackedBatch",
