@@ -287,6 +287,7 @@ class PipelineCoDraft:
         self._records = []
         self.stage_module.set_microbatches([MicrobatchMeta(mb["cu_seqlens"].to(device),
                                                            mb["position_ids"].to(device)) for mb in microbatches])
+        sent_before = self.channel.bytes_sent
         self.channel.begin(num_mb, (tokens, self.policy.config.hidden_size), dtype, device)
         mb_index = torch.arange(num_mb, device=device)
         try:
@@ -302,7 +303,7 @@ class PipelineCoDraft:
             self.channel.finish()
         if self.tied:
             self._sum_tied_embedding_grads()
-        return self._gather_output(num_mb)
+        return self._gather_output(num_mb, self.channel.bytes_sent - sent_before)
 
     def _sum_tied_embedding_grads(self) -> None:
         """Tied ``embed_tokens`` / ``lm_head``: add the first and the last stage's gradients on both."""
@@ -318,7 +319,7 @@ class PipelineCoDraft:
             work.wait()
         weight.grad = grad + other
 
-    def _gather_output(self, num_mb: int) -> PipelineStepOutput:
+    def _gather_output(self, num_mb: int, tap_bytes: int) -> PipelineStepOutput:
         """Average the last stage's per-microbatch records, reduce over ``loss_group``, share with all stages."""
         K = self.config.ttt_steps
         stats = torch.zeros(2 + 2 * K, dtype=torch.float64)
@@ -337,4 +338,4 @@ class PipelineCoDraft:
         rl, dl = stats[0].float(), stats[1].float()
         return PipelineStepOutput(loss=rl + self.config.draft_weight * dl, rl_loss=rl, draft_loss=dl,
                                   draft_correct=stats[2:2 + K].float(), draft_total=stats[2 + K:].float(),
-                                  tap_bytes=self.channel.bytes_sent)
+                                  tap_bytes=tap_bytes)

@@ -139,7 +139,6 @@ def test_pp4_uneven_split_tied_embeddings_equal_single_process():
 
 
 def test_pp2_x_cp2_equal_single_process():
-    pytest.importorskip("lightning_codraft.attention.zigzag")
     results = run_distributed(_worker, 4, args=(2, 2, 4, (1, 2, 3), None, ("1f1b",), False, 2), timeout=300)
     assert len(results) == 4
 
