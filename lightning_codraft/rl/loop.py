@@ -1,0 +1,418 @@
+"""The RL loop: generate (speculative engine) -> reward -> GRPO + draft step (CoDraftModule) -> weight sync.
+
+:func:`fit` runs a whole :class:`~lightning_codraft.config.CoDraftConfig`:
+
+1. build tokenizer, policy, task and reward; resume from the last checkpoint in ``run.out_dir`` if any,
+   else run the SFT warm-up of the policy and the offline warm-start of the draft (on the policy's own
+   samples) and save checkpoint ``step-000000``;
+2. per RL step ``s``: ``prompts_per_step`` prompts (a pure function of ``(seed, s)``), ``group_size`` samples
+   each from the engine (sampling seed a function of ``(seed, s)``), rewards, group advantages, one packed
+   next-token-aligned batch, one optimizer step of ``L_rl + lambda * L_draft``, weight sync to the engine,
+   metrics to CSV / TensorBoard / progress bar, a checkpoint every ``run.checkpoint_every`` steps;
+3. greedy accuracy before / after, the rollout speed-up of the final draft, PNG plots.
+
+Everything a step consumes is derived from the seed, the step index and the checkpointed state, so a
+killed run resumed from its last checkpoint reproduces the metrics of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_codraft.config import CoDraftConfig, to_yaml
+from lightning_codraft.rl.build import build_policy, build_reward, build_task
+from lightning_codraft.rl.evaluate import SpeedupResult, greedy_accuracy, measure_speedup
+from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
+from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
+from lightning_codraft.rl.rewards import score_completions
+from lightning_codraft.rl.warmup import draft_warmup, encode_samples, sft_warmup
+
+_EVAL_SEED = 10**6          # eval prompts come from seeds the training steps never use
+_DRAFT_POOL_SEED = 2 * 10**6
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of RL step ``step``'s prompts and sampling."""
+    return seed * 100_003 + step + 1
+
+
+@dataclass
+class FitResult:
+    """What a finished (or interrupted) run reports.
+
+    Attributes:
+        out_dir: the run directory.
+        rows: per-step metrics (as in metrics.csv).
+        eval_before, eval_after: greedy mean reward on held-out prompts (NaN when skipped).
+        speedup: the final rollout speed-up measurement (None without a draft).
+        completed: False when the run stopped early (``stop_after``).
+    """
+
+    out_dir: Path
+    rows: list[dict[str, float]] = field(default_factory=list)
+    eval_before: float = math.nan
+    eval_after: float = math.nan
+    speedup: Optional[SpeedupResult] = None
+    completed: bool = True
+
+
+class CoDraftRun:
+    """One RL run of a config; :meth:`run` executes it. Built by :func:`fit`.
+
+    Args:
+        cfg: the validated config.
+        print_fn: where status lines go (rank 0 only).
+    """
+
+    def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.out = Path(cfg.run.out_dir)
+        self._print = print_fn
+        self.fabric = None
+
+    # ------------------------------------------------------------------ setup
+    def log(self, msg: str) -> None:
+        if self.fabric is None or self.fabric.global_rank == 0:
+            self._print(msg)
+
+    def _launch(self) -> None:
+        from lightning.fabric import Fabric
+
+        from lightning_codraft.fabric import CoDraftStrategy
+
+        p = self.cfg.parallel
+        if p.engine == "embedded" and p.pp > 1:
+            raise ValueError(f"parallel.pp={p.pp} splits the policy into stages, but the embedded engine needs the "
+                             f"whole policy on every rank; use parallel.engine=vllm with pp > 1")
+        self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
+                             strategy=CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp))
+        self.fabric.launch()
+        if self.cfg.run.threads:
+            torch.set_num_threads(self.cfg.run.threads)
+
+    def _build_models(self):
+        from lightning_codraft.models import Eagle3Draft
+        from lightning_codraft.training.module import CoDraftModule, CoDraftModuleConfig
+
+        cfg = self.cfg
+        self.tokenizer, policy, self.context = build_policy(cfg.model, seed=cfg.run.seed)
+        self.task = build_task(cfg.task)
+        self.reward_fn = build_reward(cfg.task, self.task)
+        V = policy.config.vocab_size
+        counts = None
+        if cfg.draft.draft_vocab_size is not None and cfg.draft.draft_vocab_size < V:
+            counts = torch.ones(V)  # placeholder mapping; the warm-up or the checkpoint sets the real one
+        with torch.random.fork_rng():
+            torch.manual_seed(cfg.run.seed + 1)
+            draft = Eagle3Draft.from_policy(policy, draft_vocab_size=cfg.draft.draft_vocab_size, token_counts=counts)
+        mode = cfg.draft.mode
+        mcfg = CoDraftModuleConfig(
+            draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
+            ttt_steps=cfg.draft.ttt_steps, clip_eps=cfg.rl.clip_eps, kl_coef=cfg.rl.kl_coef,
+            policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr, grad_clip=1.0)
+        self.module = CoDraftModule(policy, draft, mcfg)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def last_checkpoint(self) -> tuple[int, Path] | None:
+        """``(step, path)`` of the newest complete checkpoint in the run directory, or None."""
+        found = []
+        for p in self._ckpt_dir().glob("step-*"):
+            if (p / "COMPLETE").exists():
+                found.append((int(p.name.split("-")[1]), p))
+        return max(found) if found else None
+
+    def save(self, step: int, extra: dict[str, Any]) -> Path:
+        path = self._ckpt_dir() / f"step-{step:06d}"
+        state = {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                 "step": step, **extra}
+        if self.ref_policy is not None:
+            state["ref_policy"] = self.ref_policy
+        self.fabric.save(path, state)
+        self.fabric.barrier()
+        if self.fabric.global_rank == 0:
+            (path / "COMPLETE").write_text(str(step))
+        self.fabric.barrier()
+        return path
+
+    # ------------------------------------------------------------------ warm-ups
+    def _warmups(self) -> dict[str, Any]:
+        cfg = self.cfg
+        module, tok = self.module, self.tokenizer
+        policy = module.policy
+        info: dict[str, Any] = {}
+        if cfg.sft.steps > 0:
+            t0 = time.perf_counter()
+            every = max(1, cfg.sft.steps // 5)
+            losses = sft_warmup(
+                policy, tok, self.task.sample, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr,
+                seed=cfg.run.seed * 7919 + 3 * 10**6, context=self.context,
+                on_step=lambda i, l: (i + 1) % every == 0 and self.log(f"  SFT step {i + 1}/{cfg.sft.steps}: "
+                                                                        f"loss {l:.3f}"))
+            info["sft_loss"] = losses[-1]
+            self.log(f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0:
+            t0 = time.perf_counter()
+            batches = self._draft_pool()
+            every = max(1, cfg.draft.warmup_steps // 5)
+            losses = draft_warmup(
+                module, batches, cfg.draft.warmup_steps, cfg.draft.warmup_lr,
+                on_step=lambda i, l, a: (i + 1) % every == 0 and self.log(
+                    f"  draft warm-up step {i + 1}/{cfg.draft.warmup_steps}: loss {l:.3f}, step-0 acc {a:.3f}"))
+            info["draft_warmup_loss"] = losses[-1]
+            self.log(f"draft warm-start: {cfg.draft.warmup_steps} steps in {time.perf_counter() - t0:.0f}s, "
+                     f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        return info
+
+    def _draft_pool(self) -> list[dict]:
+        """Packed batches of the policy's OWN samples (the draft learns the distribution it will serve)."""
+        from lightning_codraft.models.vocab import build_vocab_mapping
+        from lightning_codraft.rollout.speculative import SpeculativeEngine
+
+        cfg, tok = self.cfg, self.tokenizer
+        policy, draft = self.module.policy, self.module.draft
+        bs = cfg.draft.warmup_batch_size
+        n_batches = max(1, min(cfg.draft.warmup_steps, 8))
+        samples = self.task.sample(bs * n_batches, seed=cfg.run.seed + _DRAFT_POOL_SEED)
+        prompts = self._fit_prompts([tok.encode(s.prompt) for s in samples])
+        engine = SpeculativeEngine(policy, None, 0)
+        outs = engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature,
+                               top_p=cfg.rl.top_p, seed=cfg.run.seed + _DRAFT_POOL_SEED,
+                               stop_token_ids=[tok.eos_token_id])
+        rollouts = [Rollout(p, o.token_ids, [0.0] * len(o.token_ids), group=i) for i, (p, o) in
+                    enumerate(zip(prompts, outs)) if o.token_ids]
+        V = policy.config.vocab_size
+        if draft.config.draft_vocab_size < V:
+            ids = torch.tensor([t for r in rollouts for t in r.prompt_ids + r.completion_ids])
+            d2t, t2d = build_vocab_mapping(torch.bincount(ids, minlength=V), draft.config.draft_vocab_size)
+            draft.set_vocab_mapping(d2t, t2d)
+        return [build_rl_batch(rollouts[i:i + bs], [0.0] * len(rollouts[i:i + bs]), pad_id=tok.pad_token_id)
+                for i in range(0, len(rollouts), bs)]
+
+    def _fit_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
+        room = self.context - self.cfg.rl.max_new_tokens
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty after tokenization")
+            if len(p) > room:
+                raise ValueError(f"prompt {i} has {len(p)} tokens but the context {self.context} minus "
+                                 f"rl.max_new_tokens={self.cfg.rl.max_new_tokens} leaves {room}; raise "
+                                 f"model.max_position_embeddings or lower rl.max_new_tokens")
+        return prompts
+
+    # ------------------------------------------------------------------ one RL step
+    def _engine(self):
+        from lightning_codraft.rollout.speculative import SpeculativeEngine
+
+        d = self.cfg.draft
+        k = 0 if d.mode == "none" else d.num_speculative_tokens
+        return SpeculativeEngine(self.module.policy, self.module.draft if k else None, k)
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        cfg, tok = self.cfg, self.tokenizer
+        dims = self.strategy.parallel_dims
+        seed = step_seed(cfg.run.seed, step)
+        t_start = time.perf_counter()
+        samples = self.task.sample(cfg.rl.prompts_per_step, seed=seed)
+        per_rank = cfg.rl.prompts_per_step // dims.dp
+        mine = samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
+        G = cfg.rl.group_size
+        prompts = self._fit_prompts([tok.encode(s.prompt) for s in mine])
+        requests = [p for p in prompts for _ in range(G)]
+        self.module.policy.eval()
+        t0 = time.perf_counter()
+        outs = self.engine.generate(requests, max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature,
+                                    top_p=cfg.rl.top_p, seed=seed * 131 + dims.dp_rank,
+                                    stop_token_ids=[tok.eos_token_id])
+        rollout_s = time.perf_counter() - t0
+        texts = [tok.decode(o.token_ids) for o in outs]
+        rewards, failed = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)], texts,
+                                            [s.answer for s in mine for _ in range(G)],
+                                            on_error=cfg.task.on_reward_error)
+        if failed:
+            self.log(f"step {step}: reward failed on samples {failed} (prompt of the first: "
+                     f"{mine[failed[0] // G].prompt!r}); scored 0")
+        r = torch.tensor(rewards).view(len(mine), G)
+        adv = group_advantages(r, scale=cfg.rl.scale_advantages).view(-1).tolist()
+        rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
+                    for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
+        batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id,
+                               ref_logprobs=self._ref_logprobs(rollouts))
+        self.module.policy.train()
+        t0 = time.perf_counter()
+        from lightning_codraft.fabric import fabric_training_step
+
+        m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
+        train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.sync_weights()
+        sync_s = time.perf_counter() - t0
+        from lightning_codraft.rollout.engine import AcceptanceStats
+
+        acc = AcceptanceStats.total(o.stats for o in outs)
+        n_tok = sum(len(o.token_ids) for o in outs)
+        local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
+                              sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
+                              float(acc.accepted), float(acc.draft_steps), float(acc.drafted)], dtype=torch.float64)
+        g = self.fabric.all_reduce(local, reduce_op="mean")
+        return {
+            "step": step + 1, "reward": float(g[0]), "reward_std": float(g[1]), "accuracy": float(g[2]),
+            "reward_failures": float(g[3]), "completion_tokens": float(g[4]),
+            "acceptance_length": 1.0 + float(g[5]) / float(g[6]) if g[6] > 0 else 1.0,
+            "acceptance_rate": float(g[5]) / float(g[7]) if g[7] > 0 else 0.0,
+            "draft_loss": m.get("draft/loss", math.nan), "draft_acc0": m.get("draft/acc_step0", math.nan),
+            "policy_loss": m.get("policy/pg_loss", math.nan), "clip_frac": m.get("policy/clip_frac", math.nan),
+            "kl": m.get("policy/kl", math.nan), "rollout_s": rollout_s, "train_s": train_s, "sync_s": sync_s,
+            "step_s": time.perf_counter() - t_start, "tokens_per_s": float(n_tok) / max(rollout_s, 1e-9),
+        }
+
+    def _ref_logprobs(self, rollouts: list[Rollout]) -> list[list[float]] | None:
+        if self.ref_policy is None:
+            return None
+        from lightning_codraft.training.rl_loss import token_logprobs
+
+        b = build_rl_batch(rollouts, [0.0] * len(rollouts), pad_id=self.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = token_logprobs(self.ref_policy(b["input_ids"], cu_seqlens=b["cu_seqlens"],
+                                                position_ids=b["position_ids"]).logits, b["target_ids"])
+        out, starts = [], b["cu_seqlens"][:-1].tolist()
+        for r, s in zip(rollouts, starts):
+            a = s + len(r.prompt_ids) - 1
+            out.append(lp[a:a + len(r.completion_ids)].tolist())
+        return out
+
+    def sync_weights(self) -> None:
+        """Push the updated policy (+ draft) to the rollout engine.
+
+        The embedded engine decodes with the training modules themselves (no copy), so after the optimizer
+        step it already holds the new weights; this checks that instead of copying them.
+        """
+        eng = self.engine
+        if eng.policy is not self.module.policy or (eng.draft is not None and eng.draft is not self.module.draft):
+            eng.update_weights(self.module.policy.state_dict(),
+                               self.module.draft.state_dict() if eng.draft is not None else None)
+
+    # ------------------------------------------------------------------ the run
+    def run(self, stop_after: Optional[int] = None) -> FitResult:
+        """Execute the config; ``stop_after`` ends the process's work after that many RL steps of THIS call
+        without a final checkpoint (used to test resume after a kill)."""
+        cfg = self.cfg
+        self._launch()
+        torch.manual_seed(cfg.run.seed)
+        self._build_models()
+        self.ref_policy = None
+        if cfg.rl.kl_coef > 0:
+            import copy
+
+            self.ref_policy = copy.deepcopy(self.module.policy).requires_grad_(False)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.fabric.global_rank == 0:
+            (self.out / "config.yaml").write_text(to_yaml(cfg))
+        last = self.last_checkpoint() if cfg.run.resume else None
+        extra: dict[str, Any] = {}
+        if last is None:
+            extra.update(self._warmups())
+            if self.ref_policy is not None:
+                self.ref_policy.load_state_dict(self.module.policy.state_dict())
+            self.engine = self._engine()
+            n_eval = cfg.task.eval_prompts
+            extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
+            self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
+        self.model = self.fabric.setup_module(self.module)
+        self.strategy = self.fabric.strategy
+        self.optimizer, self.scheduler = self.module.build_optimizer()
+        self.optimizer = self.fabric.setup_optimizers(self.optimizer)
+        start = 0
+        if last is None:
+            self.save(0, extra)
+        else:
+            state = {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler}
+            if self.ref_policy is not None:
+                state["ref_policy"] = self.ref_policy
+            rest = self.fabric.load(last[1], state)
+            start = int(rest.get("step", last[0]))
+            extra = {k: v for k, v in rest.items() if k not in ("step",)}
+            self.engine = self._engine()
+            self.log(f"resumed from {last[1]} (step {start})")
+        logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard and self.fabric.global_rank == 0,
+                               resume_step=start) if self.fabric.global_rank == 0 else None
+        result = FitResult(out_dir=self.out, eval_before=float(extra.get("eval_before", math.nan)))
+        done = 0
+        with StepProgress(cfg.rl.steps, start, enabled=cfg.run.progress and self.fabric.global_rank == 0) as bar:
+            for step in range(start, cfg.rl.steps):
+                metrics = self.rl_step(step)
+                if logger is not None:
+                    logger.log(metrics)
+                bar.update(metrics)
+                done += 1
+                if stop_after is not None and done >= stop_after:
+                    result.completed = False
+                    break
+                every = cfg.run.checkpoint_every
+                if (every and (step + 1) % every == 0) or step + 1 == cfg.rl.steps:
+                    self.save(step + 1, extra)
+        if logger is not None:
+            logger.close()
+            result.rows = logger.rows
+        if not result.completed:
+            return result
+        self._finish(result)
+        return result
+
+    def _evaluate(self, n: int) -> float:
+        samples = self.task.sample(n, seed=self.cfg.run.seed + _EVAL_SEED)
+        self.module.policy.eval()
+        return greedy_accuracy(self.engine, self.tokenizer, samples, self.reward_fn, self.cfg.rl.max_new_tokens,
+                               on_error=self.cfg.task.on_reward_error)
+
+    def _finish(self, result: FitResult) -> None:
+        cfg = self.cfg
+        if cfg.task.eval_prompts:
+            result.eval_after = self._evaluate(cfg.task.eval_prompts)
+        if cfg.draft.mode != "none":
+            tok = self.tokenizer
+            samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + _EVAL_SEED + 1)
+            prompts = [tok.encode(s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
+            result.speedup = measure_speedup(self.module.policy, self.module.draft, cfg.draft.num_speculative_tokens,
+                                             prompts, cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p,
+                                             seed=cfg.run.seed + _EVAL_SEED, stop_token_ids=[tok.eos_token_id])
+        if self.fabric.global_rank != 0:
+            return
+        if cfg.run.plots and result.rows:
+            plot_curves({cfg.draft.mode: result.rows}, self.out / "curves.png",
+                        title=f"{cfg.task.name}: reward and acceptance length per RL step")
+        r0, r1 = summarize(result.rows, "reward")
+        a0, a1 = summarize(result.rows, "acceptance_length")
+        lines = [f"reward (mean of first / last steps): {r0:.3f} -> {r1:.3f}",
+                 f"greedy accuracy on held-out prompts: {result.eval_before:.3f} -> {result.eval_after:.3f}"]
+        if cfg.draft.mode != "none":
+            lines.append(f"acceptance length (K={cfg.draft.num_speculative_tokens}): {a0:.2f} -> {a1:.2f}")
+        if result.speedup is not None:
+            s = result.speedup
+            lines.append(f"rollout speed-up with the {cfg.draft.mode} draft: {s.speedup:.2f}x "
+                         f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
+                         f"acceptance length {s.acceptance_length:.2f})")
+        lines.append(f"outputs: {self.out} (metrics.csv, tb/, curves.png, checkpoints/)")
+        summary = "\n".join(lines)
+        (self.out / "summary.txt").write_text(summary + "\n")
+        self.log(summary)
+
+
+def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print) -> FitResult:
+    """Run the config end to end (see the module docstring); returns the :class:`FitResult`."""
+    return CoDraftRun(cfg, print_fn=print_fn).run(stop_after=stop_after)
+
+
+def config_dict(cfg: CoDraftConfig) -> dict:
+    """The config as plain data (recorded in benchmark outputs)."""
+    return dataclasses.asdict(cfg)
