@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_codraft.models.rope import SUPPORTED_ROPE_TYPES, _rope_type
+from lightning_codraft.models.rope import SUPPORTED_ROPE_TYPES, rope_scaling_type
 
 #: architecture name -> HF model_type
 ARCHITECTURES = {
@@ -88,7 +88,7 @@ class PolicyConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        kind = _rope_type(self.rope_scaling)
+        kind = rope_scaling_type(self.rope_scaling)
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
@@ -142,7 +142,7 @@ class PolicyConfig:
         if rope_params:
             rope_params = dict(rope_params)
             rope_theta = rope_params.pop("rope_theta", rope_theta)
-            if _rope_type(rope_params) != "default":
+            if rope_scaling_type(rope_params) != "default":
                 rope_scaling = rope_params
         attn_bias = bool(d.pop("attention_bias", False))
         kw: dict[str, Any] = {}

