@@ -2,7 +2,8 @@
 
 :func:`cached_attention` lets a query at absolute position ``p`` attend to cache slots ``[0, p]`` of its
 row, so a step of ``S`` new tokens (already written into the cache) is causal among itself and sees the
-whole prefix. SDPA with a float (0 / -inf) additive mask: works on CPU and CUDA, any dtype.
+whole prefix. SDPA with a float (0 / -inf) additive mask and ``enable_gqa`` (no copy of the cache per
+step): works on CPU and CUDA, any dtype.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor,
                          f"the cache capacity {C}")
     L = int(q_pos.max()) + 1                                   # slots anyone can see
     k, v = k_cache[:, :, :L], v_cache[:, :, :L]
-    if Hkv != H:
-        k = k.repeat_interleave(H // Hkv, dim=1)
-        v = v.repeat_interleave(H // Hkv, dim=1)
     visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos[:, :, None]       # (B, S, L)
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=softmax_scale)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=softmax_scale,
+                                         enable_gqa=Hkv != H)          # GQA without copying the cache
     return out.transpose(1, 2)
