@@ -164,7 +164,8 @@ def _fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
 def _fwd_flash_attn(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
     fa = _flash_attn_module()
     res = _fa_call(fa._flash_attn_varlen_forward, **_fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale))
-    out, lse = res[0], res[1]
+    # flash-attn >= 2.6 returns (out, lse, S_dmask, rng_state); 2.0-2.5 (out, q, k, v, out_padded, lse, ...)
+    out, lse = (res[0], res[5]) if len(res) >= 8 else (res[0], res[1])
     if lse.dim() != 2 or lse.shape != (q.shape[1], q.shape[0]):
         raise RuntimeError(f"flash_attn returned a softmax_lse of shape {tuple(lse.shape)}; lightning_codraft "
                            f"needs the unpadded (H, T) layout of flash-attn >= 2.4")
