@@ -158,6 +158,8 @@ class RunConfig:
     """Write TensorBoard event files next to the CSV."""
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
+    init_from: Optional[str] = None
+    """Skip the SFT and draft warm-ups: load policy + draft from the ``warm`` directory of an earlier run."""
 
 
 @dataclass

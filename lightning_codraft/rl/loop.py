@@ -303,9 +303,8 @@ class CoDraftRun:
                                self.module.draft.state_dict() if eng.draft is not None else None)
 
     # ------------------------------------------------------------------ the run
-    def run(self, stop_after: Optional[int] = None) -> FitResult:
-        """Execute the config; ``stop_after`` ends the process's work after that many RL steps of THIS call
-        without a final checkpoint (used to test resume after a kill)."""
+    def setup(self) -> int:
+        """Launch, build, warm up (or resume); returns the RL step to start from."""
         cfg = self.cfg
         self._launch()
         torch.manual_seed(cfg.run.seed)
@@ -321,13 +320,18 @@ class CoDraftRun:
         last = self.last_checkpoint() if cfg.run.resume else None
         extra: dict[str, Any] = {}
         if last is None:
-            extra.update(self._warmups())
+            if cfg.run.init_from:
+                extra.update(self._load_warm(Path(cfg.run.init_from)))
+            else:
+                extra.update(self._warmups())
+                self._save_warm(extra)
             if self.ref_policy is not None:
                 self.ref_policy.load_state_dict(self.module.policy.state_dict())
             self.engine = self._engine()
-            n_eval = cfg.task.eval_prompts
-            extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
-            self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
+            if "eval_before" not in extra:
+                n_eval = cfg.task.eval_prompts
+                extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
+                self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
         self.model = self.fabric.setup_module(self.module)
         self.strategy = self.fabric.strategy
         self.optimizer, self.scheduler = self.module.build_optimizer()
@@ -341,33 +345,72 @@ class CoDraftRun:
                 state["ref_policy"] = self.ref_policy
             rest = self.fabric.load(last[1], state)
             start = int(rest.get("step", last[0]))
-            extra = {k: v for k, v in rest.items() if k not in ("step",)}
+            extra = {k: v for k, v in rest.items() if k != "step"}
             self.engine = self._engine()
             self.log(f"resumed from {last[1]} (step {start})")
-        logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard and self.fabric.global_rank == 0,
-                               resume_step=start) if self.fabric.global_rank == 0 else None
-        result = FitResult(out_dir=self.out, eval_before=float(extra.get("eval_before", math.nan)))
+        self.extra = extra
+        self.start = start
+        self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=start) \
+            if self.fabric.global_rank == 0 else None
+        self.result = FitResult(out_dir=self.out, eval_before=float(extra.get("eval_before", math.nan)))
+        return start
+
+    def _save_warm(self, extra: dict[str, Any]) -> None:
+        """Write the warmed-up policy + draft to ``out_dir/warm`` (another run can start from them)."""
+        if self.fabric.global_rank != 0:
+            return
+        warm = self.out / "warm"
+        warm.mkdir(parents=True, exist_ok=True)
+        torch.save({"policy": self.module.policy.state_dict(), "draft": self.module.draft.state_dict(),
+                    "extra": extra}, warm / "weights.pt")
+
+    def _load_warm(self, path: Path) -> dict[str, Any]:
+        f = path / "weights.pt" if path.is_dir() else path
+        if not f.is_file():
+            raise FileNotFoundError(f"run.init_from={str(path)!r} has no weights.pt; point it at the 'warm' "
+                                    f"directory of an earlier run")
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        self.module.policy.load_state_dict(state["policy"])
+        self.module.draft.load_state_dict(state["draft"])
+        self.log(f"warm-started policy and draft from {f}")
+        return dict(state.get("extra", {}))
+
+    def end_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a finished step and checkpoint on schedule."""
+        if self.logger is not None:
+            self.logger.log(metrics)
+        every = self.cfg.run.checkpoint_every
+        if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
+            self.save(step + 1, self.extra)
+
+    def finish(self, completed: bool = True) -> FitResult:
+        """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
+        result = self.result
+        result.completed = completed
+        if self.logger is not None:
+            self.logger.close()
+            result.rows = self.logger.rows
+        if completed:
+            self._finish(result)
+        return result
+
+    def run(self, stop_after: Optional[int] = None) -> FitResult:
+        """Execute the config; ``stop_after`` ends this call after that many RL steps with no final checkpoint
+        and no evaluation, as a killed process would (used to test resume)."""
+        cfg = self.cfg
+        start = self.setup()
         done = 0
         with StepProgress(cfg.rl.steps, start, enabled=cfg.run.progress and self.fabric.global_rank == 0) as bar:
             for step in range(start, cfg.rl.steps):
                 metrics = self.rl_step(step)
-                if logger is not None:
-                    logger.log(metrics)
                 bar.update(metrics)
                 done += 1
                 if stop_after is not None and done >= stop_after:
-                    result.completed = False
-                    break
-                every = cfg.run.checkpoint_every
-                if (every and (step + 1) % every == 0) or step + 1 == cfg.rl.steps:
-                    self.save(step + 1, extra)
-        if logger is not None:
-            logger.close()
-            result.rows = logger.rows
-        if not result.completed:
-            return result
-        self._finish(result)
-        return result
+                    if self.logger is not None:
+                        self.logger.log(metrics)
+                    return self.finish(completed=False)
+                self.end_step(step, metrics)
+        return self.finish()
 
     def _evaluate(self, n: int) -> float:
         samples = self.task.sample(n, seed=self.cfg.run.seed + _EVAL_SEED)
@@ -411,6 +454,26 @@ class CoDraftRun:
 def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print) -> FitResult:
     """Run the config end to end (see the module docstring); returns the :class:`FitResult`."""
     return CoDraftRun(cfg, print_fn=print_fn).run(stop_after=stop_after)
+
+
+def load_for_rollout(cfg: CoDraftConfig, print_fn: Callable[[str], None] = print) -> CoDraftRun:
+    """A run whose models hold the last checkpoint of ``run.out_dir`` (or its warm-up weights, or fresh
+    weights when neither exists), with its engine ready: for ``codraft rollout``."""
+    run = CoDraftRun(cfg, print_fn=print_fn)
+    run._launch()
+    torch.manual_seed(cfg.run.seed)
+    run._build_models()
+    last = run.last_checkpoint()
+    if last is not None:
+        run.fabric.load(last[1], {"module": run.module}, strict=False)
+        run.log(f"loaded {last[1]}")
+    elif (run.out / "warm" / "weights.pt").is_file():
+        run._load_warm(run.out / "warm")
+    else:
+        run.log(f"no checkpoint in {run.out}: generating with freshly initialised models")
+    run.module.policy.eval()
+    run.engine = run._engine()
+    return run
 
 
 def config_dict(cfg: CoDraftConfig) -> dict:

@@ -1,0 +1,135 @@
+"""The ``codraft`` command.
+
+::
+
+    codraft fit     --config recipes/tiny-cpu.yaml [key=value ...] [--dry-run]
+    codraft rollout --config recipes/tiny-cpu.yaml [--prompt TEXT ...] [--num-prompts N] [key=value ...]
+    codraft bench   --config recipes/tiny-cpu.yaml [--out docs/benchmarks] [key=value ...]
+
+``fit`` runs the RL loop (resuming from the last checkpoint of ``run.out_dir``); ``rollout`` generates with
+speculative decoding from the run's last checkpoint (or the fresh models when there is none) and prints the
+acceptance statistics; ``bench`` runs the no-draft / frozen-draft / co-trained-draft comparison. ``--dry-run``
+validates the config and prints the resolved run without building anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
+from lightning_codraft.rl.rewards import RewardError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="codraft", description="Online EAGLE-3 draft co-training during RL "
+                                                           "post-training (lightning_codraft).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/tiny-cpu.yaml); defaults if omitted")
+        sp.add_argument("--dry-run", action="store_true", help="validate the config, print it, and exit")
+        sp.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rl.steps=5")
+
+    common(sub.add_parser("fit", help="run the RL loop with online draft co-training"))
+    r = sub.add_parser("rollout", help="generate with speculative decoding and print acceptance")
+    common(r)
+    r.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); default: "
+                                                                     "task prompts")
+    r.add_argument("--num-prompts", type=int, default=8, help="task prompts to generate from (without --prompt)")
+    r.add_argument("--temperature", type=float, default=None, help="default: rl.temperature")
+    b = sub.add_parser("bench", help="no draft vs frozen vs co-trained draft, same seeds")
+    common(b)
+    b.add_argument("--out", default=None, help="write rl.md + PNG plots here (e.g. docs/benchmarks)")
+    return p
+
+
+def dry_run(cfg: CoDraftConfig) -> str:
+    """The report ``--dry-run`` prints: the resolved config and what the run would do."""
+    p, d, r = cfg.parallel, cfg.draft, cfg.rl
+    world = p.devices * p.num_nodes
+    lines = [to_yaml(cfg).rstrip(), "---",
+             f"mesh: world {world} = dp {p.dp} x pp {p.pp} x cp {p.cp} on {p.accelerator} "
+             f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
+             f"policy: {cfg.model.source} ({cfg.model.dtype}, context {cfg.model.max_position_embeddings}); "
+             f"task: {cfg.task.name}; reward: {cfg.task.reward or 'built-in'}",
+             f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm-start {d.warmup_steps} "
+             f"steps; SFT warm-up {cfg.sft.steps} steps",
+             f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
+             f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
+             "config OK (dry run: nothing was built)"]
+    return "\n".join(lines)
+
+
+def _cmd_fit(cfg: CoDraftConfig) -> int:
+    from lightning_codraft.rl.loop import fit
+
+    fit(cfg)
+    return 0
+
+
+def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
+    from lightning_codraft.rl.loop import load_for_rollout
+
+    run = load_for_rollout(cfg)
+    tok = run.tokenizer
+    if args.prompt is not None:
+        texts = list(args.prompt)
+        for i, t in enumerate(texts):
+            if not t:
+                raise ValueError(f"--prompt #{i} is empty; give a non-empty prompt text")
+    else:
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
+        texts = [s.prompt for s in run.task.sample(args.num_prompts, seed=cfg.run.seed + 123)]
+    prompts = run._fit_prompts([tok.encode(t) for t in texts])
+    temperature = cfg.rl.temperature if args.temperature is None else args.temperature
+    outs = run.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
+                               top_p=cfg.rl.top_p, seed=cfg.run.seed, stop_token_ids=[tok.eos_token_id])
+    from lightning_codraft.rollout.engine import AcceptanceStats
+
+    for t, o in zip(texts, outs):
+        print(f"{t!r} -> {tok.decode(o.token_ids)!r}  (acceptance length {o.stats.acceptance_length:.2f})")
+    total = AcceptanceStats.total(o.stats for o in outs)
+    k = run.engine.num_speculative_tokens
+    print(f"K={k}: acceptance length {total.acceptance_length:.2f}, acceptance rate {total.acceptance_rate:.2f}, "
+          f"per position {[round(x, 2) for x in total.per_position_rate()]}")
+    return 0
+
+
+def _cmd_bench(cfg: CoDraftConfig, args) -> int:
+    from lightning_codraft.rl.compare import compare_arms, write_report
+
+    res = compare_arms(cfg)
+    print(res.table())
+    if args.out:
+        path = write_report(res, args.out)
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``codraft`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(dry_run(cfg))
+            return 0
+        if args.command == "fit":
+            return _cmd_fit(cfg)
+        if args.command == "rollout":
+            return _cmd_rollout(cfg, args)
+        return _cmd_bench(cfg, args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"codraft {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RewardError as e:
+        print(f"codraft {args.command}: stopped: {e} (task.on_reward_error=raise; the last checkpoint in "
+              f"run.out_dir resumes the run)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

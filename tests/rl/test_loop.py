@@ -1,0 +1,85 @@
+import math
+import shutil
+
+import pytest
+
+from lightning_codraft.config import load_config
+from lightning_codraft.rl.logs import COLUMNS, TIME_COLUMNS, read_metrics
+from lightning_codraft.rl.loop import fit
+from lightning_codraft.rl.rewards import RewardError
+
+MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
+         "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
+         "sft.steps=3", "sft.batch_size=4", "draft.warmup_steps=2", "draft.warmup_batch_size=4",
+         "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12",
+         "task.eval_prompts=2", "run.checkpoint_every=1", "run.progress=false"]
+
+
+def micro_config(tmp, *extra):
+    from conftest import REPO
+
+    return load_config(REPO / "recipes" / "tiny-cpu.yaml", MICRO + [f"run.out_dir={tmp}", *extra])
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("micro")
+    # prompts starting with 7 make the reward raise: the run must survive and count the failures
+    cfg = micro_config(out, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4")
+    return cfg, fit(cfg, print_fn=lambda s: None)
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if k not in TIME_COLUMNS} for r in rows]
+
+
+def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
+    cfg, res = micro_run
+    out = res.out_dir
+    assert res.completed and len(res.rows) == 3
+    rows = read_metrics(out / "metrics.csv")
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert list(rows[0]) == list(COLUMNS)
+    for r in rows:
+        assert 0.0 <= r["reward"] <= 1.0
+        assert 1.0 <= r["acceptance_length"] <= cfg.draft.num_speculative_tokens + 1
+        assert r["completion_tokens"] > 0 and math.isfinite(r["draft_loss"]) and math.isfinite(r["policy_loss"])
+    assert sum(r["reward_failures"] for r in rows) > 0  # the flaky reward raised and the run went on
+    assert (out / "curves.png").stat().st_size > 1000
+    assert list((out / "tb").glob("events.*"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in range(4)]
+    assert (out / "warm" / "weights.pt").is_file()
+    assert res.speedup is not None and res.speedup.speedup > 0
+    assert "acceptance length" in (out / "summary.txt").read_text()
+
+
+def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
+    cfg, res = micro_run
+    # what a run killed during step 3 leaves: checkpoints up to step 2, CSV rows up to step 3 (not saved)
+    killed = tmp_path / "killed"
+    shutil.copytree(res.out_dir, killed)
+    shutil.rmtree(killed / "checkpoints" / "step-000003")
+    shutil.rmtree(killed / "checkpoints" / "step-000002")
+    cfg2 = micro_config(killed, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4",
+                        "task.eval_prompts=0", "run.plots=false")
+    # kill again after one resumed step (no checkpoint written for it), then resume to the end
+    part = fit(cfg2, stop_after=1, print_fn=lambda s: None)
+    assert not part.completed and [r["step"] for r in part.rows] == [1.0, 2.0]
+    again = fit(cfg2, print_fn=lambda s: None)
+    assert again.completed
+    assert _comparable(read_metrics(killed / "metrics.csv")) == _comparable(res.rows)
+
+
+def test_failing_reward_can_stop_the_run(tmp_path):
+    cfg = micro_config(tmp_path, "task.reward=rewards_for_tests:flaky_reward", "task.on_reward_error=raise",
+                       "rl.prompts_per_step=8", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+    with pytest.raises(RewardError, match=r"prompt '7"):
+        fit(cfg, print_fn=lambda s: None)
+
+
+def test_prompt_longer_than_the_context_is_rejected(tmp_path):
+    cfg = micro_config(tmp_path, "model.max_position_embeddings=16", "rl.max_new_tokens=12", "sft.steps=0",
+                       "draft.warmup_steps=0", "task.eval_prompts=0", "task.max_terms=4", "task.min_terms=4")
+    with pytest.raises(ValueError, match=r"prompt \d+ has \d+ tokens but the context 16 minus "
+                                         r"rl.max_new_tokens=12 leaves 4"):
+        fit(cfg, print_fn=lambda s: None)
