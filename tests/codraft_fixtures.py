@@ -62,6 +62,6 @@ def concat_batches(batches: list[dict]) -> dict:
     return out
 
 
-def step_batches(num_steps: int, dp: int, seed: int = 100) -> list[list[dict]]:
+def step_batches(num_steps: int, dp: int, seed: int = 100, num_docs: int = 4) -> list[list[dict]]:
     """``[step][dp_rank]`` batches: what each replica reads at each step."""
-    return [[make_batch(seed + 10 * s + r) for r in range(dp)] for s in range(num_steps)]
+    return [[make_batch(seed + 10 * s + r, num_docs=num_docs) for r in range(dp)] for s in range(num_steps)]

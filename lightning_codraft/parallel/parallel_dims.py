@@ -146,6 +146,9 @@ class ParallelDims:
         # ranks of one pipeline stage that hold different tokens: all (dp, cp) at a fixed pp index
         dp_cp_ranks = [[self.rank_of(d, p, c) for d in range(self.dp) for c in range(self.cp)] for p in range(self.pp)]
         self._groups["dp_cp"], _ = dist.new_subgroups_by_enumeration(dp_cp_ranks)
+        # a second group over every pipeline's ranks: the TapChannel's traffic never interleaves the schedule's
+        pipelines = [[self.rank_of(d, p, c) for p in range(self.pp)] for d in range(self.dp) for c in range(self.cp)]
+        self._groups["pp_tap"], _ = dist.new_subgroups_by_enumeration(pipelines)
         return self.mesh
 
     def group(self, name: str) -> Optional[Any]:
@@ -153,9 +156,9 @@ class ParallelDims:
 
         ``None`` means "this dimension has a single rank": callers treat it as no communication.
         """
-        if name not in (*MESH_DIM_NAMES, "dp_cp"):
-            raise ValueError(f"unknown mesh dimension {name!r}; expected one of dp, pp, cp, dp_cp")
-        size = self.dp_cp if name == "dp_cp" else getattr(self, name)
+        if name not in (*MESH_DIM_NAMES, "dp_cp", "pp_tap"):
+            raise ValueError(f"unknown mesh dimension {name!r}; expected one of dp, pp, cp, dp_cp, pp_tap")
+        size = {"dp_cp": self.dp_cp, "pp_tap": self.pp}.get(name) or getattr(self, name)
         if size == 1 or self.mesh is None:
             return None
         return self._groups[name]
@@ -176,6 +179,11 @@ class ParallelDims:
     def dp_cp_group(self) -> Optional[Any]:
         """All ranks of this pipeline stage (dp x cp): gradients and token counts are reduced here."""
         return self.group("dp_cp")
+
+    @property
+    def tap_group(self) -> Optional[Any]:
+        """A group over the same ranks as :attr:`pp_group`, of its own: the TapChannel ships taps on it."""
+        return self.group("pp_tap")
 
     def pp_stage_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline (same dp and cp index), ordered by stage."""

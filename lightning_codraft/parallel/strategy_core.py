@@ -76,6 +76,43 @@ def shard_batch(batch: Mapping[str, Any], dims: ParallelDims) -> dict[str, Any]:
     return out
 
 
+def split_microbatches(batch: Mapping[str, Any], num_microbatches: int) -> list[dict[str, Any]]:
+    """Cut a packed batch into ``num_microbatches`` packed batches of consecutive whole documents.
+
+    Documents are dealt as evenly as possible (the first ``N % M`` microbatches get one more), each
+    microbatch gets its own ``cu_seqlens`` starting at 0. The split depends only on the batch, so one process
+    and a pipeline of any depth cut the same microbatches.
+
+    Args:
+        batch: an unsharded RL batch with ``N`` documents.
+        num_microbatches: ``M``, with ``1 <= M <= N``.
+    """
+    cu = batch["cu_seqlens"].long()
+    num_docs = cu.numel() - 1
+    if not 1 <= num_microbatches <= num_docs:
+        raise ValueError(f"cannot split a batch of {num_docs} documents into num_microbatches={num_microbatches}; "
+                         f"every microbatch needs at least one document (use 1 <= M <= {num_docs})")
+    if num_microbatches == 1:
+        return [dict(batch)]
+    total = int(cu[-1])
+    base, extra = divmod(num_docs, num_microbatches)
+    out, d0 = [], 0
+    for m in range(num_microbatches):
+        d1 = d0 + base + (1 if m < extra else 0)
+        t0, t1 = int(cu[d0]), int(cu[d1])
+        mb = {}
+        for key, value in batch.items():
+            if key == "cu_seqlens":
+                mb[key] = (cu[d0:d1 + 1] - t0).to(batch["cu_seqlens"].dtype)
+            elif isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == total:
+                mb[key] = value[t0:t1]
+            else:
+                mb[key] = value
+        out.append(mb)
+        d0 = d1
+    return out
+
+
 def is_sharded(batch: Mapping[str, Any], dims: ParallelDims) -> bool:
     """True when ``batch`` already holds this CP rank's shard (token rows = total / cp)."""
     total = int(batch["cu_seqlens"][-1])

@@ -31,7 +31,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_codraft.parallel.parallel_dims import ParallelDims
-from lightning_codraft.parallel.strategy_core import is_sharded, reduce_gradients, shard_batch
+from lightning_codraft.parallel.strategy_core import is_sharded, reduce_gradients, shard_batch, split_microbatches
 from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
 
 
@@ -63,6 +63,8 @@ class CoDraftModuleConfig:
     """AdamW weight decay of both groups."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
     policy_warmup_steps: int = 0
     """Linear warm-up steps of the policy learning rate."""
     draft_warmup_steps: int = 0
@@ -75,6 +77,13 @@ class CoDraftModuleConfig:
     """Clip each group's global gradient norm to this value; None = no clipping."""
     taps: Optional[tuple[int, ...]] = None
     """Policy tap ids feeding the draft; None = the draft's configured taps, else the policy's defaults."""
+    num_microbatches: int = 1
+    """M: each replica's batch is cut into M microbatches of whole documents; the objective is the mean over
+    microbatches of the token-mean losses (the pipeline schedule's unit; set it equal on every mesh)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule under pp > 1: ``1f1b`` (needs num_microbatches >= pp) or ``gpipe``."""
+    layers_per_stage: Optional[tuple[int, ...]] = None
+    """Decoder layers of every pipeline stage; None balances them."""
 
     def __post_init__(self) -> None:
         if self.draft_loss_weight < 0:
@@ -89,6 +98,8 @@ class CoDraftModuleConfig:
         for name in ("policy_lr", "draft_lr", "weight_decay", "kl_coef", "clip_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 or None")
 
@@ -111,6 +122,23 @@ class CoDraftStepOutput:
     loss: Optional[Tensor]
     metrics: dict[str, Tensor] = field(default_factory=dict)
     draft_counts: Optional[tuple[Tensor, Tensor]] = None
+
+
+@dataclass
+class DraftObjective:
+    """The draft loss as a token mean over the whole dp x cp batch.
+
+    Attributes:
+        loss: scalar whose VALUE is the global loss and whose gradient is this rank's share of its gradient.
+        per_step: ``(K,)`` detached global mean soft cross-entropy per unroll step.
+        correct: ``(K,)`` global count of rows whose draft top-1 equals the policy top-1.
+        total: ``(K,)`` global count of scored rows.
+    """
+
+    loss: Tensor
+    per_step: Tensor
+    correct: Tensor
+    total: Tensor
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -160,6 +188,8 @@ class CoDraftModule(LightningModule):
         if not self.config.trains_draft:
             self.draft.requires_grad_(False)
         self._step_metrics: dict[str, Tensor] = {}
+        self._pipeline = None  # PipelineCoDraft under pp > 1 (set by configure_parallel)
+        self._owned: set[str] = set()
 
     @staticmethod
     def _check_vocabularies(policy: nn.Module, draft: nn.Module) -> None:
@@ -175,13 +205,48 @@ class CoDraftModule(LightningModule):
 
     # ------------------------------------------------------------------ parallel plumbing
     def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1) -> None:
-        """Called by the strategy core with the mesh; ``grad_average_size`` = ranks a DDP wrapper averages over."""
-        if dims.pp_enabled:
-            raise ValueError(f"pipeline parallelism (pp={dims.pp}) needs the pipeline stage API of "
-                             f"lightning_codraft.parallel.pipeline, which this module does not drive yet; "
-                             f"use pp=1 (dp and cp are supported)")
+        """Called by the strategy core with the mesh, before optimizers are built.
+
+        Args:
+            dims: the (dp, pp, cp) layout with its groups.
+            grad_average_size: ranks over which a DDP wrapper AVERAGES gradients (the loss is scaled by it).
+
+        Under PP this rank keeps only its pipeline stage trainable (the draft on the last stage); parameters
+        of other stages are frozen here, so optimizers and checkpoints hold this stage's slice only.
+        """
         self.parallel_dims = dims
         self.grad_average_size = int(grad_average_size)
+        self._pipeline = None
+        if not dims.pp_enabled:
+            return
+        from lightning_codraft.parallel.pp_step import PipelineCoDraft, PipelineConfig
+
+        c = self.config
+        run_draft = c.trains_draft or c.score_draft
+        self._pipeline = PipelineCoDraft(
+            self.policy, self.draft if (dims.is_last_stage and run_draft) else None, stage=dims.pp_rank,
+            num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group, cp_group=dims.cp_group,
+            loss_group=dims.dp_cp_group, rl_loss_fn=self._pipeline_rl_loss, draft_loss_fn=self._pipeline_draft_loss,
+            config=PipelineConfig(schedule=c.pp_schedule, layers_per_stage=c.layers_per_stage, ttt_steps=c.ttt_steps,
+                                  draft_weight=c.draft_loss_weight if c.trains_draft else 0.0,
+                                  draft_decay=c.ttt_decay))
+        owned = {id(p) for p in self._pipeline.parameters()}
+        for p in self.parameters():
+            if id(p) not in owned:
+                p.requires_grad_(False)
+        if not c.trains_draft:
+            self.draft.requires_grad_(False)
+        self._owned = {n for n, p in self.named_parameters() if id(p) in owned}
+
+    def owned_state_dict(self) -> dict[str, Tensor]:
+        """The state this rank is responsible for: everything without PP, this stage's slice under PP."""
+        sd = self.state_dict()
+        if self._pipeline is None:
+            return sd
+        params = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        keep_draft_buffers = self.parallel_dims.is_last_stage
+        return {k: v for k, v in sd.items()
+                if k in self._owned or (k not in params and (keep_draft_buffers or not k.startswith("draft.")))}
 
     # ------------------------------------------------------------------ override points
     def configure_taps(self) -> tuple[int, ...]:
@@ -267,64 +332,84 @@ class CoDraftModule(LightningModule):
 
     # ------------------------------------------------------------------ the joint objective
     def forward(self, batch: dict[str, Tensor]) -> CoDraftStepOutput:
-        """Compute the joint loss of one RL batch (this dp replica's whole batch or its CP shard).
+        """Compute the joint loss of one RL batch of this dp replica (under PP: run the pipelined step).
 
         Args:
-            batch: the next-token aligned RL batch; per-token tensors ``(T,)`` of this dp replica (they are
-                zigzag-sharded here when the mesh has cp > 1) and the GLOBAL ``cu_seqlens``.
+            batch: the next-token aligned RL batch; per-token tensors ``(T,)`` of this dp replica (cut into
+                ``num_microbatches`` and zigzag-sharded here when the mesh has cp > 1) and the GLOBAL
+                ``cu_seqlens``.
 
         Returns:
-            :class:`CoDraftStepOutput` whose ``loss`` is ready for ``backward``.
+            :class:`CoDraftStepOutput`; its ``loss`` is ready for ``backward`` (``None`` under PP, where the
+            schedule already ran the backward).
         """
         dims = self.parallel_dims
-        if dims.cp_enabled and not is_sharded(batch, dims):
-            batch = shard_batch(batch, dims)
+        M = self.config.num_microbatches
+        if self._pipeline is not None:
+            return self._pipeline_forward(batch)
+        if is_sharded(batch, dims):
+            if M != 1:
+                raise ValueError(f"a batch already sharded over cp cannot be cut into num_microbatches={M}; "
+                                 f"pass the replica's whole batch")
+            microbatches = [batch]
+        else:
+            microbatches = [shard_batch(mb, dims) for mb in split_microbatches(batch, M)]
+        outs = [self._microbatch_objective(mb) for mb in microbatches]
+        loss = sum(o[0] for o in outs) / M
+        metrics = {k: sum(o[1][k] for o in outs) / M for k in outs[0][1]}
+        counts = None
+        if outs[0][2] is not None:
+            counts = (sum(o[2][0] for o in outs), sum(o[2][1] for o in outs))
+            self._count_metrics(metrics, *counts)
+        return CoDraftStepOutput(loss=loss * self.grad_average_size, metrics=metrics, draft_counts=counts)
+
+    def _microbatch_objective(self, batch):
         c = self.config
+        dims = self.parallel_dims
         run_draft = c.trains_draft or c.score_draft
-        taps_ids = self.configure_taps() if run_draft else None
         out = self.policy(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], position_ids=batch["position_ids"],
-                          taps=taps_ids, cp_group=dims.cp_group)
+                          taps=self.configure_taps() if run_draft else None, cp_group=dims.cp_group)
         logprobs = token_logprobs(out.logits, batch["target_ids"])
         rl, rl_stats = self.rl_loss(logprobs, batch)
         metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
         total_value = rl_stats["loss"].detach()
-        loss = rl
-        counts = None
+        loss, counts = rl, None
         if run_draft:
-            taps = [t.detach() for t in out.taps]
             with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
-                draft_local, draft_value, counts, per_step = self._draft_objective(taps, out.logits.detach(), batch)
-            metrics["draft/loss"] = draft_value
-            for k in range(per_step.numel()):
-                metrics[f"draft/loss_step{k}"] = per_step[k]
-            acc = counts[0] / counts[1].clamp(min=1)
-            for k in range(acc.numel()):
-                metrics[f"draft/acc_step{k}"] = acc[k]
-            metrics["draft/acceptance_length"] = 1 + torch.cumprod(acc, 0).sum()
+                step_logits = self.draft_step_logits([t.detach() for t in out.taps], batch)
+                d = self._draft_objective(step_logits, out.logits.detach(), batch)
+            metrics["draft/loss"] = d.loss.detach().float()
+            for k in range(d.per_step.numel()):
+                metrics[f"draft/loss_step{k}"] = d.per_step[k]
+            counts = (d.correct, d.total)
             if c.trains_draft:
-                loss = loss + c.draft_loss_weight * draft_local
-                total_value = total_value + c.draft_loss_weight * draft_value
+                loss = loss + c.draft_loss_weight * d.loss
+                total_value = total_value + c.draft_loss_weight * d.loss.detach()
         metrics["loss"] = total_value
-        return CoDraftStepOutput(loss=loss * self.grad_average_size, metrics=metrics, draft_counts=counts)
+        return loss, metrics, counts
 
-    def _draft_objective(self, taps, policy_logits, batch):
-        """The draft loss as a token mean over dp x cp (ttt_draft_loss averages over its CP group only).
+    @staticmethod
+    def _count_metrics(metrics: dict, correct: Tensor, total: Tensor) -> None:
+        acc = correct.float() / total.float().clamp(min=1)
+        for k in range(acc.numel()):
+            metrics[f"draft/acc_step{k}"] = acc[k]
+        metrics["draft/acceptance_length"] = 1 + torch.cumprod(acc, 0).sum()
 
-        Returns ``(local, value, (correct, total), per_step)``: ``local`` has this rank's share of the gradient
-        of ``value = sum_k decay^k sum_{dp,cp} num_k / sum_{dp,cp} total_k``.
+    def _draft_objective(self, step_logits: Sequence[Tensor], policy_logits: Tensor, batch) -> DraftObjective:
+        """:meth:`draft_loss` (a token mean over the CP group) made a token mean over dp x cp.
+
+        Each step's gradient is rescaled in the backward by ``total_cp[k] / total_global[k]``, a factor known
+        only once the dp all-reduce of the counts ran; the value is the global per-step mean, weighted.
         """
-        dp_group = self.parallel_dims.dp_group
-        K = self.config.ttt_steps
+        K = len(step_logits)
         scales = [[1.0] for _ in range(K)]  # filled below, read by the backward
-        step_logits = self.draft_step_logits(taps, batch)
-        if len(step_logits) != K:
-            raise ValueError(f"draft_step_logits returned {len(step_logits)} steps; config.ttt_steps={K}")
         step_logits = [_ScaleGrad.apply(lg, scales[k]) if lg.requires_grad else lg
                        for k, lg in enumerate(step_logits)]
         out = self.draft_loss(step_logits, policy_logits, batch)
         total_cp = out.total.to(torch.float64)
         num_cp = out.per_step_loss.to(torch.float64) * total_cp.clamp(min=1)
-        packed = _sum_over(torch.stack([num_cp, total_cp, out.correct.to(torch.float64)]), dp_group)
+        packed = _sum_over(torch.stack([num_cp, total_cp, out.correct.to(torch.float64)]),
+                           self.parallel_dims.dp_group)
         num, total, correct = packed[0], packed[1], packed[2]
         for k in range(K):
             scales[k][0] = float(total_cp[k].clamp(min=1) / total[k].clamp(min=1))
@@ -332,7 +417,38 @@ class CoDraftModule(LightningModule):
         weights = self.config.ttt_decay ** torch.arange(K, dtype=torch.float32)
         value = (weights * per_step).sum()
         local = out.loss + (value.to(out.loss) - out.loss).detach()
-        return local, value, (correct.float(), total.float()), per_step
+        return DraftObjective(loss=local, per_step=per_step, correct=correct.float(), total=total.float())
+
+    # ----- the pipelined step (pp > 1): the schedule calls these on the last stage, per microbatch
+    def _pipeline_rl_loss(self, logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, group=None):
+        batch = {"old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask}
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = ref_logprobs
+        return self.rl_loss(logprobs, batch)
+
+    def _pipeline_draft_loss(self, step_logits, policy_logits, cu_seqlens, loss_mask, d2t, t2d, decay=0.8,
+                             group=None) -> DraftObjective:
+        return self._draft_objective(step_logits, policy_logits, {"cu_seqlens": cu_seqlens, "draft_mask": loss_mask})
+
+    def _pipeline_forward(self, batch) -> CoDraftStepOutput:
+        from lightning_codraft.parallel.pp_step import pad_microbatches
+
+        dims = self.parallel_dims
+        if is_sharded(batch, dims):
+            raise ValueError("under pp > 1 pass the replica's whole batch: it is cut into microbatches, padded to "
+                             "one length and sharded over cp here")
+        mbs = pad_microbatches(split_microbatches(batch, self.config.num_microbatches), multiple_of=2 * dims.cp)
+        out = self._pipeline.step([shard_batch(mb, dims) for mb in mbs])
+        metrics = {"loss": out.loss, "policy/loss": out.rl_loss}
+        c = self.config
+        counts = None
+        if c.trains_draft or c.score_draft:
+            metrics["draft/loss"] = out.draft_loss
+            counts = (out.draft_correct, out.draft_total)
+            self._count_metrics(metrics, *counts)
+            if not c.trains_draft:
+                metrics["loss"] = out.rl_loss
+        return CoDraftStepOutput(loss=None, metrics=metrics, draft_counts=counts)
 
     # ------------------------------------------------------------------ optimisation
     def param_groups(self) -> list[dict[str, Any]]:
@@ -367,7 +483,7 @@ class CoDraftModule(LightningModule):
         """
         c = self.config
         groups = self.param_groups()
-        optimizer = torch.optim.AdamW(groups, betas=c.betas, weight_decay=c.weight_decay)
+        optimizer = torch.optim.AdamW(groups, betas=c.betas, eps=c.adam_eps, weight_decay=c.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [self.lr_lambda(g["name"]) for g in groups])
         return optimizer, scheduler
 
@@ -380,15 +496,16 @@ class CoDraftModule(LightningModule):
         """Finish the gradients (PP reduction over dp x cp), clip, and return ``grad_norm/{policy,draft}``."""
         dims = self.parallel_dims
         if dims.pp_enabled:
-            reduce_gradients(self.parameters(), dims.dp_cp_group)
+            reduce_gradients([p for p in self.parameters() if p.requires_grad], dims.dp_cp_group)
         out = {}
         for name, module in (("policy", self.policy), ("draft", self.draft)):
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
-            if not grads:
+            if name == "draft" and not self.config.trains_draft:
                 continue
-            sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-            sq = _sum_over(sq, dims.pp_group)
-            norm = sq.sqrt()
+            grads = [p.grad for p in module.parameters() if p.grad is not None and p.requires_grad]
+            sq = torch.zeros((), dtype=torch.float32)
+            for g in grads:
+                sq = sq + g.detach().float().pow(2).sum()
+            norm = _sum_over(sq, dims.pp_group).sqrt()  # every stage joins, with or without a slice of `module`
             if self.config.grad_clip is not None:
                 coef = (self.config.grad_clip / (norm + 1e-6)).clamp(max=1.0)
                 for g in grads:
