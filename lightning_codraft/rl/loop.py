@@ -320,11 +320,8 @@ class CoDraftRun:
         last = self.last_checkpoint() if cfg.run.resume else None
         extra: dict[str, Any] = {}
         if last is None:
-            if cfg.run.init_from:
-                extra.update(self._load_warm(Path(cfg.run.init_from)))
-            else:
-                extra.update(self._warmups())
-                self._save_warm(extra)
+            warm = cfg.run.init_from
+            extra.update(self._load_warm(Path(warm)) if warm else self._warmups())
             if self.ref_policy is not None:
                 self.ref_policy.load_state_dict(self.module.policy.state_dict())
             self.engine = self._engine()
@@ -332,6 +329,8 @@ class CoDraftRun:
                 n_eval = cfg.task.eval_prompts
                 extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
                 self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
+            if not warm:
+                self._save_warm(extra)
         self.model = self.fabric.setup_module(self.module)
         self.strategy = self.fabric.strategy
         self.optimizer, self.scheduler = self.module.build_optimizer()
