@@ -125,7 +125,7 @@ def save_policy(policy: Policy, path: str | Path, max_shard_bytes: int = 5 * 2**
         state.pop("lm_head.weight", None)
     dtype = next(iter(state.values())).dtype
     config = policy.config.to_hf_dict()
-    config["torch_dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         old.unlink()

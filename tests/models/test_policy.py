@@ -89,6 +89,16 @@ def test_packed_logits_and_taps_match_transformers_per_document(family):
             check_taps(ours, [t[rows] for t in out.taps], taps, [h[0] for h in ref_hs])
 
 
+def test_padded_row_without_tokens_gets_zeros_and_others_are_unaffected():
+    _, ours = hf_and_ours("llama")
+    ids = torch.randint(0, 128, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask, taps=(3,))
+        alone = ours(ids[:1, :4]).logits
+    assert torch.equal(out.logits[0, :4], alone[0]) and (out.logits[1] == 0).all() and (out.taps[0][1] == 0).all()
+
+
 def test_packed_with_explicit_restarting_positions_equals_default():
     _, ours = hf_and_ours("llama")
     ids = torch.randint(0, 128, (12,))
