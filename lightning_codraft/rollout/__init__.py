@@ -16,8 +16,9 @@ _LAZY = {
     "SpeculativeEngine": "lightning_codraft.rollout.speculative",
     "VLLMEngine": "lightning_codraft.rollout.vllm_engine",
     "WeightSyncCallback": "lightning_codraft.rollout.weight_sync",
-    "sync_weights": "lightning_codraft.rollout.weight_sync",
+    "fabric_sync_weights": "lightning_codraft.rollout.weight_sync",
     "full_state_dict": "lightning_codraft.rollout.weight_sync",
+    "push_weights": "lightning_codraft.rollout.weight_sync",
 }
 
 
