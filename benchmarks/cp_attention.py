@@ -331,15 +331,18 @@ def plot(rows, args, path: Path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"ours": "-", "allgather": "--", "dupkeys": ":"}
+    colors = {"ours": "C0", "allgather": "C1", "dupkeys": "C3"}
+    dashes = {1: ("-", "o"), 2: ("--", "s"), 4: (":", "^")}
     for P in sorted({P for P, _, _, _ in rows}):
+        ls, mk = dashes.get(P, ("-.", "x"))
         for m in args.methods:
             pts = sorted((T, r) for P2, T, m2, r in rows if P2 == P and m2 == m and r is not None)
             if not pts:
                 continue
             xs = [T for T, _ in pts]
-            axes[0].plot(xs, [r["saved"] / 2 ** 20 for _, r in pts], styles[m], marker="o", label=f"{m} cp={P}")
-            axes[1].plot(xs, [r["fwd"] + r["bwd"] for _, r in pts], styles[m], marker="o", label=f"{m} cp={P}")
+            style = dict(color=colors[m], linestyle=ls, marker=mk, label=f"{m} cp={P}")
+            axes[0].plot(xs, [r["saved"] / 2 ** 20 for _, r in pts], **style)
+            axes[1].plot(xs, [r["fwd"] + r["bwd"] for _, r in pts], **style)
     for ax, title in zip(axes, ["per-rank bytes saved for backward (MiB)", "fwd+bwd wall time, max over ranks (s)"]):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -364,7 +367,8 @@ def write_docs(rows, args, cmd: str) -> None:
         f"H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, K={args.K} branch steps; tokens packed into "
         f"blocks of {args.doc_tokens} split 3:1 into two documents. Saved = distinct storages autograd keeps for "
         "backward on one rank (max over ranks); time = forward + backward, max over ranks, all ranks sharing "
-        f"{args.threads} threads (so time shows overhead, not speed-up). `–` = not run: the dupkeys mask alone "
+        f"{args.threads} threads (so time shows overhead, not speed-up; load average at the end "
+        f"{os.getloadavg()[0]:.1f}). `–` = not run: the dupkeys mask alone "
         f"would exceed {args.dup_mask_budget_gib} GiB.\n\n" + table + "\n\n" + summary(rows)
         + "\n\n![cp](cp.png)\n")
 
