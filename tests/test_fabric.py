@@ -1,5 +1,7 @@
 """CoDraftStrategy under Fabric: every mesh trains exactly like one process on the concatenated batch."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from codraft_fixtures import concat_batches, make_models, step_batches
@@ -92,3 +94,36 @@ def test_fabric_mesh_equals_single_process(fabric_results, index):
                                        atol=WEIGHT_ATOL, msg=lambda m: f"rank {rank} {name}: {m}")
             covered.add(name)
     assert covered == set(ref_weights), f"no rank holds {sorted(set(ref_weights) - covered)[:3]}"
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_launch_trains(tmp_path):
+    """torchrun --nnodes=2 with two node ranks on localhost: pp=2 x cp=2, the pipeline spans both "nodes"."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import free_port
+
+    repo = Path(__file__).resolve().parent.parent
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(repo / "examples" / "fabric_codraft.py"), "--devices", "2", "--num-nodes", "2", "--pp", "2", "--cp", "2",
+         "--steps", "2", "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for node, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
+    assert "step 1: loss" in outputs[0]
+    assert sorted(f.name for f in (tmp_path / "checkpoint").iterdir()) == ["meta.pt", "stage0.pt", "stage1.pt"]
