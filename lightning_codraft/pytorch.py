@@ -17,12 +17,15 @@ zigzag-shards it.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
+from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.strategy_core import CoDraftCore
 
@@ -70,6 +73,37 @@ class CoDraftStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Samplers shard over the dp dimension only: PP and CP peers read the same samples."""
         return self.core.sampler_kwargs()
+
+    # ----- mesh-independent checkpoints: a directory of per-stage slices, parameters identified by name
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's slice of the module state (the whole module without PP)."""
+        return ckpt.owned_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, so any mesh can load it."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return ckpt.optimizer_state_by_name(optimizer, ckpt.module_param_names(self.lightning_module))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Write ``filepath`` as a checkpoint directory (see ``lightning_codraft.parallel.checkpoint``)."""
+        if storage_options is not None:
+            raise TypeError(f"CoDraftStrategy.save_checkpoint does not support storage_options={storage_options!r}")
+        ckpt.save_trainer_checkpoint(filepath, checkpoint, self.core.dims)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return ckpt.read_trainer_checkpoint(checkpoint_path, self.core.dims)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        ckpt.load_module_subset(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        names = ckpt.module_param_names(self.lightning_module)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_optimizer_state_by_name(getattr(optimizer, "_optimizer", optimizer), state, names)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

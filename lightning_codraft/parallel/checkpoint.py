@@ -257,3 +257,51 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     rngs = ckpt["meta"]["rng"]
     restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
     return entries
+
+
+# ---------------------------------------------------------------------------------------- Trainer checkpoints
+def module_param_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` in ``module`` (the keys of name-keyed optimizer states of the Trainer path)."""
+    return {id(p): n for n, p in unwrap_module(module).named_parameters(remove_duplicate=False)}
+
+
+def save_trainer_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any],
+                            dims: Optional[ParallelDims] = None) -> None:
+    """Write a Trainer checkpoint dict as a mesh-independent directory; call on every rank.
+
+    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` must be this rank's slices (owned
+    state, name-keyed optimizer states); the first rank of every pipeline stage writes them to ``stage{p}.pt``
+    and rank 0 writes every other entry (loops, schedulers, callbacks, hyper-parameters) to ``meta.pt``.
+    """
+    dims = _dims(dims)
+    path = Path(path)
+    rngs = [None] * dims.world_size
+    if _distributed() and dist.get_world_size() > 1:
+        dist.all_gather_object(rngs, capture_rng())
+    else:
+        rngs = [capture_rng()]
+    if dims.dp_rank == 0 and dims.cp_rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save({"modules": {"state_dict": checkpoint["state_dict"]},
+                    "optimizers": dict(enumerate(checkpoint.get("optimizer_states", [])))},
+                   path / f"stage{dims.pp_rank}.pt")
+    if dims.rank == 0:
+        entries = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp}, "rng": rngs,
+                "entries": entries}
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(meta, path / "meta.pt")
+    if _distributed():
+        dist.barrier()
+
+
+def read_trainer_checkpoint(path: str | os.PathLike, dims: Optional[ParallelDims] = None) -> dict[str, Any]:
+    """The Trainer checkpoint dict of a directory written on any mesh (state and optimizer states merged)."""
+    dims = _dims(dims)
+    ckpt = read_checkpoint(path)
+    out = dict(ckpt["meta"]["entries"])
+    out["state_dict"] = ckpt["modules"].get("state_dict", {})
+    out["optimizer_states"] = [ckpt["optimizers"][i] for i in sorted(ckpt["optimizers"])]
+    rngs = ckpt["meta"]["rng"]
+    restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
+    return out
