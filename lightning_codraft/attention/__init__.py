@@ -1,6 +1,7 @@
 """Attention kernels: local varlen attention with LSE, branch attention, LSE merge, zigzag CP ring."""
 
 from lightning_codraft.attention.branch import branch_attention_backward, branch_attention_forward
+from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.codraft import codraft_attention
 from lightning_codraft.attention.local import (
     select_backend,
@@ -24,6 +25,7 @@ __all__ = [
     "ZigzagLayout",
     "branch_attention_backward",
     "branch_attention_forward",
+    "cached_attention",
     "codraft_attention",
     "document_ids_from_cu_seqlens",
     "merge_attention",
