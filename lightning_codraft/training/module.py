@@ -356,7 +356,8 @@ class CoDraftModule(LightningModule):
             microbatches = [shard_batch(mb, dims) for mb in split_microbatches(batch, M)]
         outs = [self._microbatch_objective(mb) for mb in microbatches]
         loss = sum(o[0] for o in outs) / M
-        metrics = {k: sum(o[1][k] for o in outs) / M for k in outs[0][1]}
+        # loss terms: mean over microbatches (the objective); token counts: summed
+        metrics = {k: sum(o[1][k] for o in outs) / (1 if k.endswith("num_tokens") else M) for k in outs[0][1]}
         counts = None
         if outs[0][2] is not None:
             counts = (sum(o[2][0] for o in outs), sum(o[2][1] for o in outs))
