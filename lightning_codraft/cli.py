@@ -70,6 +70,7 @@ def _cmd_fit(cfg: CoDraftConfig) -> int:
 
 
 def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
+    from lightning_codraft.rl.build import encode_prompt
     from lightning_codraft.rl.loop import load_for_rollout
 
     run = load_for_rollout(cfg)
@@ -83,7 +84,7 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
         texts = [s.prompt for s in run.task.sample(args.num_prompts, seed=cfg.run.seed + 123)]
-    prompts = run._fit_prompts([tok.encode(t) for t in texts])
+    prompts = run._fit_prompts([encode_prompt(tok, t) for t in texts])
     temperature = cfg.rl.temperature if args.temperature is None else args.temperature
     outs = run.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
                                top_p=cfg.rl.top_p, seed=cfg.run.seed, stop_token_ids=[tok.eos_token_id])

@@ -19,10 +19,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class HFTokenizer:
-    """Adapts a ``transformers`` tokenizer to the project's tokenizer protocol (no special tokens added)."""
+    """Adapts a ``transformers`` tokenizer to the project's tokenizer protocol (no special tokens added).
 
-    def __init__(self, tok):
+    ``encode_prompt`` wraps a prompt in the tokenizer's chat template (as one user turn, generation prompt
+    appended) when it has one and ``chat`` is True, so instruct models answer instead of ending the turn.
+    """
+
+    def __init__(self, tok, chat: bool = True):
         self.tok = tok
+        self.chat = chat and getattr(tok, "chat_template", None) is not None
         self.eos_token_id = int(tok.eos_token_id)
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
@@ -32,6 +37,13 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if not self.chat:
+            return self.encode(text)
+        ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
@@ -97,3 +109,8 @@ def build_policy(cfg, seed: int = 0):
         policy = Policy.from_pretrained(path, dtype=dtype)
         tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
     return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt ids: the tokenizer's ``encode_prompt`` (chat template) when it has one, else ``encode``."""
+    return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(text))

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 from lightning_codraft.rollout.engine import AcceptanceStats
@@ -21,7 +22,7 @@ def greedy_accuracy(engine, tokenizer, samples: Sequence[TaskSample], reward_fn:
     """Mean reward of greedy (temperature 0) completions of ``samples`` (lossless under speculation)."""
     if not samples:
         return float("nan")
-    prompts = [tokenizer.encode(s.prompt) for s in samples]
+    prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
     outs = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                            stop_token_ids=[tokenizer.eos_token_id])
     texts = [tokenizer.decode(o.token_ids) for o in outs]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_codraft.config import CoDraftConfig, to_yaml
-from lightning_codraft.rl.build import build_policy, build_reward, build_task
+from lightning_codraft.rl.build import build_policy, build_reward, build_task, encode_prompt
 from lightning_codraft.rl.evaluate import SpeedupResult, greedy_accuracy, measure_speedup
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
@@ -184,7 +184,7 @@ class CoDraftRun:
         bs = cfg.draft.warmup_batch_size
         n_batches = max(1, min(cfg.draft.warmup_steps, 8))
         samples = self.task.sample(bs * n_batches, seed=cfg.run.seed + _DRAFT_POOL_SEED)
-        prompts = self._fit_prompts([tok.encode(s.prompt) for s in samples])
+        prompts = self._fit_prompts([encode_prompt(tok, s.prompt) for s in samples])
         engine = SpeculativeEngine(policy, None, 0)
         outs = engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature,
                                top_p=cfg.rl.top_p, seed=cfg.run.seed + _DRAFT_POOL_SEED,
@@ -227,7 +227,7 @@ class CoDraftRun:
         per_rank = cfg.rl.prompts_per_step // dims.dp
         mine = samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
         G = cfg.rl.group_size
-        prompts = self._fit_prompts([tok.encode(s.prompt) for s in mine])
+        prompts = self._fit_prompts([encode_prompt(tok, s.prompt) for s in mine])
         requests = [p for p in prompts for _ in range(G)]
         self.module.policy.eval()
         t0 = time.perf_counter()
@@ -424,7 +424,7 @@ class CoDraftRun:
         if cfg.draft.mode != "none":
             tok = self.tokenizer
             samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + _EVAL_SEED + 1)
-            prompts = [tok.encode(s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
+            prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
             result.speedup = measure_speedup(self.module.policy, self.module.draft, cfg.draft.num_speculative_tokens,
                                              prompts, cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p,
                                              seed=cfg.run.seed + _EVAL_SEED, stop_token_ids=[tok.eos_token_id])

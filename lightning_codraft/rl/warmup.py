@@ -17,13 +17,14 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.experience import sft_batch
 from lightning_codraft.rl.tasks import TaskSample
 
 
 def encode_samples(tokenizer, samples: Sequence[TaskSample]) -> tuple[list[list[int]], list[list[int]]]:
     """``(prompt_ids, solution_ids + [eos])`` of each sample."""
-    prompts = [tokenizer.encode(s.prompt) for s in samples]
+    prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
     sols = [tokenizer.encode(s.solution) + [tokenizer.eos_token_id] for s in samples]
     return prompts, sols
 
