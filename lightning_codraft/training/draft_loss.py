@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_codraft.attention.packing import shift_left_local, validate_cu_seqlens
+from lightning_codraft.attention.packing import validate_cu_seqlens
+from lightning_codraft.attention.zigzag import shift_left
 
 
 @dataclass
@@ -60,20 +61,6 @@ def _group_size(group) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
-
-
-def _shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, group) -> Tensor:
-    """``y[i] = x[i + shift]`` inside the document, else 0, on the whole batch or on zigzag shards."""
-    try:
-        from lightning_codraft.attention import shift_left
-    except ImportError:  # the CP halo exchange is optional for single-process use
-        shift_left = None
-    if _group_size(group) == 1:
-        return shift_left_local(x, cu_seqlens, shift, fill=0)
-    if shift_left is None:
-        raise RuntimeError("ttt_draft_loss under a CP group of size > 1 needs "
-                           "lightning_codraft.attention.shift_left (the zigzag halo shift); it is not available")
-    return shift_left(x, cu_seqlens, shift, group=group, fill=0)
 
 
 def ttt_draft_loss(
@@ -137,7 +124,7 @@ def ttt_draft_loss(
         with torch.no_grad():
             # shifting by one per step composes to a shift of 1 + k (fill 0 propagates), and the CP halo
             # exchange then never reaches further than one row into the next zigzag chunk
-            shifted = _shift_left(shifted, cu_seqlens, 1, group)
+            shifted = shift_left(shifted, cu_seqlens, 1, group=group, fill=0)
             target_p = torch.softmax(shifted[:, :Vd], dim=-1)
             mask = shifted[:, Vd]
             target_top = shifted[:, Vd + 1].round().long()
