@@ -160,13 +160,17 @@ class PipelineCoDraft:
             -> (loss, stats)`` with ``policy_gradient_loss``'s contract (loss = this rank's share).
         draft_loss_fn: ``draft_loss_fn(step_logits, policy_logits, cu_seqlens, loss_mask, d2t, t2d, decay=,
             group=) -> .loss/.correct/.total`` with ``ttt_draft_loss``'s contract; required with a draft.
-        config: :class:`PipelineConfig`.
+        config: :class:`PipelineConfig` (default: 1F1B, balanced split).
     """
+
+    max_cached_schedules = 4
+    """Schedules (with their receive buffers) kept for distinct ``(M, T)``; the oldest is dropped beyond this."""
 
     def __init__(self, policy: nn.Module, draft: Optional[nn.Module] = None, *, stage: int, num_stages: int,
                  pp_group: Optional[Any], tap_group: Optional[Any], cp_group: Optional[Any] = None,
                  loss_group: Optional[Any] = None, rl_loss_fn: Callable[..., tuple[Tensor, Any]],
-                 draft_loss_fn: Optional[Callable[..., Any]] = None, config: PipelineConfig = PipelineConfig()):
+                 draft_loss_fn: Optional[Callable[..., Any]] = None, config: Optional[PipelineConfig] = None):
+        config = PipelineConfig() if config is None else config
         self.layout = StageLayout.split(policy.num_layers, num_stages, config.layers_per_stage)
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage={stage} is outside [0, {num_stages})")
@@ -220,6 +224,8 @@ class PipelineCoDraft:
     def _schedule(self, num_microbatches: int, tokens: int, dtype: torch.dtype, device: torch.device):
         key = (num_microbatches, tokens)
         if key not in self._schedules:
+            if len(self._schedules) >= self.max_cached_schedules:  # RL batches vary in length: bound the memory
+                self._schedules.pop(next(iter(self._schedules)))
             self._schedules[key] = build_schedule(self.stage_module, self.pp_group, num_microbatches, tokens,
                                                   self.config.schedule, loss_fn=self._loss_fn, dtype=dtype,
                                                   device=device)

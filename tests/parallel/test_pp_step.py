@@ -157,6 +157,15 @@ def test_draft_on_a_stage_that_is_not_last_and_taps_outside_the_model_are_refuse
                         rl_loss_fn=policy_gradient_loss)
 
 
+def test_microbatches_of_different_lengths_are_refused():
+    policy, draft = _models(4, (1, 2, 3), False)
+    runner = PipelineCoDraft(policy, draft, stage=0, num_stages=1, pp_group=None, tap_group=None,
+                             rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss)
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match="different token counts \\[7, 9\\].*pad_microbatches"):
+        runner.step([_microbatch(gen, [7], 1), _microbatch(gen, [9], 1)])
+
+
 def test_padding_microbatches_to_one_length_changes_no_loss():
     gen = torch.Generator().manual_seed(3)
     mbs = [_microbatch(gen, [6, 3], 1), _microbatch(gen, [11], 1)]
