@@ -301,3 +301,24 @@ def test_ttt_and_loss_under_context_parallelism_equal_single_process():
 
     losses = run_distributed(_cp_worker, world_size=2, timeout=180)
     assert losses[0] == losses[1]
+
+
+def test_loads_a_vllm_style_checkpoint_without_t2d(tmp_path):
+    from safetensors.torch import save_file
+
+    _, draft = _draft(Vd=40)
+    draft.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["t2d"]  # vLLM ignores t2d; third-party checkpoints may lack it
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["Eagle3LlamaForCausalLM"]
+    del cfg["eagle_aux_hidden_state_layer_ids"]  # ids only under eagle_config
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    back = Eagle3Draft.from_pretrained(tmp_path)
+    assert torch.equal(back.t2d, draft.t2d) and torch.equal(back.d2t, draft.d2t)
+    assert back.config.taps == draft.config.taps
+    del cfg["eagle_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no eagle_aux_hidden_state_layer_ids"):
+        Eagle3Draft.from_pretrained(tmp_path)
