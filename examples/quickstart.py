@@ -39,7 +39,8 @@ CORPUS = Path(lightning_codraft.rl.__file__).parent / "data" / "gsm8k_excerpt.js
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smollm2", action="store_true", help="load SmolLM2-135M-Instruct instead of a tiny policy")
-    p.add_argument("--data", type=Path, default=CORPUS, help="--smollm2: jsonl with question/answer fields (GSM8K format)")
+    p.add_argument("--data", type=Path, default=CORPUS,
+                   help="--smollm2: jsonl with question/answer fields (GSM8K format)")
     p.add_argument("--minutes", type=float, default=1.5, help="wall-clock budget of draft training")
     p.add_argument("--max-steps", type=int, default=None, help="stop draft training after this many steps")
     p.add_argument("--policy-seconds", type=float, default=60.0, help="tiny policy: pre-training budget")
@@ -207,7 +208,8 @@ def main(argv=None) -> dict:
     elapsed = time.monotonic() - start
     if history:
         first, final = history[0], history[-1]
-        print(f"\n{step} draft steps in {elapsed:.0f}s: step-0 accuracy {first['acc'][0]:.3f} -> {final['acc'][0]:.3f}, "
+        print(f"\n{step} draft steps in {elapsed:.0f}s: step-0 accuracy {first['acc'][0]:.3f} -> "
+              f"{final['acc'][0]:.3f}, "
               f"implied acceptance length {first['acceptance_length']:.2f} -> {final['acceptance_length']:.2f}")
     if args.save is not None:
         draft.save_pretrained(args.save)

@@ -14,7 +14,8 @@ def _quickstart():
 
 def test_quickstart_runs_for_a_few_steps_and_saves_a_loadable_draft(tmp_path):
     out = _quickstart().main(["--policy-steps", "3", "--max-steps", "4", "--log-every", "2",
-                              "--tokens-per-batch", "128", "--sample-tokens", "4", "--ttt-steps", "2", "--save", str(tmp_path / "draft")])
+                              "--tokens-per-batch", "128", "--sample-tokens", "4", "--ttt-steps", "2",
+                              "--save", str(tmp_path / "draft")])
     assert out["steps"] == 4 and [h["step"] for h in out["history"]] == [2, 4]
     for h in out["history"]:
         assert len(h["acc"]) == 2 and all(0.0 <= a <= 1.0 for a in h["acc"])

@@ -129,7 +129,8 @@ def test_step_with_cache_matches_ttt_step0_and_chunked_decode():
             torch.testing.assert_close(h_full[b], h0, atol=1e-5, rtol=1e-5)
         cache2 = draft.allocate_kv_cache(2, 16)
         h_a, _ = draft.step(draft.fuse([t[:, :4] for t in taps]), embeds[:, :4], cache2)
-        h_b, lg_b = draft.step(draft.fuse([t[:, 4:] for t in taps]), embeds[:, 4:], cache2, num_new=torch.tensor([3, 1]))
+        h_b, lg_b = draft.step(draft.fuse([t[:, 4:] for t in taps]), embeds[:, 4:], cache2,
+                               num_new=torch.tensor([3, 1]))
     torch.testing.assert_close(torch.cat([h_a, h_b], 1), h_full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lg_b, lg_full[:, 4:], atol=1e-5, rtol=1e-5)
     assert cache2.lengths.tolist() == [7, 5]
