@@ -62,8 +62,8 @@ class DraftConfig:
     draft_vocab_size: int
     """Vd <= V, rows of ``lm_head``; ``d2t`` has this length."""
     taps: tuple[int, ...]
-    """Three distinct policy tap ids fused by ``fc`` (tap l = hidden state entering policy layer l); written to
-    config.json as vLLM's ``eagle_aux_hidden_state_layer_ids``."""
+    """Three increasing policy tap ids fused by ``fc`` in this order (tap l = hidden state entering policy layer
+    l); written to config.json as vLLM's ``eagle_aux_hidden_state_layer_ids``."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm of the draft."""
     rope_theta: float = 10000.0
@@ -90,6 +90,9 @@ class DraftConfig:
         if len(self.taps) != 3 or len(set(self.taps)) != 3 or min(self.taps) < 0:
             raise ValueError(f"taps={self.taps} must be three distinct non-negative policy tap ids (vLLM's "
                              "eagle_aux_hidden_state_layer_ids must be distinct), e.g. (2, L//2, L-3)")
+        if list(self.taps) != sorted(self.taps):
+            raise ValueError(f"taps={self.taps} must be increasing, e.g. {tuple(sorted(self.taps))}: vLLM concatenates "
+                             "the aux hidden states for fc in layer order")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json for vLLM's ``LlamaForCausalLMEagle3`` loader."""
@@ -223,7 +226,7 @@ class Eagle3Draft(nn.Module):
         Args:
             policy: the target model.
             draft_vocab_size: Vd; None keeps the policy's whole vocabulary (identity ``d2t``/``t2d``).
-            taps: three distinct tap ids in ``[0, L-1]``; default ``policy.default_taps`` when those are
+            taps: three increasing tap ids in ``[0, L-1]``; default ``policy.default_taps`` when those are
                 distinct, else ``(0, 1, 2)`` for L = 3 and ``(1, L//2, L-1)`` for 4 <= L <= 6.
             token_counts: ``(V,)`` corpus frequencies of the policy's tokens; required when Vd < V (the draft
                 vocabulary is the Vd most frequent tokens).

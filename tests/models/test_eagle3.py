@@ -234,6 +234,8 @@ def test_errors_are_clear(tmp_path):
         Eagle3Draft.from_policy(policy, taps=(1, 2, 4))
     with pytest.raises(ValueError, match="distinct"):
         Eagle3Draft.from_policy(policy, taps=(1, 2, 2))
+    with pytest.raises(ValueError, match=r"must be increasing, e.g. \(0, 1, 3\)"):
+        Eagle3Draft.from_policy(policy, taps=(3, 0, 1))
     with pytest.raises(ValueError, match="token_counts has 7 entries but the policy's vocab_size is 128"):
         Eagle3Draft.from_policy(policy, draft_vocab_size=4, token_counts=torch.ones(7))
     with pytest.raises(ValueError, match="needs token_counts"):
