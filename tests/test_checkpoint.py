@@ -54,7 +54,8 @@ def saved(tmp_path_factory):
     return path, results
 
 
-def test_resume_on_the_same_kind_of_mesh_continues_identically(saved):
+@pytest.mark.slow
+def test_resume_in_fresh_processes_on_another_mesh_continues_identically(saved):
     path, first = saved
     ref_losses, ref_weights = reference_run(1, **OVERRIDES)
     assert first[0][0] == pytest.approx(ref_losses[:SAVE_AT], rel=1e-5)

@@ -23,7 +23,18 @@ def _weights(module) -> dict:
     return {k: v.detach().clone().numpy() for k, v in module.state_dict().items()}
 
 
+_REFERENCE: dict = {}
+
+
 def reference_run(dp: int, steps: int = STEPS, order=None, **overrides) -> tuple[list[float], dict]:
+    """Cached :func:`_reference_run` (several tests compare against the same single-process run)."""
+    key = (dp, steps, None if order is None else tuple(order), tuple(sorted(overrides.items())))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_run(dp, steps, order, **overrides)
+    return _REFERENCE[key]
+
+
+def _reference_run(dp: int, steps: int = STEPS, order=None, **overrides) -> tuple[list[float], dict]:
     """One process, the dp replicas' batches concatenated per step (with num_microbatches > 1: dp == 1).
 
     ``order``: the sampler's permutation of the flat list of ``steps * dp`` batches (replica r reads
@@ -66,34 +77,56 @@ def _fabric_worker(rank, world_size, layouts):
         flat = [b for per_rank in step_batches(STEPS, dp) for b in per_rank]
         loader = fabric.setup_dataloaders(DataLoader(flat, batch_size=None, shuffle=False))
         losses = [fabric_training_step(fabric, model, batch, optimizer, scheduler)["loss"] for batch in loader]
-        results.append((losses, {k: v.detach().clone().numpy() for k, v in model.module.owned_state_dict().items()}))
+        dims = strategy.parallel_dims
+        cp_sum = (fabric.all_reduce(torch.tensor(float(rank)), group=dims.cp_group, reduce_op="sum")
+                  if dims.cp_group is not None else torch.tensor(float(rank)))  # None would mean the world
+        reduced = [float(cp_sum),
+                   float(fabric.all_reduce(torch.tensor(float(rank))))]  # world mean
+        results.append((losses, {k: v.detach().clone().numpy() for k, v in model.module.owned_state_dict().items()},
+                        reduced, dims.coordinates))
     return results
 
 
-# (mesh, module overrides): under PP the objective is the mean over M microbatches (M >= pp for 1F1B)
-LAYOUTS = [(dict(dp=4), {}), (dict(dp=2, cp=2), {}), (dict(pp=2, cp=2), dict(num_microbatches=2)),
-           (dict(pp=4), dict(num_microbatches=4))]
+# (mesh, module overrides): under PP the objective is the mean over M microbatches (M >= pp for 1F1B).
+# One spawn of 4 processes per group: the default suite runs the CP and PP x CP meshes, -m slow the others.
+LAYOUTS = {"default": [(dict(dp=2, cp=2), {}), (dict(pp=2, cp=2), dict(num_microbatches=2))],
+           "slow": [(dict(dp=4), {}), (dict(pp=4), dict(num_microbatches=4))]}
+_RESULTS: dict = {}
 
 
-@pytest.fixture(scope="module")
-def fabric_results():
-    return run_distributed(_fabric_worker, world_size=4, args=(LAYOUTS,), timeout=900)
+def _results(group):
+    if group not in _RESULTS:
+        _RESULTS[group] = run_distributed(_fabric_worker, world_size=4, args=(LAYOUTS[group],), timeout=900)
+    return _RESULTS[group]
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(l[0]) for l in LAYOUTS])
-def test_fabric_mesh_equals_single_process(fabric_results, index):
-    mesh, overrides = LAYOUTS[index]
+def _check_layout(group, index):
+    mesh, overrides = LAYOUTS[group][index]
     dp = 4 // (mesh.get("pp", 1) * mesh.get("cp", 1))
     ref_losses, ref_weights = reference_run(dp, **overrides)
     covered = set()
-    for rank, per_layout in enumerate(fabric_results):
-        losses, weights = per_layout[index]
+    for rank, per_layout in enumerate(_results(group)):
+        losses, weights, reduced, coords = per_layout[index]
+        cp = mesh.get("cp", 1)
+        cp_peers = [rank - coords[2] + c for c in range(cp)]
+        assert reduced == [float(sum(cp_peers)) if cp > 1 else float(rank), 1.5]  # over the cp group; world mean
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
         for name, value in weights.items():  # under PP every rank holds (and is compared on) its stage's slice
             torch.testing.assert_close(torch.from_numpy(value), torch.from_numpy(ref_weights[name]), rtol=1e-5,
                                        atol=WEIGHT_ATOL, msg=lambda m: f"rank {rank} {name}: {m}")
             covered.add(name)
     assert covered == set(ref_weights), f"no rank holds {sorted(set(ref_weights) - covered)[:3]}"
+
+
+@pytest.mark.parametrize("index", range(2), ids=[str(m) for m, _ in LAYOUTS["default"]])
+def test_fabric_mesh_equals_single_process(index):
+    _check_layout("default", index)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(2), ids=[str(m) for m, _ in LAYOUTS["slow"]])
+def test_fabric_mesh_equals_single_process_dp4_pp4(index):
+    _check_layout("slow", index)
 
 
 @pytest.mark.slow

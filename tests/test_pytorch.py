@@ -33,7 +33,8 @@ def _trainer_worker(rank, world_size, layout):
     return losses, {k: v.detach().clone().numpy() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, dict(cp=2)), (4, dict(dp=2, cp=2))])
+@pytest.mark.parametrize("world_size, layout", [(2, dict(cp=2)),
+                                                pytest.param(4, dict(dp=2, cp=2), marks=pytest.mark.slow)])
 def test_trainer_fit_equals_single_process(world_size, layout):
     results = run_distributed(_trainer_worker, world_size=world_size, args=(layout,), timeout=600)
     dp = world_size // layout.get("cp", 1)
