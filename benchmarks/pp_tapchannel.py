@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_codraft.attention.packing import pack_documents, shift_left_local  # noqa: E402
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
-from lightning_codraft.parallel.pipeline import MicrobatchMeta, PolicyStage, check_num_microbatches  # noqa: E402
+from lightning_codraft.parallel.pipeline import PolicyStage, check_num_microbatches  # noqa: E402
 from lightning_codraft.parallel.pp_step import PipelineCoDraft, PipelineConfig  # noqa: E402
 from lightning_codraft.parallel.tap_channel import TapChannel  # noqa: E402
 from lightning_codraft.training.draft_loss import ttt_draft_loss  # noqa: E402
@@ -279,8 +279,8 @@ def main():
     fmt = ("| {} | {:.3f} | {:+.1f} | {:+.1f} | {:.3f} | {:+.1f} | {:+.1f} | {:.3f} | {:.2f} | {:.2f} | {:.4f} |")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [fmt.format(*r) for r in rows]
     setup = (f"{args.stages} stages {layer_ranges}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
-             f"draft vocab {args.vocab // 4}, {args.microbatches} microbatches x {args.tokens} tokens, schedule {args.schedule}, draft taps "
-             f"{draft_taps} (+ tap 0 for the token embeddings), K={args.ttt_steps}, {args.rounds} rounds, gloo, "
+             f"draft vocab {args.vocab // 4}, {args.microbatches} microbatches x {args.tokens} tokens, "
+             f"schedule {args.schedule}, draft taps {draft_taps} (+ tap 0 for the token embeddings), K={args.ttt_steps}, {args.rounds} rounds, gloo, "
              f"1 thread per rank, {os.cpu_count()} CPU cores")
     table = "\n".join(lines)
     print(setup)
