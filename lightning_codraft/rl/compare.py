@@ -102,12 +102,13 @@ def compare_arms(cfg: CoDraftConfig, arms: Sequence[str] = ARMS,
     out = Path(cfg.run.out_dir) / "bench"
     if out.exists():
         shutil.rmtree(out)
-    # the arm that warms up must train the draft offline: set it up first, the others start from its weights
+    # the arm that warms up must train the draft offline (mode != none): it is set up first
     first = "cotrain" if "cotrain" in arms else arms[0]
     order = [first] + [a for a in arms if a != first]
     runs: dict[str, CoDraftRun] = {}
     for a in order:
-        init = None if a == first else str(out / first / "warm")
+        # the first arm warms up (or starts from run.init_from when given); the others from its weights
+        init = cfg.run.init_from if a == first else str(out / first / "warm")
         runs[a] = CoDraftRun(arm_config(cfg, a, out, init), print_fn=lambda s, a=a: print_fn(f"[{a}] {s}"))
         runs[a].setup()
     for step in range(cfg.rl.steps):

@@ -61,7 +61,7 @@ def _timed(engine, prompts, max_new_tokens, temperature, top_p, seed, stop):
 
 def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[list[int]], max_new_tokens: int,
                     temperature: float, top_p: float, seed: int, stop_token_ids: Sequence[int],
-                    repeats: int = 2) -> SpeedupResult:
+                    repeats: int = 3) -> SpeedupResult:
     """Tokens/s of plain vs speculative decoding of ``prompts`` (best of ``repeats``, runs interleaved)."""
     from lightning_codraft.rollout.speculative import SpeculativeEngine
 

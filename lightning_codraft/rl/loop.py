@@ -329,8 +329,7 @@ class CoDraftRun:
                 n_eval = cfg.task.eval_prompts
                 extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
                 self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
-            if not warm:
-                self._save_warm(extra)
+            self._save_warm(extra)
         self.model = self.fabric.setup_module(self.module)
         self.strategy = self.fabric.strategy
         self.optimizer, self.scheduler = self.module.build_optimizer()
