@@ -231,7 +231,9 @@ class SpeculativeEngine:
         lens = torch.tensor([len(p) for p in prompts], device=device)
         budget = torch.clamp(self.max_context - lens, max=params.max_new_tokens)  # tokens each row may emit
         max_len = int(lens.max())
-        capacity = int((lens + budget).max()) + k + 1
+        # a row may overshoot its budget by K+1 slots in its last round, then stays frozen there while others
+        # run on, and every round writes K+1 more (rolled back): 2(K+1) spare slots keep that in bounds
+        capacity = int((lens + budget).max()) + 2 * (k + 1)
         pc = self.policy.config
         pcache = self._allocate(pc, int(pc.num_hidden_layers), batch, max(capacity, max_len))
         dcache = self._allocate(self.draft.config, 1, batch, max(capacity, max_len)) if use_draft else None

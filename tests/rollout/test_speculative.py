@@ -63,6 +63,18 @@ def test_greedy_speculative_equals_plain(policy, fitted, k):
     assert any(r.finish_reason == "stop" for r in plain)  # the stop path is exercised
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_rows_finishing_at_different_rounds(policy, fitted, k):
+    """Same-length prompts, some well drafted (finish early, overshoot their budget in the last round) and
+    some not: the frozen rows must stay within the caches while the others keep decoding."""
+    draft, fit_set = fitted
+    prompts = fit_set[:6] + [p[:4] for p in random_prompts(30, policy.config.vocab_size, lo=4, seed=8)][:6]
+    for n in (21, 23):
+        plain = SpeculativeEngine(policy, None, 0).generate(prompts, n, temperature=0.0)
+        outs = SpeculativeEngine(policy, draft, k).generate(prompts, n, temperature=0.0)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
+
+
 def test_acceptance_fitted_draft_near_k_plus_1_random_near_1(policy, fitted):
     draft_fit, prompts = fitted
     k = 3
