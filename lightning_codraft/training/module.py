@@ -15,8 +15,12 @@ from Fabric (:func:`lightning_codraft.fabric.fabric_training_step`). One step, a
       -> draft.ttt_forward(detached taps, detached shifted embeddings)  -> draft_loss(step logits, policy logits)
       -> (L_rl + lambda L_draft) * grad_average_size  -> backward  -> optimizer (2 param groups) -> schedulers
 
-Research subclasses override :meth:`rl_loss`, :meth:`draft_loss`, :meth:`configure_taps` or
-:meth:`draft_token_embeds`.
+Research subclasses override :meth:`rl_loss`, :meth:`draft_loss`, :meth:`configure_taps`,
+:meth:`draft_step_logits` or :meth:`draft_token_embeds`. Under pipeline parallelism (pp > 1) the step is run by
+``lightning_codraft.parallel.pp_step.PipelineCoDraft``: :meth:`rl_loss` and :meth:`draft_loss` are still called
+(on the last stage, per microbatch), while the draft's inputs are the pipeline's (the draft's configured taps,
+shipped by the TapChannel, and the shifted embeddings rebuilt from tap 0), so the other three overrides do not
+apply there.
 """
 
 from __future__ import annotations
@@ -223,6 +227,11 @@ class CoDraftModule(LightningModule):
 
         c = self.config
         run_draft = c.trains_draft or c.score_draft
+        draft_taps = tuple(int(t) for t in self.draft.config.taps)
+        if run_draft and tuple(self.configure_taps()) != draft_taps:
+            raise ValueError(f"under pp={dims.pp} the pipeline ships the draft's own taps {draft_taps} through the "
+                             f"TapChannel, but configure_taps() returns {tuple(self.configure_taps())}; build the "
+                             f"draft with Eagle3Draft.from_policy(policy, taps=...) instead of overriding the taps")
         self._pipeline = PipelineCoDraft(
             self.policy, self.draft if (dims.is_last_stage and run_draft) else None, stage=dims.pp_rank,
             num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group, cp_group=dims.cp_group,
@@ -236,7 +245,7 @@ class CoDraftModule(LightningModule):
                 p.requires_grad_(False)
         if not c.trains_draft:
             self.draft.requires_grad_(False)
-        self._owned = {n for n, p in self.named_parameters() if id(p) in owned}
+        self._owned = {n for n, p in self.named_parameters(remove_duplicate=False) if id(p) in owned}
 
     def owned_state_dict(self) -> dict[str, Tensor]:
         """The state this rank is responsible for: everything without PP, this stage's slice under PP."""
