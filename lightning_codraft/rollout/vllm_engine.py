@@ -11,6 +11,8 @@
   float64 checksums of its parameters and the update fails loudly unless they equal the checksums of the pushed
   tensors (a skipped or partial draft load is the failure users hit most). vLLM-CPU packs linear weights into
   oneDNN handles and empties ``.weight``; those layers are checked by pushing a fixed probe through them.
+  vLLM shares the target's ``lm_head`` with a draft whose ``lm_head`` was identical at load time (a fresh
+  ``Eagle3Draft.from_policy``); the first draft push un-shares it, or it would overwrite the policy's head.
 * Stats: vLLM's spec-decode counters (``vllm:spec_decode_num_drafts`` / ``_draft_tokens`` /
   ``_accepted_tokens`` / ``_accepted_tokens_per_pos``) are read before and after each :meth:`generate`; the
   difference is :attr:`VLLMEngine.last_stats`. vLLM does not report acceptance per request, so each
@@ -28,6 +30,7 @@ vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 2
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -131,6 +134,22 @@ def engine_checksums(model: torch.nn.Module, draft: bool) -> dict[str, tuple[str
     return out
 
 
+def _unshared_head(head: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module:
+    """A copy of vLLM's (shared) ``ParallelLMHead`` holding ``weight``, its CPU GEMM handle rebuilt."""
+    new = copy.deepcopy(head)
+    new.weight = torch.nn.Parameter(torch.zeros_like(head.weight), requires_grad=False)
+    _load_head(new, weight)
+    return new
+
+
+def _load_head(head: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Copy ``weight`` (Vd, H) into vLLM's ``ParallelLMHead`` (rows past Vd are padding) and rebuild its GEMM."""
+    with torch.no_grad():
+        head.weight.data.zero_()
+        head.weight.data[: weight.shape[0]].copy_(weight.to(dtype=head.weight.dtype, device=head.weight.device))
+    head.quant_method.process_weights_after_loading(head)
+
+
 class CoDraftWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``): in-place weight loads and checksums."""
 
@@ -155,12 +174,20 @@ class CoDraftWorkerExtension:
             state = bytes_to_tensors(blob)
             if kind == "draft":
                 state = {k: v for k, v in state.items() if k != "t2d"}
+                head = state.pop("lm_head.weight", None)
                 has_d2t = any(n.endswith("draft_id_to_target_id") for n, _ in models[kind].named_buffers()) or any(
                     n.endswith("draft_id_to_target_id") for n, _ in models[kind].named_parameters())
                 if not has_d2t:
                     state.pop("d2t", None)  # full-vocabulary draft: vLLM has no d2t and refuses one
-            config = self.vllm_config
-            reload_weights(config, models[kind], iter(state.items()), None, True)
+            reload_weights(self.vllm_config, models[kind], iter(state.items()), None, True)
+            if kind == "draft" and head is not None:
+                target, drafter = models["policy"], models["draft"]
+                if drafter.lm_head is getattr(target, "lm_head", None):
+                    # vLLM shares the target's lm_head when the draft's was identical at load time (a draft
+                    # built by Eagle3Draft.from_policy): loading into it would overwrite the policy's head.
+                    drafter.lm_head = _unshared_head(target.lm_head, head)
+                else:
+                    _load_head(drafter.lm_head, head)
             loaded.append(kind)
         return loaded
 
@@ -199,13 +226,16 @@ class VLLMEngine:
         dtype: vLLM model dtype.
         enforce_eager: skip torch.compile / graph capture (fast start on CPU).
         verify_updates: check checksums after every :meth:`update_weights` (raise on mismatch).
+        draft_sample_method: vLLM's ``speculative_config.draft_sample_method``: ``"greedy"`` (vLLM's default:
+            drafts are argmax, accepted with probability ``p(d)``) or ``"probabilistic"`` (drafts sampled from
+            ``q``, accepted with ``min(1, p/q)``, as the embedded engine does). None keeps vLLM's default.
         **llm_kwargs: anything else for ``vllm.LLM``.
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None = None, num_speculative_tokens: int = 3,
                  *, kv_cache_memory_bytes: int = 256 * 2**20, max_model_len: int | None = None,
                  max_num_seqs: int = 64, dtype: str = "float32", enforce_eager: bool = True,
-                 verify_updates: bool = True, **llm_kwargs: Any):
+                 verify_updates: bool = True, draft_sample_method: str | None = None, **llm_kwargs: Any):
         try:
             from vllm import LLM
         except ImportError as err:
@@ -231,6 +261,8 @@ class VLLMEngine:
                 raise ValueError(f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's "
                                  f"vocab_size={self.vocab_size}")
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": self.num_speculative_tokens}
+            if draft_sample_method is not None:
+                spec["draft_sample_method"] = draft_sample_method
         self.verify_updates = verify_updates
         self.last_stats = AcceptanceStats(accepted_per_position=[0] * self.num_speculative_tokens)
         self.llm = LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype=dtype,
