@@ -8,6 +8,7 @@ distribution, why generation stopped, and speculative-decoding acceptance statis
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -125,6 +126,10 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cont
         if len(prompt) >= max_context:
             raise ValueError(f"request {i}: prompt has {len(prompt)} tokens but the context holds "
                              f"{max_context}; prompts must be shorter than the context to generate anything")
+        if not all(isinstance(t, numbers.Integral) for t in prompt):
+            bad = next(t for t in prompt if not isinstance(t, numbers.Integral))
+            raise ValueError(f"request {i}: token ids must be Python ints, got {type(bad).__name__} {bad!r}; "
+                             "encode text with the tokenizer first")
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi

@@ -212,6 +212,8 @@ def test_errors(policy):
     ctx = policy.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"request 0: prompt has {ctx} tokens"):
         eng.generate([[1] * ctx], 4)
+    with pytest.raises(ValueError, match="request 0: token ids must be Python ints, got str"):
+        eng.generate([["hello"]], 4)
     with pytest.raises(ValueError, match="token id 128 is outside"):
         eng.generate([[1, 128]], 4)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
