@@ -120,6 +120,9 @@ class RLConfig:
     """KL penalty to the initial policy (0 = no reference model)."""
     scale_advantages: bool = True
     """Divide group-centred rewards by the group std (GRPO); False = mean-centred only."""
+    loss_aggregation: str = "sequence"
+    """``sequence``: every sample weighs the same (GRPO: token mean per sample, then mean over samples);
+    ``token``: every completion token weighs the same (DAPO)."""
 
 
 @dataclass
@@ -189,6 +192,7 @@ _CHOICES = {
     ("draft", "mode"): ("cotrain", "frozen", "none"),
     ("task", "name"): ("arithmetic", "gsm8k"),
     ("task", "on_reward_error"): ("warn", "raise"),
+    ("rl", "loss_aggregation"): ("sequence", "token"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
 }

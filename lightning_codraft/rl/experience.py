@@ -56,6 +56,19 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> 
     return adv
 
 
+def sequence_weighted(advantages: Sequence[float], lengths: Sequence[int]) -> list[float]:
+    """Advantages rescaled by ``mean(lengths) / length`` so that a TOKEN-mean loss over the batch equals the
+    SEQUENCE-mean loss of GRPO (each sample's tokens averaged first, then the samples): every sample weighs
+    the same whatever its length, and long wrong answers no longer outweigh short right ones on the tokens
+    they share."""
+    if len(advantages) != len(lengths):
+        raise ValueError(f"got {len(advantages)} advantages for {len(lengths)} lengths")
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"every completion needs >= 1 token, got lengths {list(lengths)}")
+    mean = sum(lengths) / len(lengths)
+    return [a * mean / n for a, n in zip(advantages, lengths)]
+
+
 def build_rl_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cp: int = 1,
                    pad_id: int = 0, ref_logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, Tensor]:
     """Pack rollouts into the next-token-aligned RL batch dict.

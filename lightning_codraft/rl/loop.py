@@ -29,7 +29,7 @@ import torch
 from lightning_codraft.config import CoDraftConfig, to_yaml
 from lightning_codraft.rl.build import build_policy, build_reward, build_task, encode_prompt
 from lightning_codraft.rl.evaluate import SpeedupResult, greedy_accuracy, measure_speedup
-from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
+from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rl.warmup import draft_warmup, encode_samples, sft_warmup
@@ -245,6 +245,8 @@ class CoDraftRun:
                      f"{mine[failed[0] // G].prompt!r}); scored 0")
         r = torch.tensor(rewards).view(len(mine), G)
         adv = group_advantages(r, scale=cfg.rl.scale_advantages).view(-1).tolist()
+        if cfg.rl.loss_aggregation == "sequence":
+            adv = sequence_weighted(adv, [len(o.token_ids) for o in outs])
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id,

@@ -78,3 +78,16 @@ def test_batch_errors():
         build_rl_batch([Rollout([1], [2], [0.0, 0.0], 0)], [0.0])
     with pytest.raises(ValueError, match="got 2 advantages for 1 rollouts"):
         build_rl_batch([Rollout([1], [2], [0.0], 0)], [0.0, 1.0])
+
+
+def test_sequence_weighting_turns_the_token_mean_into_the_sequence_mean():
+    from lightning_codraft.rl.experience import sequence_weighted
+
+    lengths, adv = [1, 3, 6, 2], [0.5, -1.0, 2.0, -0.25]
+    per_token = [torch.rand(n) for n in lengths]  # e.g. ratios of each completion token
+    w = sequence_weighted(adv, lengths)
+    token_mean = sum(wi * x.sum() for wi, x in zip(w, per_token)) / sum(lengths)
+    sequence_mean = sum(a * x.mean() for a, x in zip(adv, per_token)) / len(lengths)
+    assert torch.allclose(token_mean, sequence_mean)
+    with pytest.raises(ValueError, match="lengths"):
+        sequence_weighted([1.0], [0])
