@@ -16,7 +16,8 @@ One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whos
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
    the next round's step-0 proposal.
 
-Per round: 1 policy forward and K draft forwards, however many tokens are accepted. With no draft
+Per round: 1 policy forward and K draft forwards, however many tokens are accepted. Sequences that finish
+(stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
 (or K = 0) the same loop is plain decoding: one policy forward per token.
 """
 
@@ -38,6 +39,12 @@ from lightning_codraft.rollout.sampling import (
     sampling_logprobs,
     stop_mask,
 )
+
+
+def _select_rows(cache: KVCache, rows: torch.Tensor) -> KVCache:
+    """A cache holding only ``rows`` (B',) of ``cache`` (finished sequences leave the batch)."""
+    return KVCache(k=[t.index_select(0, rows) for t in cache.k], v=[t.index_select(0, rows) for t in cache.v],
+                   lengths=cache.lengths.index_select(0, rows))
 
 
 def _cfg(config, name: str, default=None):
@@ -231,8 +238,8 @@ class SpeculativeEngine:
         lens = torch.tensor([len(p) for p in prompts], device=device)
         budget = torch.clamp(self.max_context - lens, max=params.max_new_tokens)  # tokens each row may emit
         max_len = int(lens.max())
-        # a row may overshoot its budget by K+1 slots in its last round, then stays frozen there while others
-        # run on, and every round writes K+1 more (rolled back): 2(K+1) spare slots keep that in bounds
+        # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
+        # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots
         capacity = int((lens + budget).max()) + 2 * (k + 1)
         pc = self.policy.config
         pcache = self._allocate(pc, int(pc.num_hidden_layers), batch, max(capacity, max_len))
@@ -264,22 +271,31 @@ class SpeculativeEngine:
         emitted = torch.ones(batch, dtype=torch.long, device=device)
         length = lens.clone()
         positions = torch.arange(k + 1, device=device)
+        active = list(range(batch))  # original index of each live row
 
         while not bool(done.all()):
+            if bool(done.any()):  # drop finished rows from the caches and the batch
+                sel = (~done).nonzero().squeeze(1)
+                active = [active[i] for i in sel.tolist()]
+                pcache = _select_rows(pcache, sel)
+                dcache = _select_rows(dcache, sel) if use_draft else None
+                pending, length, emitted, budget, done = (t[sel] for t in (pending, length, emitted, budget, done))
+                if use_draft:
+                    h_last, dl_last = h_last[sel], dl_last[sel]
+                rows = torch.arange(len(active), device=device)
             if use_draft:
                 draft_ids, q = self._propose(h_last, dl_last, dcache, params, generator)
                 verify_ids = torch.cat([pending[:, None], draft_ids], dim=1)
             else:
-                draft_ids, q = pending.new_zeros(batch, 0), None
+                draft_ids, q = pending.new_zeros(len(active), 0), None
                 verify_ids = pending[:, None]
             out = self.policy(verify_ids, kv_cache=pcache, taps=taps_ids)
             lp = sampling_logprobs(out.logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
             if params.greedy:
                 accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
             else:
-                accepted, bonus = rejection_sample(lp.exp(), q if q is not None else lp.new_zeros(batch, 0, lp.shape[-1]),
+                accepted, bonus = rejection_sample(lp.exp(), q if q is not None else lp.new_zeros(len(active), 0, lp.shape[-1]),
                                                    draft_ids, generator)
-            accepted = torch.where(done, torch.zeros_like(accepted), accepted)
             new_ids = torch.cat([draft_ids, torch.zeros_like(pending[:, None])], dim=1)
             new_ids[rows, accepted] = bonus
             new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
@@ -288,19 +304,16 @@ class SpeculativeEngine:
             is_stop = stop_mask(new_ids, params.stop_token_ids) & valid
             stop_at = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(accepted, k + 1))
             keep = torch.minimum(torch.minimum(accepted + 1, stop_at + 1), budget - emitted)
-            keep = torch.where(done, torch.zeros_like(keep), keep)
             stopped = stop_at + 1 <= keep
-            new_length = torch.where(done, length, length + 1 + accepted)
+            new_length = length + 1 + accepted
             pcache.truncate(new_length)
             if use_draft:
                 span = int(accepted.max()) + 1
                 taps = tuple(t[:, :span] for t in out.taps)
                 h_last, dl_last = self._catch_up(taps, new_ids[:, :span], accepted, dcache, new_length)
             del out
-            for b, (n, a, ids_b, lp_b, st) in enumerate(zip(keep.tolist(), accepted.tolist(), new_ids.tolist(),
-                                                           new_lp.tolist(), stopped.tolist())):
-                if n == 0:
-                    continue
+            for b, n, a, ids_b, lp_b, st in zip(active, keep.tolist(), accepted.tolist(), new_ids.tolist(),
+                                                new_lp.tolist(), stopped.tolist()):
                 tokens[b].extend(ids_b[:n])
                 logprobs[b].extend(lp_b[:n])
                 s = stats[b]
@@ -315,6 +328,6 @@ class SpeculativeEngine:
                     finish[b] = "stop"
             emitted = emitted + keep
             done = done | stopped | (emitted >= budget)
-            length, pending = new_length, torch.where(done, pending, bonus)
+            length, pending = new_length, bonus
         return [RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
                 for b in range(batch)]
