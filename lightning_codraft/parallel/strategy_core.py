@@ -206,6 +206,9 @@ class CoDraftCore:
         """
         if not dist.is_available() or not dist.is_initialized():
             return tensor
+        if isinstance(reduce_op, dist.ReduceOp.RedOpType):  # Lightning passes enums too
+            reduce_op = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max",
+                         dist.ReduceOp.MIN: "min"}.get(reduce_op, reduce_op)
         op = str(reduce_op).lower()
         if op not in ("mean", "avg", "sum", "max", "min"):
             raise ValueError(f"reduce_op={reduce_op!r}; expected 'mean', 'sum', 'max' or 'min'")
