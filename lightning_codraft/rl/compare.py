@@ -146,9 +146,9 @@ def write_report(res: CompareResult, out_dir: str | Path, name: str = "rl") -> P
         for a in res.results:
             if a != "none":
                 d = res.totals(a)["reward_mean"] - res.totals("none")["reward_mean"]
-                lines.append(f"- {LABELS[a]}: mean reward differs from no draft by {d:+.3f} "
-                             f"({abs(d) / (noise / math.sqrt(len(res.results[a].rows))):.1f} standard errors "
-                             f"of a {len(res.results[a].rows)}-step mean).")
+                se = noise * math.sqrt(2.0 / len(res.results[a].rows))  # SE of a difference of two run means
+                lines.append(f"- {LABELS[a]}: mean reward differs from no draft by {d:+.3f} = {abs(d) / se:.1f} "
+                             f"standard errors of the difference of two {len(res.results[a].rows)}-step means.")
         lines.append("")
     lines.append("Per step (reward / acceptance length):")
     lines.append("")
