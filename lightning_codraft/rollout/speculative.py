@@ -214,7 +214,8 @@ class SpeculativeEngine:
         if params.greedy:
             return draft_ids, None
         q_draft = torch.stack(probs, dim=1)
-        if q_draft.shape[-1] == self.vocab_size and bool((index == torch.arange(len(index), device=index.device)).all()):
+        identity = torch.arange(len(index), device=index.device)
+        if q_draft.shape[-1] == self.vocab_size and bool((index == identity).all()):
             return draft_ids, q_draft
         q_target = q_draft.new_zeros(*q_draft.shape[:2], self.vocab_size)
         q_target.index_copy_(2, index, q_draft)
@@ -294,8 +295,9 @@ class SpeculativeEngine:
             if params.greedy:
                 accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
             else:
-                accepted, bonus = rejection_sample(lp.exp(), q if q is not None else lp.new_zeros(len(active), 0, lp.shape[-1]),
-                                                   draft_ids, generator)
+                if q is None:  # no draft: an empty proposal, the next token comes from p_0
+                    q = lp.new_zeros(len(active), 0, lp.shape[-1])
+                accepted, bonus = rejection_sample(lp.exp(), q, draft_ids, generator)
             new_ids = torch.cat([draft_ids, torch.zeros_like(pending[:, None])], dim=1)
             new_ids[rows, accepted] = bonus
             new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
