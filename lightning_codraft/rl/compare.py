@@ -150,6 +150,13 @@ def write_report(res: CompareResult, out_dir: str | Path, name: str = "rl") -> P
                 lines.append(f"- {LABELS[a]}: mean reward differs from no draft by {d:+.3f} = {abs(d) / se:.1f} "
                              f"standard errors of the difference of two {len(res.results[a].rows)}-step means.")
         lines.append("")
+    lines += [f"Conditions: the embedded engine decodes `parallel.engine_batch_size = {c.parallel.engine_batch_size}` "
+              "sequence(s) at a time. On CPU a large decode batch is compute-bound, so verifying K+1 tokens costs "
+              "about K+1 single-token steps and speculation stops paying; small batches keep decoding "
+              "latency-bound, the regime of GPU decoding. Wall times come from one shared machine and are "
+              "noisy step to step; the ratios are over all steps of arms run interleaved.",
+              "", "Reproduce: `python benchmarks/codraft_vs_frozen.py` (or `codraft bench --config "
+              "recipes/tiny-cpu.yaml --out docs/benchmarks`).", ""]
     lines.append("Per step (reward / acceptance length):")
     lines.append("")
     arms = list(res.results)
