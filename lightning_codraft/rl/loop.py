@@ -88,7 +88,10 @@ class CoDraftRun:
         from lightning_codraft.fabric import CoDraftStrategy
 
         p = self.cfg.parallel
-        if p.engine == "embedded" and p.pp > 1:
+        if p.engine != "embedded":
+            raise ValueError(f"parallel.engine={p.engine!r}: the RL loop drives the embedded engine only; a vLLM "
+                             f"recipe validates with --dry-run (run it with parallel.engine=embedded and pp=1)")
+        if p.pp > 1:
             raise ValueError(f"parallel.pp={p.pp} splits the policy into stages, but the embedded engine needs the "
                              f"whole policy on every rank; use parallel.engine=vllm with pp > 1")
         self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
