@@ -93,7 +93,7 @@ class CoDraftRun:
                              f"recipe validates with --dry-run (run it with parallel.engine=embedded and pp=1)")
         if p.pp > 1:
             raise ValueError(f"parallel.pp={p.pp} splits the policy into stages, but the embedded engine needs the "
-                             f"whole policy on every rank; use parallel.engine=vllm with pp > 1")
+                             f"whole policy on every rank; run with parallel.pp=1 (pp > 1 recipes validate with --dry-run)")
         self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
                              strategy=CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp))
         self.fabric.launch()
