@@ -16,6 +16,10 @@ Public API::
     layout.layer_range(stage) -> (start, stop) ; layout.tap_owner(tap) -> stage ; layout.tap_owners(taps)
     stage_mod = PolicyStage(policy, layout, stage, cp_group=None, tap_sink=None, tap_ids=())
     schedule = build_schedule(stage_mod, pp_group, num_microbatches, tokens, schedule="1f1b", loss_fn=None)
+    freed = release_unowned(module, keep=stage_mod.parameters())   # other stages' parameters -> meta device
+
+A rank that runs only its stage frees the rest of the policy with :func:`release_unowned` (parameters outside
+the stage move to the ``meta`` device, names stay); the stage never reads them.
 
 ``tap_sink(microbatch, tap, hidden)`` is called with the hidden state ENTERING layer ``tap`` for every
 ``tap`` in ``tap_ids`` that this stage owns (tap ``L`` = the output of the last layer, before the final
@@ -25,7 +29,7 @@ norm, owned by the last stage); a :class:`~lightning_codraft.parallel.tap_channe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -175,7 +179,7 @@ class PolicyStage(nn.Module):
         meta = self._microbatches[m]
         policy = self._policy
         h = policy.embed(x.reshape(-1)) if self.is_first else x
-        cos, sin = policy.rotary(meta.position_ids)
+        cos, sin = policy.rotary(meta.position_ids, h.dtype)  # h: this stage's dtype (others may be meta)
         for i, layer in zip(range(self.start, self.stop), self.layers):
             if i in self.own_taps:
                 self.tap_sink(m, i, h)
@@ -185,6 +189,37 @@ class PolicyStage(nn.Module):
         if self.stop in self.own_taps:  # tap L: the last layer's output, before the final norm
             self.tap_sink(m, self.stop, h)
         return policy.head(h)
+
+
+def release_unowned(module: nn.Module, keep: Iterable[Tensor]) -> int:
+    """Move every parameter of ``module`` that is not in ``keep`` to the ``meta`` device, in place.
+
+    Names and shapes stay (``state_dict`` keys, ``named_parameters``), so the module keeps its structure while
+    holding only the memory of ``keep``: a pipeline rank keeps its stage's slice of the policy. A parameter
+    shared by several modules (tied embeddings) is replaced by ONE meta parameter, so the tie survives.
+    Replaced parameters do not require gradients; buffers are left as they are.
+
+    Args:
+        module: the module to thin out (e.g. a ``CoDraftModule`` holding the policy and the draft).
+        keep: the parameters that stay materialised (e.g. ``PolicyStage.parameters()``).
+
+    Returns:
+        Bytes of the parameters moved to ``meta`` (their memory is freed once nothing else references them).
+    """
+    keep_ids = {id(p) for p in keep}
+    replaced: dict[int, nn.Parameter] = {}
+    old: list[Tensor] = []  # keeps replaced tensors alive during the walk, so their ids stay unique
+    freed = 0
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or id(p) in keep_ids or p.is_meta:
+                continue
+            if id(p) not in replaced:
+                replaced[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                freed += p.numel() * p.element_size()
+                old.append(p)
+            mod._parameters[name] = replaced[id(p)]
+    return freed
 
 
 def check_num_microbatches(schedule: str, num_microbatches: int, num_stages: int) -> None:

@@ -147,7 +147,8 @@ class PipelineCoDraft:
     """This rank's stage of the pipelined policy, the draft (last stage) and the joint step.
 
     Args:
-        policy: the full policy (only this stage's modules are used and trained here).
+        policy: the policy (only this stage's modules are used and trained here; the other stages' parameters
+            may already be on the ``meta`` device, see ``pipeline.release_unowned``).
         draft: an :class:`~lightning_codraft.models.Eagle3Draft` on the last stage, ``None`` elsewhere (and
             ``None`` on every stage to pipeline the policy alone).
         stage: this rank's pipeline stage.
@@ -286,8 +287,8 @@ class PipelineCoDraft:
         """
         tokens = self._check(microbatches)
         num_mb = len(microbatches)
-        dtype = self.policy.model.embed_tokens.weight.dtype
-        device = self.policy.model.embed_tokens.weight.device
+        own = next(self.stage_module.parameters())  # this stage's own tensor: other stages' may be on meta
+        dtype, device = own.dtype, own.device
         schedule = self._schedule(num_mb, tokens, dtype, device)
         self._mbs = list(microbatches)
         self._records = []
@@ -315,7 +316,8 @@ class PipelineCoDraft:
         """Tied ``embed_tokens`` / ``lm_head``: add the first and the last stage's gradients on both."""
         if not (self.stage_module.is_first or self.is_last):
             return
-        weight = self.policy.model.embed_tokens.weight
+        stage = self.stage_module
+        weight = stage.embed_tokens.weight if stage.is_first else stage.lm_head.weight  # the one shared tensor
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
         peer = self.num_stages - 1 if self.stage_module.is_first else 0
         other = torch.empty_like(grad)

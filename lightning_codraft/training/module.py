@@ -35,6 +35,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_codraft.parallel.parallel_dims import ParallelDims
+from lightning_codraft.parallel.pipeline import release_unowned
 from lightning_codraft.parallel.strategy_core import is_sharded, reduce_gradients, shard_batch, split_microbatches
 from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
 
@@ -194,6 +195,9 @@ class CoDraftModule(LightningModule):
         self._step_metrics: dict[str, Tensor] = {}
         self._pipeline = None  # PipelineCoDraft under pp > 1 (set by configure_parallel)
         self._owned: set[str] = set()
+        self._released_for: Optional[tuple] = None  # (pp, stage, layers_per_stage) once other stages are released
+        self.released_bytes = 0
+        """Bytes of parameters this rank moved to the ``meta`` device under PP (other stages' slices)."""
 
     @staticmethod
     def _check_vocabularies(policy: nn.Module, draft: nn.Module) -> None:
@@ -215,9 +219,19 @@ class CoDraftModule(LightningModule):
             dims: the (dp, pp, cp) layout with its groups.
             grad_average_size: ranks over which a DDP wrapper AVERAGES gradients (the loss is scaled by it).
 
-        Under PP this rank keeps only its pipeline stage trainable (the draft on the last stage); parameters
-        of other stages are frozen here, so optimizers and checkpoints hold this stage's slice only.
+        Under PP this rank keeps only its pipeline stage in memory: the embeddings on the first stage, its
+        decoder layers, the final norm, ``lm_head`` and the draft on the last (with tied embeddings the first
+        and the last stage both hold the shared weight). Every other parameter is moved to the ``meta`` device
+        (names stay), so optimizers and checkpoints hold this stage's slice only. The module is then bound to
+        this stage: configuring it again for another stage or mesh raises.
         """
+        layout = (dims.pp, dims.pp_rank, self.config.layers_per_stage) if dims.pp_enabled else None
+        if self._released_for is not None and layout != self._released_for:
+            pp, stage, sizes = self._released_for
+            raise ValueError(f"this CoDraftModule holds only pipeline stage {stage} of pp={pp} (layers_per_stage="
+                             f"{sizes}; the other parameters were released to the meta device), so it cannot be "
+                             f"configured for pp={dims.pp} stage {dims.pp_rank}; build a fresh module for the new "
+                             f"mesh and load a checkpoint into it")
         self.parallel_dims = dims
         self.grad_average_size = int(grad_average_size)
         self._pipeline = None
@@ -246,6 +260,27 @@ class CoDraftModule(LightningModule):
         if not c.trains_draft:
             self.draft.requires_grad_(False)
         self._owned = {n for n, p in self.named_parameters(remove_duplicate=False) if id(p) in owned}
+        self.released_bytes += release_unowned(self, self._pipeline.parameters())
+        self._released_for = layout
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` / ``.cpu()`` / ``.half()``: parameters released to ``meta`` stay there (only their dtype
+        follows), the materialised ones move as usual (Lightning moves the module to the CPU at teardown)."""
+        if self._released_for is None:
+            return super()._apply(fn, recurse)
+        slots = [(m, n, p) for m in self.modules() for n, p in m._parameters.items() if p is not None and p.is_meta]
+        for m, n, _ in slots:
+            m._parameters[n] = None  # nn.Module._apply skips None entries
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            renewed: dict[int, nn.Parameter] = {}
+            for m, n, p in slots:
+                if id(p) not in renewed:
+                    dtype = fn(torch.empty(0, dtype=p.dtype)).dtype
+                    renewed[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=False)
+                m._parameters[n] = renewed[id(p)]
+        return out
 
     def owned_state_dict(self) -> dict[str, Tensor]:
         """The state this rank is responsible for: everything without PP, this stage's slice under PP."""

@@ -118,3 +118,78 @@ def test_clear_errors():
         CoDraftModule(policy, None)
     with pytest.raises(ValueError, match="cannot split a batch of 2 documents into num_microbatches=3"):
         CoDraftModule(policy, draft, num_microbatches=3)(make_batch(0, num_docs=2))
+
+
+# ----- pipeline parallelism: each rank keeps only its stage in memory
+def _pp_models(tied: bool):
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig.tiny(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+    return policy, Eagle3Draft.from_policy(policy)
+
+
+def _param_bytes(module, materialised_only=False):
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not (materialised_only and p.is_meta))
+
+
+def _pp_memory_worker(rank, world_size, batch):
+    from lightning_codraft.parallel.strategy_core import CoDraftCore
+
+    out = {}
+    for tied in (False, True):
+        core = CoDraftCore(pp=2)
+        dims = core.setup_mesh(world_size, "cpu")
+        module = core.prepare_module(CoDraftModule(*_pp_models(tied), num_microbatches=2))
+        step = module(batch)
+        module.after_backward()
+        sizes = dict(stage_bytes=_param_bytes(module.policy, materialised_only=True),
+                     draft_bytes=_param_bytes(module.draft, materialised_only=True), released=module.released_bytes)
+        module.cpu()  # what Lightning does at teardown: meta parameters must survive it
+        module.to(torch.float64)
+        out[tied] = dict(
+            **sizes,
+            loss=float(step.metrics["loss"]), owned=sorted(module.owned_state_dict()),
+            grads={n: p.grad.to(torch.float32).numpy().copy() for n, p in module.named_parameters(remove_duplicate=False)
+                   if p.grad is not None},
+            meta_dtypes={str(p.dtype) for p in module.parameters() if p.is_meta},
+            tie_kept=module.policy.lm_head.weight is module.policy.model.embed_tokens.weight)
+        with pytest.raises(ValueError, match="holds only pipeline stage"):
+            from lightning_codraft.parallel.parallel_dims import ParallelDims
+
+            module.configure_parallel(ParallelDims())
+    return out
+
+
+def test_pipeline_ranks_hold_only_their_stage_and_train_like_one_process():
+    from distributed import run_distributed
+
+    batch = make_batch(7, num_docs=4)
+    results = run_distributed(_pp_memory_worker, world_size=2, args=(batch,), timeout=300)
+    for tied in (False, True):
+        policy, draft = _pp_models(tied)
+        full = _param_bytes(policy)
+        ref = CoDraftModule(policy, draft, num_microbatches=2)
+        ref_loss, ref_grads = _grads(ref, batch)
+        first, last = results[0][tied], results[1][tied]
+        emb = policy.model.embed_tokens.weight
+        layer = sum(p.numel() * p.element_size() for p in policy.model.layers[0].parameters())
+        head = _param_bytes(policy.lm_head) + _param_bytes(policy.model.norm)
+        # stage 0: embeddings + layers 0-1; stage 1: layers 2-3 + norm + lm_head (the tied weight on both)
+        assert first["stage_bytes"] == emb.numel() * emb.element_size() + 2 * layer
+        assert last["stage_bytes"] == 2 * layer + head
+        assert first["draft_bytes"] == 0 and last["draft_bytes"] == _param_bytes(draft)
+        for r in (first, last):
+            assert r["stage_bytes"] < 0.7 * full, (tied, r["stage_bytes"], full)
+            assert r["released"] == full + _param_bytes(draft) - r["stage_bytes"] - r["draft_bytes"]
+            assert r["meta_dtypes"] == {"torch.float64"}  # .to(dtype) reaches released parameters, device stays
+            assert r["tie_kept"] == tied
+            assert r["loss"] == pytest.approx(ref_loss.metrics["loss"].item(), rel=1e-5)
+        owned = set(first["owned"]) | set(last["owned"])
+        assert owned == set(ref.state_dict()), sorted(owned ^ set(ref.state_dict()))[:4]
+        for r in (first, last):
+            for name, grad in r["grads"].items():
+                if tied and name == "policy.lm_head.weight":  # the tied weight: one gradient, first and last stage
+                    name = "policy.model.embed_tokens.weight"
+                want = ref_grads[name]
+                torch.testing.assert_close(torch.from_numpy(grad), want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{tied} {name}: {m}")
+        assert set(first["grads"]) | set(last["grads"]) >= {n for n, g in ref_grads.items() if g is not None}
