@@ -133,17 +133,27 @@ def _param_bytes(module, materialised_only=False):
 
 
 def _pp_memory_worker(rank, world_size, batch):
+    import gc
+    import weakref
+
     from lightning_codraft.parallel.strategy_core import CoDraftCore
 
     out = {}
     for tied in (False, True):
         core = CoDraftCore(pp=2)
         dims = core.setup_mesh(world_size, "cpu")
-        module = core.prepare_module(CoDraftModule(*_pp_models(tied), num_microbatches=2))
+        module = CoDraftModule(*_pp_models(tied), num_microbatches=2)
+        before = [weakref.ref(p) for p in module.parameters()]
+        module = core.prepare_module(module)
+        gc.collect()
+        alive = [r() for r in before if r() is not None]  # released tensors must really be freed
+        alive_bytes = sum(p.numel() * p.element_size() for p in alive)
+        del alive
         step = module(batch)
         module.after_backward()
         sizes = dict(stage_bytes=_param_bytes(module.policy, materialised_only=True),
-                     draft_bytes=_param_bytes(module.draft, materialised_only=True), released=module.released_bytes)
+                     draft_bytes=_param_bytes(module.draft, materialised_only=True), released=module.released_bytes,
+                     alive_bytes=alive_bytes)
         module.cpu()  # what Lightning does at teardown: meta parameters must survive it
         module.to(torch.float64)
         out[tied] = dict(
@@ -180,6 +190,7 @@ def test_pipeline_ranks_hold_only_their_stage_and_train_like_one_process():
         assert first["draft_bytes"] == 0 and last["draft_bytes"] == _param_bytes(draft)
         for r in (first, last):
             assert r["stage_bytes"] < 0.7 * full, (tied, r["stage_bytes"], full)
+            assert r["alive_bytes"] == r["stage_bytes"] + r["draft_bytes"]  # nothing else keeps the old tensors
             assert r["released"] == full + _param_bytes(draft) - r["stage_bytes"] - r["draft_bytes"]
             assert r["meta_dtypes"] == {"torch.float64"}  # .to(dtype) reaches released parameters, device stays
             assert r["tie_kept"] == tied
