@@ -3,7 +3,8 @@ import torch
 
 from lightning_codraft.attention.packing import pack_documents
 from lightning_codraft.models import Policy, PolicyConfig
-from lightning_codraft.parallel.pipeline import MicrobatchMeta, PolicyStage, StageLayout, check_num_microbatches
+from lightning_codraft.parallel.pipeline import (MicrobatchMeta, PolicyStage, StageLayout, check_num_microbatches,
+                                                 release_unowned)
 
 
 def test_balanced_split_gives_extra_layers_to_the_first_stages():
@@ -55,3 +56,30 @@ def test_stages_chained_in_one_process_equal_the_policy_and_emit_its_taps():
     assert sorted(seen) == [(1, 0), (1, 2), (1, 3), (1, 5)]
     for tap, expected in zip((0, 2, 3, 5), ref.taps):
         torch.testing.assert_close(seen[(1, tap)], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_still_runs_after_the_rest_of_the_policy_is_released(tied):
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig.tiny(num_hidden_layers=4, tie_word_embeddings=tied))
+    batch = pack_documents([list(range(3, 12)), list(range(20, 27))])
+    meta = MicrobatchMeta(batch.cu_seqlens, batch.position_ids)
+    full = Policy(PolicyConfig.tiny(num_hidden_layers=4, tie_word_embeddings=tied))
+    full.load_state_dict(policy.state_dict())
+    hidden = full.embed(batch.input_ids)
+    cos, sin = full.rotary(batch.position_ids)
+    for layer in full.model.layers[:3]:
+        hidden = layer(hidden, cos, sin, batch.cu_seqlens)
+    stage = PolicyStage(policy, StageLayout.split(4, 2, layers_per_stage=(3, 1)), 1)
+    kept = {id(p) for p in stage.parameters()}
+    total = sum(p.numel() * p.element_size() for p in policy.parameters())
+    freed = release_unowned(policy, stage.parameters())
+    held = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.is_meta)
+    assert freed + held == total and held == sum(p.numel() * p.element_size() for p in stage.parameters())
+    assert all(p.is_meta != (id(p) in kept) for p in policy.parameters())
+    assert set(policy.state_dict()) == set(full.state_dict())  # names stay
+    assert (policy.lm_head.weight is policy.model.embed_tokens.weight) == tied
+    assert release_unowned(policy, stage.parameters()) == 0  # idempotent
+    stage.set_microbatches([meta])
+    torch.testing.assert_close(stage(hidden, torch.tensor([0])), full.head(full.model.layers[3](
+        hidden, cos, sin, batch.cu_seqlens)), rtol=0, atol=0)
