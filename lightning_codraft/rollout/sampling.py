@@ -95,7 +95,9 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, 
     logits = logits.float()
     if temperature == 0.0:
         return torch.log_softmax(logits, dim=-1)
-    return torch.log_softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    if temperature != 1.0:  # x / 1.0 == x exactly: skip the op
+        logits = logits / temperature
+    return torch.log_softmax(filter_logits(logits, top_k, top_p), dim=-1)
 
 
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,8 +16,10 @@ One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whos
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
    the next round's step-0 proposal.
 
-Per round: 1 policy forward and K draft forwards, however many tokens are accepted. Sequences that finish
-(stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
+Per round: 1 policy forward and K draft forwards, however many tokens are accepted. The forwards run through
+:class:`~lightning_codraft.rollout.decode_step.DecodeStep` (the modules' math with fewer ops per layer), and the
+per-row bookkeeping (stop tokens, budgets, finished rows) is done on the host from one transfer per round.
+Sequences that finish (stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
 (or K = 0) the same loop is plain decoding: one policy forward per token.
 """
 
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.rollout.decode_step import DecodeStep, ModuleStep, decode_step
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
@@ -37,7 +40,6 @@ from lightning_codraft.rollout.sampling import (
     rejection_sample,
     sample_from_probs,
     sampling_logprobs,
-    stop_mask,
 )
 
 
@@ -83,6 +85,7 @@ class SpeculativeEngine:
         self.max_batch_size = max_batch_size
         self._check_draft()
         self._draft_to_target: torch.Tensor | None = None
+        self._draft_is_identity = False
 
     # ------------------------------------------------------------------ setup
     @property
@@ -113,6 +116,8 @@ class SpeculativeEngine:
         if self._draft_to_target is None or self._draft_to_target.device != device:
             vd = int(self.draft.config.draft_vocab_size)
             self._draft_to_target = self.draft.draft_to_target(torch.arange(vd, device=device)).long()
+            identity = torch.arange(vd, device=device)
+            self._draft_is_identity = vd == self.vocab_size and bool((self._draft_to_target == identity).all())
         return self._draft_to_target
 
     def _device(self) -> torch.device:
@@ -150,12 +155,16 @@ class SpeculativeEngine:
         else:
             generator.manual_seed(int(seed))
         chunk = self.max_batch_size or len(prompts)
+        with torch.inference_mode():  # every cache of this call fits max_context + 2(K+1) slots (_generate_batch)
+            step = decode_step(self.policy, self.draft, self.max_context + 2 * (self.num_speculative_tokens + 1))
+            if self.draft is not None:
+                self._draft_index(device)
         outputs: list[RolloutOutput] = []
         for start in range(0, len(prompts), chunk):
             batch = prompts[start:start + chunk]
             try:
                 with torch.inference_mode():
-                    outputs.extend(self._generate_batch(batch, params, generator))
+                    outputs.extend(self._generate_batch(batch, params, generator, step))
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
                 raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
@@ -183,10 +192,13 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ decoding
     def _draft_probs(self, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """(B, Vd) draft logits -> (B, Vd) filtered draft sampling distribution."""
-        logits = filter_logits(draft_logits.float() / params.temperature, params.top_k, params.top_p)
-        return torch.softmax(logits, dim=-1)
+        logits = draft_logits.float()
+        if params.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
+            logits = logits / params.temperature
+        return torch.softmax(filter_logits(logits, params.top_k, params.top_p), dim=-1)
 
-    def _propose(self, h_last: torch.Tensor, dl_last: torch.Tensor, dcache: KVCache, params: SamplingParams,
+    def _propose(self, step: DecodeStep | ModuleStep, h_last: torch.Tensor, dl_last: torch.Tensor,
+                 dcache: KVCache, params: SamplingParams,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft K tokens. h_last (B, H), dl_last (B, Vd) the step-0 output.
 
@@ -197,101 +209,105 @@ class SpeculativeEngine:
         index = self._draft_index(dl_last.device)
         ids, probs = [], []
         hidden, logits = h_last, dl_last
-        start = dcache.lengths.clone()
+        start = dcache.lengths  # draft_step replaces the lengths tensor, never mutates it
         for j in range(k):
             if params.greedy:
-                d = index[torch.argmax(logits, dim=-1)]
+                d = torch.argmax(logits, dim=-1)
             else:
                 q = self._draft_probs(logits, params)
-                d = index[sample_from_probs(q, generator)]
+                d = sample_from_probs(q, generator)
                 probs.append(q)
+            if not self._draft_is_identity:
+                d = index[d]
             ids.append(d)
             if j + 1 < k:
-                hidden, logits = self.draft.step(hidden[:, None], self.policy.embed(d[:, None]), dcache)
+                hidden, logits = step.draft_step(hidden[:, None], step.embed(d[:, None]), dcache)
                 hidden, logits = hidden[:, 0], logits[:, 0]
-        dcache.truncate(start)
+        dcache.lengths = start
         draft_ids = torch.stack(ids, dim=1)
         if params.greedy:
             return draft_ids, None
         q_draft = torch.stack(probs, dim=1)
-        identity = torch.arange(len(index), device=index.device)
-        if q_draft.shape[-1] == self.vocab_size and bool((index == identity).all()):
+        if self._draft_is_identity:
             return draft_ids, q_draft
         q_target = q_draft.new_zeros(*q_draft.shape[:2], self.vocab_size)
         q_target.index_copy_(2, index, q_draft)
         return draft_ids, q_target
 
-    def _catch_up(self, taps, next_ids: torch.Tensor, last: torch.Tensor, dcache: KVCache, new_lengths: torch.Tensor):
+    def _catch_up(self, step: DecodeStep | ModuleStep, taps, next_ids: torch.Tensor, last: torch.Tensor,
+                  dcache: KVCache, new_lengths: torch.Tensor):
         """Draft forward at the verified positions with the policy's taps; returns its output at index ``last``.
 
         taps: 3 tensors (B, S, H); next_ids: (B, S) token following each position; last: (B,) index to read.
+        The draft cache keeps the keys of the verified positions and ends at ``new_lengths``.
         """
-        hidden, logits = self.draft.step(self.draft.fuse(taps), self.policy.embed(next_ids), dcache)
-        dcache.truncate(new_lengths)
-        rows = torch.arange(len(last), device=last.device)
-        return hidden[rows, last], logits[rows, last]
+        out = step.draft_step(step.fuse(taps), step.embed(next_ids), dcache, logit_rows=last)
+        dcache.lengths = new_lengths
+        return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[RolloutOutput]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                        step: DecodeStep | ModuleStep) -> list[RolloutOutput]:
         device, k, batch = self._device(), self.num_speculative_tokens, len(prompts)
         use_draft = self.draft is not None and k > 0
         taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
-        lens = torch.tensor([len(p) for p in prompts], device=device)
-        budget = torch.clamp(self.max_context - lens, max=params.max_new_tokens)  # tokens each row may emit
-        max_len = int(lens.max())
+        host_lens = [len(p) for p in prompts]
+        lens = torch.tensor(host_lens, device=device)
+        budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
+        max_len = max(host_lens)
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
         # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots
-        capacity = int((lens + budget).max()) + 2 * (k + 1)
+        capacity = max(n + b for n, b in zip(host_lens, budget)) + 2 * (k + 1)
         pc = self.policy.config
         pcache = self._allocate(pc, int(pc.num_hidden_layers), batch, max(capacity, max_len))
         dcache = self._allocate(self.draft.config, 1, batch, max(capacity, max_len)) if use_draft else None
         rows = torch.arange(batch, device=device)
+        stops = set(params.stop_token_ids)
 
         # ---- prefill (prompts right-padded; padding slots are beyond each row's length, never attended)
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        out = self.policy(ids, kv_cache=pcache, taps=taps_ids)
-        pcache.truncate(lens)
-        last_logits = out.logits[rows, lens - 1]
+        last_logits, taps = step.policy(ids, pcache, taps_ids, logit_rows=lens - 1)
+        pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
         pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
         pending_lp = lp[rows, pending]
         if use_draft:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
             next_ids[rows, lens - 1] = pending
-            h_last, dl_last = self._catch_up(out.taps, next_ids, lens - 1, dcache, lens)
-        del out
+            h_last, dl_last = self._catch_up(step, taps, next_ids, lens - 1, dcache, lens)
+        del taps
 
         tokens: list[list[int]] = [[t] for t in pending.tolist()]
         logprobs: list[list[float]] = [[x] for x in pending_lp.tolist()]
         stats = [AcceptanceStats(accepted_per_position=[0] * k) for _ in range(batch)]
-        first_stop = stop_mask(pending, params.stop_token_ids)
-        finish = ["stop" if s else "length" for s in first_stop.tolist()]
-        done = first_stop | (budget <= 1)
-        emitted = torch.ones(batch, dtype=torch.long, device=device)
+        finish = ["stop" if t[0] in stops else "length" for t in tokens]
+        emitted = [1] * batch
+        done = [finish[b] == "stop" or budget[b] <= 1 for b in range(batch)]
         length = lens.clone()
-        positions = torch.arange(k + 1, device=device)
         active = list(range(batch))  # original index of each live row
 
-        while not bool(done.all()):
-            if bool(done.any()):  # drop finished rows from the caches and the batch
-                sel = (~done).nonzero().squeeze(1)
-                active = [active[i] for i in sel.tolist()]
+        while not all(done):
+            if any(done):  # drop finished rows from the caches and the batch
+                keep_rows = [i for i, d in enumerate(done) if not d]
+                sel = torch.tensor(keep_rows, device=device)
+                active = [active[i] for i in keep_rows]
+                emitted, budget = [emitted[i] for i in keep_rows], [budget[i] for i in keep_rows]
+                done = [False] * len(keep_rows)
                 pcache = _select_rows(pcache, sel)
                 dcache = _select_rows(dcache, sel) if use_draft else None
-                pending, length, emitted, budget, done = (t[sel] for t in (pending, length, emitted, budget, done))
+                pending, length = pending[sel], length[sel]
                 if use_draft:
                     h_last, dl_last = h_last[sel], dl_last[sel]
                 rows = torch.arange(len(active), device=device)
             if use_draft:
-                draft_ids, q = self._propose(h_last, dl_last, dcache, params, generator)
+                draft_ids, q = self._propose(step, h_last, dl_last, dcache, params, generator)
                 verify_ids = torch.cat([pending[:, None], draft_ids], dim=1)
             else:
                 draft_ids, q = pending.new_zeros(len(active), 0), None
                 verify_ids = pending[:, None]
-            out = self.policy(verify_ids, kv_cache=pcache, taps=taps_ids)
-            lp = sampling_logprobs(out.logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
+            logits, taps = step.policy(verify_ids, pcache, taps_ids)
+            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
             if params.greedy:
                 accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
             else:
@@ -301,23 +317,25 @@ class SpeculativeEngine:
             new_ids = torch.cat([draft_ids, torch.zeros_like(pending[:, None])], dim=1)
             new_ids[rows, accepted] = bonus
             new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
-            # how many of the a+1 new tokens each row keeps: up to its first stop token and its budget
-            valid = positions[None, :] <= accepted[:, None]
-            is_stop = stop_mask(new_ids, params.stop_token_ids) & valid
-            stop_at = torch.where(is_stop.any(dim=1), is_stop.float().argmax(dim=1), torch.full_like(accepted, k + 1))
-            keep = torch.minimum(torch.minimum(accepted + 1, stop_at + 1), budget - emitted)
-            stopped = stop_at + 1 <= keep
             new_length = length + 1 + accepted
-            pcache.truncate(new_length)
+            pcache.lengths = new_length
+            host_accepted = accepted.tolist()
             if use_draft:
-                span = int(accepted.max()) + 1
-                taps = tuple(t[:, :span] for t in out.taps)
-                h_last, dl_last = self._catch_up(taps, new_ids[:, :span], accepted, dcache, new_length)
-            del out
-            for b, n, a, ids_b, lp_b, st in zip(active, keep.tolist(), accepted.tolist(), new_ids.tolist(),
-                                                new_lp.tolist(), stopped.tolist()):
+                span = max(host_accepted) + 1
+                h_last, dl_last = self._catch_up(step, tuple(t[:, :span] for t in taps), new_ids[:, :span],
+                                                 accepted, dcache, new_length)
+            del taps
+            for i, (b, a, ids_b, lp_b) in enumerate(zip(active, host_accepted, new_ids.tolist(), new_lp.tolist())):
+                # keep the a+1 new tokens up to the first stop token and the row's budget
+                n = min(a + 1, budget[i] - emitted[i])
+                stop_at = next((j for j in range(n) if ids_b[j] in stops), None)
+                if stop_at is not None:
+                    n = stop_at + 1
+                    finish[b] = "stop"
                 tokens[b].extend(ids_b[:n])
                 logprobs[b].extend(lp_b[:n])
+                emitted[i] += n
+                done[i] = stop_at is not None or emitted[i] >= budget[i]
                 s = stats[b]
                 s.policy_forwards += 1
                 if k:
@@ -326,10 +344,6 @@ class SpeculativeEngine:
                     s.accepted += a
                     for j in range(a):
                         s.accepted_per_position[j] += 1
-                if st:
-                    finish[b] = "stop"
-            emitted = emitted + keep
-            done = done | stopped | (emitted >= budget)
             length, pending = new_length, bonus
         return [RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
                 for b in range(batch)]
