@@ -157,6 +157,15 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _gather_rngs(dims: ParallelDims) -> list[dict[str, Any]]:
+    """Every rank's RNG state, indexed by global rank (a collective: call on every rank)."""
+    if _distributed() and dist.get_world_size() > 1:
+        rngs: list[Any] = [None] * dims.world_size
+        dist.all_gather_object(rngs, capture_rng())
+        return rngs
+    return [capture_rng()]
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None) -> None:
     """Write ``state`` (modules, optimizers, schedulers, plain values) to directory ``path``; call on every rank.
 
@@ -168,11 +177,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     dims = _dims(dims)
     path = Path(path)
     names = _param_names(state)
-    rngs = [None] * dims.world_size
-    if _distributed() and dist.get_world_size() > 1:
-        dist.all_gather_object(rngs, capture_rng())
-    else:
-        rngs = [capture_rng()]
+    rngs = _gather_rngs(dims)
     if dims.dp_rank == 0 and dims.cp_rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         stage: dict[str, Any] = {"modules": {}, "optimizers": {}}
@@ -275,11 +280,7 @@ def save_trainer_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any],
     """
     dims = _dims(dims)
     path = Path(path)
-    rngs = [None] * dims.world_size
-    if _distributed() and dist.get_world_size() > 1:
-        dist.all_gather_object(rngs, capture_rng())
-    else:
-        rngs = [capture_rng()]
+    rngs = _gather_rngs(dims)
     if dims.dp_rank == 0 and dims.cp_rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         torch.save({"modules": {"state_dict": checkpoint["state_dict"]},
