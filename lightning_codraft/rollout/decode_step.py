@@ -75,8 +75,8 @@ def _pack_layer(ln1: nn.Module, ln2: nn.Module, attn: nn.Module, mlp: nn.Module)
 class _StepGeometry:
     """Per-forward indices shared by every layer: positions, cache slots, RoPE rows and the attention mask."""
 
-    rows: Tensor        # (B, S) row index of each new token
-    slots: Tensor       # (B, S) cache slot (= absolute position) of each new token
+    rows: Tensor | None  # (B, S) row index of each new token; None for a single row
+    slots: Tensor | int  # (B, S) cache slot (= absolute position) of each new token; a single row's first slot
     cos: Tensor         # (B, S, 1, D)
     sin: Tensor         # (B, S, 1, D)
     visible: int        # slots any query can see: max position + 1
@@ -94,6 +94,7 @@ class DecodeStep:
 
     def __init__(self, policy: nn.Module, draft: nn.Module | None, capacity: int):
         pc = policy.config
+        self._rotate_half: dict[int, Tensor] = {}
         self.eps = float(pc.rms_norm_eps)
         self.num_heads, self.num_kv_heads = int(pc.num_attention_heads), int(pc.num_key_value_heads)
         self.head_dim = int(policy.model.layers[0].self_attn.head_dim)
@@ -121,27 +122,43 @@ class DecodeStep:
     def _geometry(self, cache: KVCache, num_tokens: int, cos: Tensor, sin: Tensor) -> _StepGeometry:
         capacity = min(cache.capacity, self.capacity)
         start = cache.lengths
-        top = int(start.max()) + num_tokens                     # the one host sync of the forward
+        batch = start.shape[0]
+        first = int(start[0]) if batch == 1 else None
+        top = (first if batch == 1 else int(start.max())) + num_tokens   # the one host sync of the forward
         if top > capacity:
             raise ValueError(f"KV cache overflow: a row at length {top - num_tokens} + {num_tokens} new tokens "
                              f"needs {top} slots but capacity is {capacity}; allocate a larger cache")
-        batch = start.shape[0]
         offsets = torch.arange(num_tokens, device=start.device)
+        if first is not None:  # one row: its slots are the contiguous range [first, top)
+            mask = None
+            if num_tokens > 1:
+                visible = torch.arange(top, device=start.device)[None, :] <= (offsets + first)[:, None]  # (S, L)
+                mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
+                mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
+            return _StepGeometry(rows=None, slots=first, cos=cos[first:top][None, :, None],
+                                 sin=sin[first:top][None, :, None], visible=top, mask=mask)
         slots = start[:, None] + offsets                        # (B, S)
         rows = torch.arange(batch, device=start.device)[:, None].expand(batch, num_tokens)
-        mask = None
-        if batch > 1 or num_tokens > 1:
-            visible = torch.arange(top, device=start.device)[None, None, :] <= slots[:, :, None]  # (B, S, L)
-            mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
-            mask = mask.masked_fill_(~visible, float("-inf"))[:, None]
+        visible = torch.arange(top, device=start.device)[None, None, :] <= slots[:, :, None]  # (B, S, L)
+        mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[:, None]
         return _StepGeometry(rows=rows, slots=slots, cos=cos[slots][:, :, None], sin=sin[slots][:, :, None],
                              visible=top, mask=mask)
 
-    @staticmethod
-    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: (B, S, h, D) -> RoPE-rotated (half-split ``rotate_half`` layout)."""
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: (B, S, h, D) -> RoPE-rotated ``x * cos + rotate_half(x) * sin`` (half-split layout).
+
+        ``rotate_half(x) = x @ R`` with R the signed permutation ``cat(-x2, x1)``: one exact matmul (each output
+        is a single ±x term) instead of two slices, a negation and a concatenation.
+        """
+        R = self._rotate_half.get(x.shape[-1])
+        if R is None or R.dtype != x.dtype:
+            half = x.shape[-1] // 2
+            R = torch.zeros(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device)
+            R[torch.arange(half, 2 * half), torch.arange(half)] = -1.0
+            R[torch.arange(half), torch.arange(half, 2 * half)] = 1.0
+            self._rotate_half[x.shape[-1]] = R
+        return torch.addcmul(x * cos, x @ R, sin)
 
     def _attention(self, layer: _Layer, x: Tensor, k_cache: Tensor, v_cache: Tensor, geo: _StepGeometry,
                    heads: int, kv_heads: int, head_dim: int) -> Tensor:
@@ -155,9 +172,13 @@ class DecodeStep:
             q = self._rotate(_rms(qkv[:, :, :heads], layer.q_norm, self.eps), geo.cos, geo.sin)
             k = self._rotate(_rms(qkv[:, :, heads:heads + kv_heads], layer.k_norm, self.eps), geo.cos, geo.sin)
         v = qkv[:, :, heads + kv_heads:]
-        k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
-        v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
         L = geo.visible
+        if geo.rows is None:  # one row: slice copy into slots [L - S, L)
+            k_cache[0, :, L - S:L] = k[0].transpose(0, 1)
+            v_cache[0, :, L - S:L] = v[0].transpose(0, 1)
+        else:
+            k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
+            v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L],
                                              attn_mask=geo.mask, enable_gqa=kv_heads != heads)
         return F.linear(out.transpose(1, 2).reshape(B, S, heads * head_dim), layer.wo, layer.bo)
@@ -265,7 +286,10 @@ class ModuleStep:
 
 
 def decode_step(policy: nn.Module, draft: nn.Module | None, capacity: int) -> DecodeStep | ModuleStep:
-    """A :class:`DecodeStep` for the library's Policy / Eagle3Draft, else a :class:`ModuleStep`."""
-    if type(policy) is Policy and (draft is None or type(draft) is Eagle3Draft):
+    """A :class:`DecodeStep` for the library's Policy / Eagle3Draft with plain (unsharded) parameters, else a
+    :class:`ModuleStep` (wrappers, other implementations, DTensor / sharded parameters)."""
+    modules = [policy] if draft is None else [policy, draft]
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) for m in modules for p in m.parameters())
+    if plain and type(policy) is Policy and (draft is None or type(draft) is Eagle3Draft):
         return DecodeStep(policy, draft, capacity)
     return ModuleStep(policy, draft)

@@ -33,19 +33,20 @@ def _randomize_biases_and_norms(module, seed=0):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
 
 
+@pytest.mark.parametrize("lengths", [[5, 2, 7], [6]], ids=["ragged-batch", "one-row"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_policy_decode_equals_full_forward(variant):
+def test_policy_decode_equals_full_forward(variant, lengths):
     policy = make_policy(seed=1, **VARIANTS[variant])
     _randomize_biases_and_norms(policy)
     V, L = policy.config.vocab_size, policy.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
-    lengths = [5, 2, 7]
+    B = len(lengths)
     seqs = [torch.randint(0, V, (n + 4,), generator=g) for n in lengths]  # prompt, then 3 + 1 decoded tokens
     taps = (0, 2, L)
     with torch.inference_mode():
         step = DecodeStep(policy, None, capacity=40)
-        cache = policy.allocate_kv_cache(3, 20)
-        ids = torch.zeros(3, max(lengths), dtype=torch.long)
+        cache = policy.allocate_kv_cache(B, 20)
+        ids = torch.zeros(B, max(lengths), dtype=torch.long)
         for b, n in enumerate(lengths):
             ids[b, :n] = seqs[b][:n]
         lens = torch.tensor(lengths)
@@ -65,11 +66,12 @@ def test_policy_decode_equals_full_forward(variant):
                 torch.testing.assert_close(mine[b], theirs[0, n:n + 3], **TOL)
 
 
-def test_policy_cache_matches_module_cache():
+@pytest.mark.parametrize("batch", [2, 1])
+def test_policy_cache_matches_module_cache(batch):
     policy = make_policy(seed=2)
-    ids = torch.randint(0, policy.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, policy.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        mine, theirs = policy.allocate_kv_cache(2, 16), policy.allocate_kv_cache(2, 16)
+        mine, theirs = policy.allocate_kv_cache(batch, 16), policy.allocate_kv_cache(batch, 16)
         DecodeStep(policy, None, 16).policy(ids, mine)
         policy(ids, kv_cache=theirs)
     assert torch.equal(mine.lengths, theirs.lengths)
@@ -77,8 +79,8 @@ def test_policy_cache_matches_module_cache():
         torch.testing.assert_close(a, b, **TOL)
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_draft_step_equals_module_step(draft_vocab):
+@pytest.mark.parametrize("draft_vocab,start", [(None, [3, 6]), (40, [3, 6]), (None, [5])])
+def test_draft_step_equals_module_step(draft_vocab, start):
     policy = make_policy(seed=3)
     counts = torch.arange(policy.config.vocab_size, 0, -1).float() if draft_vocab else None
     torch.manual_seed(4)
@@ -88,16 +90,17 @@ def test_draft_step_equals_module_step(draft_vocab):
     g = torch.Generator().manual_seed(6)
     with torch.inference_mode():
         step = DecodeStep(policy, draft, 32)
-        mine, theirs = draft.allocate_kv_cache(2, 24), draft.allocate_kv_cache(2, 24)
+        B = len(start)
+        mine, theirs = draft.allocate_kv_cache(B, 24), draft.allocate_kv_cache(B, 24)
         for cache in (mine, theirs):
-            cache.lengths = torch.tensor([3, 6])
-        for S, rows in ((4, torch.tensor([3, 1])), (1, None), (2, None)):
-            taps = tuple(torch.randn(2, S, H, generator=g) for _ in range(3))
-            emb = policy.embed(torch.randint(0, policy.config.vocab_size, (2, S), generator=g))
+            cache.lengths = torch.tensor(start)
+        for S, rows in ((4, torch.tensor([3, 1][:B])), (1, None), (2, None)):
+            taps = tuple(torch.randn(B, S, H, generator=g) for _ in range(3))
+            emb = policy.embed(torch.randint(0, policy.config.vocab_size, (B, S), generator=g))
             hidden, logits = step.draft_step(step.fuse(taps), emb, mine, logit_rows=rows)
             ref_hidden, ref_logits = draft.step(draft.fuse(taps), emb, theirs)
             if rows is not None:
-                ref_hidden, ref_logits = ref_hidden[torch.arange(2), rows], ref_logits[torch.arange(2), rows]
+                ref_hidden, ref_logits = ref_hidden[torch.arange(B), rows], ref_logits[torch.arange(B), rows]
             torch.testing.assert_close(hidden, ref_hidden, **TOL)
             torch.testing.assert_close(logits, ref_logits, **TOL)
             assert torch.equal(mine.lengths, theirs.lengths)

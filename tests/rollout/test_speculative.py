@@ -48,6 +48,16 @@ def test_plain_greedy_matches_full_recompute(policy):
         assert o.finish_reason == "length" and len(o.logprobs) == 12
 
 
+def test_one_row_batches_equal_plain_greedy(policy, fitted):
+    """engine_batch_size 1 (the RL recipes' setting): one-row caches take the slice-copy path."""
+    draft, fit_set = fitted
+    prompts = random_prompts(4, policy.config.vocab_size, seed=9) + fit_set[:4]
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 16, temperature=0.0)
+    outs = SpeculativeEngine(policy, draft, 4, max_batch_size=1).generate(prompts, 16, temperature=0.0)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
+    assert AcceptanceStats.total(o.stats for o in outs).acceptance_length > 1.5  # the draft path is exercised
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_speculative_equals_plain(policy, fitted, k):
     draft_fit, fit_set = fitted
@@ -94,12 +104,13 @@ def test_acceptance_fitted_draft_near_k_plus_1_random_near_1(policy, fitted):
     assert fit_stats.policy_forwards < 0.5 * (tokens - len(prompts))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_logprobs_equal_recomputed(policy, fitted, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,batch", [(1.0, 0, 1.0, None), (0.7, 5, 0.9, None),
+                                                           (1.0, 0, 1.0, 1)])
+def test_logprobs_equal_recomputed(policy, fitted, temperature, top_k, top_p, batch):
     draft, _ = fitted
     prompts = random_prompts(6, policy.config.vocab_size, seed=4)
-    outs = SpeculativeEngine(policy, draft, 3).generate(prompts, 10, temperature=temperature, top_k=top_k,
-                                                        top_p=top_p, seed=0)
+    outs = SpeculativeEngine(policy, draft, 3, max_batch_size=batch).generate(
+        prompts, 10, temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
             logits = policy(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1].double()
