@@ -85,7 +85,8 @@ def main() -> None:
     for name, k in engines:
         key = (name, k)
         print(f"| {name} | {k} | {tps[key]:.1f} | {1000 * secs[key] / rounds[key]:.2f} | "
-              f"{toks[key] / rounds[key]:.2f} | {tps[key] / tps[(name, 0)]:.2f}x | {tps[key] / tps[(names[0], k)]:.2f}x |")
+              f"{toks[key] / rounds[key]:.2f} | {tps[key] / tps[(name, 0)]:.2f}x | "
+              f"{tps[key] / tps[(names[0], k)]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whos
 
 Per round: 1 policy forward and K draft forwards, however many tokens are accepted. The forwards run through
 :class:`~lightning_codraft.rollout.decode_step.DecodeStep` (the modules' math with fewer ops per layer), and the
-per-row bookkeeping (stop tokens, budgets, finished rows) is done on the host from one transfer per round.
-Sequences that finish (stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
-(or K = 0) the same loop is plain decoding: one policy forward per token.
+per-row bookkeeping (stop tokens, budgets, finished rows) is done in Python on the round's accepted counts, new
+tokens and log-probs, copied to the host once per round. Sequences that finish (stop token, budget) leave the
+batch and its caches, so the rest do not pay for them. With no draft (or K = 0) the same loop is plain decoding:
+one policy forward per token.
 """
 
 from __future__ import annotations
