@@ -94,6 +94,14 @@ def _fold_heads(g: Tensor, groups: int) -> Tensor:
     return g
 
 
+def _doc_blocks(cq, ck):
+    """Per document: ``(a, b, c, d)`` = query rows ``[a, b)`` and key rows ``[c, d)``, empty blocks skipped."""
+    for i in range(len(cq) - 1):
+        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if a != b and c != d:
+            yield a, b, c, d
+
+
 # ---------------------------------------------------------------------------------------------- forward
 
 
@@ -102,10 +110,7 @@ def _fwd_cpu(q, k, v, cq, ck, causal, scale):
     groups = H // k.shape[1]
     out = q.new_zeros(T, H, D)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if a == b or c == d:
-            continue
+    for a, b, c, d in _doc_blocks(cq, ck):
         lq, lk = b - a, d - c
         mask = None
         square = causal and lq == lk
@@ -127,10 +132,7 @@ def _fwd_torch(q, k, v, cq, ck, causal, scale):
     groups = H // k.shape[1]
     out = q.new_zeros(T, H, D)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if a == b or c == d:
-            continue
+    for a, b, c, d in _doc_blocks(cq, ck):
         qs = q[a:b].float().transpose(0, 1)                                   # (H, lq, D)
         ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)     # (H, lk, D)
         vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
@@ -184,10 +186,7 @@ def _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, scale):
     groups = H // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: P = exp(-inf - 0) = 0
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if a == b or c == d:
-            continue
+    for a, b, c, d in _doc_blocks(cq, ck):
         lq, lk = b - a, d - c
         square = causal and lq == lk
         mask = _causal_mask(lq, lk, q.device).to(q.dtype) if causal and not square else None
@@ -205,10 +204,7 @@ def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
     T, H, D = q.shape
     groups = H // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for i in range(len(cq) - 1):
-        a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if a == b or c == d:
-            continue
+    for a, b, c, d in _doc_blocks(cq, ck):
         qs = q[a:b].float().transpose(0, 1)
         ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
         vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
