@@ -1,5 +1,7 @@
 """lightning_codraft: online EAGLE-3 draft co-training during RL post-training, on Lightning / Fabric."""
 
+from lightning_codraft._lazy import lazy_getattr
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -10,13 +12,7 @@ _LAZY = {
     "SpeculativeEngine": "lightning_codraft.rollout",
 }
 
-
-def __getattr__(name):  # lazy so `import lightning_codraft.attention` does not import Lightning
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)  # lazy so `import lightning_codraft.attention` does not import Lightning
 
 
 __all__ = list(_LAZY)

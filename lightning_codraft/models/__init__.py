@@ -1,6 +1,6 @@
 """Models: the policy (Llama / Qwen2 / Qwen3 family, HF names, taps) and the EAGLE-3 draft."""
 
-import importlib
+from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "PolicyConfig": "lightning_codraft.models.config",
@@ -12,11 +12,6 @@ _LAZY = {
     "build_vocab_mapping": "lightning_codraft.models.vocab",
 }
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft.models' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = list(_LAZY)

@@ -1,6 +1,6 @@
 """Parallelism: the (dp, pp, cp) mesh, pipeline stages and the TapChannel, the strategy core, checkpoints."""
 
-import importlib
+from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "ParallelDims": "lightning_codraft.parallel.parallel_dims",
@@ -17,11 +17,7 @@ _LAZY = {
     "PipelineCoDraft": "lightning_codraft.parallel.pp_step",
 }
 
-
-def __getattr__(name):  # lazy: `import lightning_codraft.parallel.parallel_dims` stays light
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft.parallel' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)  # lazy: `import lightning_codraft.parallel.parallel_dims` stays light
 
 
 __all__ = list(_LAZY)

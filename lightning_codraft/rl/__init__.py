@@ -10,7 +10,7 @@ Public names (imported lazily so ``import lightning_codraft.rl`` stays light)::
     compare_arms, write_report                                         # rl.compare
 """
 
-import importlib
+from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "ArithmeticTask": "lightning_codraft.rl.tasks",
@@ -34,11 +34,6 @@ _LAZY = {
     "write_report": "lightning_codraft.rl.compare",
 }
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft.rl' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = list(_LAZY)

@@ -5,7 +5,7 @@ vLLM tests run from a separate environment (see ``tests/rollout/README.md``)::
     /work/venv-vllm/bin/python -m pytest tests/rollout -m vllm
 """
 
-import importlib
+from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "AcceptanceStats": "lightning_codraft.rollout.engine",
@@ -21,11 +21,7 @@ _LAZY = {
     "push_weights": "lightning_codraft.rollout.weight_sync",
 }
 
-
-def __getattr__(name):  # lazy: importing the package pulls in neither Lightning nor vLLM
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft.rollout' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)  # lazy: importing the package pulls in neither Lightning nor vLLM
 
 
 __all__ = list(_LAZY)

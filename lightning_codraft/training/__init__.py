@@ -1,6 +1,6 @@
 """Training: RL and draft losses, draft metrics, and the CoDraftModule."""
 
-import importlib
+from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "CoDraftModule": "lightning_codraft.training.module",
@@ -9,11 +9,6 @@ _LAZY = {
     "policy_gradient_loss": "lightning_codraft.training.rl_loss",
 }
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_codraft.training' has no attribute {name!r}")
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = list(_LAZY)
