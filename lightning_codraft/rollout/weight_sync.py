@@ -28,6 +28,10 @@ def full_state_dict(module: torch.nn.Module | None) -> dict[str, torch.Tensor] |
         return None
     out = {}
     for name, value in module.state_dict().items():
+        if value.device.type == "meta":
+            raise RuntimeError(f"{name} is not materialised on this rank (device 'meta'): under pipeline "
+                               "parallelism each rank holds only its stage; build the full state with "
+                               "CoDraftModule.full_state_dicts() (a collective over the pipeline group)")
         while name.startswith(_WRAPPER_PREFIXES):
             name = name.split(".", 1)[1]
         if hasattr(value, "full_tensor"):  # DTensor (FSDP2 / TP): gather the shards
@@ -53,7 +57,9 @@ class WeightSyncCallback(Callback):
     Args:
         engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`.
         every_n_steps: push after every N-th optimizer step (``trainer.global_step``), N >= 1.
-        policy_state_fn: ``fn(pl_module) -> state dict``; default ``full_state_dict(pl_module.policy)``.
+        policy_state_fn: ``fn(pl_module) -> state dict``; default: ``pl_module.full_state_dicts()`` when the
+            module has it (a :class:`~lightning_codraft.CoDraftModule`: gathers pipeline stages onto the first
+            stage, whose ranks push), else ``full_state_dict(pl_module.policy)``.
         draft_state_fn: ``fn(pl_module) -> state dict | None``; default ``full_state_dict(pl_module.draft)``
             when the module has a draft and the engine drafts, else None.
         push_on_rank: ``fn(global_rank) -> bool``; default every rank.
@@ -67,6 +73,7 @@ class WeightSyncCallback(Callback):
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
         self.engine = engine
         self.every_n_steps = int(every_n_steps)
+        self._gather = policy_state_fn is None and draft_state_fn is None
         self.policy_state_fn = policy_state_fn or (lambda m: full_state_dict(m.policy))
         self.draft_state_fn = draft_state_fn or _default_draft_state(engine)
         self.push_on_rank = push_on_rank or (lambda rank: True)
@@ -78,8 +85,17 @@ class WeightSyncCallback(Callback):
         step = int(trainer.global_step)
         if step == 0 or step == self.last_synced_step or step % self.every_n_steps:
             return  # no optimizer step yet, or already pushed after this one (gradient accumulation)
-        seconds = push_weights(self.engine, lambda: self.policy_state_fn(pl_module),
-                               lambda: self.draft_state_fn(pl_module), push=self.push_on_rank(trainer.global_rank))
+        push = self.push_on_rank(trainer.global_rank)
+        if self._gather and hasattr(pl_module, "full_state_dicts"):  # PP-aware: gathered on the first stage
+            start = time.perf_counter()
+            policy_state, draft_state = pl_module.full_state_dicts()
+            if push and policy_state is not None:
+                drafts = int(getattr(self.engine, "num_speculative_tokens", 1)) > 0
+                self.engine.update_weights(policy_state, draft_state if drafts else None)
+            seconds = time.perf_counter() - start
+        else:
+            seconds = push_weights(self.engine, lambda: self.policy_state_fn(pl_module),
+                                   lambda: self.draft_state_fn(pl_module), push=push)
         self.last_synced_step = step
         self.sync_seconds.append(seconds)
         pl_module.log(self.log_name, seconds, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)

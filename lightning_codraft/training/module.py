@@ -292,6 +292,26 @@ class CoDraftModule(LightningModule):
         return {k: v for k, v in sd.items()
                 if k in self._owned or (k not in params and (keep_draft_buffers or not k.startswith("draft.")))}
 
+    def full_state_dicts(self) -> tuple[Optional[dict[str, Tensor]], Optional[dict[str, Tensor]]]:
+        """Full HF-named ``(policy_state, draft_state)`` for a rollout engine; a collective under PP.
+
+        Without PP every rank holds everything and gets both dicts. Under PP each rank holds only its stage, so
+        the owned slices are gathered over the pipeline group to its first stage (``pp_rank == 0``), which
+        gets the full dicts; the other stages get ``(None, None)``. Call on every rank. ``draft_state`` is
+        None when the module has no draft.
+        """
+        dims = self.parallel_dims
+        own = {k: v.detach() for k, v in self.owned_state_dict().items()}
+        if self._pipeline is not None and dims.pp > 1:
+            parts: Optional[list] = [None] * dims.pp if dims.pp_rank == 0 else None
+            dist.gather_object(own, parts, group=dims.pp_group, group_dst=0)
+            if dims.pp_rank != 0:
+                return None, None
+            own = {k: v for part in parts for k, v in part.items()}
+        policy = {k[len("policy."):]: v for k, v in own.items() if k.startswith("policy.")}
+        draft = {k[len("draft."):]: v for k, v in own.items() if k.startswith("draft.")}
+        return policy, (draft if self.draft is not None else None)
+
     # ------------------------------------------------------------------ override points
     def configure_taps(self) -> tuple[int, ...]:
         """Policy tap ids feeding the draft (``tap l`` = hidden state entering layer ``l``)."""

@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 import torch
 from codraft_fixtures import make_batch, make_models
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rollout.weight_sync import full_state_dict
 from lightning_codraft.training.module import CoDraftModule, CoDraftModuleConfig
 
 
@@ -146,6 +148,11 @@ def _pp_memory_worker(rank, world_size, batch):
         before = [weakref.ref(p) for p in module.parameters()]
         module = core.prepare_module(module)
         gc.collect()
+        policy_sd, draft_sd = module.full_state_dicts()  # gathered onto stage 0 for a rollout engine
+        gathered = None if policy_sd is None else (
+            {k: v.numpy().copy() for k, v in policy_sd.items()}, {k: v.numpy().copy() for k, v in draft_sd.items()})
+        with pytest.raises(RuntimeError, match="not materialised on this rank"):
+            full_state_dict(module.policy)
         alive = [r() for r in before if r() is not None]  # released tensors must really be freed
         alive_bytes = sum(p.numel() * p.element_size() for p in alive)
         del alive
@@ -162,7 +169,7 @@ def _pp_memory_worker(rank, world_size, batch):
             grads={n: p.grad.to(torch.float32).numpy().copy() for n, p in module.named_parameters(remove_duplicate=False)
                    if p.grad is not None},
             meta_dtypes={str(p.dtype) for p in module.parameters() if p.is_meta},
-            tie_kept=module.policy.lm_head.weight is module.policy.model.embed_tokens.weight)
+            tie_kept=module.policy.lm_head.weight is module.policy.model.embed_tokens.weight, gathered=gathered)
         with pytest.raises(ValueError, match="holds only pipeline stage"):
             from lightning_codraft.parallel.parallel_dims import ParallelDims
 
@@ -195,6 +202,12 @@ def test_pipeline_ranks_hold_only_their_stage_and_train_like_one_process():
             assert r["meta_dtypes"] == {"torch.float64"}  # .to(dtype) reaches released parameters, device stays
             assert r["tie_kept"] == tied
             assert r["loss"] == pytest.approx(ref_loss.metrics["loss"].item(), rel=1e-5)
+        assert last["gathered"] is None  # only the first stage receives the full state
+        ref_policy, ref_draft = _pp_models(tied)  # the initial weights the ranks started from
+        for got, want in zip(first["gathered"], (ref_policy.state_dict(), ref_draft.state_dict())):
+            assert set(got) == set(want), sorted(set(got) ^ set(want))[:4]
+            for name, value in want.items():
+                np.testing.assert_array_equal(got[name], value.numpy(), err_msg=name)
         owned = set(first["owned"]) | set(last["owned"])
         assert owned == set(ref.state_dict()), sorted(owned ^ set(ref.state_dict()))[:4]
         for r in (first, last):
