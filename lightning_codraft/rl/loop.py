@@ -88,12 +88,10 @@ class CoDraftRun:
         from lightning_codraft.fabric import CoDraftStrategy
 
         p = self.cfg.parallel
-        if p.engine != "embedded":
-            raise ValueError(f"parallel.engine={p.engine!r}: the RL loop drives the embedded engine only; a vLLM "
-                             f"recipe validates with --dry-run (run it with parallel.engine=embedded and pp=1)")
         if p.pp > 1:
-            raise ValueError(f"parallel.pp={p.pp} splits the policy into stages, but the embedded engine needs the "
-                             f"whole policy on every rank; run with parallel.pp=1 (pp > 1 recipes validate with --dry-run)")
+            raise ValueError(f"parallel.pp={p.pp}: the RL loop generates on every rank from the whole policy, and "
+                             f"under PP a rank holds only its stage; run the loop with parallel.pp=1 (pp > 1 "
+                             f"recipes validate with --dry-run; CoDraftModule + CoDraftStrategy train under PP)")
         self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
                              strategy=CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp))
         self.fabric.launch()
@@ -215,12 +213,17 @@ class CoDraftRun:
 
     # ------------------------------------------------------------------ one RL step
     def _engine(self):
-        from lightning_codraft.rollout.speculative import SpeculativeEngine
-
         d = self.cfg.draft
         k = 0 if d.mode == "none" else d.num_speculative_tokens
-        return SpeculativeEngine(self.module.policy, self.module.draft if k else None, k,
-                                 max_batch_size=self.cfg.parallel.engine_batch_size)
+        draft = self.module.draft if k else None
+        if self.cfg.parallel.engine == "vllm":  # a separate engine holding copies: synced after every step
+            from lightning_codraft.rollout.vllm_engine import VLLMEngine
+
+            return VLLMEngine.from_modules(self.module.policy, draft, k, workdir=self.out / "vllm",
+                                           max_num_seqs=self.cfg.parallel.engine_batch_size or 64)
+        from lightning_codraft.rollout.speculative import SpeculativeEngine
+
+        return SpeculativeEngine(self.module.policy, draft, k, max_batch_size=self.cfg.parallel.engine_batch_size)
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, tok = self.cfg, self.tokenizer
@@ -265,7 +268,7 @@ class CoDraftRun:
         sync_s = time.perf_counter() - t0
         from lightning_codraft.rollout.engine import AcceptanceStats
 
-        acc = AcceptanceStats.total(o.stats for o in outs)
+        acc = getattr(self.engine, "last_stats", None) or AcceptanceStats.total(o.stats for o in outs)
         n_tok = sum(len(o.token_ids) for o in outs)
         local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
                               sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
@@ -301,12 +304,15 @@ class CoDraftRun:
         """Push the updated policy (+ draft) to the rollout engine.
 
         The embedded engine decodes with the training modules themselves (no copy), so after the optimizer
-        step it already holds the new weights; this checks that instead of copying them.
+        step it already holds the new weights. Any other engine (vLLM) holds copies: it gets the full state
+        dicts (``CoDraftModule.full_state_dicts``) and verifies the update itself.
         """
         eng = self.engine
-        if eng.policy is not self.module.policy or (eng.draft is not None and eng.draft is not self.module.draft):
-            eng.update_weights(self.module.policy.state_dict(),
-                               self.module.draft.state_dict() if eng.draft is not None else None)
+        if getattr(eng, "policy", None) is self.module.policy and getattr(eng, "draft", None) in (None,
+                                                                                                self.module.draft):
+            return
+        policy_state, draft_state = self.module.full_state_dicts()
+        eng.update_weights(policy_state, draft_state if getattr(eng, "num_speculative_tokens", 0) else None)
 
     # ------------------------------------------------------------------ the run
     def setup(self) -> int:
