@@ -312,7 +312,9 @@ class CoDraftRun:
                                                                                                 self.module.draft):
             return
         policy_state, draft_state = self.module.full_state_dicts()
-        eng.update_weights(policy_state, draft_state if getattr(eng, "num_speculative_tokens", 0) else None)
+        from lightning_codraft.rollout.weight_sync import engine_drafts
+
+        eng.update_weights(policy_state, draft_state if engine_drafts(eng) else None)
 
     # ------------------------------------------------------------------ the run
     def setup(self) -> int:

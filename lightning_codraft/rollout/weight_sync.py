@@ -40,6 +40,11 @@ def full_state_dict(module: torch.nn.Module | None) -> dict[str, torch.Tensor] |
     return out
 
 
+def engine_drafts(engine: RolloutEngine) -> bool:
+    """Whether ``engine`` proposes draft tokens, so a draft state is worth pushing (unknown engines: yes)."""
+    return int(getattr(engine, "num_speculative_tokens", 1)) > 0
+
+
 def push_weights(engine: RolloutEngine, policy_state_fn: StateFn, draft_state_fn: StateFn | None = None,
                  push: bool = True) -> float:
     """Build the state dicts (on every rank) and, if ``push``, load them into ``engine``; returns seconds taken."""
@@ -90,8 +95,7 @@ class WeightSyncCallback(Callback):
             start = time.perf_counter()
             policy_state, draft_state = pl_module.full_state_dicts()
             if push and policy_state is not None:
-                drafts = int(getattr(self.engine, "num_speculative_tokens", 1)) > 0
-                self.engine.update_weights(policy_state, draft_state if drafts else None)
+                self.engine.update_weights(policy_state, draft_state if engine_drafts(self.engine) else None)
             seconds = time.perf_counter() - start
         else:
             seconds = push_weights(self.engine, lambda: self.policy_state_fn(pl_module),
@@ -102,7 +106,7 @@ class WeightSyncCallback(Callback):
 
 
 def _default_draft_state(engine) -> Callable:
-    drafts = int(getattr(engine, "num_speculative_tokens", 1)) > 0
+    drafts = engine_drafts(engine)
 
     def fn(module):
         draft = getattr(module, "draft", None)
@@ -124,7 +128,7 @@ def fabric_sync_weights(fabric, engine: RolloutEngine, policy: torch.nn.Module, 
         raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
     if step < 1 or step % every_n_steps:
         return None
-    drafts = draft is not None and int(getattr(engine, "num_speculative_tokens", 1)) > 0
+    drafts = draft is not None and engine_drafts(engine)
     seconds = push_weights(engine, policy_state_fn or (lambda: full_state_dict(policy)),
                            draft_state_fn or (lambda: full_state_dict(draft) if drafts else None),
                            push=(push_on_rank or (lambda r: True))(fabric.global_rank))
