@@ -116,9 +116,31 @@ class ParallelDims:
         """This rank's index inside its ``dp_cp`` group (``dp_rank * cp + cp_rank``)."""
         return self.dp_rank * self.cp + self.cp_rank
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one data-parallel replica (its ``pp x cp`` block), which all train on the same samples."""
+        return self.pp * self.cp
+
+    @property
+    def is_replica_lead(self) -> bool:
+        """True on the lead of this rank's replica: ``(pp_rank 0, cp_rank 0)`` of its ``dp_rank``.
+
+        The lead is the rank that speaks for the replica: the RL loop generates its rollouts there only. It is
+        the replica's lowest global rank, rank 0 of :attr:`replica_group`, and the first pipeline stage, where
+        ``CoDraftModule.full_state_dicts`` gathers the whole model.
+        """
+        return self.pp_rank == 0 and self.cp_rank == 0
+
+    def replica_ranks(self, dp_rank: Optional[int] = None) -> list[int]:
+        """Global ranks of data-parallel replica ``dp_rank`` (default: this rank's), ascending: lead first."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        if not 0 <= d < self.dp:
+            raise ValueError(f"dp_rank {d} is outside the {self.dp} data-parallel replicas")
+        return [self.rank_of(d, p, c) for p in range(self.pp) for c in range(self.cp)]
+
     # ---------------------------------------------------------------- groups
     def build_mesh(self, device_type: str = "cpu") -> Any:
-        """Create the ``DeviceMesh`` and the flattened ``dp_cp`` groups; call on every rank, once.
+        """Create the ``DeviceMesh``, the flattened ``dp_cp`` and ``replica`` groups; call on every rank, once.
 
         Args:
             device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL), as for ``init_device_mesh``.
@@ -149,16 +171,19 @@ class ParallelDims:
         # a second group over every pipeline's ranks: the TapChannel's traffic never interleaves the schedule's
         pipelines = [[self.rank_of(d, p, c) for p in range(self.pp)] for d in range(self.dp) for c in range(self.cp)]
         self._groups["pp_tap"], _ = dist.new_subgroups_by_enumeration(pipelines)
+        # every replica's pp x cp block, lead (pp_rank 0, cp_rank 0) first: the replica's rollouts are broadcast here
+        self._groups["replica"], _ = dist.new_subgroups_by_enumeration([self.replica_ranks(d) for d in range(self.dp)])
         return self.mesh
 
     def group(self, name: str) -> Optional[Any]:
-        """Process group of mesh dimension ``name`` (``"dp"``, ``"pp"``, ``"cp"`` or ``"dp_cp"``) or ``None``.
+        """Process group ``name`` (``dp``, ``pp``, ``cp``, ``dp_cp``, ``pp_tap`` or ``replica``) or ``None``.
 
         ``None`` means "this dimension has a single rank": callers treat it as no communication.
         """
-        if name not in (*MESH_DIM_NAMES, "dp_cp", "pp_tap"):
-            raise ValueError(f"unknown mesh dimension {name!r}; expected one of dp, pp, cp, dp_cp, pp_tap")
-        size = {"dp_cp": self.dp_cp, "pp_tap": self.pp}.get(name) or getattr(self, name)
+        if name not in (*MESH_DIM_NAMES, "dp_cp", "pp_tap", "replica"):
+            raise ValueError(f"unknown mesh dimension {name!r}; expected one of dp, pp, cp, dp_cp, pp_tap, replica")
+        sizes = {"dp_cp": self.dp_cp, "pp_tap": self.pp, "replica": self.replica_size}
+        size = sizes.get(name) or getattr(self, name)
         if size == 1 or self.mesh is None:
             return None
         return self._groups[name]
@@ -184,6 +209,11 @@ class ParallelDims:
     def tap_group(self) -> Optional[Any]:
         """A group over the same ranks as :attr:`pp_group`, of its own: the TapChannel ships taps on it."""
         return self.group("pp_tap")
+
+    @property
+    def replica_group(self) -> Optional[Any]:
+        """All ranks of this data-parallel replica (the ``pp x cp`` block sharing this ``dp_rank``), lead first."""
+        return self.group("replica")
 
     def pp_stage_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline (same dp and cp index), ordered by stage."""
