@@ -34,7 +34,7 @@ Public API (what ``parallel/strategy_core.py`` calls)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -77,6 +77,8 @@ class PipelineStepOutput:
         draft_correct: ``(K,)`` draft top-1 hits per TTT step, summed over microbatches (zeros without a draft).
         draft_total: ``(K,)`` counted rows per TTT step, summed over microbatches.
         tap_bytes: bytes this rank sent on the TapChannel in the step.
+        rl_stats: the ``stats`` of ``rl_loss_fn`` (global over ``loss_group``), each the mean over microbatches,
+            except keys ending in ``num_tokens``, which are summed.
     """
 
     loss: Tensor
@@ -85,6 +87,7 @@ class PipelineStepOutput:
     draft_correct: Tensor
     draft_total: Tensor
     tap_bytes: int
+    rl_stats: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _group_size(group: Optional[Any]) -> int:
@@ -200,7 +203,7 @@ class PipelineCoDraft:
         self.tied = bool(getattr(policy.config, "tie_word_embeddings", False)) and num_stages > 1
         self._schedules: dict[tuple[int, int], Any] = {}
         self._mbs: list[Mapping[str, Tensor]] = []
-        self._records: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        self._records: list[tuple[Tensor, Tensor, Tensor, Tensor, dict]] = []
 
     def _agree_on_taps(self, draft_taps: tuple[int, ...]) -> tuple[int, ...]:
         """Tap ids of the draft, broadcast from the last stage so every stage knows what to ship."""
@@ -239,8 +242,9 @@ class PipelineCoDraft:
         num_mb = len(self._mbs)
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(
             -1, batch["target_ids"].long().unsqueeze(-1)).squeeze(-1)
-        rl, _ = self.rl_loss_fn(logprobs, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
-                                ref_logprobs=batch.get("ref_logprobs"), group=self.loss_group)
+        rl, rl_stats = self.rl_loss_fn(logprobs, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                                       ref_logprobs=batch.get("ref_logprobs"), group=self.loss_group)
+        rl_stats = {k: v.detach() for k, v in dict(rl_stats or {}).items()}
         total = rl
         K = self.config.ttt_steps
         zero = logits.new_zeros(())
@@ -256,9 +260,10 @@ class PipelineCoDraft:
             out = self.draft_loss_fn([lg for lg, _ in steps], logits.detach(), cu, mask, self.draft.d2t,
                                      self.draft.t2d, decay=self.config.draft_decay, group=self.cp_group)
             total = total + self.config.draft_weight * out.loss
-            self._records.append((rl.detach(), out.loss.detach(), out.correct.detach(), out.total.detach()))
+            self._records.append((rl.detach(), out.loss.detach(), out.correct.detach(), out.total.detach(),
+                                  rl_stats))
         else:
-            self._records.append((rl.detach(), zero.detach(), torch.zeros(K), torch.zeros(K)))
+            self._records.append((rl.detach(), zero.detach(), torch.zeros(K), torch.zeros(K), rl_stats))
         return total / num_mb
 
     def _check(self, microbatches: Sequence[Mapping[str, Tensor]]) -> int:
@@ -331,19 +336,26 @@ class PipelineCoDraft:
         """Average the last stage's per-microbatch records, reduce over ``loss_group``, share with all stages."""
         K = self.config.ttt_steps
         stats = torch.zeros(2 + 2 * K, dtype=torch.float64)
+        rl_stats: dict[str, float] = {}
         if self.is_last:
-            for rl, dl, correct, total in self._records:
+            for rl, dl, correct, total, mb_stats in self._records:
                 stats[0] += float(rl) / num_mb
                 stats[1] += float(dl) / num_mb
                 stats[2:2 + K] += correct.double().cpu()
                 stats[2 + K:] += total.double().cpu()
+                for k, v in mb_stats.items():  # already global token means over loss_group
+                    rl_stats[k] = rl_stats.get(k, 0.0) + float(v) / (1 if k.endswith("num_tokens") else num_mb)
             if _group_size(self.loss_group) > 1:  # the RL loss is a per-rank share of the global mean
                 rl_share = stats[:1].clone()
                 dist.all_reduce(rl_share, group=self.loss_group)
                 stats[0] = rl_share[0]
         if self.num_stages > 1:
             dist.broadcast(stats, group=self.pp_group, group_src=self.num_stages - 1)
+            box = [rl_stats]  # its keys are the loss function's: only the last stage knows them
+            dist.broadcast_object_list(box, group=self.pp_group, group_src=self.num_stages - 1)
+            rl_stats = box[0]
         rl, dl = stats[0].float(), stats[1].float()
         return PipelineStepOutput(loss=rl + self.config.draft_weight * dl, rl_loss=rl, draft_loss=dl,
                                   draft_correct=stats[2:2 + K].float(), draft_total=stats[2 + K:].float(),
-                                  tap_bytes=tap_bytes)
+                                  tap_bytes=tap_bytes,
+                                  rl_stats={k: torch.tensor(v, dtype=torch.float32) for k, v in rl_stats.items()})

@@ -504,7 +504,7 @@ class CoDraftModule(LightningModule):
                              "one length and sharded over cp here")
         mbs = pad_microbatches(split_microbatches(batch, self.config.num_microbatches), multiple_of=2 * dims.cp)
         out = self._pipeline.step([shard_batch(mb, dims) for mb in mbs])
-        metrics = {"loss": out.loss, "policy/loss": out.rl_loss}
+        metrics = {**{f"policy/{k}": v for k, v in out.rl_stats.items()}, "loss": out.loss, "policy/loss": out.rl_loss}
         c = self.config
         counts = None
         if c.trains_draft or c.score_draft:

@@ -39,12 +39,14 @@ def _models(num_layers, taps, tie):
 def _reference_step(policy, draft, microbatches, draft_weight=1.0):
     """Single process, whole batches: (1/M) sum_m (rl_m + w draft_m) with embeddings of the shifted ids."""
     rl_total = dl_total = 0.0
-    taps = {}
+    taps, rl_stats = {}, {"clip_frac": 0.0, "num_tokens": 0.0}
     for m, mb in enumerate(microbatches):
         ids, cu = mb["input_ids"], mb["cu_seqlens"]
         out = policy(ids, cu_seqlens=cu, position_ids=mb["position_ids"], taps=(0, *draft.config.taps))
         logp = torch.log_softmax(out.logits, -1).gather(-1, mb["target_ids"].unsqueeze(-1)).squeeze(-1)
-        rl, _ = policy_gradient_loss(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"])
+        rl, stats = policy_gradient_loss(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"])
+        rl_stats["clip_frac"] += float(stats["clip_frac"]) / len(microbatches)  # means: averaged over microbatches
+        rl_stats["num_tokens"] += float(stats["num_tokens"])  # counts: summed
         embeds = [policy.embed(shift_left_local(ids, cu, k + 1, fill=0)).detach() for k in range(K)]
         steps = draft.ttt_forward([t.detach() for t in out.taps[1:]], embeds, cu, mb["position_ids"])
         dl = ttt_draft_loss([lg for lg, _ in steps], out.logits.detach(), cu, mb["draft_mask"], draft.d2t, draft.t2d)
@@ -52,7 +54,7 @@ def _reference_step(policy, draft, microbatches, draft_weight=1.0):
         rl_total += float(rl.detach()) / len(microbatches)
         dl_total += float(dl.loss.detach()) / len(microbatches)
         taps[m] = {t: x.detach() for t, x in zip((0, *draft.config.taps), out.taps)}
-    return rl_total, dl_total, taps
+    return rl_total, dl_total, taps, rl_stats
 
 
 def _zigzag(x, cu, rank, cp):
@@ -83,7 +85,7 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
 
     policy, draft = _models(num_layers, taps, tie)
     ref_policy, ref_draft = copy.deepcopy(policy), copy.deepcopy(draft)
-    ref_rl, ref_dl, ref_taps = _reference_step(ref_policy, ref_draft, whole)
+    ref_rl, ref_dl, ref_taps, ref_stats = _reference_step(ref_policy, ref_draft, whole)
     ref_grads = {id(p): q.grad for p, q in zip(policy.parameters(), ref_policy.parameters())}
     ref_grads.update({id(p): q.grad for p, q in zip(draft.parameters(), ref_draft.parameters())})
     report = {}
@@ -104,6 +106,10 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
         out = runner.step(mine)
         assert abs(float(out.rl_loss) - ref_rl) <= 1e-5 * abs(ref_rl), (schedule, float(out.rl_loss), ref_rl)
         assert abs(float(out.draft_loss) - ref_dl) <= 1e-5 * abs(ref_dl), (schedule, float(out.draft_loss), ref_dl)
+        # the RL loss function's stats reach every stage (the loop logs them from the first)
+        assert abs(float(out.rl_stats["pg_loss"]) - ref_rl) <= 1e-5 * abs(ref_rl), (schedule, out.rl_stats)
+        assert abs(float(out.rl_stats["clip_frac"]) - ref_stats["clip_frac"]) <= 1e-6, (schedule, out.rl_stats)
+        assert float(out.rl_stats["num_tokens"]) == ref_stats["num_tokens"], (schedule, out.rl_stats)
         errors = {}
         for name, param in list(runner.stage_module.named_parameters()) + list(
                 draft.named_parameters(prefix="draft") if runner.is_last else []):
