@@ -13,6 +13,17 @@
 
 Everything a step consumes is derived from the seed, the step index and the checkpointed state, so a
 killed run resumed from its last checkpoint reproduces the metrics of the uninterrupted run.
+
+On a ``dp x pp x cp`` mesh one rank per data-parallel replica generates: the replica's *lead*, ``(pp_rank 0,
+cp_rank 0)`` of its ``dp_rank`` (``ParallelDims.is_replica_lead``). Only the lead holds a rollout engine; its
+outputs (token ids, log-probs, finish reasons, acceptance statistics) are broadcast over the replica's
+``pp x cp`` ranks, which all build the identical RL batch. Sampling seeds depend on ``(seed, step, dp_rank)``
+only, so a pp = 2 or cp = 2 run samples what the one-process run samples. Without PP the embedded engine
+decodes with the lead's training modules themselves; under PP a rank holds only its pipeline stage, so the
+lead keeps whole copies of policy and draft (made before the stages are released), and every weight sync
+gathers the stages onto it (``CoDraftModule.full_state_dicts``, a collective) and loads them into the copies
+(and into vLLM with ``parallel.engine=vllm``). Greedy evaluation and the final speed-up run on global rank 0
+(the lead of replica 0), the accuracy broadcast to every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_codraft.config import CoDraftConfig, to_yaml
 from lightning_codraft.rl.build import build_policy, build_reward, build_task, encode_prompt
@@ -51,7 +63,7 @@ class FitResult:
         out_dir: the run directory.
         rows: per-step metrics (as in metrics.csv).
         eval_before, eval_after: greedy mean reward on held-out prompts (NaN when skipped).
-        speedup: the final rollout speed-up measurement (None without a draft).
+        speedup: the final rollout speed-up measurement (None without a draft, and on every rank but 0).
         completed: False when the run stopped early (``stop_after``).
     """
 
@@ -69,6 +81,13 @@ class CoDraftRun:
     Args:
         cfg: the validated config.
         print_fn: where status lines go (rank 0 only).
+
+    Attributes (after :meth:`setup`):
+        dims: the (dp, pp, cp) layout of this process.
+        engine: the rollout engine on the lead of each data-parallel replica, None on every other rank.
+        rollout_policy, rollout_draft: on the lead, the whole modules the engine is built from (the training
+            modules without PP, synced copies under PP); None elsewhere.
+        last_rollouts: this replica's rollouts of the last RL step (identical on every rank of the replica).
     """
 
     def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print):
@@ -76,6 +95,11 @@ class CoDraftRun:
         self.out = Path(cfg.run.out_dir)
         self._print = print_fn
         self.fabric = None
+        self.dims = None
+        self.engine = None
+        self.rollout_policy = None
+        self.rollout_draft = None
+        self.last_rollouts: list[Rollout] = []
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -88,13 +112,10 @@ class CoDraftRun:
         from lightning_codraft.fabric import CoDraftStrategy
 
         p = self.cfg.parallel
-        if p.pp > 1:
-            raise ValueError(f"parallel.pp={p.pp}: the RL loop generates on every rank from the whole policy, and "
-                             f"under PP a rank holds only its stage; run the loop with parallel.pp=1 (pp > 1 "
-                             f"recipes validate with --dry-run; CoDraftModule + CoDraftStrategy train under PP)")
         self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
                              strategy=CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp))
         self.fabric.launch()
+        self.dims = self.fabric.strategy.parallel_dims
         if self.cfg.run.threads:
             torch.set_num_threads(self.cfg.run.threads)
 
@@ -114,10 +135,13 @@ class CoDraftRun:
             torch.manual_seed(cfg.run.seed + 1)
             draft = Eagle3Draft.from_policy(policy, draft_vocab_size=cfg.draft.draft_vocab_size, token_counts=counts)
         mode = cfg.draft.mode
+        # each replica's batch is one microbatch (the objective of the one-process run); 1F1B needs >= pp of
+        # them, and with a single microbatch GPipe runs the same forward and backward
         mcfg = CoDraftModuleConfig(
             draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
             ttt_steps=cfg.draft.ttt_steps, clip_eps=cfg.rl.clip_eps, kl_coef=cfg.rl.kl_coef,
-            policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr, grad_clip=1.0)
+            policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr, grad_clip=1.0, num_microbatches=1,
+            pp_schedule="gpipe" if cfg.parallel.pp > 1 else "1f1b")
         self.module = CoDraftModule(policy, draft, mcfg)
 
     # ------------------------------------------------------------------ checkpoints
@@ -213,21 +237,59 @@ class CoDraftRun:
 
     # ------------------------------------------------------------------ one RL step
     def _engine(self):
+        """A rollout engine over :attr:`rollout_policy` / :attr:`rollout_draft` (call on a replica lead)."""
         d = self.cfg.draft
         k = 0 if d.mode == "none" else d.num_speculative_tokens
-        draft = self.module.draft if k else None
+        draft = self.rollout_draft if k else None
         if self.cfg.parallel.engine == "vllm":  # a separate engine holding copies: synced after every step
             from lightning_codraft.rollout.vllm_engine import VLLMEngine
 
-            return VLLMEngine.from_modules(self.module.policy, draft, k, workdir=self.out / "vllm",
+            workdir = self.out / ("vllm" if self.dims.dp == 1 else f"vllm-dp{self.dims.dp_rank}")
+            return VLLMEngine.from_modules(self.rollout_policy, draft, k, workdir=workdir,
                                            max_num_seqs=self.cfg.parallel.engine_batch_size or 64)
         from lightning_codraft.rollout.speculative import SpeculativeEngine
 
-        return SpeculativeEngine(self.module.policy, draft, k, max_batch_size=self.cfg.parallel.engine_batch_size)
+        return SpeculativeEngine(self.rollout_policy, draft, k, max_batch_size=self.cfg.parallel.engine_batch_size)
+
+    def _engine_holds_copies(self) -> bool:
+        """Whether the engine decodes with weights of its own, refreshed by :meth:`sync_weights` after every
+        optimizer step: vLLM always, the embedded engine under PP (where no rank holds the whole training
+        module). Without PP the embedded engine decodes with the lead's training modules themselves."""
+        return self.cfg.parallel.engine == "vllm" or self.dims.pp_enabled
+
+    def _take_rollout_models(self) -> None:
+        """On a replica lead, choose the whole modules rollouts decode with; call BEFORE ``setup_module``.
+
+        Without PP these are the training modules. Under PP ``setup_module`` releases every parameter outside
+        this rank's stage to the ``meta`` device, so the lead keeps deep copies (on its device), made now while
+        the modules are whole and kept current by :meth:`sync_weights`; this costs one extra copy of policy +
+        draft on each lead.
+        """
+        if not self.dims.is_replica_lead:
+            return
+        if not self.dims.pp_enabled:
+            self.rollout_policy, self.rollout_draft = self.module.policy, self.module.draft
+            return
+        import copy
+
+        policy, draft = copy.deepcopy((self.module.policy, self.module.draft))  # one memo: shared tensors stay shared
+        device = self.fabric.device
+        self.rollout_policy = policy.requires_grad_(False).to(device)
+        self.rollout_draft = draft.requires_grad_(False).to(device)
+
+    def _from_lead(self, value: Any) -> Any:
+        """``value`` as the replica's lead holds it, on every rank of the replica (a broadcast over the
+        replica's ``pp x cp`` group, lead = its rank 0; call on every rank)."""
+        group = self.dims.replica_group
+        if group is None:
+            return value
+        box = [value if self.dims.is_replica_lead else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        return box[0]
 
     def rl_step(self, step: int) -> dict[str, float]:
         cfg, tok = self.cfg, self.tokenizer
-        dims = self.strategy.parallel_dims
+        dims = self.dims
         seed = step_seed(cfg.run.seed, step)
         t_start = time.perf_counter()
         samples = self.task.sample(cfg.rl.prompts_per_step, seed=seed)
@@ -236,12 +298,19 @@ class CoDraftRun:
         G = cfg.rl.group_size
         prompts = self._fit_prompts([encode_prompt(tok, s.prompt) for s in mine])
         requests = [p for p in prompts for _ in range(G)]
-        self.module.policy.eval()
-        t0 = time.perf_counter()
-        outs = self.engine.generate(requests, max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature,
-                                    top_p=cfg.rl.top_p, seed=seed * 131 + dims.dp_rank,
-                                    stop_token_ids=[tok.eos_token_id])
-        rollout_s = time.perf_counter() - t0
+        from lightning_codraft.rollout.engine import AcceptanceStats
+
+        generated = None
+        if self.engine is not None:  # the replica's lead generates; its pp x cp peers receive the outputs
+            self.rollout_policy.eval()
+            t0 = time.perf_counter()
+            outs = self.engine.generate(requests, max_new_tokens=cfg.rl.max_new_tokens,
+                                        temperature=cfg.rl.temperature, top_p=cfg.rl.top_p,
+                                        seed=seed * 131 + dims.dp_rank, stop_token_ids=[tok.eos_token_id])
+            rollout_s = time.perf_counter() - t0
+            acc = getattr(self.engine, "last_stats", None) or AcceptanceStats.total(o.stats for o in outs)
+            generated = (outs, acc, rollout_s)
+        outs, acc, rollout_s = self._from_lead(generated)
         texts = [tok.decode(o.token_ids) for o in outs]
         rewards, failed = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)], texts,
                                             [s.answer for s in mine for _ in range(G)],
@@ -255,6 +324,7 @@ class CoDraftRun:
             adv = sequence_weighted(adv, [len(o.token_ids) for o in outs])
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
+        self.last_rollouts = rollouts
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id,
                                ref_logprobs=self._ref_logprobs(rollouts))
         self.module.policy.train()
@@ -266,9 +336,6 @@ class CoDraftRun:
         t0 = time.perf_counter()
         self.sync_weights()
         sync_s = time.perf_counter() - t0
-        from lightning_codraft.rollout.engine import AcceptanceStats
-
-        acc = getattr(self.engine, "last_stats", None) or AcceptanceStats.total(o.stats for o in outs)
         n_tok = sum(len(o.token_ids) for o in outs)
         local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
                               sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
@@ -301,20 +368,34 @@ class CoDraftRun:
         return out
 
     def sync_weights(self) -> None:
-        """Push the updated policy (+ draft) to the rollout engine.
+        """Push the updated policy (+ draft) to the rollout engine of every replica lead; call on every rank.
 
-        The embedded engine decodes with the training modules themselves (no copy), so after the optimizer
-        step it already holds the new weights. Any other engine (vLLM) holds copies: it gets the full state
-        dicts (``CoDraftModule.full_state_dicts``) and verifies the update itself.
+        Without PP the embedded engine decodes with the lead's training modules themselves (no copy), so after
+        the optimizer step it already holds the new weights. Otherwise (vLLM, or any engine under PP) the
+        engine holds copies: ``CoDraftModule.full_state_dicts`` (a collective over the pipeline group that
+        gathers the stages onto the first one, where the lead is) gives the whole state dicts, which the lead
+        loads into its copies and its engine (vLLM verifies the update itself).
         """
-        eng = self.engine
-        if getattr(eng, "policy", None) is self.module.policy and getattr(eng, "draft", None) in (None,
-                                                                                                self.module.draft):
+        if not self._engine_holds_copies():
             return
         policy_state, draft_state = self.module.full_state_dicts()
+        if self.engine is None:  # not a replica lead: it took part in the gather only
+            return
+        self._push(policy_state, draft_state)
+
+    def _push(self, policy_state: dict, draft_state: Optional[dict]) -> None:
         from lightning_codraft.rollout.weight_sync import engine_drafts
 
+        eng = self.engine
+        if self.dims.pp_enabled and getattr(eng, "policy", None) is not self.rollout_policy:
+            self._load_rollout_copies(policy_state, draft_state)  # vLLM: the copies serve the final speed-up
         eng.update_weights(policy_state, draft_state if engine_drafts(eng) else None)
+
+    def _load_rollout_copies(self, policy_state: dict, draft_state: Optional[dict]) -> None:
+        """Load whole state dicts into the lead's copies (under PP; strict: every tensor must be there)."""
+        self.rollout_policy.load_state_dict(policy_state)
+        if draft_state is not None and self.rollout_draft is not None:
+            self.rollout_draft.load_state_dict(draft_state)
 
     # ------------------------------------------------------------------ the run
     def setup(self) -> int:
@@ -333,17 +414,21 @@ class CoDraftRun:
             (self.out / "config.yaml").write_text(to_yaml(cfg))
         last = self.last_checkpoint() if cfg.run.resume else None
         extra: dict[str, Any] = {}
-        if last is None:
+        if last is None:  # warm-ups on every rank, on the whole modules (before setup_module releases stages)
             warm = cfg.run.init_from
             extra.update(self._load_warm(Path(warm)) if warm else self._warmups())
             if self.ref_policy is not None:
                 self.ref_policy.load_state_dict(self.module.policy.state_dict())
-            self.engine = self._engine()
+            self._take_rollout_models()
+            if self.dims.is_replica_lead:
+                self.engine = self._engine()
             if "eval_before" not in extra:
                 n_eval = cfg.task.eval_prompts
                 extra["eval_before"] = self._evaluate(n_eval) if n_eval else math.nan
                 self.log(f"greedy accuracy before RL: {extra['eval_before']:.3f} on {n_eval} held-out prompts")
             self._save_warm(extra)
+        else:
+            self._take_rollout_models()  # under PP: copies of the fresh modules, loaded from the checkpoint below
         self.model = self.fabric.setup_module(self.module)
         self.strategy = self.fabric.strategy
         self.optimizer, self.scheduler = self.module.build_optimizer()
@@ -358,7 +443,12 @@ class CoDraftRun:
             rest = self.fabric.load(last[1], state)
             start = int(rest.get("step", last[0]))
             extra = {k: v for k, v in rest.items() if k != "step"}
-            self.engine = self._engine()
+            if self.dims.pp_enabled:  # each stage loaded its slice: gather them into the lead's copies
+                policy_state, draft_state = self.module.full_state_dicts()
+                if self.dims.is_replica_lead:
+                    self._load_rollout_copies(policy_state, draft_state)
+            if self.dims.is_replica_lead:
+                self.engine = self._engine()
             self.log(f"resumed from {last[1]} (step {start})")
         self.extra = extra
         self.start = start
@@ -415,7 +505,8 @@ class CoDraftRun:
         with StepProgress(cfg.rl.steps, start, enabled=cfg.run.progress and self.fabric.global_rank == 0) as bar:
             for step in range(start, cfg.rl.steps):
                 metrics = self.rl_step(step)
-                bar.update(metrics)
+                if self.fabric.global_rank == 0:
+                    bar.update(metrics)
                 done += 1
                 if stop_after is not None and done >= stop_after:
                     if self.logger is not None:
@@ -425,20 +516,25 @@ class CoDraftRun:
         return self.finish()
 
     def _evaluate(self, n: int) -> float:
-        samples = self.task.sample(n, seed=self.cfg.run.seed + _EVAL_SEED)
-        self.module.policy.eval()
-        return greedy_accuracy(self.engine, self.tokenizer, samples, self.reward_fn, self.cfg.rl.max_new_tokens,
-                               on_error=self.cfg.task.on_reward_error)
+        """Greedy accuracy on ``n`` held-out prompts: computed by global rank 0 (the lead of replica 0) with its
+        engine, broadcast to every rank (call on every rank)."""
+        value = None
+        if self.fabric.global_rank == 0:
+            samples = self.task.sample(n, seed=self.cfg.run.seed + _EVAL_SEED)
+            self.rollout_policy.eval()
+            value = greedy_accuracy(self.engine, self.tokenizer, samples, self.reward_fn, self.cfg.rl.max_new_tokens,
+                                    on_error=self.cfg.task.on_reward_error)
+        return float(self.fabric.broadcast(value, src=0))
 
     def _finish(self, result: FitResult) -> None:
         cfg = self.cfg
         if cfg.task.eval_prompts:
             result.eval_after = self._evaluate(cfg.task.eval_prompts)
-        if cfg.draft.mode != "none":
+        if cfg.draft.mode != "none" and self.fabric.global_rank == 0:  # rank 0 holds whole, current modules
             tok = self.tokenizer
             samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + _EVAL_SEED + 1)
             prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
-            result.speedup = measure_speedup(self.module.policy, self.module.draft, cfg.draft.num_speculative_tokens,
+            result.speedup = measure_speedup(self.rollout_policy, self.rollout_draft, cfg.draft.num_speculative_tokens,
                                              prompts, cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p,
                                              seed=cfg.run.seed + _EVAL_SEED, stop_token_ids=[tok.eos_token_id],
                                              max_batch_size=cfg.parallel.engine_batch_size)
@@ -485,6 +581,7 @@ def load_for_rollout(cfg: CoDraftConfig, print_fn: Callable[[str], None] = print
     else:
         run.log(f"no checkpoint in {run.out}: generating with freshly initialised models")
     run.module.policy.eval()
+    run.rollout_policy, run.rollout_draft = run.module.policy, run.module.draft  # never set up: whole on every rank
     run.engine = run._engine()
     return run
 
