@@ -58,8 +58,22 @@ def dry_run(cfg: CoDraftConfig) -> str:
              f"steps; SFT warm-up {cfg.sft.steps} steps",
              f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
              f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
+             _placement(cfg),
              "config OK (dry run: nothing was built)"]
     return "\n".join(lines)
+
+
+def _placement(cfg: CoDraftConfig) -> str:
+    """Where the RL loop generates: one engine per data-parallel replica, on its lead."""
+    p = cfg.parallel
+    leads = [d * p.pp * p.cp for d in range(p.dp)]
+    line = (f"rollouts: {p.dp} {p.engine} engine(s), one per data-parallel replica on its lead (pp_rank 0, cp_rank 0:"
+            f" global rank{'s' if p.dp > 1 else ''} {', '.join(map(str, leads))}); each replica's "
+            f"{p.pp * p.cp} rank(s) train on its rollouts")
+    if p.pp > 1:
+        line += ("; under pp > 1 each lead also holds a whole copy of policy + draft, gathered from the "
+                 f"{p.pp} stages after every optimizer step")
+    return line
 
 
 def _cmd_fit(cfg: CoDraftConfig) -> int:

@@ -23,7 +23,10 @@ def test_dry_run_validates_every_recipe(recipe, capsys):
 
 def test_dry_run_reports_the_cluster_mesh(capsys):
     assert main(["fit", "-c", str(REPO / "recipes" / "qwen3-8b-cluster.yaml"), "--dry-run"]) == 0
-    assert "world 16 = dp 2 x pp 2 x cp 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "world 16 = dp 2 x pp 2 x cp 4" in out
+    assert "rollouts: 2 vllm engine(s), one per data-parallel replica on its lead" in out
+    assert "global ranks 0, 8" in out and "a whole copy of policy + draft, gathered from the 2 stages" in out
 
 
 @pytest.mark.parametrize("override, match", [
