@@ -125,6 +125,10 @@ class CoDraftRun:
 
         cfg = self.cfg
         self.tokenizer, policy, self.context = build_policy(cfg.model, seed=cfg.run.seed)
+        if cfg.parallel.pp > 1:  # an impossible split fails here, not after the warm-ups when setup_module splits
+            from lightning_codraft.parallel.pipeline import StageLayout
+
+            StageLayout.split(int(policy.num_layers), cfg.parallel.pp)
         self.task = build_task(cfg.task)
         self.reward_fn = build_reward(cfg.task, self.task)
         V = policy.config.vocab_size

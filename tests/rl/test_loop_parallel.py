@@ -162,6 +162,14 @@ def test_dp2_replicas_generate_their_own_prompts(reference, tmp_path):
             assert (v == b[name][k]).all(), (name, k)
 
 
+def test_more_stages_than_layers_fails_before_the_warmups(tmp_path):
+    from lightning_codraft.rl.loop import CoDraftRun
+
+    cfg = loop_config(tmp_path, "parallel.devices=8", "parallel.pp=8")  # the micro policy has 4 layers
+    with pytest.raises(ValueError, match="8 pipeline stages for a policy of 4 layers.*use pp <= 4"):
+        CoDraftRun(cfg, print_fn=lambda s: None)._build_models()
+
+
 @pytest.mark.slow
 def test_pp2_cp2_equals_one_process(reference, tmp_path):
     cfg = loop_config(tmp_path, "parallel.devices=4", "parallel.pp=2", "parallel.cp=2")
