@@ -94,8 +94,8 @@ class SFTConfig:
     """Supervised warm-up steps of the policy on the task's worked solutions (0 = none)."""
     batch_size: int = 32
     """Sequences per warm-up step."""
-    lr: float = 3e-3
-    """Warm-up learning rate (AdamW)."""
+    lr: float = 1e-3
+    """Warm-up learning rate (AdamW, cosine decay to 10%); 3e-3 leaves a 16-layer tiny policy far worse."""
 
 
 @dataclass
