@@ -31,7 +31,9 @@ def test_clear_errors(kwargs, match):
 
 def test_single_process_has_no_groups():
     dims = ParallelDims(world_size=1)
-    assert dims.build_mesh("cpu") is None
+    # no mesh without a process group; an in-process Fabric run earlier in the session (tests/rl) leaves a 1-rank
+    # process group behind, and then the mesh exists but every group is still None
+    assert (dims.build_mesh("cpu") is None) == (not dist.is_initialized())
     assert dims.dp_group is None and dims.cp_group is None and dims.pp_group is None and dims.dp_cp_group is None
     assert dims.coordinates == (0, 0, 0) and dims.is_first_stage and dims.is_last_stage
     assert dims.replica_group is None and dims.is_replica_lead and dims.replica_ranks() == [0]
