@@ -565,8 +565,15 @@ class CoDraftRun:
 
 
 def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print) -> FitResult:
-    """Run the config end to end (see the module docstring); returns the :class:`FitResult`."""
-    return CoDraftRun(cfg, print_fn=print_fn).run(stop_after=stop_after)
+    """Run the config end to end (see the module docstring); returns the :class:`FitResult`. A rollout engine
+    that runs its own processes (vLLM) is shut down before returning, also when the run fails."""
+    run = CoDraftRun(cfg, print_fn=print_fn)
+    try:
+        return run.run(stop_after=stop_after)
+    finally:
+        close = getattr(run.engine, "close", None)
+        if close is not None:
+            close()
 
 
 def load_for_rollout(cfg: CoDraftConfig, print_fn: Callable[[str], None] = print) -> CoDraftRun:

@@ -289,11 +289,36 @@ class VLLMEngine:
             draft_dir = draft.save_pretrained(workdir / "draft")
         return cls(workdir / "policy", draft_dir, num_speculative_tokens, **kwargs)
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop vLLM's engine process and free its KV cache; idempotent. The engine is unusable afterwards.
+
+        Also ``with VLLMEngine(...) as engine:``. Without it the engine process lives until the Python process
+        exits (and a process that must exit while it runs may hang on it).
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _live(self):
+        if self.llm is None:
+            raise RuntimeError("this VLLMEngine was closed (close() / the end of its `with` block); start a new one")
+        return self.llm
+
     # ------------------------------------------------------------------ stats
     def _counters(self) -> tuple[int, int, int, list[int]]:
         drafts = draft_tokens = accepted = 0
         per_pos = [0] * self.num_speculative_tokens
-        for m in self.llm.get_metrics():
+        for m in self._live().get_metrics():
             name = m.name
             if name == "vllm:spec_decode_num_drafts":
                 drafts += int(m.value)
@@ -323,7 +348,7 @@ class VLLMEngine:
                     for i, p in enumerate(prompts)]
         before = self._counters()
         try:
-            results = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+            results = self._live().generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         except Exception as err:  # noqa: BLE001 - re-raised with the requests named
             raise RolloutError(f"vLLM generation failed for requests 0..{len(prompts) - 1} (prompt lengths "
                                f"{[len(p) for p in prompts]}, max_new_tokens={max_new_tokens}): "
@@ -352,15 +377,16 @@ class VLLMEngine:
             raise ValueError("update_weights got a draft state but this VLLMEngine runs without a draft")
         blobs = (None if policy_state is None else tensors_to_bytes(policy_state),
                  None if draft_state is None else tensors_to_bytes(draft_state))
-        self.llm.collective_rpc("codraft_load_weights", args=blobs)
-        self.llm.reset_prefix_cache()
+        llm = self._live()
+        llm.collective_rpc("codraft_load_weights", args=blobs)
+        llm.reset_prefix_cache()
         if self.verify_updates:
             self.verify(policy_state, draft_state)
 
     def verify(self, policy_state: Mapping[str, torch.Tensor] | None,
                draft_state: Mapping[str, torch.Tensor] | None) -> None:
         """Raise RuntimeError unless every worker holds exactly these weights (float64 sum / sum of squares)."""
-        reports = self.llm.collective_rpc("codraft_checksums")
+        reports = self._live().collective_rpc("codraft_checksums")
         problems = []
         for rank, report in enumerate(reports):
             for kind, state in (("policy", policy_state), ("draft", draft_state)):

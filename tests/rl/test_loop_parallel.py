@@ -196,7 +196,7 @@ def _vllm_worker(rank, world_size, cfg):
         out["same_greedy"] = [o.token_ids for o in theirs] == [o.token_ids for o in ours]
         current = run.rollout_policy.state_dict()
         out["copies_current"] = all(torch.equal(current[k], v) for k, v in policy.items())
-        run.engine.llm.llm_engine.engine_core.shutdown()  # stop vLLM's engine process before this rank exits
+        run.engine.close()  # stop vLLM's engine process before this rank exits
     return out
 
 

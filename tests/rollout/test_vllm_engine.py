@@ -70,3 +70,20 @@ def test_sync_switches_output_and_acceptance(setup):
     assert after > 0.85 * (K + 1)
     assert after == pytest.approx(embedded.acceptance_length, abs=0.3)
     engine.update_weights(policy.state_dict(), draft.state_dict())  # restore for other tests
+
+
+def test_close_stops_the_engine_process(tmp_path):
+    import multiprocessing
+
+    policy = make_policy(seed=0, **SHAPE)
+    before = {p.pid for p in multiprocessing.active_children()}
+    with VLLMEngine.from_modules(policy, None, 0, workdir=tmp_path, kv_cache_memory_bytes=32 * 2**20,
+                                 max_num_seqs=4) as engine:
+        started = {p.pid for p in multiprocessing.active_children()} - before
+        assert len(engine.generate([[1, 2, 3]], 4, temperature=0.0)[0].token_ids) == 4
+        llm = engine.llm  # another reference: close() must stop the process, not rely on garbage collection
+    assert started and not started & {p.pid for p in multiprocessing.active_children()}  # its process is gone
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate([[1, 2, 3]], 4, temperature=0.0)
+    engine.close()  # idempotent
+    del llm
