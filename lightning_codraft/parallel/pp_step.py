@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from lightning_codraft.attention.packing import shift_left_local
 from lightning_codraft.parallel.pipeline import MicrobatchMeta, PolicyStage, StageLayout, build_schedule
+from lightning_codraft.parallel.strategy_core import merge_microbatch_stats
 from lightning_codraft.parallel.tap_channel import TapChannel
 
 BATCH_KEYS = ("input_ids", "target_ids", "position_ids", "cu_seqlens", "loss_mask", "old_logprobs", "advantages")
@@ -338,13 +339,13 @@ class PipelineCoDraft:
         stats = torch.zeros(2 + 2 * K, dtype=torch.float64)
         rl_stats: dict[str, float] = {}
         if self.is_last:
-            for rl, dl, correct, total, mb_stats in self._records:
+            for rl, dl, correct, total, _ in self._records:
                 stats[0] += float(rl) / num_mb
                 stats[1] += float(dl) / num_mb
                 stats[2:2 + K] += correct.double().cpu()
                 stats[2 + K:] += total.double().cpu()
-                for k, v in mb_stats.items():  # already global token means over loss_group
-                    rl_stats[k] = rl_stats.get(k, 0.0) + float(v) / (1 if k.endswith("num_tokens") else num_mb)
+            # each microbatch's stats are already global token means over loss_group
+            rl_stats = merge_microbatch_stats([{k: float(v) for k, v in r[4].items()} for r in self._records])
             if _group_size(self.loss_group) > 1:  # the RL loss is a per-rank share of the global mean
                 rl_share = stats[:1].clone()
                 dist.all_reduce(rl_share, group=self.loss_group)

@@ -76,6 +76,14 @@ def shard_batch(batch: Mapping[str, Any], dims: ParallelDims) -> dict[str, Any]:
     return out
 
 
+def merge_microbatch_stats(stats: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One step's loss statistics from its microbatches' (same keys in each): the mean over microbatches, as
+    the objective weighs them, except token counts (keys ending in ``num_tokens``), which are summed."""
+    if not stats:
+        return {}
+    return {k: sum(s[k] for s in stats) / (1 if k.endswith("num_tokens") else len(stats)) for k in stats[0]}
+
+
 def split_microbatches(batch: Mapping[str, Any], num_microbatches: int) -> list[dict[str, Any]]:
     """Cut a packed batch into ``num_microbatches`` packed batches of consecutive whole documents.
 

@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pipeline import release_unowned
-from lightning_codraft.parallel.strategy_core import is_sharded, reduce_gradients, shard_batch, split_microbatches
+from lightning_codraft.parallel.strategy_core import (is_sharded, merge_microbatch_stats, reduce_gradients,
+                                                       shard_batch, split_microbatches)
 from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
 
 
@@ -420,8 +421,7 @@ class CoDraftModule(LightningModule):
             microbatches = [shard_batch(mb, dims) for mb in split_microbatches(batch, M)]
         outs = [self._microbatch_objective(mb) for mb in microbatches]
         loss = sum(o[0] for o in outs) / M
-        # loss terms: mean over microbatches (the objective); token counts: summed
-        metrics = {k: sum(o[1][k] for o in outs) / (1 if k.endswith("num_tokens") else M) for k in outs[0][1]}
+        metrics = merge_microbatch_stats([o[1] for o in outs])
         counts = None
         if outs[0][2] is not None:
             counts = (sum(o[2][0] for o in outs), sum(o[2][1] for o in outs))

@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 from lightning_codraft.parallel.parallel_dims import ParallelDims
-from lightning_codraft.parallel.strategy_core import (CoDraftCore, check_codraft_module, is_sharded, shard_batch,
-                                                      split_microbatches)
+from lightning_codraft.parallel.strategy_core import (CoDraftCore, check_codraft_module, is_sharded,
+                                                      merge_microbatch_stats, shard_batch, split_microbatches)
 
 
 def _batch(lengths):
@@ -83,3 +83,9 @@ def test_registered_under_codraft_in_both_front_ends():
     assert isinstance(Fabric(accelerator="cpu", devices=1, strategy="codraft").strategy, FabricStrategy)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="codraft", logger=False)
     assert isinstance(trainer.strategy, TrainerStrategy)
+
+
+def test_merge_microbatch_stats_means_losses_and_sums_token_counts():
+    merged = merge_microbatch_stats([{"pg_loss": 1.0, "num_tokens": 3.0}, {"pg_loss": 4.0, "num_tokens": 5.0}])
+    assert merged == {"pg_loss": 2.5, "num_tokens": 8.0}
+    assert merge_microbatch_stats([]) == {}
