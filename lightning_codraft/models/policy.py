@@ -12,7 +12,8 @@ Read top to bottom: :class:`Attention` -> :class:`DecoderLayer` -> :class:`Polic
   :func:`lightning_codraft.attention.cached.cached_attention`; rows then advance by ``num_new`` (default S).
 
 Pipeline stages are built from ``embed``, ``rotary``, ``model.layers[i](x, cos, sin, cu_seqlens, cp_group)``
-and ``head``.
+and ``head``. The rollout engine decodes through :meth:`Policy.decoder` (models/decode.py: the decode path's
+math with fewer ops per layer).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch import Tensor, nn
 from lightning_codraft.attention import codraft_attention
 from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens, validate_cu_seqlens
+from lightning_codraft.models import hf_io
 from lightning_codraft.models.config import PolicyConfig
+from lightning_codraft.models.decode import FusedPolicyDecoder, ModulePolicyDecoder, PolicyDecoder, plain_parameters
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
@@ -321,17 +324,23 @@ class Policy(nn.Module):
         return KVCache.allocate(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, capacity,
                                 dtype or w.dtype, device or w.device)
 
+    def decoder(self, capacity: int) -> PolicyDecoder:
+        """The decode-time forward the rollout engine calls, over caches of at most ``capacity`` slots.
+
+        A :class:`~lightning_codraft.models.decode.FusedPolicyDecoder` (the decode path's math with fewer ops,
+        reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
+        not plain tensors (DTensor shards) get the module path, :meth:`forward` with ``kv_cache``. A subclass
+        that changes the decode math overrides this to return ``ModulePolicyDecoder(self)``.
+        """
+        return FusedPolicyDecoder(self, capacity) if plain_parameters(self) else ModulePolicyDecoder(self)
+
     # ----- I/O (HF directories; see models.hf_io) -----
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Policy":
-        """Load a HF checkpoint directory (config.json + safetensors, sharded or not)."""
-        from lightning_codraft.models.hf_io import load_policy
-
-        return load_policy(path, dtype=dtype, device=device)
+        """Load a HF checkpoint directory (config.json + safetensors, sharded or not) as an instance of ``cls``."""
+        return hf_io.load_policy(cls, path, dtype=dtype, device=device)
 
     def save_pretrained(self, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
         """Write config.json + safetensors that ``transformers.AutoModelForCausalLM`` loads."""
-        from lightning_codraft.models.hf_io import save_policy
-
-        return save_policy(self, path, max_shard_bytes=max_shard_bytes)
+        return hf_io.save_policy(self, path, max_shard_bytes=max_shard_bytes)

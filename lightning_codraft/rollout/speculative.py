@@ -16,8 +16,9 @@ One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whos
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
    the next round's step-0 proposal.
 
-Per round: 1 policy forward and K draft forwards, however many tokens are accepted. The forwards run through
-:class:`~lightning_codraft.rollout.decode_step.DecodeStep` (the modules' math with fewer ops per layer), and the
+Per round: 1 policy forward and K draft forwards, however many tokens are accepted. The forwards run through the
+models' decoders (``Policy.decoder`` / ``Eagle3Draft.decoder``, models/decode.py: the modules' math with fewer ops
+per layer; modules without a ``decoder`` are called through their own ``forward(kv_cache=)`` / ``step``), and the
 per-row bookkeeping (stop tokens, budgets, finished rows) is done in Python on the round's accepted counts, new
 tokens and log-probs, copied to the host once per round. Sequences that finish (stop token, budget) leave the
 batch and its caches, so the rest do not pay for them. With no draft (or K = 0) the same loop is plain decoding:
@@ -31,8 +32,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.decode_step import DecodeStep, ModuleStep, decode_step
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
@@ -49,14 +50,6 @@ def _select_rows(cache: KVCache, rows: torch.Tensor) -> KVCache:
     return KVCache(k=[t.index_select(0, rows) for t in cache.k], v=[t.index_select(0, rows) for t in cache.v],
                    lengths=cache.lengths.index_select(0, rows))
 
-
-def _cfg(config, name: str, default=None):
-    value = getattr(config, name, None)
-    return default if value is None else value
-
-
-def _head_dim(config) -> int:
-    return int(_cfg(config, "head_dim", config.hidden_size // config.num_attention_heads))
 
 
 class SpeculativeEngine:
@@ -124,13 +117,6 @@ class SpeculativeEngine:
     def _device(self) -> torch.device:
         return next(self.policy.parameters()).device
 
-    def _dtype(self) -> torch.dtype:
-        return next(self.policy.parameters()).dtype
-
-    def _allocate(self, config, num_layers: int, batch: int, capacity: int) -> KVCache:
-        return KVCache.allocate(num_layers, batch, int(_cfg(config, "num_key_value_heads", config.num_attention_heads)),
-                                _head_dim(config), capacity, self._dtype(), self._device())
-
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[RolloutOutput]:
@@ -157,7 +143,9 @@ class SpeculativeEngine:
             generator.manual_seed(int(seed))
         chunk = self.max_batch_size or len(prompts)
         with torch.inference_mode():  # every cache of this call fits max_context + 2(K+1) slots (_generate_batch)
-            step = decode_step(self.policy, self.draft, self.max_context + 2 * (self.num_speculative_tokens + 1))
+            capacity = self.max_context + 2 * (self.num_speculative_tokens + 1)
+            pdec = policy_decoder(self.policy, capacity)
+            ddec = None if self.draft is None else draft_decoder(self.draft, capacity)
             if self.draft is not None:
                 self._draft_index(device)
         outputs: list[RolloutOutput] = []
@@ -165,7 +153,7 @@ class SpeculativeEngine:
             batch = prompts[start:start + chunk]
             try:
                 with torch.inference_mode():
-                    outputs.extend(self._generate_batch(batch, params, generator, step))
+                    outputs.extend(self._generate_batch(batch, params, generator, pdec, ddec))
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
                 raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
@@ -198,7 +186,7 @@ class SpeculativeEngine:
             logits = logits / params.temperature
         return torch.softmax(filter_logits(logits, params.top_k, params.top_p), dim=-1)
 
-    def _propose(self, step: DecodeStep | ModuleStep, h_last: torch.Tensor, dl_last: torch.Tensor,
+    def _propose(self, pdec: PolicyDecoder, ddec: DraftDecoder, h_last: torch.Tensor, dl_last: torch.Tensor,
                  dcache: KVCache, params: SamplingParams,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft K tokens. h_last (B, H), dl_last (B, Vd) the step-0 output.
@@ -210,7 +198,7 @@ class SpeculativeEngine:
         index = self._draft_index(dl_last.device)
         ids, probs = [], []
         hidden, logits = h_last, dl_last
-        start = dcache.lengths  # draft_step replaces the lengths tensor, never mutates it
+        start = dcache.lengths  # a decoder step replaces the lengths tensor, never mutates it
         for j in range(k):
             if params.greedy:
                 d = torch.argmax(logits, dim=-1)
@@ -222,7 +210,7 @@ class SpeculativeEngine:
                 d = index[d]
             ids.append(d)
             if j + 1 < k:
-                hidden, logits = step.draft_step(hidden[:, None], step.embed(d[:, None]), dcache)
+                hidden, logits = ddec.step(hidden[:, None], pdec.embed(d[:, None]), dcache)
                 hidden, logits = hidden[:, 0], logits[:, 0]
         dcache.lengths = start
         draft_ids = torch.stack(ids, dim=1)
@@ -235,19 +223,20 @@ class SpeculativeEngine:
         q_target.index_copy_(2, index, q_draft)
         return draft_ids, q_target
 
-    def _catch_up(self, step: DecodeStep | ModuleStep, taps, next_ids: torch.Tensor, last: torch.Tensor,
+    @staticmethod
+    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, taps, next_ids: torch.Tensor, last: torch.Tensor,
                   dcache: KVCache, new_lengths: torch.Tensor):
         """Draft forward at the verified positions with the policy's taps; returns its output at index ``last``.
 
         taps: 3 tensors (B, S, H); next_ids: (B, S) token following each position; last: (B,) index to read.
         The draft cache keeps the keys of the verified positions and ends at ``new_lengths``.
         """
-        out = step.draft_step(step.fuse(taps), step.embed(next_ids), dcache, logit_rows=last)
+        out = ddec.step(ddec.fuse(taps), pdec.embed(next_ids), dcache, logit_rows=last)
         dcache.lengths = new_lengths
         return out
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                        step: DecodeStep | ModuleStep) -> list[RolloutOutput]:
+                        pdec: PolicyDecoder, ddec: DraftDecoder | None) -> list[RolloutOutput]:
         device, k, batch = self._device(), self.num_speculative_tokens, len(prompts)
         use_draft = self.draft is not None and k > 0
         taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
@@ -258,9 +247,8 @@ class SpeculativeEngine:
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
         # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots
         capacity = max(n + b for n, b in zip(host_lens, budget)) + 2 * (k + 1)
-        pc = self.policy.config
-        pcache = self._allocate(pc, int(pc.num_hidden_layers), batch, max(capacity, max_len))
-        dcache = self._allocate(self.draft.config, 1, batch, max(capacity, max_len)) if use_draft else None
+        pcache = pdec.allocate_cache(batch, max(capacity, max_len))
+        dcache = ddec.allocate_cache(batch, max(capacity, max_len)) if use_draft else None
         rows = torch.arange(batch, device=device)
         stops = set(params.stop_token_ids)
 
@@ -268,7 +256,7 @@ class SpeculativeEngine:
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        last_logits, taps = step.policy(ids, pcache, taps_ids, logit_rows=lens - 1)
+        last_logits, taps = pdec.forward(ids, pcache, taps_ids, logit_rows=lens - 1)
         pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
         pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
@@ -276,7 +264,7 @@ class SpeculativeEngine:
         if use_draft:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
             next_ids[rows, lens - 1] = pending
-            h_last, dl_last = self._catch_up(step, taps, next_ids, lens - 1, dcache, lens)
+            h_last, dl_last = self._catch_up(pdec, ddec, taps, next_ids, lens - 1, dcache, lens)
         del taps
 
         tokens: list[list[int]] = [[t] for t in pending.tolist()]
@@ -302,12 +290,12 @@ class SpeculativeEngine:
                     h_last, dl_last = h_last[sel], dl_last[sel]
                 rows = torch.arange(len(active), device=device)
             if use_draft:
-                draft_ids, q = self._propose(step, h_last, dl_last, dcache, params, generator)
+                draft_ids, q = self._propose(pdec, ddec, h_last, dl_last, dcache, params, generator)
                 verify_ids = torch.cat([pending[:, None], draft_ids], dim=1)
             else:
                 draft_ids, q = pending.new_zeros(len(active), 0), None
                 verify_ids = pending[:, None]
-            logits, taps = step.policy(verify_ids, pcache, taps_ids)
+            logits, taps = pdec.forward(verify_ids, pcache, taps_ids)
             lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
             if params.greedy:
                 accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
@@ -323,7 +311,7 @@ class SpeculativeEngine:
             host_accepted = accepted.tolist()
             if use_draft:
                 span = max(host_accepted) + 1
-                h_last, dl_last = self._catch_up(step, tuple(t[:, :span] for t in taps), new_ids[:, :span],
+                h_last, dl_last = self._catch_up(pdec, ddec, tuple(t[:, :span] for t in taps), new_ids[:, :span],
                                                  accepted, dcache, new_length)
             del taps
             for i, (b, a, ids_b, lp_b) in enumerate(zip(active, host_accepted, new_ids.tolist(), new_lp.tolist())):

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_codraft.models.config import PolicyConfig
-from lightning_codraft.models.eagle3 import DraftConfig, Eagle3Draft
+from lightning_codraft.models.eagle3 import Eagle3Config, Eagle3Draft
 from lightning_codraft.models.policy import Policy
 
 
@@ -257,7 +257,7 @@ def test_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match=r"unsupported architectures \['MistralForCausalLM'\]"):
         Eagle3Draft.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="draft_vocab_size=200 exceeds"):
-        DraftConfig(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+        Eagle3Config(hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
                     vocab_size=100, draft_vocab_size=200, taps=(0, 1, 2))
 
 

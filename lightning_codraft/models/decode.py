@@ -1,0 +1,399 @@
+"""Decode-time forwards over KV caches: the interface the rollout engine calls, and its fast fused implementation.
+
+Two interfaces, each with two implementations:
+
+- :class:`PolicyDecoder` (``allocate_cache``, ``embed``, ``forward``): :class:`FusedPolicyDecoder` computes what
+  ``Policy.forward(ids, kv_cache=...)`` computes, from the policy's own parameters, with fewer ops per layer;
+  :class:`ModulePolicyDecoder` calls the module's ``forward(ids, kv_cache=, taps=)`` itself.
+- :class:`DraftDecoder` (``allocate_cache``, ``fuse``, ``step``): :class:`FusedDraftDecoder` computes what
+  ``Eagle3Draft.step`` computes; :class:`ModuleDraftDecoder` calls the module's ``fuse`` / ``step``.
+
+``Policy.decoder(capacity)`` and ``Eagle3Draft.decoder(capacity)`` return the fused decoder (subclasses inherit
+it) unless their parameters are not plain tensors (DTensor shards), then the module path. :func:`policy_decoder`
+and :func:`draft_decoder` ask any module for its ``decoder``; modules without one (wrappers, other
+implementations of the engine's contract) get the module path.
+
+At rollout sizes a decode step is bound by per-op overhead (Python dispatch and small kernels), not FLOPs. The
+fused decoders read the weights at construction (build one per ``generate`` call, after any weight update) and:
+
+- run q/k/v and gate/up projections as one matmul each (weights concatenated once per construction);
+- gather RoPE cos/sin from a table built once for every cache slot (the same elementwise values the modules
+  compute per step) and rotate q and k together;
+- build the attention mask, cache slots and positions once per forward, shared by all layers;
+- check capacity once per forward instead of in every layer;
+- compute logits only at the rows the caller needs (``logit_rows``).
+
+Caches are :class:`~lightning_codraft.models.kv_cache.KVCache` objects (same layout, same ``lengths``
+semantics) whatever the implementation. Fused values equal the module path up to floating-point reassociation
+of the fused matmuls (fp32: ~1e-6); tests/models/test_decode.py compares both with a full recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_codraft.models.kv_cache import KVCache
+
+Taps = tuple[Tensor, ...]
+
+
+@runtime_checkable
+class PolicyDecoder(Protocol):
+    """Decode forwards of a policy over :class:`KVCache` objects (see the module docstring)."""
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty cache of ``batch_size`` rows and ``capacity`` slots, in the parameters' dtype and device."""
+        ...
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids ``(...)`` -> ``(..., H)`` token embeddings."""
+        ...
+
+    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
+                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+        """S new tokens per row at positions ``cache.lengths[b] + arange(S)``; the cache advances by S.
+
+        Args:
+            ids: ``(B, S)`` token ids.
+            cache: the policy's cache (one entry per layer), written in place.
+            taps: tap ids to capture (tap ``l`` = hidden state entering layer ``l``; ``L`` = last layer's output).
+            logit_rows: ``(B,)`` one position per row to compute logits at (None: every position).
+
+        Returns:
+            logits ``(B, S, V)``, or ``(B, V)`` with ``logit_rows``; the taps, each ``(B, S, H)``, in the order
+            asked (None when not asked).
+        """
+        ...
+
+
+@runtime_checkable
+class DraftDecoder(Protocol):
+    """Decode forwards of an EAGLE-3 draft over one-layer :class:`KVCache` objects."""
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty one-layer cache, in the parameters' dtype and device."""
+        ...
+
+    def fuse(self, taps: Taps) -> Tensor:
+        """Three ``(B, S, H)`` policy taps -> ``(B, S, H)`` draft hidden input ``fc(cat(taps))``."""
+        ...
+
+    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
+             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """One draft step over S positions per row; the cache advances by S.
+
+        Args:
+            hidden: ``(B, S, H)`` hidden input (fused taps or a previous step's output).
+            embeds: ``(B, S, H)`` policy embeddings of the token following each position.
+            cache: the draft's one-layer cache, written in place.
+            logit_rows: ``(B,)`` one position per row to return (None: every position).
+
+        Returns:
+            hidden_out ``(B, S, H)`` and logits ``(B, S, Vd)``, or ``(B, H)`` and ``(B, Vd)`` with ``logit_rows``.
+        """
+        ...
+
+
+def plain_parameters(module: nn.Module) -> bool:
+    """True when every parameter is a plain tensor (not a DTensor shard or another tensor subclass)."""
+    return all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters())
+
+
+def policy_decoder(policy: nn.Module, capacity: int) -> PolicyDecoder:
+    """``policy.decoder(capacity)`` when the module has one, else a :class:`ModulePolicyDecoder`."""
+    make = getattr(policy, "decoder", None)
+    return make(capacity) if callable(make) else ModulePolicyDecoder(policy)
+
+
+def draft_decoder(draft: nn.Module, capacity: int) -> DraftDecoder:
+    """``draft.decoder(capacity)`` when the module has one, else a :class:`ModuleDraftDecoder`."""
+    make = getattr(draft, "decoder", None)
+    return make(capacity) if callable(make) else ModuleDraftDecoder(draft)
+
+
+def gather_rows(x: Tensor, logit_rows: Tensor | None) -> Tensor:
+    """x ``(B, S, ...)`` -> ``(B, ...)`` at index ``logit_rows[b]`` of each row, or x itself when None."""
+    if logit_rows is None:
+        return x
+    return x[torch.arange(x.shape[0], device=x.device), logit_rows]
+
+
+def _cache_like(module: nn.Module, config, num_layers: int, batch_size: int, capacity: int) -> KVCache:
+    """A cache shaped from a HF-style ``config`` (``num_key_value_heads``, ``head_dim``), like ``module``'s params."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    p = next(module.parameters())
+    return KVCache.allocate(num_layers, batch_size, kv_heads, head_dim, capacity, p.dtype, p.device)
+
+
+# ---------------------------------------------------------------------------------------------- module path
+class ModulePolicyDecoder:
+    """:class:`PolicyDecoder` through the module's own ``forward(ids, kv_cache=, taps=)`` and ``embed``.
+
+    Args:
+        policy: any module with that ``forward``, ``embed`` and a HF-style ``config``.
+    """
+
+    def __init__(self, policy: nn.Module):
+        self.module = policy
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        allocate = getattr(self.module, "allocate_kv_cache", None)
+        if callable(allocate):
+            return allocate(batch_size, capacity)
+        c = self.module.config
+        return _cache_like(self.module, c, int(c.num_hidden_layers), batch_size, capacity)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.module.embed(ids)
+
+    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
+                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+        out = self.module(ids, kv_cache=cache, taps=taps)
+        return gather_rows(out.logits, logit_rows), out.taps
+
+
+class ModuleDraftDecoder:
+    """:class:`DraftDecoder` through the module's own ``fuse`` and ``step(hidden, embeds, kv_cache)``.
+
+    Args:
+        draft: any module with that ``fuse`` / ``step`` and a HF-style ``config``.
+    """
+
+    def __init__(self, draft: nn.Module):
+        self.module = draft
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        allocate = getattr(self.module, "allocate_kv_cache", None)
+        if callable(allocate):
+            return allocate(batch_size, capacity)
+        return _cache_like(self.module, self.module.config, 1, batch_size, capacity)
+
+    def fuse(self, taps: Taps) -> Tensor:
+        return self.module.fuse(taps)
+
+    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
+             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        out, logits = self.module.step(hidden, embeds, cache)
+        return gather_rows(out, logit_rows), gather_rows(logits, logit_rows)
+
+
+# ---------------------------------------------------------------------------------------------- fused path
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of the last dimension with the module's numerics (fp32 statistics, cast back)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _cat(*tensors: Tensor | None) -> Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights: norms and o/down projections by reference, q/k/v and gate/up concatenated."""
+
+    ln1: Tensor
+    ln2: Tensor
+    wqkv: Tensor
+    bqkv: Tensor | None
+    wo: Tensor
+    bo: Tensor | None
+    wgu: Tensor
+    bgu: Tensor | None
+    wd: Tensor
+    bd: Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+
+    @classmethod
+    def pack(cls, ln1: nn.Module, ln2: nn.Module, attn: nn.Module, mlp: nn.Module, eps: float) -> "_Layer":
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        return cls(ln1=ln1.weight, ln2=ln2.weight, wqkv=torch.cat([q.weight, k.weight, v.weight]),
+                   bqkv=_cat(q.bias, k.bias, v.bias), wo=o.weight, bo=o.bias,
+                   wgu=torch.cat([g.weight, u.weight]), bgu=_cat(g.bias, u.bias), wd=d.weight, bd=d.bias,
+                   heads=int(attn.num_heads), kv_heads=int(attn.num_kv_heads), head_dim=int(attn.head_dim),
+                   eps=float(eps), q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                   k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None)
+
+
+@dataclass
+class _Geometry:
+    """Per-forward indices shared by every layer: positions, cache slots, RoPE rows and the attention mask."""
+
+    rows: Tensor | None  # (B, S) row index of each new token; None for a single row
+    slots: Tensor | int  # (B, S) cache slot (= absolute position) of each new token; a single row's first slot
+    cos: Tensor         # (B, S, 1, D)
+    sin: Tensor         # (B, S, 1, D)
+    visible: int        # slots any query can see: max position + 1
+    mask: Tensor | None  # (B, 1, S, visible) additive 0 / -inf, None when every query sees every visible slot
+
+
+class _FusedMath:
+    """The shared pieces of the fused decoders: geometry, RoPE, attention with cache writes, gated MLP."""
+
+    def __init__(self, capacity: int, rotary, like: Tensor):
+        self.capacity = int(capacity)
+        positions = torch.arange(self.capacity, device=like.device)
+        self.cos, self.sin = rotary(positions, like.dtype)                         # (C, D) each
+        self._rotate_half: dict[int, Tensor] = {}
+
+    def _geometry(self, cache: KVCache, num_tokens: int) -> _Geometry:
+        capacity = min(cache.capacity, self.capacity)
+        start = cache.lengths
+        batch = start.shape[0]
+        first = int(start[0]) if batch == 1 else None
+        top = (first if batch == 1 else int(start.max())) + num_tokens   # the one host sync of the forward
+        if top > capacity:
+            raise ValueError(f"KV cache overflow: a row at length {top - num_tokens} + {num_tokens} new tokens "
+                             f"needs {top} slots but capacity is {capacity}; allocate a larger cache")
+        offsets = torch.arange(num_tokens, device=start.device)
+        cos, sin = self.cos, self.sin
+        if first is not None:  # one row: its slots are the contiguous range [first, top)
+            mask = None
+            if num_tokens > 1:
+                visible = torch.arange(top, device=start.device)[None, :] <= (offsets + first)[:, None]  # (S, L)
+                mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
+                mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
+            return _Geometry(rows=None, slots=first, cos=cos[first:top][None, :, None],
+                             sin=sin[first:top][None, :, None], visible=top, mask=mask)
+        slots = start[:, None] + offsets                        # (B, S)
+        rows = torch.arange(batch, device=start.device)[:, None].expand(batch, num_tokens)
+        visible = torch.arange(top, device=start.device)[None, None, :] <= slots[:, :, None]  # (B, S, L)
+        mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[:, None]
+        return _Geometry(rows=rows, slots=slots, cos=cos[slots][:, :, None], sin=sin[slots][:, :, None],
+                         visible=top, mask=mask)
+
+    def _rotate(self, x: Tensor, geo: _Geometry) -> Tensor:
+        """x: (B, S, h, D) -> RoPE-rotated ``x * cos + rotate_half(x) * sin`` (half-split layout).
+
+        ``rotate_half(x) = x @ R`` with R the signed permutation ``cat(-x2, x1)``: one exact matmul (each output
+        is a single ±x term) instead of two slices, a negation and a concatenation.
+        """
+        R = self._rotate_half.get(x.shape[-1])
+        if R is None or R.dtype != x.dtype:
+            half = x.shape[-1] // 2
+            R = torch.zeros(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device)
+            R[torch.arange(half, 2 * half), torch.arange(half)] = -1.0
+            R[torch.arange(half), torch.arange(half, 2 * half)] = 1.0
+            self._rotate_half[x.shape[-1]] = R
+        return torch.addcmul(x * geo.cos, x @ R, geo.sin)
+
+    def _attention(self, layer: _Layer, x: Tensor, k_cache: Tensor, v_cache: Tensor, geo: _Geometry) -> Tensor:
+        """x: (B, S, H_in) normed attention input -> (B, S, H) o_proj output; writes the new keys/values."""
+        B, S = x.shape[:2]
+        heads, kv_heads = layer.heads, layer.kv_heads
+        qkv = F.linear(x, layer.wqkv, layer.bqkv).view(B, S, heads + 2 * kv_heads, layer.head_dim)
+        if layer.q_norm is None:
+            qk = self._rotate(qkv[:, :, :heads + kv_heads], geo)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+        else:
+            q = self._rotate(_rms(qkv[:, :, :heads], layer.q_norm, layer.eps), geo)
+            k = self._rotate(_rms(qkv[:, :, heads:heads + kv_heads], layer.k_norm, layer.eps), geo)
+        v = qkv[:, :, heads + kv_heads:]
+        L = geo.visible
+        if geo.rows is None:  # one row: slice copy into slots [L - S, L)
+            k_cache[0, :, L - S:L] = k[0].transpose(0, 1)
+            v_cache[0, :, L - S:L] = v[0].transpose(0, 1)
+        else:
+            k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
+            v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L],
+                                             attn_mask=geo.mask, enable_gqa=kv_heads != heads)
+        return F.linear(out.transpose(1, 2).reshape(B, S, heads * layer.head_dim), layer.wo, layer.bo)
+
+    @staticmethod
+    def _mlp(layer: _Layer, x: Tensor) -> Tensor:
+        gate, up = F.linear(_rms(x, layer.ln2, layer.eps), layer.wgu, layer.bgu).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.wd, layer.bd)
+
+
+class FusedPolicyDecoder(_FusedMath):
+    """:class:`PolicyDecoder` of a :class:`~lightning_codraft.models.Policy` (or a subclass) with fused weights.
+
+    Args:
+        policy: the policy; its parameters are read now (rebuild after a weight update).
+        capacity: largest cache capacity the caller will use (RoPE table size).
+    """
+
+    def __init__(self, policy: nn.Module, capacity: int):
+        self.policy = policy
+        backbone, eps = policy.model, float(policy.config.rms_norm_eps)
+        self.embed_weight = backbone.embed_tokens.weight
+        super().__init__(capacity, policy.rotary, self.embed_weight)
+        self.layers = [_Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps)
+                       for l in backbone.layers]
+        self.eps, self.norm, self.lm_head = eps, backbone.norm.weight, policy.lm_head.weight
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return self.policy.allocate_kv_cache(batch_size, capacity)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
+                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+        B, S = ids.shape
+        geo = self._geometry(cache, S)
+        x = self.embed(ids)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if taps and i in taps:
+                captured[i] = x
+            x = x + self._attention(layer, _rms(x, layer.ln1, self.eps), cache.k[i], cache.v[i], geo)
+            x = x + self._mlp(layer, x)
+        if taps and len(self.layers) in taps:
+            captured[len(self.layers)] = x
+        cache.lengths = cache.lengths + S
+        logits = F.linear(_rms(gather_rows(x, logit_rows), self.norm, self.eps), self.lm_head)
+        return logits, (None if taps is None else tuple(captured[t] for t in taps))
+
+
+class FusedDraftDecoder(_FusedMath):
+    """:class:`DraftDecoder` of an :class:`~lightning_codraft.models.Eagle3Draft` (or a subclass), fused weights.
+
+    Args:
+        draft: the draft; its parameters are read now (rebuild after a weight update).
+        capacity: largest cache capacity the caller will use (RoPE table size).
+    """
+
+    def __init__(self, draft: nn.Module, capacity: int):
+        self.draft = draft
+        mid, eps = draft.midlayer, float(draft.config.rms_norm_eps)
+        self.fc = draft.fc.weight
+        super().__init__(capacity, draft.rotary_emb, self.fc)
+        self.in_ln, self.hidden_ln = mid.input_layernorm.weight, mid.hidden_norm.weight
+        self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps)
+        self.eps, self.norm, self.lm_head = eps, draft.norm.weight, draft.lm_head.weight
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return self.draft.allocate_kv_cache(batch_size, capacity)
+
+    def fuse(self, taps: Taps) -> Tensor:
+        return F.linear(torch.cat(taps, dim=-1), self.fc)
+
+    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
+             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        S = hidden.shape[1]
+        geo = self._geometry(cache, S)
+        x = torch.cat([_rms(embeds, self.in_ln, self.eps), _rms(hidden, self.hidden_ln, self.eps)], dim=-1)
+        h = self._attention(self.layer, x, cache.k[0], cache.v[0], geo) + hidden
+        h = gather_rows(h, logit_rows)
+        out = self._mlp(self.layer, h) + h
+        cache.lengths = cache.lengths + S
+        return out, F.linear(_rms(out, self.norm, self.eps), self.lm_head)
