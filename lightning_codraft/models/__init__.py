@@ -7,9 +7,11 @@ _LAZY = {
     "Policy": "lightning_codraft.models.policy",
     "PolicyOutput": "lightning_codraft.models.policy",
     "KVCache": "lightning_codraft.models.kv_cache",
-    "DraftConfig": "lightning_codraft.models.eagle3",
+    "Eagle3Config": "lightning_codraft.models.config",
     "Eagle3Draft": "lightning_codraft.models.eagle3",
     "build_vocab_mapping": "lightning_codraft.models.vocab",
+    "PolicyDecoder": "lightning_codraft.models.decode",
+    "DraftDecoder": "lightning_codraft.models.decode",
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
