@@ -4,11 +4,13 @@ from lightning_codraft.attention.branch import branch_attention_backward, branch
 from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.codraft import codraft_attention
 from lightning_codraft.attention.local import (
+    BACKENDS,
     select_backend,
     varlen_attention,
     varlen_attention_backward,
     varlen_attention_forward,
 )
+from lightning_codraft.attention.local_cuda import BackendUnavailable
 from lightning_codraft.attention.merge import merge_attention
 from lightning_codraft.attention.packing import (
     PackedBatch,
@@ -21,6 +23,8 @@ from lightning_codraft.attention.packing import (
 from lightning_codraft.attention.zigzag import ZigzagLayout, shift_left, zigzag_shard, zigzag_unshard
 
 __all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
     "PackedBatch",
     "ZigzagLayout",
     "branch_attention_backward",

@@ -8,11 +8,19 @@ the partial results with :func:`~lightning_codraft.attention.merge.merge_attenti
 *merged* output of a joint softmax (the flash-attention identity ``dS = P * (dP - rowsum(dO * O))`` holds
 for each block of keys with ``P = exp(S - lse_joint)``).
 
-Backends, chosen by device:
+Backends (``backend=None`` picks the first that fits, see :func:`select_backend`):
 
-- CPU: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, one call per document.
-- CUDA with ``flash_attn`` installed and 16-bit inputs: ``flash_attn``'s varlen kernels.
-- anything else: a pure-PyTorch math path (one document at a time, fp32 softmax).
+- ``"cpu"``: CPU tensors, any float dtype. ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  backward, one call per document.
+- ``"torch_flash"``: CUDA fp16/bf16, head dim <= 256, sm80+. PyTorch's own FlashAttention-2 varlen ops
+  ``aten._flash_attention_forward`` / ``_flash_attention_backward``; no extra package.
+- ``"flash_attn"``: CUDA fp16/bf16, head dim <= 256, flash-attn >= 2.6 installed. Its
+  ``_flash_attn_varlen_forward`` / ``_backward``; picked by default only where ``"torch_flash"`` cannot run.
+- ``"torch"``: everything else (CUDA fp32, other devices). Pure-PyTorch math, one document at a time, fp32
+  softmax.
+
+The CUDA backends live in :mod:`lightning_codraft.attention.local_cuda`. A forced backend that cannot run
+raises :class:`~lightning_codraft.attention.local_cuda.BackendUnavailable` saying why and what to use instead.
 
 ``causal=True`` aligns the causal mask to the bottom-right corner of each document's block (as
 flash-attention >= 2.1 does): query ``i`` of a document with ``Lq`` queries and ``Lk`` keys sees keys
@@ -21,33 +29,36 @@ flash-attention >= 2.1 does): query ``i`` of a document with ``Lq`` queries and 
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from lightning_codraft.attention import local_cuda
+from lightning_codraft.attention.local_cuda import BackendUnavailable
+
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_BACKENDS = ("cpu", "flash_attn", "torch")
-
-
-def _flash_attn_module():
-    try:
-        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return flash_attn_interface
+BACKENDS = ("cpu", "torch_flash", "flash_attn", "torch")
 
 
 def select_backend(q: Tensor) -> str:
-    """Name of the kernel :func:`varlen_attention` uses for ``q``: ``"cpu"``, ``"flash_attn"`` or ``"torch"``."""
+    """Name of the kernel :func:`varlen_attention` uses for ``q`` by default (one of :data:`BACKENDS`)."""
     if q.device.type == "cpu":
         return "cpu"
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and _flash_attn_module() is not None:
-        return "flash_attn"
-    return "torch"
+    return local_cuda.available_cuda_backend(q) or "torch"
+
+
+def _resolve(backend: Optional[str], q: Tensor) -> str:
+    if backend is None:
+        return select_backend(q)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS} or None")
+    if backend == "cpu" and q.device.type != "cpu":
+        raise BackendUnavailable(f"attention backend 'cpu' runs on CPU tensors, got tensors on {q.device}; use "
+                                 f"backend=None to pick by device")
+    return backend
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> tuple[list[int], list[int]]:
@@ -146,38 +157,6 @@ def _fwd_torch(q, k, v, cq, ck, causal, scale):
     return out, lse
 
 
-def _fa_call(fn, **kwargs):
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:
-        kwargs["window_size"] = (kwargs["window_size_left"], kwargs["window_size_right"])
-    return fn(**{name: val for name, val in kwargs.items() if name in params})
-
-
-def _fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
-    return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                cu_seqlens_q=cu_q.to(device=q.device, dtype=torch.int32),
-                cu_seqlens_k=cu_k.to(device=q.device, dtype=torch.int32),
-                max_seqlen_q=max(b - a for a, b in zip(cq[:-1], cq[1:])),
-                max_seqlen_k=max(b - a for a, b in zip(ck[:-1], ck[1:])),
-                dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-                softcap=0.0, alibi_slopes=None, return_softmax=False, deterministic=False)
-
-
-def _fwd_flash_attn(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
-    fa = _flash_attn_module()
-    res = _fa_call(fa._flash_attn_varlen_forward, **_fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale))
-    # flash-attn >= 2.6 returns (out, lse, S_dmask, rng_state); 2.0-2.5 (out, q, k, v, out_padded, lse, ...)
-    out, lse = (res[0], res[5]) if len(res) >= 8 else (res[0], res[1])
-    if lse.dim() != 2 or lse.shape != (q.shape[1], q.shape[0]):
-        raise RuntimeError(f"flash_attn returned a softmax_lse of shape {tuple(lse.shape)}; lightning_codraft "
-                           f"needs the unpadded (H, T) layout of flash-attn >= 2.4")
-    lse = lse.transpose(0, 1).float()
-    # flash-attn reports lse = +inf (or -inf) on rows that see nothing; normalise to -inf
-    if causal:
-        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))
-    return out, lse
-
-
 # --------------------------------------------------------------------------------------------- backward
 
 
@@ -223,17 +202,6 @@ def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
     return dq, dk, dv
 
 
-def _bwd_flash_attn(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, scale):
-    fa = _flash_attn_module()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kwargs = _fa_common(q, k, v, cu_q, cu_k, cq, ck, causal, scale)
-    lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    kwargs.update(dout=dout.contiguous(), out=out.contiguous(),
-                  softmax_lse=lse_safe.t().contiguous(), dq=dq, dk=dk, dv=dv, rng_state=None)
-    _fa_call(fa._flash_attn_varlen_backward, **kwargs)
-    return dq, dk, dv
-
-
 # --------------------------------------------------------------------------------------------- public
 
 
@@ -248,21 +216,20 @@ def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
         cu_seqlens_q, cu_seqlens_k: ``(N + 1,)`` prefix sums pairing query document ``i`` with key document ``i``.
         causal: bottom-right-aligned causal mask inside each document.
         softmax_scale: multiplier of ``q @ k``.
-        backend: ``"cpu"``, ``"flash_attn"`` or ``"torch"``; default :func:`select_backend`.
+        backend: one of :data:`BACKENDS`; default :func:`select_backend`.
 
     Returns:
         ``out (Tq, H, D)`` in q's dtype and ``lse (Tq, H)`` fp32 (``-inf`` on rows that see no key).
     """
     cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    backend = backend or select_backend(q)
+    backend = _resolve(backend, q)
     with torch.no_grad():
         if backend == "cpu":
             return _fwd_cpu(q, k, v, cq, ck, causal, softmax_scale)
-        if backend == "flash_attn":
-            return _fwd_flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cq, ck, causal, softmax_scale)
         if backend == "torch":
             return _fwd_torch(q, k, v, cq, ck, causal, softmax_scale)
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
+        fwd = local_cuda.torch_flash_forward if backend == "torch_flash" else local_cuda.flash_attn_forward
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, cq, ck, causal, softmax_scale)
 
 
 def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -274,27 +241,27 @@ def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
         dout: ``(Tq, H, D)`` gradient of the (joint) attention output.
         q, k, v: the block's inputs, as in :func:`varlen_attention_forward`.
         out: ``(Tq, H, D)`` output of the joint softmax this block's keys belong to (the merged output).
-        lse: ``(Tq, H)`` fp32 log-sum-exp of that joint softmax.
+        lse: ``(Tq, H)`` fp32 log-sum-exp of that joint softmax (``-inf`` on rows that see no key).
+        backend: one of :data:`BACKENDS`; default :func:`select_backend`.
 
     Returns:
         ``dq (Tq, H, D)``, ``dk (Tk, Hkv, D)``, ``dv (Tk, Hkv, D)``: this block's contribution.
     """
     cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    backend = backend or select_backend(q)
+    backend = _resolve(backend, q)
     with torch.no_grad():
         if backend == "cpu":
             return _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, softmax_scale)
-        if backend == "flash_attn":
-            return _bwd_flash_attn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cq, ck, causal,
-                                   softmax_scale)
         if backend == "torch":
             return _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, softmax_scale)
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {_BACKENDS}")
+        bwd = local_cuda.torch_flash_backward if backend == "torch_flash" else local_cuda.flash_attn_backward
+        return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cq, ck, causal, softmax_scale)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, backend):
+        backend = _resolve(backend, q)
         out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale,
                                             backend=backend)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
@@ -311,9 +278,13 @@ class _VarlenAttention(torch.autograd.Function):
             # v' = [v, 1], dO' = [dO, dlse], and hand the kernel out' = [O, 0] so its rowsum stays dO.O;
             # then dO'.v'_j = dO.v_j + dlse_i, exactly the term needed. q and k get a zero column.
             pad = lambda x, val: torch.cat([x, x.new_full((*x.shape[:-1], 1), val)], -1)  # noqa: E731
+            qp, kp, vp = pad(q, 0.0), pad(k, 0.0), pad(v, 1.0)
+            backend = ctx.backend
+            if backend in ("torch_flash", "flash_attn") and local_cuda.input_problem(backend, qp, kp, vp):
+                backend = "torch"  # head dim D + 1 past the flash kernels' limit
             dq, dk, dv = varlen_attention_backward(
-                torch.cat([dout, dlse.to(dout.dtype).unsqueeze(-1)], -1), pad(q, 0.0), pad(k, 0.0), pad(v, 1.0),
-                pad(out, 0.0), lse, cu_q, cu_k, causal=ctx.causal, softmax_scale=ctx.scale, backend=ctx.backend)
+                torch.cat([dout, dlse.to(dout.dtype).unsqueeze(-1)], -1), qp, kp, vp, pad(out, 0.0), lse,
+                cu_q, cu_k, causal=ctx.causal, softmax_scale=ctx.scale, backend=backend)
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         else:
             dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=ctx.causal,
@@ -333,7 +304,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         causal: causal mask inside each document, aligned bottom-right (query ``i`` sees key
             ``j <= i + Lk - Lq``).
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        backend: force ``"cpu"``, ``"flash_attn"`` or ``"torch"``; default picks by device (:func:`select_backend`).
+        backend: force ``"cpu"``, ``"torch_flash"``, ``"flash_attn"`` or ``"torch"`` (the module docstring's
+            table); default picks by device and dtype (:func:`select_backend`). A forced backend that cannot run
+            here raises :class:`~lightning_codraft.attention.local_cuda.BackendUnavailable`.
 
     Returns:
         ``out (Tq, H, D)`` (q's dtype) and ``lse (Tq, H)`` fp32; rows with no visible key give 0 and ``-inf``.
