@@ -204,7 +204,7 @@ class _Block:
         if lse.shape != (q.shape[1], q.shape[0]):
             raise RuntimeError(f"backend {backend!r} returned a softmax_lse of shape {tuple(lse.shape)}; expected "
                                f"the unpadded varlen layout (H, total_q) = ({q.shape[1]}, {q.shape[0]})")
-        lse = lse.t().float()
+        lse = lse.t().float().contiguous()
         return lse.masked_fill(~torch.isfinite(lse), float("-inf"))
 
     @staticmethod
@@ -214,8 +214,19 @@ class _Block:
         return lse.masked_fill(torch.isneginf(lse), float("inf")).t().contiguous()
 
 
-def _empty_result(q: Tensor) -> tuple[Tensor, Tensor]:
+def _prepare(backend: str, q, k, v, cu_q, cu_k, cq, ck):
+    """The backend's ops (or :class:`BackendUnavailable`) and the kernels' view of the block; the view is
+    ``None`` when the block has no query or no key (nothing to launch)."""
+    ops = _ops(backend, q, k, v)
+    return ops, (_Block.build(q, cu_q, cu_k, cq, ck) if q.shape[0] and k.shape[0] else None)
+
+
+def _empty_forward(q: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_zeros(q.shape), torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _empty_backward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 # -------------------------------------------------------------------------------------------- torch_flash
@@ -223,10 +234,9 @@ def _empty_result(q: Tensor) -> tuple[Tensor, Tensor]:
 
 def torch_flash_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
     """Block forward with PyTorch's flash kernel: ``out (Tq, H, D)`` and ``lse (Tq, H)`` fp32."""
-    ops = _ops("torch_flash", q, k, v)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return _empty_result(q)
-    blk = _Block.build(q, cu_q, cu_k, cq, ck)
+    ops, blk = _prepare("torch_flash", q, k, v, cu_q, cu_k, cq, ck)
+    if blk is None:
+        return _empty_forward(q)
     out, lse, *_ = ops.forward(blk.pad(q), blk.pad(k), blk.pad(v), blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
                                0.0, bool(causal), False, scale=float(scale))
     return blk.unpad(out), blk.lse_from_kernel(lse, q, "torch_flash")
@@ -234,10 +244,9 @@ def torch_flash_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
 
 def torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, scale):
     """Block gradients with PyTorch's flash kernel against the given (joint) ``out`` / ``lse``."""
-    ops = _ops("torch_flash", q, k, v)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    blk = _Block.build(q, cu_q, cu_k, cq, ck)
+    ops, blk = _prepare("torch_flash", q, k, v, cu_q, cu_k, cq, ck)
+    if blk is None:
+        return _empty_backward(q, k, v)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout, which is 0 here
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = ops.backward(blk.pad(dout.to(q.dtype)), blk.pad(q), blk.pad(k), blk.pad(v),
@@ -273,10 +282,9 @@ def _fa_window(version: tuple[int, int]) -> tuple:
 
 def flash_attn_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
     """Block forward with flash-attn's varlen kernel: ``out (Tq, H, D)`` and ``lse (Tq, H)`` fp32."""
-    ops = _ops("flash_attn", q, k, v)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return _empty_result(q)
-    blk = _Block.build(q, cu_q, cu_k, cq, ck)
+    ops, blk = _prepare("flash_attn", q, k, v, cu_q, cu_k, cq, ck)
+    if blk is None:
+        return _empty_forward(q)
     res = ops.forward(blk.pad(q), blk.pad(k), blk.pad(v), blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
                       0.0, float(scale), bool(causal), *_fa_window(ops.version),
                       0.0, None, False)  # softcap, alibi_slopes, return_softmax
@@ -286,10 +294,9 @@ def flash_attn_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
 
 def flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, scale):
     """Block gradients with flash-attn's varlen kernel against the given (joint) ``out`` / ``lse``."""
-    ops = _ops("flash_attn", q, k, v)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    blk = _Block.build(q, cu_q, cu_k, cq, ck)
+    ops, blk = _prepare("flash_attn", q, k, v, cu_q, cu_k, cq, ck)
+    if blk is None:
+        return _empty_backward(q, k, v)
     qp, kp, vp = blk.pad(q), blk.pad(k), blk.pad(v)
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
     ops.backward(blk.pad(dout.to(q.dtype)), qp, kp, vp, blk.pad(out.to(q.dtype)), blk.lse_to_kernel(lse),

@@ -45,10 +45,11 @@ def _assert_matches_dense(q, k, v, cq, ck, causal, scale, backend, atol):
 
 
 # (lq, lk, causal): square causal; Lq < Lk causal (bottom-right); Lq > Lk causal (blind rows); non-causal ring
-# blocks; at most one query per document (max_seqlen_q = 1); a document without queries; one without keys
+# blocks; at most one query per document (max_seqlen_q = 1); a document without queries; one without keys;
+# a block without any query (nothing to launch)
 CASES = [([5, 9, 3], [5, 9, 3], True), ([4, 6], [7, 6], True), ([3, 8], [5, 2], True), ([3, 8], [5, 2], False),
          ([1, 1, 1], [3, 2, 4], True), ([1, 0, 1], [2, 3, 2], False), ([2, 0, 3], [2, 4, 3], False),
-         ([3, 2], [0, 2], True)]
+         ([3, 2], [0, 2], True), ([0, 0], [2, 3], False)]
 
 
 @pytest.mark.parametrize("kernel", flash_standins.KERNELS)
@@ -145,6 +146,10 @@ def test_default_backend_table(monkeypatch):
     assert select_backend(_fake_cuda()) == "torch"                       # flash-attn < 2.6 is not used
     monkeypatch.setattr(local_cuda, "load_flash_attn", _unavailable)
     assert select_backend(_fake_cuda()) == "torch"
+    q = _fake_cuda(D=8)
+    with pytest.raises(BackendUnavailable, match="'cpu' runs on CPU tensors, got tensors on cuda"):
+        varlen_attention_forward(q, q, q, random_cu([4]), random_cu([4]), causal=True, softmax_scale=1.0,
+                                 backend="cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")
