@@ -8,8 +8,10 @@ Both backends run FlashAttention-2's varlen kernels and share one contract, whic
   explicit ``softmax_scale`` so the padded width never enters the default ``1 / sqrt(D)``.
 - GQA natively (``H % Hkv == 0``); the kernels sum dK/dV over each group.
 - ``causal`` aligned bottom-right (query ``i`` sees key ``j <= i + Lk - Lq``), the convention of local.py.
-- lse unpadded ``(H, total_q)`` fp32; a row that sees no key gets out 0 and lse ``+inf``, and the backward
-  reads the lse it is given as ``P = exp(S - lse)``, so ``+inf`` gives ``P = 0`` (``-inf`` would give inf/NaN).
+- lse fp32, packed ``(H, total_q)`` (flash-attn >= 2.6; PyTorch CUDA builds with those kernels), or padded
+  ``(num_docs, H, max_seqlen_q)`` (older PyTorch builds, ROCm AOTriton: found by a one-off probe); a row that
+  sees no key gets out 0 and lse ``+inf``, and the backward reads the lse it is given (same layout) as
+  ``P = exp(S - lse)``, so ``+inf`` gives ``P = 0`` (``-inf`` would give inf/NaN).
 
 Kernels, per backend:
 
@@ -53,6 +55,9 @@ class TorchFlashOps:
     backward: Callable[..., Any]
     """``_flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
     max_k, dropout_p, is_causal, rng_state, unused, *, scale) -> (dq, dk, dv)``."""
+    packed_lse: bool = True
+    """The varlen lse layout of this build: packed ``(H, total_q)`` (CUDA builds with FlashAttention >= 2.6's
+    kernels), else padded ``(num_docs, H, max_q)`` (older builds, ROCm AOTriton); the backward takes the same."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,30 @@ def load_torch_flash(device: torch.device) -> TorchFlashOps:
         raise BackendUnavailable(
             f"attention backend 'torch_flash' needs an Ampere or newer GPU (sm80+), {device} is sm{major}{minor}; "
             f"use backend='torch' (math path)")
-    return TorchFlashOps(torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward)
+    return _probe_torch_flash(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_torch_flash(index: int) -> TorchFlashOps:
+    fwd, bwd = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+    return TorchFlashOps(fwd, bwd, packed_lse=lse_layout_is_packed(fwd, torch.device("cuda", index)))
+
+
+def lse_layout_is_packed(forward: Callable[..., Any], device: torch.device) -> bool:
+    """Run ``forward`` (the aten varlen flash schema) once on two tiny documents: it must launch on ``device``,
+    and its lse shape tells the layout (``True``: packed ``(H, total_q)``, ``False``: padded)."""
+    x = torch.zeros(3, 1, 8, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    try:
+        shape = tuple(forward(x, x, x, cu, cu, 2, 2, 0.0, False, False, scale=1.0)[1].shape)
+    except RuntimeError as err:
+        raise BackendUnavailable(f"attention backend 'torch_flash' does not run on {device} with torch "
+                                 f"{torch.__version__} ({err}); use backend='torch' (math path)") from err
+    if shape not in ((1, 3), (2, 1, 2)):
+        raise BackendUnavailable(f"attention backend 'torch_flash': torch {torch.__version__} returns a varlen lse "
+                                 f"of shape {shape} for 2 documents, 1 head, 3 tokens; expected (1, 3) or (2, 1, 2). "
+                                 f"Use backend='torch' (math path)")
+    return shape == (1, 3)
 
 
 @functools.lru_cache(maxsize=1)
@@ -181,6 +209,7 @@ class _Block:
     max_k: int
     head_dim: int
     padded: int
+    lens_q: list[int]
 
     @classmethod
     def build(cls, q: Tensor, cu_q: Tensor, cu_k: Tensor, cq: list[int], ck: list[int]) -> "_Block":
@@ -190,7 +219,7 @@ class _Block:
         # ("seqlenq_ngroups_swapped"), which assumes every document has exactly one query
         return cls(cu_q.to(device=q.device, dtype=torch.int32).contiguous(),
                    cu_k.to(device=q.device, dtype=torch.int32).contiguous(),
-                   max(max(lens_q), 2), max(lens_k), q.shape[-1], _padded_head_dim(q.shape[-1]))
+                   max(max(lens_q), 2), max(lens_k), q.shape[-1], _padded_head_dim(q.shape[-1]), lens_q)
 
     def pad(self, x: Tensor) -> Tensor:
         """``(T, h, D)`` -> ``(T, h, padded)`` contiguous, zero columns appended."""
@@ -199,19 +228,38 @@ class _Block:
     def unpad(self, x: Tensor) -> Tensor:
         return x[..., :self.head_dim].contiguous() if self.padded != self.head_dim else x
 
-    def lse_from_kernel(self, lse: Tensor, q: Tensor, backend: str) -> Tensor:
-        """Kernel ``(H, T)`` lse (``+inf`` on blind rows) -> ``(T, H)`` fp32 with ``-inf`` there."""
-        if lse.shape != (q.shape[1], q.shape[0]):
-            raise RuntimeError(f"backend {backend!r} returned a softmax_lse of shape {tuple(lse.shape)}; expected "
-                               f"the unpadded varlen layout (H, total_q) = ({q.shape[1]}, {q.shape[0]})")
-        lse = lse.t().float().contiguous()
+    def _doc_rows(self, device) -> tuple[Tensor, Tensor]:
+        """Per packed query row: its document and its position there, ``(Tq,)`` each."""
+        lens = torch.tensor(self.lens_q, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(self.lens_q), device=device), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        return doc, torch.arange(doc.numel(), device=device) - starts[doc]
+
+    def lse_from_kernel(self, lse: Tensor, q: Tensor, backend: str, packed: bool = True) -> Tensor:
+        """Kernel lse (``+inf`` on blind rows), packed ``(H, Tq)`` or padded ``(N, H, max_q)``, -> ``(Tq, H)`` fp32
+        with ``-inf`` there."""
+        want = (q.shape[1], q.shape[0]) if packed else (len(self.lens_q), q.shape[1], self.max_q)
+        if tuple(lse.shape) != want:
+            raise RuntimeError(f"backend {backend!r} returned a softmax_lse of shape {tuple(lse.shape)}; expected the "
+                               f"{'packed' if packed else 'padded'} varlen layout {want}")
+        if packed:
+            lse = lse.t()
+        else:
+            doc, pos = self._doc_rows(lse.device)
+            lse = lse[doc, :, pos]
+        lse = lse.float().contiguous()
         return lse.masked_fill(~torch.isfinite(lse), float("-inf"))
 
-    @staticmethod
-    def lse_to_kernel(lse: Tensor) -> Tensor:
-        """``(T, H)`` lse (``-inf`` on blind rows) -> contiguous ``(H, T)`` fp32 with ``+inf`` there."""
-        lse = lse.float()
-        return lse.masked_fill(torch.isneginf(lse), float("inf")).t().contiguous()
+    def lse_to_kernel(self, lse: Tensor, packed: bool = True) -> Tensor:
+        """``(Tq, H)`` lse (``-inf`` on blind rows) -> fp32 with ``+inf`` there, packed ``(H, Tq)`` or padded
+        ``(N, H, max_q)`` (rows past a document's end ``+inf``), contiguous."""
+        lse = lse.float().masked_fill(torch.isneginf(lse), float("inf"))
+        if packed:
+            return lse.t().contiguous()
+        out = lse.new_full((len(self.lens_q), lse.shape[1], self.max_q), float("inf"))
+        doc, pos = self._doc_rows(lse.device)
+        out[doc, :, pos] = lse
+        return out
 
 
 def _prepare(backend: str, q, k, v, cu_q, cu_k, cq, ck):
@@ -239,7 +287,7 @@ def torch_flash_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
         return _empty_forward(q)
     out, lse, *_ = ops.forward(blk.pad(q), blk.pad(k), blk.pad(v), blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
                                0.0, bool(causal), False, scale=float(scale))
-    return blk.unpad(out), blk.lse_from_kernel(lse, q, "torch_flash")
+    return blk.unpad(out), blk.lse_from_kernel(lse, q, "torch_flash", ops.packed_lse)
 
 
 def torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, scale):
@@ -250,8 +298,8 @@ def torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, sc
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout, which is 0 here
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = ops.backward(blk.pad(dout.to(q.dtype)), blk.pad(q), blk.pad(k), blk.pad(v),
-                              blk.pad(out.to(q.dtype)), blk.lse_to_kernel(lse), blk.cu_q, blk.cu_k, blk.max_q,
-                              blk.max_k, 0.0, bool(causal), rng_state, unused, scale=float(scale))
+                              blk.pad(out.to(q.dtype)), blk.lse_to_kernel(lse, ops.packed_lse), blk.cu_q, blk.cu_k,
+                              blk.max_q, blk.max_k, 0.0, bool(causal), rng_state, unused, scale=float(scale))
     return blk.unpad(dq), blk.unpad(dk), blk.unpad(dv)
 
 

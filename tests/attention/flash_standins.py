@@ -6,7 +6,8 @@ check and compute with the package's CPU path in fp32:
 
 - ``torch.ops.codraft_test.flash_attention_forward`` / ``flash_attention_backward``: the schemas of
   ``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward`` of the installed torch (copied
-  from them at import), varlen layout: lse ``(H, total_q)`` fp32.
+  from them at import), varlen layout: lse ``(H, total_q)`` fp32; the ``..._padded`` pair returns / takes the
+  padded ``(num_docs, H, max_seqlen_q)`` lse of older PyTorch builds and ROCm AOTriton.
 - flash-attn 2.6.3 (``flash_attn/flash_attn_interface.py`` at tag v2.6.3): plain functions,
   ``window_size=(left, right)``, forward returning ``(out, q, k, v, out_padded, softmax_lse, S_dmask,
   rng_state)``, backward writing dq/dk/dv and returning ``(dq, dk, dv, softmax_d)``.
@@ -32,7 +33,7 @@ from torch import Tensor
 from lightning_codraft.attention import local_cuda
 from lightning_codraft.attention.local import varlen_attention_backward, varlen_attention_forward
 
-KERNELS = ("torch_flash", "flash_attn-2.6", "flash_attn-2.8")
+KERNELS = ("torch_flash", "torch_flash-padded", "flash_attn-2.6", "flash_attn-2.8")
 
 
 class KernelCheckError(RuntimeError):
@@ -108,32 +109,51 @@ def _define_like(aten_op, name: str) -> None:
     _LIB.define(name + schema[schema.index("("):])
 
 
-_define_like(torch.ops.aten._flash_attention_forward, "flash_attention_forward")
-_define_like(torch.ops.aten._flash_attention_backward, "flash_attention_backward")
+def _padded(lse: Tensor, cu: Tensor, max_q: int) -> Tensor:
+    """Packed ``(H, T)`` -> padded ``(N, H, max_q)``, rows past a document's end ``+inf``."""
+    out = torch.full((cu.numel() - 1, lse.shape[0], max_q), float("inf"))
+    for i in range(cu.numel() - 1):
+        a, b = int(cu[i]), int(cu[i + 1])
+        out[i, :, :b - a] = lse[:, a:b]
+    return out
 
 
-def _aten_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
-                  *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
-                  block_table=None, num_splits=None):
-    _check_features(dropout_p, is_causal, window_size_left, window_size_right, alibi_slopes=alibi_slopes,
-                    return_softmax=return_debug_mask)
-    _check(cum_seq_q is not None and cum_seq_k is not None and seqused_k is None and block_table is None,
-           "stand-in implements the varlen path only")
-    out, lse = _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal)
-    rng = torch.zeros(2, dtype=torch.uint64)
-    return out, lse, rng, torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
+def _packed(lse: Tensor, cu: Tensor, max_q: int) -> Tensor:
+    _check(lse.shape == (cu.numel() - 1, lse.shape[1], max_q), f"padded softmax_lse must be (num_docs, H, "
+                                                                f"max_seqlen_q={max_q}), got {tuple(lse.shape)}")
+    return torch.cat([lse[i, :, :int(cu[i + 1] - cu[i])] for i in range(cu.numel() - 1)], 1).contiguous()
 
 
-def _aten_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                   is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
-    _check_features(dropout_p, is_causal, window_size_left, window_size_right)
-    dq, dk, dv = _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, scale,
-                           is_causal)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+def _aten_pair(padded: bool):
+    def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+                block_table=None, num_splits=None):
+        _check_features(dropout_p, is_causal, window_size_left, window_size_right, alibi_slopes=alibi_slopes,
+                        return_softmax=return_debug_mask)
+        _check(cum_seq_q is not None and cum_seq_k is not None and seqused_k is None and block_table is None,
+               "stand-in implements the varlen path only")
+        out, lse = _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal)
+        lse = _padded(lse, cum_seq_q, max_q) if padded else lse
+        rng = torch.zeros(2, dtype=torch.uint64)
+        return out, lse, rng, torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+        _check_features(dropout_p, is_causal, window_size_left, window_size_right)
+        lse = _packed(logsumexp, cum_seq_q, max_q) if padded else logsumexp
+        dq, dk, dv = _backward(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, scale,
+                               is_causal)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+    return forward, backward
 
 
-_LIB.impl("flash_attention_forward", _aten_forward, "CPU")
-_LIB.impl("flash_attention_backward", _aten_backward, "CPU")
+for _suffix, _is_padded in (("", False), ("_padded", True)):
+    _define_like(torch.ops.aten._flash_attention_forward, "flash_attention_forward" + _suffix)
+    _define_like(torch.ops.aten._flash_attention_backward, "flash_attention_backward" + _suffix)
+    _fwd, _bwd = _aten_pair(_is_padded)
+    _LIB.impl("flash_attention_forward" + _suffix, _fwd, "CPU")
+    _LIB.impl("flash_attention_backward" + _suffix, _bwd, "CPU")
 
 
 # ------------------------------------------------------------------------------- flash-attn 2.6.3 (plain)
@@ -231,9 +251,11 @@ def _fa28_varlen_backward(
 
 def ops_for(kernel: str):
     """The loader result the backend code receives for ``kernel`` (one of :data:`KERNELS`)."""
-    if kernel == "torch_flash":
-        return local_cuda.TorchFlashOps(torch.ops.codraft_test.flash_attention_forward,
-                                        torch.ops.codraft_test.flash_attention_backward)
+    if kernel in ("torch_flash", "torch_flash-padded"):
+        suffix = "_padded" if kernel.endswith("padded") else ""
+        return local_cuda.TorchFlashOps(getattr(torch.ops.codraft_test, "flash_attention_forward" + suffix),
+                                        getattr(torch.ops.codraft_test, "flash_attention_backward" + suffix),
+                                        packed_lse=not suffix)
     if kernel == "flash_attn-2.6":
         return local_cuda.FlashAttnOps(_fa26_varlen_forward, _fa26_varlen_backward, (2, 6))
     if kernel == "flash_attn-2.8":

@@ -104,6 +104,12 @@ def test_flash_backward_takes_the_merged_out_and_lse(monkeypatch, kernel):
     torch.testing.assert_close(torch.cat([g1[2], g2[2]]).double(), dv, atol=8e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize("kernel", ["torch_flash", "torch_flash-padded"])
+def test_torch_flash_lse_layout_is_read_from_the_kernel(kernel):
+    ops = flash_standins.ops_for(kernel)
+    assert local_cuda.lse_layout_is_packed(ops.forward, torch.device("cpu")) == ops.packed_lse
+
+
 def test_flash_attn_28_functions_hide_their_signature():
     """Why the mapping is positional per release: flash-attn >= 2.7's functions are torch.library custom ops
     whose Python signature names no parameter (a call filtered by inspect.signature passes nothing)."""
