@@ -26,22 +26,27 @@ def _inputs(lq, lk, H=4, Hkv=2, D=8, dtype=torch.float16, seed=0):
     return mk(sum(lq), H), mk(sum(lk), Hkv), mk(sum(lk), Hkv), random_cu(lq), random_cu(lk)
 
 
-def _assert_matches_dense(q, k, v, cq, ck, causal, scale, backend, atol):
-    out, lse = varlen_attention(q, k, v, cq, ck, causal=causal, softmax_scale=scale, backend=backend)
+def _assert_matches_dense(q, k, v, cq, ck, causal, scale, backend, atol, device="cpu"):
+    """varlen_attention on copies of (q, k, v) on ``device`` against the float64 dense reference on the CPU
+    originals: out, lse, and the gradients of a loss through both outputs."""
+    xs = [x.detach().to(device).requires_grad_() for x in (q, k, v)]
+    out, lse = varlen_attention(*xs, cq.to(device), ck.to(device), causal=causal, softmax_scale=scale,
+                                backend=backend)
     ref_out, ref_lse = dense_block_attention(q, k, v, cq, ck, causal, scale)
     assert out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
-    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=atol)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=atol, rtol=atol)
     finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite) and (lse[~finite] < 0).all()
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite) and (lse.cpu()[~finite] < 0).all()
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
     g = torch.Generator().manual_seed(1)
     go, gl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
-    grads = torch.autograd.grad((out.float() * go).sum() + (lse.masked_fill(~finite, 0) * gl).sum(), (q, k, v))
+    loss = (out.float() * go.to(device)).sum() + (lse.masked_fill(~finite.to(device), 0) * gl.to(device)).sum()
+    grads = torch.autograd.grad(loss, xs)
     ref = torch.autograd.grad((ref_out * go.double()).sum() + (ref_lse.masked_fill(~finite, 0) * gl.double()).sum(),
                               (q, k, v))
     for got, want in zip(grads, ref):
         assert got.dtype == q.dtype
-        torch.testing.assert_close(got.double(), want.double(), atol=4 * atol, rtol=4 * atol)
+        torch.testing.assert_close(got.cpu().double(), want.double(), atol=4 * atol, rtol=4 * atol)
 
 
 # (lq, lk, causal): square causal; Lq < Lk causal (bottom-right); Lq > Lk causal (blind rows); non-causal ring
@@ -59,6 +64,20 @@ def test_flash_backends_match_dense(monkeypatch, kernel, lq, lk, causal, head_di
     backend = flash_standins.install(monkeypatch, kernel)
     q, k, v, cq, ck = _inputs(lq, lk, D=head_dim)   # head dim 12 is zero-padded to 16 for the kernel
     _assert_matches_dense(q, k, v, cq, ck, causal, 0.3, backend, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch_flash", "flash_attn"])
+@pytest.mark.parametrize("lq,lk,causal", CASES)
+def test_real_cuda_kernels_match_dense(backend, lq, lk, causal):
+    """The same contract on the real kernels, where a CUDA GPU (and, for flash_attn, the package) is present."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    try:
+        getattr(local_cuda, "load_" + backend)(torch.device("cuda"))
+    except BackendUnavailable as err:
+        pytest.skip(str(err))
+    q, k, v, cq, ck = _inputs(lq, lk, D=12)
+    _assert_matches_dense(q, k, v, cq, ck, causal, 0.3, backend, atol=1e-2, device="cuda")
 
 
 @pytest.mark.parametrize("kernel", flash_standins.KERNELS)
