@@ -37,7 +37,7 @@ from torch import Tensor
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MAX = 256
-FLASH_ATTN_INSTALL = 'pip install "flash-attn>=2.6" --no-build-isolation'
+FLASH_ATTN_INSTALL = 'pip install "flash-attn>=2.6,<2.9" --no-build-isolation'
 FLASH_ATTN_MIN = (2, 6)
 
 

@@ -182,7 +182,7 @@ def test_forced_flash_attn_without_the_package_says_how_to_install():
     q, k, v, cq, ck = _inputs([4], [4])
     with pytest.raises(BackendUnavailable, match="flash-attn package") as err:
         local_cuda.load_flash_attn(torch.device("cuda"))
-    assert 'pip install "flash-attn>=2.6" --no-build-isolation' in str(err.value)
+    assert 'pip install "flash-attn>=2.6,<2.9" --no-build-isolation' in str(err.value)
     assert "backend='torch_flash'" in str(err.value)
     with pytest.raises(BackendUnavailable, match="'flash_attn' runs on CUDA tensors"):
         varlen_attention(q, k, v, cq, ck, causal=True, backend="flash_attn")
