@@ -1,0 +1,159 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.training.draft_fit import (
+    DraftFitConfig,
+    FeatureCache,
+    build_feature_cache,
+    draft_batch_loss,
+    evaluate_draft,
+    fit_draft,
+    implied_acceptance_length,
+    lr_factor,
+)
+from lightning_codraft.training.draft_loss import ttt_draft_loss
+
+V, VD = 96, 40
+
+
+def _policy(seed=0, sharpen=1.0):
+    torch.manual_seed(seed)
+    policy = Policy(PolicyConfig.tiny(vocab_size=V, num_hidden_layers=5))
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(sharpen)
+    return policy.eval()
+
+
+def _draft(policy, seed=1):
+    counts = torch.arange(V, 0, -1).float()  # the VD smallest ids form the draft vocabulary
+    torch.manual_seed(seed)
+    return Eagle3Draft.from_policy(policy, draft_vocab_size=VD, token_counts=counts)
+
+
+def _docs(n, seed=0, lo=6, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        prompt = int(torch.randint(1, length - 1, (1,), generator=g))
+        docs.append((torch.randint(0, V, (length,), generator=g).tolist(), prompt - 1))
+    return docs
+
+
+def _target_ids(draft):
+    return draft.draft_to_target(torch.arange(VD))
+
+
+def _reference_loss(policy, draft, docs, K):
+    """The draft loss the way co-training computes it: a fresh policy forward, full (T, V) logits, the draft's
+    own vocabulary map, and a loss mask on rows loss_start .. len - 2 of each document."""
+    ids = torch.cat([torch.tensor(d) for d, _ in docs])
+    lengths = [len(d) for d, _ in docs]
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    mask = torch.cat([(torch.arange(n) >= s) & (torch.arange(n) <= n - 2) for (_, s), n in zip(docs, lengths)])
+    with torch.no_grad():
+        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=draft.config.taps)
+    embeds = []
+    for k in range(K):
+        shifted = torch.cat([torch.cat([torch.tensor(d[k + 1:]), torch.zeros(k + 1, dtype=torch.long)])[:len(d)]
+                             for d, _ in docs])
+        embeds.append(policy.embed(shifted).detach())
+    steps = [lg for lg, _ in draft.ttt_forward(list(out.taps), embeds, cu, pos)]
+    return ttt_draft_loss(steps, out.logits, cu, mask.float(), draft.d2t, draft.t2d)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_cached_loss_equals_full_logit_loss(tmp_path, K):
+    policy, docs = _policy(sharpen=4.0), _docs(7)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c",
+                                batch_tokens=40, dtype="float32")
+    ref = _reference_loss(policy, draft, docs, K)
+    assert 0 < ref.total[0] < sum(n - 1 - s for (d, s), n in zip(docs, [len(d) for d, _ in docs]))  # some tops outside
+    ref_grads = torch.autograd.grad(ref.loss, list(draft.parameters()))
+    got = draft_batch_loss(draft, policy.embed, cache.batch(list(range(len(docs)))), K)
+    grads = torch.autograd.grad(got.loss, list(draft.parameters()))
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.per_step_loss, ref.per_step_loss, rtol=1e-5, atol=1e-5)
+    assert got.correct.tolist() == ref.correct.tolist() and got.total.tolist() == ref.total.tolist()
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_cache_round_trip_and_fp16(tmp_path):
+    policy, docs = _policy(), _docs(5, seed=3)
+    draft = _draft(policy)
+    c32 = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "a", dtype="float32")
+    c16 = FeatureCache(build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "b").path)
+    assert c32.num_docs == 5 and c32.meta["loss_rows"] == sum(len(d) - 1 - s for d, s in docs)
+    batch = c32.batch([3, 1])
+    assert batch["input_ids"].tolist() == docs[3][0] + docs[1][0]
+    with torch.no_grad():
+        taps = policy(torch.tensor(docs[1][0]), cu_seqlens=torch.tensor([0, len(docs[1][0])], dtype=torch.int32),
+                      taps=draft.config.taps).taps
+    n3 = len(docs[3][0])
+    for j in range(3):
+        torch.testing.assert_close(batch["taps"][j][n3:], taps[j], rtol=1e-5, atol=1e-5)
+    b16 = c16.batch([3, 1])
+    torch.testing.assert_close(b16["taps"], batch["taps"], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(b16["compact_logits"], batch["compact_logits"], rtol=2e-3, atol=2e-3)
+    assert 0.0 < c32.meta["argmax_coverage"] < 1.0 and c32.meta["entropy"] > 0
+    assert not (tmp_path / "a.tmp").exists()
+
+
+def test_incomplete_cache_and_bad_docs(tmp_path):
+    policy = _policy()
+    draft = _draft(policy)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a complete feature cache"):
+        FeatureCache(tmp_path / "x")
+    with pytest.raises(ValueError, match="loss_start=4"):
+        build_feature_cache(policy, [([1, 2, 3, 4, 5], 4)], _target_ids(draft), draft.config.taps, tmp_path / "y")
+
+
+def test_fit_raises_held_out_accuracy(tmp_path):
+    policy = _policy(sharpen=6.0)
+    draft = _draft(policy)
+    docs = _docs(160, seed=5, lo=10, hi=30)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c", batch_tokens=256)
+    cfg = DraftFitConfig(epochs=6, batch_tokens=256, lr=3e-3, ttt_steps=2, val_docs=24, eval_every=1000)
+    reports = []
+    val = list(range(160 - 24, 160))
+    acc0 = evaluate_draft(draft, policy.embed, cache, val, cfg)
+    res = fit_draft(draft, policy.embed, cache, cfg, log=reports.append)
+    acc1 = res.history[-1]["val_accuracy"]
+    assert len(acc1) == 2 and acc1[0] > acc0[0] + 0.2, (acc0, acc1)
+    assert res.history[-1]["val_acceptance"] == pytest.approx(implied_acceptance_length(acc1))
+    assert np.mean(res.losses[-10:]) < 0.95 * np.mean(res.losses[:10])
+    assert res.tokens_seen > 4 * cache.meta["loss_rows"] * 0.5 and reports and "held-out step-0 acc" in reports[-1]
+
+
+def test_time_budget_stops_and_mismatch_raises(tmp_path):
+    policy = _policy()
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, _docs(12), _target_ids(draft), draft.config.taps, tmp_path / "c",
+                                batch_tokens=30)
+    evals = []
+    res = fit_draft(draft, policy.embed, cache, DraftFitConfig(epochs=5, batch_tokens=30, time_budget_s=1e-9,
+                                                                val_docs=2), on_eval=evals.append)
+    assert res.steps == 1 and len(evals) == 1 and evals[0]["step"] == 1
+    torch.manual_seed(0)
+    other = Eagle3Draft.from_policy(policy, draft_vocab_size=VD + 1, token_counts=torch.rand(V))
+    with pytest.raises(ValueError, match="does not match the feature cache"):
+        fit_draft(other, policy.embed, cache, DraftFitConfig())
+
+
+def test_schedule_and_implied_acceptance():
+    cfg = DraftFitConfig(lr=1.0, warmup_frac=0.1, min_lr_ratio=0.05)
+    assert lr_factor(0.0, cfg) == 0.0 and lr_factor(0.05, cfg) == pytest.approx(0.5)
+    assert lr_factor(0.1, cfg) == pytest.approx(1.0) and lr_factor(1.0, cfg) == pytest.approx(0.05)
+    assert lr_factor(0.55, cfg) == pytest.approx(0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert implied_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
+    assert implied_acceptance_length([]) == 1.0
+    with pytest.raises(ValueError, match="ttt_steps=0"):
+        DraftFitConfig(ttt_steps=0)
