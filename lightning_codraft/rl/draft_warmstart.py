@@ -1,0 +1,304 @@
+"""The draft's self-distillation warm start, cached on disk by the policy's weights.
+
+EAGLE-3's prescription: fit the draft on the POLICY'S OWN responses to the task's training prompts, sampled at
+the rollout temperature, through the chat template the rollouts use. :func:`warm_start_draft` does it in four
+stages, each cached under ``cache_dir`` so a later run (or a run that changes only the fit settings) skips
+what it can:
+
+1. ``corpus-<key>/``: the policy's responses (embedded engine, no draft) to training prompts; the task's last
+   ``heldout_prompts`` problems are never used, so acceptance can be measured on prompts the draft never saw.
+2. the draft vocabulary: the ``Vd`` most frequent completion tokens of the corpus
+   (:func:`~lightning_codraft.models.vocab.build_vocab_mapping`), ``lm_head`` rows re-initialised from the
+   policy's.
+3. ``features-<key>/``: the policy's taps and soft targets
+   (:func:`~lightning_codraft.training.draft_fit.build_feature_cache`), computed once.
+4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.training.draft_fit.fit_draft`) in vLLM's EAGLE-3
+   format, plus ``report.json``. Its key hashes the policy's state dict, the draft config, the training prompts
+   and these settings, so a different policy (one changed weight) never loads a stale draft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.models.vocab import count_tokens
+from lightning_codraft.rl.build import encode_prompt
+from lightning_codraft.rollout import SpeculativeEngine
+from lightning_codraft.training.draft_fit import (
+    DraftFitConfig,
+    FeatureCache,
+    FitResult,
+    build_feature_cache,
+    fit_draft,
+    implied_acceptance_length,
+)
+
+_COMPLETE = "COMPLETE"
+
+
+@dataclass
+class WarmStartSettings:
+    """What the warm start generates and how it fits (``fit``); every field enters the draft's cache key."""
+
+    num_prompts: int = 512
+    """Training prompts to sample one response each for (at most the task's problems minus the held-out ones)."""
+    heldout_prompts: int = 500
+    """The task's last ``heldout_prompts`` problems (``task.samples``) are never trained on; evaluate on them."""
+    max_new_tokens: int = 256
+    """Response length cap."""
+    temperature: float = 0.8
+    """Sampling temperature of the responses: the rollouts' temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling of the responses (the rollouts')."""
+    generation_batch: int = 64
+    """Prompts per ``generate`` call."""
+    generation_budget_s: float | None = None
+    """Stop generating (between batches) after this many seconds; None: all ``num_prompts``."""
+    rebuild_vocab: bool = True
+    """Build the draft vocabulary from the corpus' completion-token counts (and re-initialise the draft from the
+    policy for it); False keeps the draft's map and weights."""
+    feature_dtype: str = "float16"
+    """Storage dtype of the cached taps and logits (``"float16"`` or ``"float32"``)."""
+    feature_batch_tokens: int = 4096
+    """Tokens per policy forward while building the feature cache."""
+    seed: int = 0
+    """Prompt order, sampling and draft initialisation."""
+    fit: DraftFitConfig = field(default_factory=DraftFitConfig)
+    """How the draft is trained on the cached features."""
+
+    def __post_init__(self):
+        if isinstance(self.fit, dict):
+            self.fit = DraftFitConfig(**self.fit)
+        for name in ("num_prompts", "max_new_tokens", "generation_batch", "feature_batch_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"WarmStartSettings.{name}={getattr(self, name)} must be >= 1")
+        if self.heldout_prompts < 0 or self.temperature <= 0:
+            raise ValueError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
+                             f"{self.temperature} > 0 (the warm start samples, like the rollouts)")
+
+
+@dataclass
+class WarmStartReport:
+    """What :func:`warm_start_draft` did (times in seconds of wall clock)."""
+
+    cache_hit: bool
+    """The finished draft was loaded from ``draft_dir``; nothing was generated or trained."""
+    draft_dir: str
+    """Where the fitted draft lives (``Eagle3Draft.from_pretrained`` loads it)."""
+    key: str
+    """The draft's cache key."""
+    prompts: int = 0
+    """Training prompts answered."""
+    generated_tokens: int = 0
+    """Completion tokens of the corpus."""
+    generation_s: float = 0.0
+    """Sampling the corpus (0 when it came from the cache)."""
+    features_s: float = 0.0
+    """The policy's feature pass (0 when the feature cache existed)."""
+    fit_s: float = 0.0
+    """Training the draft, its held-out reports included."""
+    total_s: float = 0.0
+    """Wall time of the whole warm start, ``on_eval`` time excluded (on a cache hit: of loading the draft)."""
+    entropy: float = float("nan")
+    """Policy's mean per-token entropy (nats) at ``temperature`` over the corpus' completion rows."""
+    argmax_coverage: float = float("nan")
+    """Share of completion rows whose policy top-1 lies in the draft vocabulary."""
+    val_accuracy: list[float] = field(default_factory=list)
+    """Per-unroll-step top-1 accuracy on the feature cache's held-out documents at the end."""
+    val_acceptance: float = float("nan")
+    """Implied acceptance length ``1 + sum_k prod_{j<=k} acc_j`` of ``val_accuracy``."""
+    fit: dict = field(default_factory=dict)
+    """:class:`~lightning_codraft.training.draft_fit.FitResult` as a dict."""
+
+
+def state_fingerprint(module: torch.nn.Module) -> str:
+    """blake2b hex digest of a module's state dict: names, dtypes, shapes and bytes of every tensor."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _digest(*parts) -> str:
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+
+
+def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[str]]:
+    """``(training prompts, held-out prompts)`` of ``task``.
+
+    With a fixed problem list (``task.samples``, e.g. :class:`~lightning_codraft.rl.gsm8k.GSM8KTask`) the last
+    ``heldout_prompts`` problems are held out and ``num_prompts`` of the rest are drawn in a ``seed`` order;
+    a generated task (``task.sample(n, seed)`` only) gives ``num_prompts`` training prompts and no held-out ones.
+    """
+    samples = getattr(task, "samples", None)
+    if samples is None:
+        return [s.prompt for s in task.sample(settings.num_prompts, settings.seed)], []
+    n_train = len(samples) - settings.heldout_prompts
+    if n_train < 1:
+        raise ValueError(f"heldout_prompts={settings.heldout_prompts} leaves no training prompt of the task's "
+                         f"{len(samples)} problems; lower heldout_prompts or use a larger problem file")
+    order = list(range(n_train))
+    random.Random(settings.seed).shuffle(order)
+    return ([samples[i].prompt for i in order[:settings.num_prompts]],
+            [s.prompt for s in samples[n_train:]])
+
+
+def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
+                    log: Callable[[str], None] = print) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft."""
+    engine = SpeculativeEngine(policy, None, 0)
+    t0, out, bs = time.perf_counter(), [], settings.generation_batch
+    for c in range(0, len(prompts), bs):
+        chunk = prompts[c:c + bs]
+        res = engine.generate(chunk, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                              top_p=settings.top_p, seed=settings.seed * 1_000_003 + c,
+                              stop_token_ids=[tokenizer.eos_token_id])
+        out.extend((p, list(r.token_ids)) for p, r in zip(chunk, res) if r.token_ids)
+        dt = time.perf_counter() - t0
+        n = sum(len(x) for _, x in out)
+        log(f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
+            f"({n / max(dt, 1e-9):.0f} tok/s)")
+        if settings.generation_budget_s is not None and dt >= settings.generation_budget_s:
+            break
+    return out
+
+
+def _install_vocab(policy, draft, corpus, settings: WarmStartSettings) -> None:
+    """Draft vocabulary: the most frequent completion tokens of the corpus; the draft re-initialised from the
+    policy for it (``lm_head`` rows = the policy's, see :meth:`Eagle3Draft.from_policy`)."""
+    c = draft.config
+    counts = count_tokens(torch.tensor([t for _, comp in corpus for t in comp]), int(c.vocab_size))
+    with torch.random.fork_rng():
+        torch.manual_seed(settings.seed)
+        fresh = Eagle3Draft.from_policy(policy, draft_vocab_size=int(c.draft_vocab_size), taps=tuple(c.taps),
+                                        token_counts=counts)
+    draft.load_state_dict(fresh.state_dict())
+
+
+def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings, cache_dir,
+                     log: Callable[[str], None] = print,
+                     on_eval: Callable[[dict], None] | None = None) -> WarmStartReport:
+    """Fit ``draft`` (in place) to ``policy`` by self-distillation, or load it from the on-disk cache.
+
+    Args:
+        policy: the frozen :class:`~lightning_codraft.models.Policy` the draft will serve.
+        tokenizer: the project's tokenizer protocol (``encode_prompt`` applies the chat template when present).
+        task: prompts: ``task.samples`` (held-out tail excluded) or ``task.sample(n, seed)``.
+        draft: an :class:`~lightning_codraft.models.Eagle3Draft` built for ``policy`` (its ``draft_vocab_size``
+            and taps are kept; its vocabulary map and weights are rebuilt when ``settings.rebuild_vocab``).
+        settings: see :class:`WarmStartSettings`.
+        cache_dir: directory of the corpus, feature and draft caches (created when missing).
+        log: progress lines.
+        on_eval: called at each held-out report of the fit with its dict (see
+            :attr:`~lightning_codraft.training.draft_fit.FitResult.history`) plus ``warmstart_seconds``, the
+            warm start's time so far (generation + features + training, reports excluded); the draft holds the
+            weights of that moment.
+
+    Returns:
+        :class:`WarmStartReport`.
+    """
+    t_start = time.perf_counter()
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    train_texts, _ = split_prompts(task, settings)
+    limit = int(policy.config.max_position_embeddings) - settings.max_new_tokens
+    prompts = [p for p in (encode_prompt(tokenizer, t) for t in train_texts) if 0 < len(p) < limit]
+    if not prompts:
+        raise ValueError(f"no training prompt fits the context: every one is longer than max_position_embeddings - "
+                         f"max_new_tokens = {limit} tokens")
+    policy_key = state_fingerprint(policy)
+    gen = {k: v for k, v in asdict(settings).items() if k in ("num_prompts", "heldout_prompts", "max_new_tokens",
+                                                              "temperature", "top_p", "generation_batch",
+                                                              "generation_budget_s", "seed")}
+    corpus_key = _digest(policy_key, gen, prompts)
+    key = _digest(corpus_key, asdict(draft.config), asdict(settings))
+    draft_dir = cache_dir / f"draft-{key}"
+    if (draft_dir / _COMPLETE).is_file():
+        loaded = Eagle3Draft.from_pretrained(draft_dir, dtype=draft.fc.weight.dtype, device=draft.fc.weight.device)
+        draft.load_state_dict(loaded.state_dict())
+        saved = json.loads((draft_dir / "report.json").read_text())
+        saved.update(cache_hit=True, draft_dir=str(draft_dir), total_s=time.perf_counter() - t_start)
+        log(f"draft warm start: cache hit {draft_dir} (implied acceptance {saved['val_acceptance']:.2f})")
+        return WarmStartReport(**saved)
+
+    report = WarmStartReport(cache_hit=False, draft_dir=str(draft_dir), key=key)
+    corpus_dir = cache_dir / f"corpus-{corpus_key}"
+    t0 = time.perf_counter()
+    if (corpus_dir / "samples.json").is_file():
+        corpus = [(p, c) for p, c in json.loads((corpus_dir / "samples.json").read_text())]
+        log(f"draft warm start: {len(corpus)} cached responses from {corpus_dir}")
+    else:
+        corpus = generate_corpus(policy, tokenizer, prompts, settings, log)
+        if not corpus:
+            raise ValueError("the policy produced no response token for any training prompt")
+        corpus_dir.mkdir(exist_ok=True)
+        (corpus_dir / "samples.tmp").write_text(json.dumps(corpus))
+        (corpus_dir / "samples.tmp").rename(corpus_dir / "samples.json")
+    report.generation_s = time.perf_counter() - t0
+    report.prompts, report.generated_tokens = len(corpus), sum(len(c) for _, c in corpus)
+
+    if settings.rebuild_vocab:
+        _install_vocab(policy, draft, corpus, settings)
+    target_ids = draft.draft_to_target(torch.arange(int(draft.config.draft_vocab_size), device=draft.d2t.device))
+    feat_key = _digest(corpus_key, target_ids.tolist(), list(draft.config.taps), settings.feature_dtype)
+    feat_dir = cache_dir / f"features-{feat_key}"
+    t0 = time.perf_counter()
+    if (feat_dir / "meta.json").is_file():
+        cache = FeatureCache(feat_dir)
+    else:
+        docs = [(p + c, len(p) - 1) for p, c in corpus]
+        every = max(1, report.generated_tokens // 10)
+        state = {"next": every}
+
+        def progress(done: int, total: int) -> None:
+            if done >= state["next"] or done == total:
+                state["next"] = done + every
+                log(f"  warm start: features {done}/{total} tokens ({time.perf_counter() - t0:.0f}s)")
+
+        with torch.no_grad():
+            cache = build_feature_cache(policy, docs, target_ids, draft.config.taps, feat_dir,
+                                        batch_tokens=settings.feature_batch_tokens, dtype=settings.feature_dtype,
+                                        temperature=settings.temperature, on_progress=progress)
+    report.features_s = time.perf_counter() - t0
+    report.entropy, report.argmax_coverage = cache.meta["entropy"], cache.meta["argmax_coverage"]
+    log(f"draft warm start: {cache.meta['loss_rows']} target rows, policy entropy at T={settings.temperature} "
+        f"{report.entropy:.3f} nats/token, draft vocabulary {cache.draft_vocab_size} covers "
+        f"{report.argmax_coverage:.3f} of the policy's top-1")
+
+    outside = [0.0]  # seconds spent in on_eval (the caller's measurements are not warm-start time)
+
+    def eval_hook(entry: dict) -> None:
+        if on_eval is not None:
+            t = time.perf_counter()
+            on_eval({**entry, "warmstart_seconds": t - t_start - outside[0]})
+            outside[0] += time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    result: FitResult = fit_draft(draft, policy.embed, cache, settings.fit, log=log, on_eval=eval_hook)
+    report.fit_s = time.perf_counter() - t0 - outside[0]
+    report.fit = result.as_dict()
+    report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
+    report.val_acceptance = implied_acceptance_length(report.val_accuracy)
+
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    draft.save_pretrained(draft_dir)
+    report.total_s = time.perf_counter() - t_start - outside[0]
+    (draft_dir / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
+    (draft_dir / _COMPLETE).write_text(key)
+    log(f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "
+        f"{report.features_s:.0f}s, fit {report.fit_s:.0f}s), {result.tokens_seen} tokens seen, held-out step-0 acc "
+        f"{report.val_accuracy[0] if report.val_accuracy else float('nan'):.3f}, implied acceptance "
+        f"{report.val_acceptance:.2f}; saved {draft_dir}")
+    return report

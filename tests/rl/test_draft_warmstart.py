@@ -1,0 +1,106 @@
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rl.draft_warmstart import (
+    WarmStartSettings,
+    split_prompts,
+    state_fingerprint,
+    warm_start_draft,
+)
+from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, TaskSample
+from lightning_codraft.training.draft_fit import DraftFitConfig
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class FixedTask:
+    """A task with a fixed problem list, like GSM8KTask (``samples``)."""
+
+    samples: list[TaskSample] = field(default_factory=lambda: ArithmeticTask(max_terms=4).sample(20, seed=3))
+
+
+def _models(seed=0):
+    tok = CharTokenizer()
+    torch.manual_seed(seed)
+    policy = Policy(PolicyConfig.tiny(vocab_size=tok.vocab_size, num_hidden_layers=5, max_position_embeddings=64))
+    torch.manual_seed(seed + 1)
+    draft = Eagle3Draft.from_policy(policy, draft_vocab_size=24, token_counts=torch.ones(tok.vocab_size))
+    return tok, policy.eval(), draft
+
+
+def _settings(**kw):
+    fit = DraftFitConfig(epochs=2, batch_tokens=64, lr=3e-3, ttt_steps=2, val_docs=2, eval_every=2)
+    return WarmStartSettings(num_prompts=12, heldout_prompts=5, max_new_tokens=10, generation_batch=5, fit=fit, **kw)
+
+
+def test_held_out_prompts_are_disjoint_and_fixed():
+    task, s = FixedTask(), _settings()
+    train, held = split_prompts(task, s)
+    assert held == [x.prompt for x in task.samples[-5:]]
+    assert len(train) == 12 and not set(train) & set(held)
+    assert split_prompts(task, WarmStartSettings(num_prompts=100, heldout_prompts=5))[0].__len__() == 15
+    assert split_prompts(task, WarmStartSettings(seed=1, num_prompts=12, heldout_prompts=5))[0] != train
+    with pytest.raises(ValueError, match="leaves no training prompt"):
+        split_prompts(task, WarmStartSettings(heldout_prompts=20))
+
+
+def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
+    tok, policy, draft = _models()
+    evals, lines = [], []
+    task, settings = FixedTask(), _settings()
+    rep = warm_start_draft(policy, tok, task, draft, settings, tmp_path, log=lines.append, on_eval=evals.append)
+    assert not rep.cache_hit and rep.prompts == 12 and rep.generated_tokens > 12
+    assert rep.val_accuracy and rep.val_acceptance >= 1.0 and 0 < rep.argmax_coverage <= 1 and rep.entropy > 0
+    assert evals and all(e["warmstart_seconds"] >= e["seconds"] for e in evals)
+    assert any("held-out step-0 acc" in line for line in lines)
+    # the corpus is the policy's own responses to training prompts only
+    corpus = json.loads(next(tmp_path.glob("corpus-*/samples.json")).read_text())
+    held = {tuple(tok.encode(s.prompt)) for s in task.samples[-5:]}
+    assert len(corpus) == 12 and not {tuple(p) for p, _ in corpus} & held
+    # the draft vocabulary is the corpus' most frequent completion tokens
+    counts = torch.bincount(torch.tensor([t for _, c in corpus for t in c]), minlength=tok.vocab_size)
+    chosen = draft.draft_to_target(torch.arange(24))
+    assert counts[chosen].min() >= counts[~draft.t2d].max()
+    trained = {k: v.clone() for k, v in draft.state_dict().items()}
+
+    # same policy, a fresh draft: a cache hit restores the trained weights without generating
+    _, same_policy, fresh = _models()
+    hit = warm_start_draft(same_policy, tok, task, fresh, settings, tmp_path, log=lines.append)
+    assert hit.cache_hit and hit.draft_dir == rep.draft_dir and hit.val_acceptance == rep.val_acceptance
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+
+    # one weight of the policy changed: a miss, a new draft directory
+    _, changed, fresh2 = _models()
+    with torch.no_grad():
+        changed.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-3
+    assert state_fingerprint(changed) != state_fingerprint(policy)
+    miss = warm_start_draft(changed, tok, task, fresh2, settings, tmp_path, log=lines.append)
+    assert not miss.cache_hit and miss.draft_dir != rep.draft_dir
+    # other fit settings: a new draft, but this policy's corpus and features are reused
+    refit = dataclasses.replace(settings, fit=DraftFitConfig(epochs=1, batch_tokens=64, ttt_steps=2, val_docs=2))
+    lines.clear()
+    other = warm_start_draft(policy, tok, task, _models()[2], refit, tmp_path, log=lines.append)
+    assert not other.cache_hit and other.draft_dir not in (rep.draft_dir, miss.draft_dir)
+    assert any("cached responses" in line for line in lines) and not any("features" in line and "tokens (" in line
+                                                                            for line in lines)
+    assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [2, 2, 3]
+
+
+def test_benchmark_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "draft_warmstart.py"), "--smoke",
+                          "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    md = (tmp_path / "draft_warmstart.md").read_text()
+    assert "acceptance length" in md and "tokens seen" in md and "entropy" in md
+    assert (tmp_path / "draft_warmstart.png").is_file()
+    assert "acceptance" in out.stdout
