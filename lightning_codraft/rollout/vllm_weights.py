@@ -1,4 +1,5 @@
-"""Weight checksums that prove a vLLM engine holds the trainer's policy and draft (docs/design/vllm.md).
+"""How weights reach vLLM's workers, and the checksums that prove an engine holds the trainer's policy and draft
+(docs/design/vllm.md).
 
 Both sides reduce each parameter to float64 ``(sum, sum of squares)``, keyed by vLLM's parameter name:
 
@@ -9,16 +10,23 @@ Both sides reduce each parameter to float64 ``(sum, sum of squares)``, keyed by 
   probe input (:func:`probe_input`), the only faithful view of what the layer computes.
 
 :func:`compare_pushed` checks an engine report against pushed tensors; :func:`compare_resident` against an
-earlier engine report (what a wake-up or a policy-only push must leave untouched, the draft included). Also the
-safetensors-bytes transport used for pushes (tensors in ``collective_rpc`` arguments must travel as bytes).
+earlier engine report (what a wake-up or a policy-only push must leave untouched, the draft included).
+
+Pushes travel as safetensors bytes (tensors in ``collective_rpc`` arguments must), either through vLLM's native
+weight-update session with the ``codraft_bytes`` transport or through the worker extension's ``reload_weights``
+(:func:`resolve_update_path`, :func:`push_weights`).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load, save
+
+TRANSFER_BACKEND = "codraft_bytes"
+"""The weight-transfer backend ``vllm_worker`` registers in each worker."""
+UPDATE_PATHS = ("auto", "native", "extension")
 
 PROBE_ROWS = 4
 """Rows of the fixed probe input pushed through packed linear layers."""
@@ -144,3 +152,35 @@ def compare_resident(kind: str, before: Report, actual: Report, rel: float = 1e-
             problems.append(f"{kind}: {key} ({k}) sum/sumsq in engine ({actual[key][1]:.6g}, {actual[key][2]:.6g}) "
                             f"!= last verified ({s:.6g}, {q:.6g})")
     return problems
+
+
+def resolve_update_path(requested: str, api: Mapping[str, Any], has_draft: bool) -> str:
+    """``"native"`` or ``"extension"``: how weights reach the workers.
+
+    Args:
+        requested: ``"auto"`` (native where every worker can take it, for the draft too), ``"native"`` (raise
+            if unavailable) or ``"extension"`` (the worker extension's ``reload_weights``).
+        api: a worker's ``codraft_weight_api()`` report (``native``, ``native_draft``, ``backend``).
+        has_draft: whether the engine runs a drafter (its native path needs ``start_draft_weight_update``).
+    """
+    if requested not in UPDATE_PATHS:
+        raise ValueError(f"weight_update={requested!r}; use one of {UPDATE_PATHS}")
+    native = bool(api.get("native")) and (bool(api.get("native_draft")) or not has_draft)
+    if requested == "native" and not native:
+        raise ValueError(f"weight_update='native' but the installed vLLM's workers report {dict(api)} (need "
+                         "start_weight_update / update_weights / finish_weight_update with a transfer backend"
+                         f"{', and start_draft_weight_update' if has_draft else ''}); use weight_update='auto'")
+    return "extension" if requested == "extension" or not native else "native"
+
+
+def push_weights(llm: Any, path: str, policy_blob: bytes | None, draft_blob: bytes | None) -> None:
+    """Load safetensors-bytes state dicts into every worker of ``llm`` by ``path`` (see :func:`resolve_update_path`)."""
+    if path == "extension":
+        llm.collective_rpc("codraft_load_weights", args=(policy_blob, draft_blob))
+        return
+    for start, blob in (("start_weight_update", policy_blob), ("start_draft_weight_update", draft_blob)):
+        if blob is None:
+            continue
+        llm.collective_rpc(start)
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"blob": blob}})
+        llm.collective_rpc("finish_weight_update")

