@@ -1,0 +1,255 @@
+"""Draft warm start on a real model: acceptance length against warm-start time, on HELD-OUT prompts.
+
+SmolLM2-135M-Instruct on GSM8K (the training split in ``../shared/data/gsm8k/train.jsonl``; its last
+``--heldout`` problems are never trained on). :func:`lightning_codraft.rl.draft_warmstart.warm_start_draft` samples
+the policy's own responses at T=0.8 through the chat template, caches the policy's features, builds the draft
+vocabulary from the corpus and fits the EAGLE-3 draft with the TTT loss. At each held-out report of the fit the
+draft is measured by the embedded engine, ``SpeculativeEngine(policy, draft, K).generate(held-out prompts,
+temperature=0.8)`` -> ``AcceptanceStats.acceptance_length`` (that measurement is not warm-start time). Then the
+warm start is called again with a fresh draft to show the on-disk cache hit.
+
+Prints and writes ``draft_warmstart.md`` / ``.png`` / ``.json``: training tokens seen, the policy's mean
+per-token entropy at T=0.8 on held-out prompts, acceptance against warm-start time, step-0 accuracy.
+
+Run: ``python benchmarks/draft_warmstart.py --fresh`` (about an hour on 2 CPU cores; use nohup and a log file).
+``--smoke``: a tiny random policy on arithmetic prompts, seconds (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
+from lightning_codraft.rl.build import encode_prompt  # noqa: E402
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft  # noqa: E402
+from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
+from lightning_codraft.training.draft_fit import DraftFitConfig  # noqa: E402
+
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+PREVIOUS = 1.37  # docs/benchmarks/smollm2_gsm8k.md: the recipe's 100-step warm start, K=4, T=0.8
+
+
+class _FixedTask:
+    """A task with a fixed problem list (``samples``), like GSM8KTask."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+
+def _build(args):
+    if args.smoke:
+        from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer
+
+        tok = CharTokenizer()
+        torch.manual_seed(0)
+        policy = Policy(PolicyConfig.tiny(vocab_size=tok.vocab_size, num_hidden_layers=5, max_position_embeddings=96))
+        return tok, policy.eval(), _FixedTask(ArithmeticTask(max_terms=4).sample(40, seed=1))
+    from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
+    from lightning_codraft.rl.build import HFTokenizer
+    from lightning_codraft.rl.gsm8k import GSM8KTask
+
+    policy = Policy.from_pretrained(smollm2_135m_path()).eval()
+    return HFTokenizer(load_smollm2_tokenizer()), policy, GSM8KTask(source=str(args.gsm8k))
+
+
+def _new_draft(policy, vd):
+    torch.manual_seed(1)
+    V = int(policy.config.vocab_size)
+    return Eagle3Draft.from_policy(policy, draft_vocab_size=vd, token_counts=torch.ones(V) if vd < V else None)
+
+
+def engine_acceptance(policy, draft, prompts, args, tok) -> tuple[AcceptanceStats, list, float]:
+    """Acceptance of ``draft`` by the embedded engine on ``prompts`` (K, T as the rollouts)."""
+    t0 = time.perf_counter()
+    outs = SpeculativeEngine(policy, draft, args.k).generate(
+        prompts, max_new_tokens=args.eval_max_new_tokens, temperature=args.temperature, seed=args.seed + 17,
+        stop_token_ids=[tok.eos_token_id])
+    return AcceptanceStats.total(o.stats for o in outs), outs, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def heldout_entropy(policy, prompts, outs, temperature) -> tuple[float, int]:
+    """Mean per-token entropy (nats) of the policy at ``temperature`` over the generated rows of ``outs``
+    (the engine is lossless, so these are the policy's own samples), and the number of rows."""
+    total, rows = 0.0, 0
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor(p + o.token_ids)
+        n = len(ids)
+        logits = policy(ids, cu_seqlens=torch.tensor([0, n], dtype=torch.int32)).logits[len(p) - 1:n - 1]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        total += float(-(logp.exp() * logp).sum())
+        rows += logits.shape[0]
+    return total / max(rows, 1), rows
+
+
+def write_report(out: Path, res: dict) -> str:
+    s, rep = res["settings"], res["report"]
+    lines = [
+        "# Draft warm start on SmolLM2-135M / GSM8K: acceptance on held-out prompts against warm-start time",
+        "",
+        f"Command: `{res['command']}`" + (" (smoke run: tiny random policy)" if res["smoke"] else ""),
+        "",
+        f"Conditions: {res['machine']}; {res['threads']} threads; load average at start / end "
+        f"{res['load_start']} / {res['load_end']} (other agents' jobs shared the 2 cores). Acceptance by the "
+        f"embedded engine, K={res['k']}, T={res['temperature']}, {res['eval_prompts']} held-out GSM8K prompts "
+        f"(the last {s['heldout_prompts']} problems of the training file are never trained on), at most "
+        f"{res['eval_max_new_tokens']} new tokens, batch {res['eval_prompts']}; engine time is not warm-start time.",
+        "",
+        "| warm-start time (min) | fit step | training tokens seen | held-out step-0 acc. | implied acceptance "
+        "(cache held-out) | engine acceptance length | per-position acceptance |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in res["curve"]:
+        acc = c["val_accuracy"]
+        lines.append(f"| {c['warmstart_seconds'] / 60:.1f} | {c['step']} | {c['tokens_seen']} | "
+                     f"{acc[0] if acc else float('nan'):.3f} | {c['val_acceptance']:.2f} | "
+                     f"**{c['engine_acceptance']:.2f}** | {', '.join(f'{r:.2f}' for r in c['per_position'])} |")
+    lines += [
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| acceptance length, K={res['k']}, T={res['temperature']}, held-out (end) | **{res['final_acceptance']:.2f}** "
+        f"(previous recipe: {PREVIOUS}) |",
+        f"| warm-start wall time | {rep['total_s'] / 60:.1f} min (generation {rep['generation_s'] / 60:.1f}, features "
+        f"{rep['features_s'] / 60:.1f}, fit {rep['fit_s'] / 60:.1f}) |",
+        f"| self-distillation corpus | {rep['prompts']} training prompts, {rep['generated_tokens']} response tokens |",
+        f"| training tokens seen (target rows x epochs) | {rep['fit']['tokens_seen']} in {rep['fit']['steps']} steps |",
+        f"| policy entropy at T={res['temperature']}, held-out rows | {res['heldout_entropy']:.3f} nats/token "
+        f"({res['heldout_rows']} rows) |",
+        f"| policy entropy at T={res['temperature']}, training corpus | {rep['entropy']:.3f} nats/token |",
+        f"| draft vocabulary | {res['draft_vocab_size']} tokens, covers {rep['argmax_coverage']:.3f} of the "
+        f"policy's top-1 on the corpus |",
+        f"| held-out step accuracies (cache) | {', '.join(f'{a:.3f}' for a in rep['val_accuracy'])} |",
+        f"| cache hit (same policy, fresh draft) | {res['cache_hit_s']:.1f} s, same weights: {res['cache_hit_same']} |",
+        "",
+        "Settings: `" + json.dumps(s, sort_keys=True) + "`",
+        "",
+        "![acceptance against warm-start time](draft_warmstart.png)",
+        "",
+    ]
+    text = "\n".join(lines)
+    (out / "draft_warmstart.md").write_text(text + res.get("notes", ""))
+    return text
+
+
+def plot(out: Path, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [c["warmstart_seconds"] / 60 for c in res["curve"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(t, [c["engine_acceptance"] for c in res["curve"]], "o-", label="engine, held-out prompts")
+    ax.plot(t, [c["val_acceptance"] for c in res["curve"]], "s--", label="implied by held-out cache accuracy")
+    ax.axhline(2.0, color="grey", lw=0.8, ls=":", label="target 2.0")
+    ax.axhline(PREVIOUS, color="red", lw=0.8, ls=":", label=f"previous warm start {PREVIOUS}")
+    ax.set_xlabel("warm-start wall time (min): generation + features + fit")
+    ax.set_ylabel(f"acceptance length (K={res['k']}, T={res['temperature']})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "draft_warmstart.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny random policy, seconds")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--cache-dir", default=None, help="default: <lightning_codraft cache>/draft_warmstart")
+    ap.add_argument("--fresh", action="store_true", help="empty the cache directory first (a cold warm start)")
+    ap.add_argument("--gsm8k", default=str(GSM8K))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=4, help="speculation length of the engine")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--heldout", type=int, default=500)
+    ap.add_argument("--num-prompts", type=int, default=2000)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--gen-budget-min", type=float, default=30.0)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--epochs", type=float, default=3.0)
+    ap.add_argument("--fit-budget-min", type=float, default=15.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--eval-every", type=int, default=100, help="fit steps between engine measurements")
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=160)
+    ap.add_argument("--val-docs", type=int, default=48)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.heldout, args.num_prompts, args.max_new_tokens, args.gen_batch = 8, 24, 12, 8
+        args.draft_vocab, args.ttt_steps, args.epochs, args.batch_tokens = 24, 2, 2, 128
+        args.eval_every, args.eval_prompts, args.eval_max_new_tokens, args.val_docs = 3, 4, 12, 3
+        args.gen_budget_min = args.fit_budget_min = None
+    torch.set_num_threads(args.threads)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from lightning_codraft.models.hf_io import cache_dir
+
+    cdir = Path(args.cache_dir) if args.cache_dir else cache_dir() / "draft_warmstart"
+    if args.fresh:
+        shutil.rmtree(cdir, ignore_errors=True)
+    tok, policy, task = _build(args)
+    fit = DraftFitConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
+                         val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed,
+                         time_budget_s=args.fit_budget_min * 60 if args.fit_budget_min else None)
+    settings = WarmStartSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 generation_batch=args.gen_batch, seed=args.seed, fit=fit,
+                                 generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None)
+    held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:args.eval_prompts]]
+    draft = _new_draft(policy, args.draft_vocab)
+    curve, load_start = [], "%.1f" % os.getloadavg()[0]
+
+    def on_eval(entry: dict) -> None:
+        stats, _, dt = engine_acceptance(policy, draft, held, args, tok)
+        entry.update(engine_acceptance=stats.acceptance_length, per_position=stats.per_position_rate(),
+                     engine_seconds=dt, load=os.getloadavg()[0])
+        curve.append(entry)
+        print(f"[{entry['warmstart_seconds'] / 60:.1f} min] engine acceptance length {stats.acceptance_length:.2f} "
+              f"on {len(held)} held-out prompts (per position {[round(r, 2) for r in stats.per_position_rate()]}; "
+              f"{dt:.0f}s; load {entry['load']:.1f})", flush=True)
+
+    report = warm_start_draft(policy, tok, task, draft, settings, cdir, log=lambda s: print(s, flush=True),
+                              on_eval=on_eval)
+    stats, outs, _ = engine_acceptance(policy, draft, held, args, tok)
+    entropy, rows = heldout_entropy(policy, held, outs, args.temperature)
+    fresh = _new_draft(policy, args.draft_vocab)
+    t0 = time.perf_counter()
+    hit = warm_start_draft(policy, tok, task, fresh, settings, cdir, log=lambda s: print(s, flush=True))
+    hit_s = time.perf_counter() - t0
+    same = hit.cache_hit and all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                                   draft.state_dict().values()))
+    res = dict(command="python benchmarks/draft_warmstart.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               smoke=args.smoke, machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
+               threads=args.threads, load_start=load_start, load_end="%.1f" % os.getloadavg()[0], k=args.k,
+               temperature=args.temperature, eval_prompts=len(held), eval_max_new_tokens=args.eval_max_new_tokens,
+               settings=asdict(settings), report=asdict(report), curve=curve, final_acceptance=stats.acceptance_length,
+               heldout_entropy=entropy, heldout_rows=rows, draft_vocab_size=args.draft_vocab,
+               cache_hit_s=hit_s, cache_hit_same=same)
+    (out / "draft_warmstart.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(write_report(out, res))
+    plot(out, res)
+    print(f"acceptance length {stats.acceptance_length:.2f} (K={args.k}, T={args.temperature}, held-out) after "
+          f"{report.total_s / 60:.1f} min of warm start; tokens seen {report.fit['tokens_seen']}; held-out entropy "
+          f"{entropy:.3f} nats/token")
+
+
+if __name__ == "__main__":
+    main()
