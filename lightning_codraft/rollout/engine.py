@@ -21,22 +21,31 @@ class RolloutError(RuntimeError):
 
 @dataclass
 class AcceptanceStats:
-    """Speculative-decoding acceptance counters (summable across sequences and calls)."""
+    """Speculative-decoding acceptance counters (summable across sequences and calls).
+
+    A round verifies k draft tokens: K every round for a fixed engine, 0..K with adaptive speculation
+    (k = 0 is a plain step, counted in :attr:`plain_rounds`).
+    """
 
     draft_steps: int = 0
-    """Number of verification rounds in which the draft proposed tokens."""
+    """Number of verification rounds in which the draft proposed tokens (k > 0)."""
     drafted: int = 0
-    """Total draft tokens proposed (= draft_steps * K)."""
+    """Total draft tokens proposed (the sum of each round's k; draft_steps * K for a fixed engine)."""
     accepted: int = 0
     """Total draft tokens accepted by the policy."""
     accepted_per_position: list[int] = field(default_factory=list)
     """accepted_per_position[j]: rounds in which draft position j (0-based) was accepted; length K."""
     policy_forwards: int = 0
     """Policy forward passes spent on this sequence after the prompt prefill (one per round)."""
+    proposed_per_position: list[int] = field(default_factory=list)
+    """proposed_per_position[j]: rounds in which draft position j was proposed (k > j); length K. Engines that
+    do not count it leave it empty (then every drafting round counts as proposing every position)."""
+    plain_rounds: int = 0
+    """Rounds in which no draft token was proposed (k = 0)."""
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens emitted per verification round: 1 + accepted / draft_steps (1.0 without drafting)."""
+        """Mean tokens emitted per drafting round: 1 + accepted / draft_steps (1.0 without drafting)."""
         return 1.0 + self.accepted / self.draft_steps if self.draft_steps else 1.0
 
     @property
@@ -44,9 +53,36 @@ class AcceptanceStats:
         """Fraction of drafted tokens accepted (0.0 without drafting)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def mean_k(self) -> float:
+        """Mean draft tokens proposed per round, plain rounds included: drafted / policy_forwards."""
+        return self.drafted / self.policy_forwards if self.policy_forwards else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens emitted per round, plain rounds included: 1 + accepted / policy_forwards."""
+        return 1.0 + self.accepted / self.policy_forwards if self.policy_forwards else 1.0
+
     def per_position_rate(self) -> list[float]:
-        """Acceptance rate of each draft position j: accepted_per_position[j] / draft_steps."""
-        return [a / self.draft_steps if self.draft_steps else 0.0 for a in self.accepted_per_position]
+        """Acceptance rate of each draft position j: accepted_per_position[j] / rounds that proposed it."""
+        return [a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self._proposed())]
+
+    def _proposed(self) -> list[int]:
+        return self.proposed_per_position or [self.draft_steps] * len(self.accepted_per_position)
+
+    def record_round(self, k: int, accepted: int) -> None:
+        """Count one round that proposed k draft tokens and accepted ``accepted`` of them."""
+        self.policy_forwards += 1
+        if k == 0:
+            self.plain_rounds += 1
+            return
+        self.draft_steps += 1
+        self.drafted += k
+        self.accepted += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+        for j in range(k):
+            self.proposed_per_position[j] += 1
 
     def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
@@ -58,6 +94,8 @@ class AcceptanceStats:
             accepted_per_position=[a + b for a, b in zip(pad(self.accepted_per_position),
                                                          pad(other.accepted_per_position))],
             policy_forwards=self.policy_forwards + other.policy_forwards,
+            proposed_per_position=[a + b for a, b in zip(pad(self._proposed()), pad(other._proposed()))],
+            plain_rounds=self.plain_rounds + other.plain_rounds,
         )
 
     @staticmethod
@@ -70,7 +108,8 @@ class AcceptanceStats:
     def as_dict(self) -> dict[str, float]:
         d = {"draft_steps": float(self.draft_steps), "drafted": float(self.drafted),
              "accepted": float(self.accepted), "acceptance_length": self.acceptance_length,
-             "acceptance_rate": self.acceptance_rate}
+             "acceptance_rate": self.acceptance_rate, "plain_rounds": float(self.plain_rounds),
+             "mean_k": self.mean_k}
         d.update({f"acc/pos{j}": r for j, r in enumerate(self.per_position_rate())})
         return d
 

@@ -1,39 +1,45 @@
 """The embedded speculative-decoding engine: a policy verifies EAGLE-3 draft proposals, batched, in PyTorch.
 
 One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whose next token
-``x_{L_b}`` (the *pending* token) is already emitted:
+``x_{L_b}`` (the *pending* token) is already emitted, drafting k tokens (k = K, or chosen per round by the
+adaptive controller, rollout/adaptive.py):
 
-1. **Draft** K tokens by chaining the EAGLE-3 draft: the step-0 proposal comes from the draft's
+1. **Draft** k tokens by chaining the EAGLE-3 draft: the step-0 proposal comes from the draft's
    output at position ``L_b - 1`` (input ``fuse(taps_{L_b-1})`` and ``emb(x_{L_b})``, computed at the
-   end of the previous round); steps 1..K-1 feed the draft its own output hidden state and the
+   end of the previous round); steps 1..k-1 feed the draft its own output hidden state and the
    token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards.
-2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_K]`` (positions ``L_b .. L_b+K``),
+2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_k]`` (positions ``L_b .. L_b+k``),
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
    sampling: standard rejection sampling (:func:`~lightning_codraft.rollout.sampling.rejection_sample`).
-   ``a_b`` accepted tokens plus one token from the policy are emitted; the policy cache is rolled
-   back to ``L_b + 1 + a_b``.
+   ``a_b`` accepted tokens plus one token from the policy are emitted (from ``p_k`` when all k are accepted,
+   from ``p_0`` when k = 0); the policy cache is rolled back to ``L_b + 1 + a_b``.
 3. **Catch up** the draft: one draft forward over positions ``L_b .. L_b+a_b`` with the policy's real
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
-   the next round's step-0 proposal.
+   the next round's step-0 proposal. After a k = 0 round the catch-up is deferred (the round's taps are
+   kept) and done in one forward when drafting resumes; past ``AdaptiveConfig.resume_window`` deferred
+   positions the draft restarts on the last ones (its cache slots then lag the policy's positions by an
+   offset per row), so a draft that does not pay costs nothing while unused.
 
-Per round: 1 policy forward and K draft forwards, however many tokens are accepted. The forwards run through the
-models' decoders (``Policy.decoder`` / ``Eagle3Draft.decoder``, models/decode.py: the modules' math with fewer ops
-per layer; modules without a ``decoder`` are called through their own ``forward(kv_cache=)`` / ``step``), and the
-per-row bookkeeping (stop tokens, budgets, finished rows) is done in Python on the round's accepted counts, new
-tokens and log-probs, copied to the host once per round. Sequences that finish (stop token, budget) leave the
-batch and its caches, so the rest do not pay for them. With no draft (or K = 0) the same loop is plain decoding:
-one policy forward per token.
+The forwards run through the models' decoders (``Policy.decoder`` / ``Eagle3Draft.decoder``, models/decode.py:
+the modules' math with fewer ops per layer; modules without a ``decoder`` are called through their own
+``forward(kv_cache=)`` / ``step``), and the per-row bookkeeping (stop tokens, budgets, finished rows) is done in
+Python on the round's accepted counts, new tokens and log-probs, copied to the host once per round. Sequences
+that finish (stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
+(or K = 0) the same loop is plain decoding: one policy forward per token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController, clock, rows_of
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
@@ -44,12 +50,40 @@ from lightning_codraft.rollout.sampling import (
     sampling_logprobs,
 )
 
+Taps = tuple[torch.Tensor, ...]
 
-def _select_rows(cache: KVCache, rows: torch.Tensor) -> KVCache:
-    """A cache holding only ``rows`` (B',) of ``cache`` (finished sequences leave the batch)."""
-    return KVCache(k=[t.index_select(0, rows) for t in cache.k], v=[t.index_select(0, rows) for t in cache.v],
-                   lengths=cache.lengths.index_select(0, rows))
 
+
+
+@dataclass
+class _Batch:
+    """The live rows of one ``generate`` chunk and everything indexed by them."""
+
+    active: list[int]             # original index of each live row
+    emitted: list[int]            # tokens emitted so far per row
+    budget: list[int]             # tokens each row may emit
+    pcache: KVCache
+    dcache: KVCache | None
+    pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
+    length: torch.Tensor          # (B,) tokens in the policy cache
+    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (nonzero after a draft restart)
+    h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while backlog is non-empty)
+    dl_last: torch.Tensor | None  # (B, Vd) its logits
+    backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
+    estimates: AcceptanceEstimates | None
+
+    def keep(self, rows: list[int]) -> None:
+        sel = torch.tensor(rows, device=self.pending.device)
+        self.active, self.emitted, self.budget = ([xs[i] for i in rows] for xs in (self.active, self.emitted,
+                                                                                   self.budget))
+        self.pcache = rows_of(self.pcache, sel)
+        self.dcache = None if self.dcache is None else rows_of(self.dcache, sel)
+        self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
+        if self.h_last is not None:
+            self.h_last, self.dl_last = self.h_last[sel], self.dl_last[sel]
+        self.backlog = [(tuple(t[sel] for t in taps), nxt[sel]) for taps, nxt in self.backlog]
+        if self.estimates is not None:
+            self.estimates.select(rows)
 
 
 class SpeculativeEngine:
@@ -59,15 +93,20 @@ class SpeculativeEngine:
         policy: a :class:`~lightning_codraft.models.Policy` (any module with its ``forward(ids, kv_cache=,
             taps=)``, ``embed`` and ``config``).
         draft: an :class:`~lightning_codraft.models.Eagle3Draft` fitted to ``policy``, or None for plain decoding.
-        num_speculative_tokens: K, draft tokens proposed per round; 0 means plain decoding.
+        num_speculative_tokens: K, draft tokens proposed per round (the most, with ``adaptive``); 0 means plain
+            decoding.
         max_batch_size: prompts are generated in chunks of at most this many sequences (None: all at once).
+        adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a default
+            :class:`~lightning_codraft.rollout.adaptive.SpeculationController`, kept across calls as
+            :attr:`controller`; or a controller of your own). Output is unchanged in distribution (and token
+            for token when greedy).
 
     The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
     weights into them in place.
     """
 
     def __init__(self, policy: nn.Module, draft: nn.Module | None = None, num_speculative_tokens: int = 3,
-                 *, max_batch_size: int | None = None):
+                 *, max_batch_size: int | None = None, adaptive: bool | SpeculationController = False):
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 "
                              "(0 = plain decoding without the draft)")
@@ -80,6 +119,14 @@ class SpeculativeEngine:
         self._check_draft()
         self._draft_to_target: torch.Tensor | None = None
         self._draft_is_identity = False
+        self.controller: SpeculationController | None = None
+        if adaptive is not False and self.draft is not None:
+            ctl = adaptive if isinstance(adaptive, SpeculationController) else SpeculationController(
+                self.num_speculative_tokens)
+            if ctl.max_k != self.num_speculative_tokens:
+                raise ValueError(f"the controller's max_k={ctl.max_k} differs from num_speculative_tokens="
+                                 f"{self.num_speculative_tokens}; build it with SpeculationController(K)")
+            self.controller = ctl
 
     # ------------------------------------------------------------------ setup
     @property
@@ -156,8 +203,9 @@ class SpeculativeEngine:
                     outputs.extend(self._generate_batch(batch, params, generator, pdec, ddec))
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
+                shown = lens if len(lens) <= 8 else f"{min(lens)}..{max(lens)} over {len(lens)} prompts"
                 raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
-                                   f"(prompt lengths {lens}, max_new_tokens={max_new_tokens}, "
+                                   f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
                                    f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}") from err
         return outputs
 
@@ -186,18 +234,16 @@ class SpeculativeEngine:
             logits = logits / params.temperature
         return torch.softmax(filter_logits(logits, params.top_k, params.top_p), dim=-1)
 
-    def _propose(self, pdec: PolicyDecoder, ddec: DraftDecoder, h_last: torch.Tensor, dl_last: torch.Tensor,
-                 dcache: KVCache, params: SamplingParams,
+    def _propose(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, k: int, params: SamplingParams,
                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chain-draft K tokens. h_last (B, H), dl_last (B, Vd) the step-0 output.
+        """Chain-draft k tokens from the step-0 output ``b.h_last`` (B, H), ``b.dl_last`` (B, Vd).
 
         Returns:
-            draft_ids: (B, K) target-vocabulary ids; draft_probs: (B, K, V) target-space q (None if greedy).
+            draft_ids: (B, k) target-vocabulary ids; draft_probs: (B, k, V) target-space q (None if greedy).
         """
-        k = self.num_speculative_tokens
-        index = self._draft_index(dl_last.device)
+        index = self._draft_index(b.dl_last.device)
         ids, probs = [], []
-        hidden, logits = h_last, dl_last
+        hidden, logits, dcache = b.h_last, b.dl_last, b.dcache
         start = dcache.lengths  # a decoder step replaces the lengths tensor, never mutates it
         for j in range(k):
             if params.greedy:
@@ -224,21 +270,35 @@ class SpeculativeEngine:
         return draft_ids, q_target
 
     @staticmethod
-    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, taps, next_ids: torch.Tensor, last: torch.Tensor,
-                  dcache: KVCache, new_lengths: torch.Tensor):
-        """Draft forward at the verified positions with the policy's taps; returns its output at index ``last``.
+    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, taps: Taps, next_ids: torch.Tensor,
+                  last: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        """Draft forward at verified positions with the policy's taps; its output at index ``last`` becomes
+        ``b.h_last`` / ``b.dl_last``.
 
         taps: 3 tensors (B, S, H); next_ids: (B, S) token following each position; last: (B,) index to read.
-        The draft cache keeps the keys of the verified positions and ends at ``new_lengths``.
+        The draft cache keeps the keys of the verified positions and ends at policy length ``new_lengths``.
         """
-        out = ddec.step(ddec.fuse(taps), pdec.embed(next_ids), dcache, logit_rows=last)
-        dcache.lengths = new_lengths
-        return out
+        b.h_last, b.dl_last = ddec.step(ddec.fuse(taps), pdec.embed(next_ids), b.dcache, logit_rows=last)
+        b.dcache.lengths = new_lengths - b.doff
+
+    def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch) -> None:
+        """Catch the draft up on the deferred k = 0 rounds (the last ``resume_window`` of them; with more, the
+        draft cache restarts at slot 0 on those positions)."""
+        taps = tuple(torch.cat([e[0][i] for e in b.backlog], dim=1) for i in range(3))
+        nxt = torch.cat([e[1] for e in b.backlog], dim=1)
+        window = self.controller.config.resume_window
+        if nxt.shape[1] > window:
+            taps, nxt = tuple(t[:, -window:] for t in taps), nxt[:, -window:]
+            b.doff = b.length - window
+            b.dcache.lengths = torch.zeros_like(b.length)
+        last = torch.full_like(b.length, nxt.shape[1] - 1)
+        self._catch_up(pdec, ddec, b, taps, nxt, last, b.length)
+        b.backlog = []
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
                         pdec: PolicyDecoder, ddec: DraftDecoder | None) -> list[RolloutOutput]:
-        device, k, batch = self._device(), self.num_speculative_tokens, len(prompts)
-        use_draft = self.draft is not None and k > 0
+        device, K, batch = self._device(), self.num_speculative_tokens, len(prompts)
+        use_draft = self.draft is not None and K > 0
         taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
         host_lens = [len(p) for p in prompts]
         lens = torch.tensor(host_lens, device=device)
@@ -246,93 +306,107 @@ class SpeculativeEngine:
         max_len = max(host_lens)
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
         # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots
-        capacity = max(n + b for n, b in zip(host_lens, budget)) + 2 * (k + 1)
-        pcache = pdec.allocate_cache(batch, max(capacity, max_len))
-        dcache = ddec.allocate_cache(batch, max(capacity, max_len)) if use_draft else None
-        rows = torch.arange(batch, device=device)
+        capacity = max(max(n + b for n, b in zip(host_lens, budget)) + 2 * (K + 1), max_len)
+        pcache = pdec.allocate_cache(batch, capacity)
         stops = set(params.stop_token_ids)
+        key = ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        b = _Batch(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
+                   dcache=ddec.allocate_cache(batch, capacity) if use_draft else None, pending=lens,
+                   length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
+                   estimates=None if self.controller is None else self.controller.new_batch(batch, key))
 
         # ---- prefill (prompts right-padded; padding slots are beyond each row's length, never attended)
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        for b, p in enumerate(prompts):
-            ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         last_logits, taps = pdec.forward(ids, pcache, taps_ids, logit_rows=lens - 1)
         pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
-        pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
-        pending_lp = lp[rows, pending]
+        rows = torch.arange(batch, device=device)
+        b.pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
+        pending_lp = lp[rows, b.pending]
         if use_draft:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-            next_ids[rows, lens - 1] = pending
-            h_last, dl_last = self._catch_up(pdec, ddec, taps, next_ids, lens - 1, dcache, lens)
+            next_ids[rows, lens - 1] = b.pending
+            self._catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
         del taps
 
-        tokens: list[list[int]] = [[t] for t in pending.tolist()]
+        tokens: list[list[int]] = [[t] for t in b.pending.tolist()]
         logprobs: list[list[float]] = [[x] for x in pending_lp.tolist()]
-        stats = [AcceptanceStats(accepted_per_position=[0] * k) for _ in range(batch)]
+        stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(batch)]
         finish = ["stop" if t[0] in stops else "length" for t in tokens]
-        emitted = [1] * batch
-        done = [finish[b] == "stop" or budget[b] <= 1 for b in range(batch)]
-        length = lens.clone()
-        active = list(range(batch))  # original index of each live row
+        done = [finish[i] == "stop" or budget[i] <= 1 for i in range(batch)]
 
         while not all(done):
             if any(done):  # drop finished rows from the caches and the batch
-                keep_rows = [i for i, d in enumerate(done) if not d]
-                sel = torch.tensor(keep_rows, device=device)
-                active = [active[i] for i in keep_rows]
-                emitted, budget = [emitted[i] for i in keep_rows], [budget[i] for i in keep_rows]
-                done = [False] * len(keep_rows)
-                pcache = _select_rows(pcache, sel)
-                dcache = _select_rows(dcache, sel) if use_draft else None
-                pending, length = pending[sel], length[sel]
-                if use_draft:
-                    h_last, dl_last = h_last[sel], dl_last[sel]
-                rows = torch.arange(len(active), device=device)
-            if use_draft:
-                draft_ids, q = self._propose(pdec, ddec, h_last, dl_last, dcache, params, generator)
-                verify_ids = torch.cat([pending[:, None], draft_ids], dim=1)
+                b.keep([i for i, d in enumerate(done) if not d])
+                done = [False] * len(b.active)
+            rows = torch.arange(len(b.active), device=device)
+            k, t_start = K, clock(device)
+            if self.controller is not None:
+                if self.controller.needs_calibration(len(b.active)):
+                    self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, params)
+                    t_start = clock(device)
+                k = self.controller.choose(b.estimates, np.array(b.budget) - np.array(b.emitted))
+            t_draft = t_policy = t_catch = 0.0
+            if k and b.backlog:
+                t0 = clock(device)
+                span = min(len(b.backlog), self.controller.config.resume_window)
+                self._resume(pdec, ddec, b)
+                t_catch = clock(device) - t0
+                self.controller.costs.add("catch_up", len(b.active), span, t_catch)
+            t0 = clock(device)
+            if k:
+                draft_ids, q = self._propose(pdec, ddec, b, k, params, generator)
+                verify_ids = torch.cat([b.pending[:, None], draft_ids], dim=1)
             else:
-                draft_ids, q = pending.new_zeros(len(active), 0), None
-                verify_ids = pending[:, None]
-            logits, taps = pdec.forward(verify_ids, pcache, taps_ids)
-            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, K+1, V)
+                draft_ids, q = b.pending.new_zeros(len(b.active), 0), None
+                verify_ids = b.pending[:, None]
+            t1 = clock(device)
+            logits, taps = pdec.forward(verify_ids, b.pcache, taps_ids)
+            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, k+1, V)
             if params.greedy:
                 accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
             else:
                 if q is None:  # no draft: an empty proposal, the next token comes from p_0
-                    q = lp.new_zeros(len(active), 0, lp.shape[-1])
+                    q = lp.new_zeros(len(b.active), 0, lp.shape[-1])
                 accepted, bonus = rejection_sample(lp.exp(), q, draft_ids, generator)
-            new_ids = torch.cat([draft_ids, torch.zeros_like(pending[:, None])], dim=1)
+            new_ids = torch.cat([draft_ids, torch.zeros_like(b.pending[:, None])], dim=1)
             new_ids[rows, accepted] = bonus
             new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
-            new_length = length + 1 + accepted
-            pcache.lengths = new_length
+            new_length = b.length + 1 + accepted
+            b.pcache.lengths = new_length
             host_accepted = accepted.tolist()
-            if use_draft:
+            t2 = clock(device)
+            t_draft, t_policy = t1 - t0, t2 - t1
+            if use_draft and k:
                 span = max(host_accepted) + 1
-                h_last, dl_last = self._catch_up(pdec, ddec, tuple(t[:, :span] for t in taps), new_ids[:, :span],
-                                                 accepted, dcache, new_length)
+                self._catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted,
+                               new_length)
+                dt = clock(device) - t2
+                t_catch += dt
+                if self.controller is not None:
+                    self.controller.costs.add("catch_up", len(b.active), span, dt)
+            elif use_draft:
+                b.backlog.append((taps, bonus[:, None]))
             del taps
-            for i, (b, a, ids_b, lp_b) in enumerate(zip(active, host_accepted, new_ids.tolist(), new_lp.tolist())):
+            for i, (a, ids_i, lp_i) in enumerate(zip(host_accepted, new_ids.tolist(), new_lp.tolist())):
                 # keep the a+1 new tokens up to the first stop token and the row's budget
-                n = min(a + 1, budget[i] - emitted[i])
-                stop_at = next((j for j in range(n) if ids_b[j] in stops), None)
+                r = b.active[i]
+                n = min(a + 1, b.budget[i] - b.emitted[i])
+                stop_at = next((j for j in range(n) if ids_i[j] in stops), None)
                 if stop_at is not None:
                     n = stop_at + 1
-                    finish[b] = "stop"
-                tokens[b].extend(ids_b[:n])
-                logprobs[b].extend(lp_b[:n])
-                emitted[i] += n
-                done[i] = stop_at is not None or emitted[i] >= budget[i]
-                s = stats[b]
-                s.policy_forwards += 1
-                if k:
-                    s.draft_steps += 1
-                    s.drafted += k
-                    s.accepted += a
-                    for j in range(a):
-                        s.accepted_per_position[j] += 1
-            length, pending = new_length, bonus
-        return [RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
-                for b in range(batch)]
+                    finish[r] = "stop"
+                tokens[r].extend(ids_i[:n])
+                logprobs[r].extend(lp_i[:n])
+                b.emitted[i] += n
+                done[i] = stop_at is not None or b.emitted[i] >= b.budget[i]
+                stats[r].record_round(k, a)
+            b.length, b.pending = new_length, bonus
+            if self.controller is not None:
+                self.controller.observe(b.estimates, k, np.array(host_accepted))
+                self.controller.record_round(len(b.active), k, t_policy, t_draft,
+                                             clock(device) - t_start - t_draft - t_policy - t_catch)
+        return [RolloutOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], stats=stats[i])
+                for i in range(batch)]

@@ -1,5 +1,6 @@
-"""SpeculativeEngine: greedy output identical to plain decoding, sampling distributed as the policy, log-probs
-equal to recomputed ones, acceptance of fitted vs random drafts, stop/length handling, errors."""
+"""SpeculativeEngine, fixed K and adaptive: greedy output identical to plain decoding, sampling distributed as the
+policy (with negative controls: wrong acceptance / residual / bonus rules injected into the engine fail the same
+test), log-probs equal to recomputed ones, acceptance of fitted vs random drafts, stop/length handling, errors."""
 
 import math
 
@@ -9,6 +10,9 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts,
 
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
+from lightning_codraft.rollout import speculative
+from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.sampling import sample_from_probs
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +34,28 @@ def fitted(policy):
     return draft, prompts
 
 
+class _Scripted(SpeculationController):
+    """Draws each round's k from a fixed cycle (any k sequence must leave the output exact); no timing."""
+
+    def __init__(self, max_k, schedule):
+        super().__init__(max_k)
+        self.schedule, self.calls = list(schedule), 0
+
+    def needs_calibration(self, batch_size):
+        return False
+
+    def choose(self, estimates, remaining):
+        self.calls += 1
+        return self.schedule[(self.calls - 1) % len(self.schedule)]
+
+
+def _adaptive(mode, k):
+    """The engine's ``adaptive`` argument for a test mode: fixed K, the real controller, or a scripted one that
+    mixes every k in 0..K with runs of k = 0 longer than the resume window (the draft then restarts)."""
+    return {"fixed": False, "adaptive": True,
+            "scripted": _Scripted(k, [k, 0, 1] + [0] * 20 + [k, k - 1, 0, 0, k])}[mode]
+
+
 def _dense_greedy(policy, prompt, n):
     """Plain greedy from the definition: full forward over the whole sequence, no cache."""
     ids = list(prompt)
@@ -48,24 +74,28 @@ def test_plain_greedy_matches_full_recompute(policy):
         assert o.finish_reason == "length" and len(o.logprobs) == 12
 
 
-def test_one_row_batches_equal_plain_greedy(policy, fitted):
+@pytest.mark.parametrize("mode", ["fixed", "adaptive", "scripted"])
+def test_one_row_batches_equal_plain_greedy(policy, fitted, mode):
     """engine_batch_size 1 (the RL recipes' setting): one-row caches take the slice-copy path."""
     draft, fit_set = fitted
-    prompts = random_prompts(4, policy.config.vocab_size, seed=9) + fit_set[:4]
-    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 16, temperature=0.0)
-    outs = SpeculativeEngine(policy, draft, 4, max_batch_size=1).generate(prompts, 16, temperature=0.0)
+    prompts = fit_set[:4] + random_prompts(4, policy.config.vocab_size, seed=9)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 40, temperature=0.0)
+    engine = SpeculativeEngine(policy, draft, 4, max_batch_size=1, adaptive=_adaptive(mode, 4))
+    outs = engine.generate(prompts, 40, temperature=0.0)
     assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
-    assert AcceptanceStats.total(o.stats for o in outs).acceptance_length > 1.5  # the draft path is exercised
+    assert AcceptanceStats.total(o.stats for o in outs[:4]).acceptance_length > 1.5  # the draft path is exercised
 
 
+@pytest.mark.parametrize("mode", ["fixed", "adaptive", "scripted"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_speculative_equals_plain(policy, fitted, k):
+def test_greedy_speculative_equals_plain(policy, fitted, k, mode):
     draft_fit, fit_set = fitted
     prompts = random_prompts(16, policy.config.vocab_size, seed=2) + fit_set[:8]
     stop = (7,)
-    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 20, temperature=0.0, stop_token_ids=stop)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 40, temperature=0.0, stop_token_ids=stop)
     for draft in (Eagle3Draft.from_policy(policy).eval(), draft_fit):
-        outs = SpeculativeEngine(policy, draft, k).generate(prompts, 20, temperature=0.0, stop_token_ids=stop)
+        engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k))
+        outs = engine.generate(prompts, 40, temperature=0.0, stop_token_ids=stop)
         for o, r in zip(outs, plain):
             assert o.token_ids == r.token_ids
             assert o.finish_reason == r.finish_reason
@@ -73,15 +103,16 @@ def test_greedy_speculative_equals_plain(policy, fitted, k):
     assert any(r.finish_reason == "stop" for r in plain)  # the stop path is exercised
 
 
+@pytest.mark.parametrize("mode", ["fixed", "scripted"])
 @pytest.mark.parametrize("k", [3, 5])
-def test_rows_finishing_at_different_rounds(policy, fitted, k):
+def test_rows_finishing_at_different_rounds(policy, fitted, k, mode):
     """Same-length prompts, some well drafted (finish early, overshoot their budget in the last round) and
     some not: the frozen rows must stay within the caches while the others keep decoding."""
     draft, fit_set = fitted
     prompts = fit_set[:6] + [p[:4] for p in random_prompts(30, policy.config.vocab_size, lo=4, seed=8)][:6]
     for n in (21, 23):
         plain = SpeculativeEngine(policy, None, 0).generate(prompts, n, temperature=0.0)
-        outs = SpeculativeEngine(policy, draft, k).generate(prompts, n, temperature=0.0)
+        outs = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k)).generate(prompts, n, temperature=0.0)
         assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
 
 
@@ -122,52 +153,190 @@ def test_logprobs_equal_recomputed(policy, fitted, temperature, top_k, top_p, ba
             assert lp == pytest.approx(row[tok] - z, abs=1e-4)
 
 
-def _exact_marginals(policy, prompt, temperature, top_k, top_p):
-    """Exact distributions of generated tokens 1, 2, 3 by enumerating the (small) vocabulary."""
+def _exact_conditionals(policy, prompt, n_tokens, temperature, top_k, top_p):
+    """Exact filtered distributions of generated token t+1 given every possible t-token prefix, t < n_tokens, by
+    enumerating the (small) vocabulary: list of (V**t, V) float64 tables, prefixes in lexicographic order."""
     V = policy.config.vocab_size
-
-    def dist(prefixes):
+    tables = []
+    for t in range(n_tokens):
+        prefixes = [prompt + [(i // V ** (t - 1 - j)) % V for j in range(t)] for i in range(V ** t)]
         with torch.no_grad():
             logits = policy(torch.tensor(prefixes)).logits[:, -1].double() / temperature
-        out = []
+        rows = []
         for row in logits.tolist():
             keep = reference_filter(row, top_k, top_p)
             w = [math.exp(x) if kp else 0.0 for x, kp in zip(row, keep)]
-            out.append([x / sum(w) for x in w])
-        return torch.tensor(out, dtype=torch.float64)
-
-    p1 = dist([prompt])[0]                                                   # (V,)
-    p2_given = dist([prompt + [a] for a in range(V)])                        # (V, V)
-    p3_given = dist([prompt + [a, b] for a in range(V) for b in range(V)])   # (V*V, V)
-    p12 = p1[:, None] * p2_given
-    return p1, p12.sum(0), (p12.reshape(-1)[:, None] * p3_given).sum(0)
+            rows.append([x / sum(w) for x in w])
+        tables.append(torch.tensor(rows, dtype=torch.float64))
+    return tables
 
 
-def _chi2_ok(samples, probs, crit):
-    counts = torch.bincount(torch.tensor(samples), minlength=len(probs)).double()
-    expected = probs * len(samples)
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    assert counts[probs == 0].sum() == 0, "a token with zero probability was sampled"
-    stat = float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum())
-    return stat < crit, stat
+def _marginals(tables):
+    """(V,) marginal of each generated token from the conditional tables."""
+    out, joint = [], torch.ones(1, dtype=torch.float64)        # joint: P(prefix) over the V**t prefixes
+    for table in tables:
+        out.append((joint[:, None] * table).sum(0))
+        joint = (joint[:, None] * table).reshape(-1)
+    return out
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.85)])
-def test_speculative_sampling_is_distributed_as_the_policy(top_k, top_p):
-    """First three generated tokens (token 1 from the prefill, 2 and 3 from speculative rounds: accepted
-    drafts or residual / bonus draws) follow the policy's exact filtered marginals."""
+def _chi2_crit(df, z=4.265):
+    """Upper 1e-5 quantile of chi-square with df degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(groups):
+    """Chi-square of observed token counts against expected probabilities, summed over independent groups.
+
+    groups: (counts (V,), probs (V,)) pairs; cells expecting < 5 are pooled per group. Returns (stat, df), or
+    raises when a token of probability 0 was observed."""
+    stat, df = 0.0, 0
+    for counts, probs in groups:
+        assert counts[probs == 0].sum() == 0, "a token with zero probability was sampled"
+        expected = probs * counts.sum()
+        big = expected >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([expected[big], expected[~big].sum()[None]])
+        keep = exp > 0
+        stat += float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        df += int(keep.sum()) - 1
+    return stat, max(df, 1)
+
+
+def _distribution_failures(engine, k, top_k, top_p, n=6000):
+    """Sample K+2 tokens n times from one prompt; check each token's marginal and, over the rows whose first
+    round accepted all k drafts, the bonus token's conditional distribution given its prefix. Returns the
+    failed checks (empty when the engine samples exactly from the policy) and the acceptance statistics."""
+    policy, prompt, V = engine.policy, [3, 1, 4], engine.vocab_size
+    n_tok = k + 2
+    outs = engine.generate([prompt] * n, n_tok, temperature=0.9, top_k=top_k, top_p=top_p, seed=123)
+    tables = _exact_conditionals(policy, prompt, n_tok, 0.9, top_k, top_p)
+    failures = []
+    for t, probs in enumerate(_marginals(tables)):
+        counts = torch.bincount(torch.tensor([o.token_ids[t] for o in outs]), minlength=V).double()
+        stat, df = _chi2([(counts, probs)])
+        if stat > _chi2_crit(df):
+            failures.append(f"token {t + 1}: chi2={stat:.1f} > {_chi2_crit(df):.1f}")
+    # one drafting round that accepted all k: tokens 2..k+1 are drafts, token k+2 is the bonus from p_k. The
+    # prefixes are many, so test the randomised probability integral transform of each bonus token under its
+    # own conditional (tokens in decreasing probability): uniform on [0, 1) exactly when the bonus follows p_k
+    bonus = [o.token_ids for o in outs if o.stats.draft_steps == 1 and o.stats.accepted == k == o.stats.drafted]
+    g = torch.Generator().manual_seed(0)
+    pit = []
+    for ids in bonus:
+        probs = tables[k + 1][sum(x * V ** (k - j) for j, x in enumerate(ids[:-1]))]
+        assert probs[ids[-1]] > 0, "a bonus token with zero probability was sampled"
+        order = torch.argsort(probs, descending=True, stable=True)
+        rank = int((order == ids[-1]).nonzero())
+        below = float(probs[order[:rank]].sum())
+        pit.append(below + float(probs[ids[-1]]) * float(torch.rand((), generator=g, dtype=torch.float64)))
+    if bonus:
+        bins = 10
+        counts = torch.bincount((torch.tensor(pit) * bins).long().clamp_max(bins - 1), minlength=bins).double()
+        stat, df = _chi2([(counts, torch.full((bins,), 1.0 / bins, dtype=torch.float64))])
+        if stat > _chi2_crit(df):
+            failures.append(f"bonus token after {len(bonus)} fully accepted rounds: chi2={stat:.1f} > "
+                            f"{_chi2_crit(df):.1f}")
+    return failures, AcceptanceStats.total(o.stats for o in outs), len(bonus)
+
+
+def _sampling_setup():
     policy = make_policy(seed=5, std=0.15, vocab_size=12)
-    draft = Eagle3Draft.from_policy(policy).eval()
-    prompt, n = [3, 1, 4], 6000
-    outs = SpeculativeEngine(policy, draft, 2).generate([prompt] * n, 3, temperature=0.9, top_k=top_k,
-                                                        top_p=top_p, seed=123)
-    stats = AcceptanceStats.total(o.stats for o in outs)
-    assert 0.05 < stats.acceptance_rate < 0.95  # both the accept and the residual paths are exercised
-    for t, probs in enumerate(_exact_marginals(policy, prompt, 0.9, top_k, top_p)):
-        ok, stat = _chi2_ok([o.token_ids[t] for o in outs], probs, crit=40.0)  # <= 12 bins, p ~ 1e-5
-        assert ok, f"token {t + 1}: chi2={stat:.1f}"
+    return policy, Eagle3Draft.from_policy(policy).eval()
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive", "scripted"])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.85)])
+def test_speculative_sampling_is_distributed_as_the_policy(top_k, top_p, mode):
+    """Tokens 1..K+2 (token 1 from the prefill, the rest accepted drafts, residual draws or bonus draws from
+    p_k, or plain draws from p_0 in k = 0 rounds) follow the policy's exact filtered marginals, and so does the
+    bonus token after a fully accepted round, given its prefix."""
+    policy, draft = _sampling_setup()
+    k = 2
+    engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k),
+                               max_batch_size=8 if mode == "adaptive" else None)  # small batches: drafting pays
+    failures, stats, n_bonus = _distribution_failures(engine, k, top_k, top_p)
+    assert not failures, failures
+    if mode == "fixed":
+        assert 0.05 < stats.acceptance_rate < 0.95  # both the accept and the residual paths are exercised
+        assert n_bonus > 100                          # the bonus check is exercised
+    assert stats.draft_steps > 0
+
+
+def _mutant_rejection_sample(mutation):
+    """``rejection_sample`` with one deliberate error, written from the definition."""
+
+    def sample(target_probs, draft_probs, draft_ids, generator=None):
+        B, k = draft_ids.shape
+        rows = torch.arange(B)
+        if k == 0:
+            return torch.zeros(B, dtype=torch.long), sample_from_probs(target_probs[:, 0], generator)
+        p_d = target_probs[:, :k].gather(2, draft_ids[..., None])[..., 0]
+        q_d = draft_probs.gather(2, draft_ids[..., None])[..., 0]
+        u = torch.rand((B, k), generator=generator, dtype=p_d.dtype)
+        ok = (u <= p_d) if mutation == "accept_with_p" else (u * q_d <= p_d)   # right: min(1, p/q)
+        accepted = torch.cumprod(ok.long(), dim=1).sum(1)
+        p_next = target_probs[rows, accepted]
+        if mutation == "bonus_from_p_k_minus_1":                             # right: p_k
+            p_next = torch.where((accepted == k)[:, None], target_probs[:, k - 1], p_next)
+        q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, accepted]
+        residual = p_next if mutation == "residual_is_p" else (p_next - q_next).clamp_min(0)  # right: (p - q)+
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+        return accepted, sample_from_probs(residual, generator)
+
+    return sample
+
+
+@pytest.mark.parametrize("mutation", ["none", "accept_with_p", "residual_is_p", "bonus_from_p_k_minus_1"])
+def test_the_distribution_test_catches_a_wrong_rule(monkeypatch, mutation):
+    """Negative controls: the engine with a wrong acceptance rule, residual or bonus distribution injected fails
+    the distribution test above (and the mutant harness itself, unmutated, passes it)."""
+    policy, draft = _sampling_setup()
+    monkeypatch.setattr(speculative, "rejection_sample", _mutant_rejection_sample(mutation))
+    failures, _, _ = _distribution_failures(SpeculativeEngine(policy, draft, 2), 2, 0, 1.0)
+    assert bool(failures) == (mutation != "none"), failures
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "scripted"])
+def test_adaptive_stats_count_what_was_proposed(policy, fitted, mode):
+    draft, fit_set = fitted
+    prompts = random_prompts(8, policy.config.vocab_size, seed=3) + fit_set[:8]
+    outs = SpeculativeEngine(policy, draft, 4, adaptive=_adaptive(mode, 4)).generate(prompts, 40, temperature=1.0,
+                                                                                    seed=2)
+    total = AcceptanceStats.total(o.stats for o in outs)
+    for o in outs:   # a round emits 1 + accepted tokens, the last one fewer when the budget cuts it
+        assert len(o.token_ids) <= 1 + o.stats.accepted + o.stats.policy_forwards
+    for s in [total] + [o.stats for o in outs]:
+        assert s.draft_steps + s.plain_rounds == s.policy_forwards
+        assert s.proposed_per_position[0] == s.draft_steps and sum(s.proposed_per_position) == s.drafted
+        assert sum(s.accepted_per_position) == s.accepted <= s.drafted
+        assert all(a <= n for a, n in zip(s.accepted_per_position, s.proposed_per_position))
+    if mode == "scripted":
+        assert total.plain_rounds > 0 and 0 < total.mean_k < 4
+
+
+def test_adaptive_engine_stops_drafting_with_a_useless_draft(policy):
+    """A random draft is never accepted greedily on random prompts: after the first rounds the adaptive engine
+    decodes plainly (and the output is still plain greedy decoding)."""
+    prompts = random_prompts(8, policy.config.vocab_size, seed=11)
+    engine = SpeculativeEngine(policy, Eagle3Draft.from_policy(policy).eval(), 4, adaptive=True)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 40, temperature=0.0)
+    outs = engine.generate(prompts, 40, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    total = AcceptanceStats.total(o.stats for o in outs)
+    assert total.plain_rounds > 0.8 * total.policy_forwards, total.as_dict()
+
+
+def test_draft_restart_after_plain_rounds_keeps_acceptance(policy, fitted):
+    """After more k = 0 rounds than the resume window, the draft restarts on the last positions: on prompts it
+    was fitted to, its proposals are still accepted."""
+    draft, fit_set = fitted
+    engine = SpeculativeEngine(policy, draft, 3, adaptive=_Scripted(3, [3] + [0] * 18 + [3] * 10))
+    outs = engine.generate(fit_set[:8], 24, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in SpeculativeEngine(policy, None, 0).generate(
+        fit_set[:8], 24, temperature=0.0)]
+    total = AcceptanceStats.total(o.stats for o in outs)
+    assert total.draft_steps > 8 and total.acceptance_length > 0.8 * 4, total.as_dict()
 
 
 def test_seed_reproducible(policy, fitted):

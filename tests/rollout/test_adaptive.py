@@ -1,0 +1,173 @@
+"""The adaptive speculation controller on its own: expected tokens against enumeration, the choice of k for given
+acceptance and costs (high acceptance + cheap verify -> K, no acceptance -> 0, expensive verify -> fewer), a
+request whose draft keeps failing stops drafting and is re-probed once its record fades, and the cost fits."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from lightning_codraft.rollout.adaptive import AdaptiveConfig, CostModel, SpeculationController, expected_tokens
+
+K = 4
+
+
+def _enumerated_tokens(rates, remaining, k):
+    """Expected emitted tokens of one row by enumerating every accept/reject pattern of its k positions."""
+    total = 0.0
+    for pattern in itertools.product([True, False], repeat=k):
+        p, accepted = 1.0, 0
+        for j, ok in enumerate(pattern):
+            p *= rates[j] if ok else 1.0 - rates[j]
+        for ok in pattern:  # accepted prefix: positions after the first rejection do not count
+            if not ok:
+                break
+            accepted += 1
+        total += p * min(accepted + 1, remaining)
+    return total
+
+
+def test_expected_tokens_equals_enumeration():
+    rng = np.random.default_rng(0)
+    rates = rng.uniform(0, 1, (5, K))
+    remaining = np.array([1, 2, 3, 10, 5])
+    got = expected_tokens(rates, remaining)
+    for k in range(K + 1):
+        ref = sum(_enumerated_tokens(rates[b], remaining[b], k) for b in range(5))
+        assert got[k] == pytest.approx(ref, rel=1e-12)
+
+
+def _costs(policy_per_token: float, policy_base: float = 1e-3, draft_step: float = 5e-5) -> CostModel:
+    """A cost model fitted on exact synthetic times: P = base + per_token B S, D = draft_step, C = 1e-6 B S."""
+    costs = CostModel()
+    for B in (1, 4, 16, 64):
+        for S in range(1, K + 2):
+            costs.add("policy", B, S, policy_base + policy_per_token * B * S, anchor=True)
+            costs.add("catch_up", B, S, 1e-6 * B * S, anchor=True)
+        costs.add("draft", B, 1, draft_step, anchor=True)
+    costs.sizes = [1, 4, 16, 64]
+    return costs
+
+
+def _controller(costs: CostModel, **config) -> SpeculationController:
+    return SpeculationController(K, AdaptiveConfig(**config), costs)
+
+
+def _observe_rounds(ctl, est, k, accepted, rounds):
+    for _ in range(rounds):
+        ctl.observe(est, k, np.array(accepted))
+
+
+def test_cost_model_recovers_an_affine_cost_and_stays_non_negative():
+    costs = _costs(policy_per_token=2e-5)
+    assert costs.policy(32, 3) == pytest.approx(1e-3 + 2e-5 * 96, rel=1e-4)   # a tiny ridge keeps solves stable
+    assert costs.draft_step(7) == pytest.approx(5e-5, rel=1e-4)
+    times = costs.round_times(16, K)
+    assert times[0] == pytest.approx(1e-3 + 2e-5 * 16, rel=1e-4)
+    assert times[2] == pytest.approx(1e-3 + 2e-5 * 48 + 2 * 5e-5 + 1e-6 * 48, rel=1e-4)
+    noisy = CostModel()
+    for B in (1, 2, 3):              # time falls with B: the fit drops the negative slope instead of going below 0
+        noisy.add("rest", B, 1, 1e-3 / B)
+    assert all(noisy.rest(B) >= 0 for B in (1, 100, 10_000))
+
+
+def test_measured_rounds_move_the_fit():
+    costs = _costs(policy_per_token=1e-5)
+    before = costs.policy(8, 5)
+    for _ in range(400):             # the machine got slower: every measured verify takes 3x the model's time
+        costs.add("policy", 8, 5, 3 * before)
+    assert costs.policy(8, 5) == pytest.approx(3 * before, rel=0.15)
+
+
+def test_high_acceptance_and_cheap_verify_draft_k_max():
+    ctl = _controller(_costs(policy_per_token=1e-7))
+    est = ctl.new_batch(4, ("greedy",))
+    _observe_rounds(ctl, est, K, [K] * 4, 20)
+    assert ctl.choose(est, np.full(4, 100)) == K
+
+
+def test_zero_acceptance_draft_nothing():
+    ctl = _controller(_costs(policy_per_token=1e-7))
+    est = ctl.new_batch(4, ("greedy",))
+    _observe_rounds(ctl, est, K, [0] * 4, 20)
+    assert ctl.choose(est, np.full(4, 100)) == 0
+
+
+def test_expensive_verify_shortens_the_proposal():
+    """Acceptance 0.8 per position: with verify costing little per token K pays, compute-bound only a short one."""
+    est_rates = [0.8] * K
+    cheap, dear = _controller(_costs(policy_per_token=1e-7)), _controller(_costs(policy_per_token=3e-5))
+    picks = []
+    for ctl in (cheap, dear):
+        est = ctl.new_batch(64, (1.0, 0, 1.0))
+        for _ in range(60):
+            accepted = np.random.default_rng(len(picks)).binomial(1, est_rates[0], (64, K)).cumprod(1).sum(1)
+            ctl.observe(est, K, accepted)
+        picks.append(ctl.choose(est, np.full(64, 100)))
+    assert picks[0] == K and 0 < picks[1] < K
+
+
+def test_nothing_left_to_emit_means_no_proposal():
+    ctl = _controller(_costs(policy_per_token=1e-7))
+    est = ctl.new_batch(3, ("greedy",))
+    _observe_rounds(ctl, est, K, [K] * 3, 20)
+    assert ctl.choose(est, np.array([1, 1, 1])) == 0        # every row has one token left: the plain step's
+    assert ctl.choose(est, np.array([1, 3, 1])) == 2        # one row can use 2 more tokens: 2 positions pay
+
+
+def test_a_failing_request_stops_drafting_and_is_reprobed_less_and_less():
+    ctl = _controller(_costs(policy_per_token=1e-4, draft_step=2e-4), probe_backoff=(4, 32))
+    est = ctl.new_batch(1, ("greedy",))
+    ks = []
+    for _ in range(400):                                     # the draft is rejected whenever it is tried
+        k = ctl.choose(est, np.array([1000]))
+        ctl.observe(est, k, np.array([0]))
+        ks.append(k)
+    assert ks[0] > 0                                         # optimistic prior: a new engine drafts
+    drafted = sum(k > 0 for k in ks)
+    assert drafted < 40, f"drafted in {drafted} of 400 rounds"
+    probes = [i for i in range(1, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]   # first round of each re-probe
+    gaps = np.diff(probes)
+    assert (np.diff(gaps[:3]) > 0).all() and (gaps[-3:] >= 32).all()  # the waits grow to the longest, stay there
+    for _ in range(40):                                      # the draft got good: back to drafting, up to K
+        k = ctl.choose(est, np.array([1000]))
+        ctl.observe(est, k, np.array([k]))
+    assert ctl.choose(est, np.array([1000])) == K
+    assert est.shared.backoff == 4                           # ... and the next stop waits the least again
+
+
+def test_requests_are_weighed_by_their_own_record():
+    """Two requests, one always accepted, one never: together the good one makes K pay; once it has finished
+    and left the batch, the failing one alone stops drafting (a batch-wide rate would keep it drafting)."""
+    ctl = _controller(_costs(policy_per_token=1e-4, draft_step=2e-4))
+    est = ctl.new_batch(2, ("greedy",))
+    _observe_rounds(ctl, est, K, [K, 0], 20)
+    rates = est.rates()
+    assert rates[0].min() > 0.85 and rates[1, 0] < 0.15
+    assert ctl.choose(est, np.full(2, 100)) == K
+    est.select([1])
+    assert ctl.choose(est, np.full(1, 100)) == 0
+    fresh = ctl.new_batch(1, ("greedy",))                   # a new request starts from the engine-wide rates
+    assert fresh.rates()[0, 0] == pytest.approx(fresh.global_rates()[0]) and fresh.rates()[0, 0] > 0.4
+
+
+def test_sampling_settings_are_estimated_apart():
+    ctl = _controller(_costs(policy_per_token=1e-4, draft_step=2e-4))
+    greedy = ctl.new_batch(2, ("greedy",))
+    _observe_rounds(ctl, greedy, K, [0, 0], 20)
+    assert ctl.choose(greedy, np.full(2, 100)) == 0
+    sampled = ctl.new_batch(2, (1.0, 0, 1.0))
+    assert ctl.choose(sampled, np.full(2, 100)) > 0          # untouched prior for another setting
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="global_decay=1.5 must be in"):
+        AdaptiveConfig(global_decay=1.5)
+    with pytest.raises(ValueError, match="resume_window=0 must be >= 1"):
+        AdaptiveConfig(resume_window=0)
+    with pytest.raises(ValueError, match=r"probe_backoff=\(8, 4\) must be"):
+        AdaptiveConfig(probe_backoff=(8, 4))
+    with pytest.raises(ValueError, match="max_k=0 must be >= 1"):
+        SpeculationController(0)
+    with pytest.raises(ValueError, match="unknown cost block 'verify'"):
+        CostModel().add("verify", 1, 1, 1.0)
