@@ -9,6 +9,8 @@ from lightning_codraft._lazy import lazy_getattr
 
 _LAZY = {
     "AcceptanceStats": "lightning_codraft.rollout.engine",
+    "AdaptiveConfig": "lightning_codraft.rollout.adaptive",
+    "SpeculationController": "lightning_codraft.rollout.adaptive",
     "RolloutEngine": "lightning_codraft.rollout.engine",
     "RolloutError": "lightning_codraft.rollout.engine",
     "RolloutOutput": "lightning_codraft.rollout.engine",
