@@ -98,16 +98,16 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
         texts = [s.prompt for s in run.task.sample(args.num_prompts, seed=cfg.run.seed + 123)]
-    prompts = run._fit_prompts([encode_prompt(tok, t) for t in texts])
+    prompts = run.fit_prompts([encode_prompt(tok, t) for t in texts])
     temperature = cfg.rl.temperature if args.temperature is None else args.temperature
-    outs = run.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
+    outs = run.worker.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
                                top_p=cfg.rl.top_p, seed=cfg.run.seed, stop_token_ids=[tok.eos_token_id])
     from lightning_codraft.rollout.engine import AcceptanceStats
 
     for t, o in zip(texts, outs):
         print(f"{t!r} -> {tok.decode(o.token_ids)!r}  (acceptance length {o.stats.acceptance_length:.2f})")
     total = AcceptanceStats.total(o.stats for o in outs)
-    k = run.engine.num_speculative_tokens
+    k = run.worker.engine.num_speculative_tokens
     print(f"K={k}: acceptance length {total.acceptance_length:.2f}, acceptance rate {total.acceptance_rate:.2f}, "
           f"per position {[round(x, 2) for x in total.per_position_rate()]}")
     return 0

@@ -51,6 +51,8 @@ class DraftConfig:
     """K: tokens the draft proposes per verification step of the rollout engine."""
     ttt_steps: int = 3
     """Training-time-test unroll depth of the draft loss."""
+    ttt_decay: float = 0.8
+    """Weight ratio between consecutive unroll steps of the draft loss (step k weighs ttt_decay**k)."""
     draft_vocab_size: Optional[int] = None
     """Draft vocabulary size (most frequent tokens of the warm-up corpus); null = the policy's vocabulary."""
     lr: float = 3e-3
@@ -116,6 +118,10 @@ class RLConfig:
     """Policy learning rate."""
     clip_eps: float = 0.2
     """PPO clip range."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (DAPO clip-higher); null = clip_eps."""
+    grad_clip: Optional[float] = 1.0
+    """Clip the policy's and the draft's global gradient norm (each group on its own) to this; null = no clipping."""
     kl_coef: float = 0.0
     """KL penalty to the initial policy (0 = no reference model)."""
     scale_advantages: bool = True
@@ -139,6 +145,13 @@ class ParallelConfig:
     """Pipeline stages."""
     cp: int = 1
     """Context-parallel size (zigzag ring attention)."""
+    num_microbatches: int = 1
+    """M: each replica's step batch is cut into M microbatches of whole samples (the pipeline's unit; the
+    objective is their mean, so set it equal on every mesh you compare)."""
+    pp_schedule: str = "gpipe"
+    """Pipeline schedule under pp > 1: ``gpipe`` or ``1f1b`` (needs num_microbatches >= pp)."""
+    layers_per_stage: Optional[list[int]] = None
+    """Decoder layers of every pipeline stage (one count per stage); null balances them."""
     engine: str = "embedded"
     """Rollout engine: ``embedded`` (pure PyTorch speculative decoding) or ``vllm``."""
     engine_batch_size: Optional[int] = None
@@ -195,6 +208,7 @@ _CHOICES = {
     ("rl", "loss_aggregation"): ("sequence", "token"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
+    ("parallel", "pp_schedule"): ("gpipe", "1f1b"),
 }
 
 
@@ -232,7 +246,20 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                           f"devices * num_nodes = {p.devices}*{p.num_nodes} = {world}")
     if p.engine_batch_size is not None:
         _positive("parallel.engine_batch_size", p.engine_batch_size)
+    _positive("parallel.num_microbatches", p.num_microbatches)
+    if p.pp_schedule == "1f1b" and p.pp > 1 and p.num_microbatches < p.pp:
+        raise ConfigError(f"parallel.pp_schedule=1f1b needs parallel.num_microbatches >= pp={p.pp} (got "
+                          f"{p.num_microbatches}); raise num_microbatches or use pp_schedule=gpipe")
+    if p.layers_per_stage is not None and len(p.layers_per_stage) != p.pp:
+        raise ConfigError(f"parallel.layers_per_stage={list(p.layers_per_stage)} has {len(p.layers_per_stage)} "
+                          f"entries for pp={p.pp} stages; give one layer count per stage")
+    r0 = cfg.rl
+    if p.num_microbatches > r0.prompts_per_step // p.dp * r0.group_size:
+        raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} exceeds the "
+                          f"{r0.prompts_per_step // p.dp * r0.group_size} samples each replica trains on per step")
     d = cfg.draft
+    if not 0 < d.ttt_decay <= 1:
+        raise ConfigError(f"draft.ttt_decay={d.ttt_decay} must be in (0, 1]")
     _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
     _positive("draft.ttt_steps", d.ttt_steps)
     _positive("draft.loss_weight", d.loss_weight, 0)
@@ -251,6 +278,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"rl.temperature={r.temperature} must be >= 0")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rl.top_p={r.top_p} must be in (0, 1]")
+    if r.grad_clip is not None and r.grad_clip <= 0:
+        raise ConfigError(f"rl.grad_clip={r.grad_clip} must be > 0 (or null for no clipping)")
     if r.prompts_per_step % p.dp:
         raise ConfigError(f"rl.prompts_per_step={r.prompts_per_step} must be divisible by parallel.dp={p.dp}")
     m = cfg.model

@@ -27,9 +27,13 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import Tensor, nn
 
+from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.strategy_core import CoDraftCore
+from lightning_codraft.rollout.engine import RolloutEngine
+from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict
+from lightning_codraft.training.step import optimizer_step
 
 
 class CoDraftStrategy(DDPStrategy):
@@ -106,28 +110,40 @@ class CoDraftStrategy(DDPStrategy):
 CoDraftStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
-def fabric_training_step(fabric, model, batch: dict[str, Tensor], optimizer, scheduler=None) -> dict[str, float]:
-    """One optimizer step of the joint RL + draft objective under Fabric.
+def fabric_training_step(fabric, model, batch: RLBatch, optimizer, scheduler=None) -> dict[str, float]:
+    """One optimizer step of the joint RL + draft objective under Fabric (``training.step.optimizer_step``).
 
     Args:
         fabric: the launched ``Fabric``.
         model: the ``CoDraftModule`` returned by ``fabric.setup_module`` / ``fabric.setup``.
-        batch: this dp replica's next-token aligned RL batch (sharded over CP inside).
-        optimizer: the Fabric-wrapped optimizer of :meth:`CoDraftModule.configure_optimizers`.
+        batch: this dp replica's whole RL batch (an ``RLBatch``; sharded over CP inside).
+        optimizer: the Fabric-wrapped optimizer of ``CoDraftModule.build_optimizer``.
         scheduler: its LR scheduler (stepped once), or None.
 
     Returns:
         Global scalar metrics (loss terms, draft accuracy / acceptance length, grad norms) as floats.
     """
-    module = model.module if hasattr(model, "module") else model
-    while hasattr(module, "module") and isinstance(module.module, nn.Module):
-        module = module.module
-    optimizer.zero_grad(set_to_none=True)
-    out = model(batch)  # through DDP's forward: CoDraftModule.forward computes the joint loss
-    if out.loss is not None:
-        fabric.backward(out.loss)
-    metrics = {**out.metrics, **module.after_backward()}
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    metrics = optimizer_step(model, ckpt.unwrap_module(model), batch, optimizer, scheduler, fabric.backward)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft: Optional[nn.Module] = None, *,
+                        step: int, every_n_steps: int = 1, policy_state_fn: Optional[Callable] = None,
+                        draft_state_fn: Optional[Callable] = None, push_on_rank: Optional[Callable[[int], bool]] = None,
+                        log_name: str = "weight_sync/seconds") -> Optional[float]:
+    """Fabric helper of the one weight-sync path (``rollout.weight_sync.WeightSync``): call after
+    ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1).
+
+    Pushes when ``step % every_n_steps == 0`` and logs the seconds with ``fabric.log``; returns them (None when
+    not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on every rank,
+    the push where ``push_on_rank(fabric.global_rank)`` (default: every rank).
+    """
+    def states():
+        return ((policy_state_fn or (lambda: full_state_dict(policy)))(),
+                (draft_state_fn or (lambda: full_state_dict(draft)))())
+
+    push = push_on_rank is None or push_on_rank(fabric.global_rank)
+    seconds = WeightSync(engine, states, every_n_steps)(step, push=push)
+    if seconds is not None:
+        fabric.log(log_name, seconds, step=step)
+    return seconds

@@ -19,15 +19,18 @@ from __future__ import annotations
 from datetime import timedelta
 import shutil
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.strategy_core import CoDraftCore
+from lightning_codraft.rollout.engine import RolloutEngine
+from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict, module_states
 
 
 class CoDraftStrategy(DDPStrategy):
@@ -112,3 +115,47 @@ class CoDraftStrategy(DDPStrategy):
 
 
 CoDraftStrategy.register_strategies(StrategyRegistry)
+
+
+class WeightSyncCallback(Callback):
+    """Push ``pl_module.policy`` / ``pl_module.draft`` to ``engine`` every N optimizer steps (the Trainer side of
+    the one weight-sync path, ``rollout.weight_sync.WeightSync``).
+
+    Args:
+        engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`.
+        every_n_steps: push after every N-th optimizer step (``trainer.global_step``), N >= 1.
+        policy_state_fn: ``fn(pl_module) -> state dict``; default: ``rollout.weight_sync.module_states`` (a
+            ``CoDraftModule``'s ``full_state_dicts()``, which gathers pipeline stages onto the first stage).
+        draft_state_fn: ``fn(pl_module) -> state dict | None``; default with ``policy_state_fn``:
+            ``full_state_dict(pl_module.draft)``.
+        push_on_rank: ``fn(global_rank) -> bool``; default every rank (one embedded engine per rank).
+        log_name: metric logged with the seconds a sync took.
+    """
+
+    def __init__(self, engine: RolloutEngine, every_n_steps: int = 1, policy_state_fn: Optional[Callable] = None,
+                 draft_state_fn: Optional[Callable] = None, push_on_rank: Optional[Callable[[int], bool]] = None,
+                 log_name: str = "weight_sync/seconds"):
+        self._policy_state_fn, self._draft_state_fn = policy_state_fn, draft_state_fn
+        self._module = None
+        self.sync = WeightSync(engine, self._states, every_n_steps)
+        self.push_on_rank = push_on_rank or (lambda rank: True)
+        self.log_name = log_name
+
+    @property
+    def sync_seconds(self) -> list[float]:
+        return self.sync.sync_seconds
+
+    def _states(self):
+        module = self._module
+        if self._policy_state_fn is None and self._draft_state_fn is None:
+            return module_states(module)
+        policy = (self._policy_state_fn or (lambda m: full_state_dict(m.policy)))(module)
+        draft = (self._draft_state_fn or (lambda m: full_state_dict(getattr(m, "draft", None))))(module)
+        return policy, draft
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._module = pl_module
+        seconds = self.sync(int(trainer.global_step), push=self.push_on_rank(trainer.global_rank))
+        if seconds is not None:  # due: an optimizer step happened (not only a gradient-accumulation micro step)
+            pl_module.log(self.log_name, seconds, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_codraft.batch import RLBatch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 
 VOCAB = 48
@@ -19,7 +20,7 @@ def make_models(seed: int = 0, layers: int = 4, draft_vocab: int | None = None):
     return policy, draft
 
 
-def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int = 14) -> dict:
+def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int = 14) -> RLBatch:
     """One next-token aligned RL batch (docs/design/interfaces.md) of ``num_docs`` padded documents."""
     g = torch.Generator().manual_seed(seed)
     cols = {k: [] for k in ("input_ids", "target_ids", "position_ids", "valid", "loss_mask", "old_logprobs",
@@ -48,20 +49,21 @@ def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int
     batch = {k: torch.cat(v) for k, v in cols.items()}
     batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     batch["draft_mask"] = batch["valid"].float()
-    return batch
+    return RLBatch.from_dict(batch)
 
 
-def concat_batches(batches: list[dict]) -> dict:
+def concat_batches(batches: list[RLBatch]) -> RLBatch:
     """The batches of several dp replicas as one packed batch (what one process trains on)."""
-    out = {k: torch.cat([b[k] for b in batches]) for k in batches[0] if k != "cu_seqlens"}
+    rows = [b.row_tensors() for b in batches]
+    out = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
     cu, offset = [0], 0
     for b in batches:
-        cu.extend((b["cu_seqlens"][1:].long() + offset).tolist())
-        offset += int(b["cu_seqlens"][-1])
+        cu.extend((b.cu_seqlens[1:].long() + offset).tolist())
+        offset += b.num_tokens
     out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
-    return out
+    return RLBatch.from_dict(out)
 
 
-def step_batches(num_steps: int, dp: int, seed: int = 100, num_docs: int = 4) -> list[list[dict]]:
+def step_batches(num_steps: int, dp: int, seed: int = 100, num_docs: int = 4) -> list[list[RLBatch]]:
     """``[step][dp_rank]`` batches: what each replica reads at each step."""
     return [[make_batch(seed + 10 * s + r, num_docs=num_docs) for r in range(dp)] for s in range(num_steps)]

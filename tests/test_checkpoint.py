@@ -37,7 +37,7 @@ def _fabric_run(rank, world_size, mesh, path, mode):
         state["step"] = step + 1
     if mode == "save":
         fabric.save(path, state)
-    weights = {k: v.detach().clone().numpy() for k, v in model.module.owned_state_dict().items()}
+    weights = {k: v.detach().clone().numpy() for k, v in model.module.state_dict().items()}
     return losses, weights, state["step"]
 
 

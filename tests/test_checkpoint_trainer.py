@@ -26,14 +26,14 @@ def _trainer_run(rank, world_size, mesh, path, steps, resume):
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(pl_module._step_metrics["loss"]))
+            losses.append(float(outputs["loss"]))
 
     trainer.callbacks.append(Record())
     trainer.fit(module, DataLoader([make_batch(BATCH_SEED, num_docs=4)], batch_size=None),
                 ckpt_path=path if resume else None)
     if not resume:
         trainer.save_checkpoint(path)
-    return losses, {k: v.detach().clone().numpy() for k, v in module.owned_state_dict().items()}, trainer.global_step
+    return losses, {k: v.detach().clone().numpy() for k, v in module.state_dict().items()}, trainer.global_step
 
 
 def _reference(steps):

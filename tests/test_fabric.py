@@ -82,7 +82,7 @@ def _fabric_worker(rank, world_size, layouts):
                   if dims.cp_group is not None else torch.tensor(float(rank)))  # None would mean the world
         reduced = [float(cp_sum),
                    float(fabric.all_reduce(torch.tensor(float(rank))))]  # world mean
-        results.append((losses, {k: v.detach().clone().numpy() for k, v in model.module.owned_state_dict().items()},
+        results.append((losses, {k: v.detach().clone().numpy() for k, v in model.module.state_dict().items()},
                         reduced, dims.coordinates))
     return results
 

@@ -24,7 +24,7 @@ def _trainer_worker(rank, world_size, layout):
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            losses.append(float(pl_module._step_metrics["loss"]))
+            losses.append(float(outputs["loss"]))
 
     trainer.callbacks.append(Record())
     dp = world_size // (layout.get("cp", 1) * layout.get("pp", 1))

@@ -1,6 +1,16 @@
 """Models: the policy (Llama / Qwen2 / Qwen3 family, HF names, taps) and the EAGLE-3 draft."""
 
-from lightning_codraft._lazy import lazy_getattr
+from typing import TYPE_CHECKING
+
+from lightning_codraft._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
+    from lightning_codraft.models.config import Eagle3Config, PolicyConfig
+    from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
+    from lightning_codraft.models.eagle3 import Eagle3Draft
+    from lightning_codraft.models.kv_cache import KVCache
+    from lightning_codraft.models.policy import Policy, PolicyOutput
+    from lightning_codraft.models.vocab import build_vocab_mapping
 
 _LAZY = {
     "PolicyConfig": "lightning_codraft.models.config",
@@ -14,6 +24,6 @@ _LAZY = {
     "DraftDecoder": "lightning_codraft.models.decode",
 }
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 __all__ = list(_LAZY)

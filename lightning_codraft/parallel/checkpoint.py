@@ -39,10 +39,8 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 def owned_state_dict(module: nn.Module) -> dict[str, Any]:
-    """The entries this rank writes: ``module.owned_state_dict()`` when it has one (a pipeline stage's slice)."""
-    module = unwrap_module(module)
-    owned = getattr(module, "owned_state_dict", None)
-    return owned() if callable(owned) else module.state_dict()
+    """The entries this rank writes: its module's state (under PP a pruned module holds only its stage)."""
+    return unwrap_module(module).state_dict()
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -16,10 +16,11 @@ Public API::
     layout.layer_range(stage) -> (start, stop) ; layout.tap_owner(tap) -> stage ; layout.tap_owners(taps)
     stage_mod = PolicyStage(policy, layout, stage, cp_group=None, tap_sink=None, tap_ids=())
     schedule = build_schedule(stage_mod, pp_group, num_microbatches, tokens, schedule="1f1b", loss_fn=None)
-    freed = release_unowned(module, keep=stage_mod.parameters())   # other stages' parameters -> meta device
+    freed = prune_unowned(module, keep=stage_mod.parameters())   # other stages' modules -> Pruned placeholders
 
-A rank that runs only its stage frees the rest of the policy with :func:`release_unowned` (parameters outside
-the stage move to the ``meta`` device, names stay); the stage never reads them.
+A rank that runs only its stage frees the rest of the policy with :func:`prune_unowned` (modules outside the
+stage are replaced by parameter-less :class:`Pruned` placeholders, names of the kept ones unchanged); the stage
+never calls them.
 
 ``tap_sink(microbatch, tap, hidden)`` is called with the hidden state ENTERING layer ``tap`` for every
 ``tap`` in ``tap_ids`` that this stage owns (tap ``L`` = the output of the last layer, before the final
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -191,35 +193,63 @@ class PolicyStage(nn.Module):
         return policy.head(h)
 
 
-def release_unowned(module: nn.Module, keep: Iterable[Tensor]) -> int:
-    """Move every parameter of ``module`` that is not in ``keep`` to the ``meta`` device, in place.
+class Pruned(nn.Module):
+    """Stands in for a submodule whose parameters live on another pipeline stage: no parameters, no state.
 
-    Names and shapes stay (``state_dict`` keys, ``named_parameters``), so the module keeps its structure while
-    holding only the memory of ``keep``: a pipeline rank keeps its stage's slice of the policy. A parameter
-    shared by several modules (tied embeddings) is replaced by ONE meta parameter, so the tie survives.
-    Replaced parameters do not require gradients; buffers are left as they are.
+    Calling it raises, naming what it replaced, so a forward that strays off this rank's stage fails loudly.
+    """
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.pruned_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.pruned_name} lives on another pipeline stage; this rank holds only its own stage "
+                           f"(run it through the pipeline, or build a whole model for it)")
+
+    def extra_repr(self) -> str:
+        return f"{self.pruned_name} (on another pipeline stage)"
+
+
+def prune_unowned(module: nn.Module, keep: Iterable[Tensor]) -> int:
+    """Replace every submodule of ``module`` that holds none of ``keep`` by a :class:`Pruned` placeholder.
+
+    The rank then holds only the memory of ``keep`` (e.g. ``PolicyStage.parameters()`` plus the draft on the last
+    stage), and its ``state_dict`` / ``named_parameters`` list exactly the parameters it owns, under their full
+    names (``policy.model.layers.5...``: indices never shift), so checkpoints keyed by name load on any mesh.
+    Modules without parameters (RoPE tables) stay everywhere; a module holding both kept and other parameters
+    is recursed into. A parameter shared by several modules (tied embeddings) keeps every module that holds it.
 
     Args:
-        module: the module to thin out (e.g. a ``CoDraftModule`` holding the policy and the draft).
-        keep: the parameters that stay materialised (e.g. ``PolicyStage.parameters()``).
+        module: the module to prune in place (e.g. a ``CoDraftModule`` holding the policy and the draft).
+        keep: the parameters this rank owns.
 
     Returns:
-        Bytes of the parameters moved to ``meta`` (their memory is freed once nothing else references them).
+        Bytes of the parameters that were dropped (freed once nothing else references them).
     """
     keep_ids = {id(p) for p in keep}
-    replaced: dict[int, nn.Parameter] = {}
-    old: list[Tensor] = []  # keeps replaced tensors alive during the walk, so their ids stay unique
-    freed = 0
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or id(p) in keep_ids or p.is_meta:
+    dropped: dict[int, int] = {}
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for n, p in parent.named_parameters(recurse=False):
+            if id(p) not in keep_ids:
+                raise ValueError(f"cannot prune {prefix or type(parent).__name__}: it holds parameter {n!r} "
+                                 f"directly next to parameters of this stage; give it a submodule of its own")
+        for name, child in list(parent._modules.items()):
+            if child is None:
                 continue
-            if id(p) not in replaced:
-                replaced[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-                freed += p.numel() * p.element_size()
-                old.append(p)
-            mod._parameters[name] = replaced[id(p)]
-    return freed
+            params = list(child.parameters())
+            if not params:
+                continue
+            if any(id(p) in keep_ids for p in params):
+                visit(child, f"{prefix}{name}.")
+                continue
+            for p in params:
+                dropped[id(p)] = p.numel() * p.element_size()
+            parent._modules[name] = Pruned(f"{prefix}{name}")
+
+    visit(module, "")
+    return sum(dropped.values())
 
 
 def check_num_microbatches(schedule: str, num_microbatches: int, num_stages: int) -> None:
@@ -273,3 +303,23 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     # every stage gets the loss_fn: the schedule runs backward only when one is set (it is called on the last)
     return cls(pipe_stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def gather_stage_states(state: dict[str, Tensor], pp_group: Optional[Any]) -> Optional[dict[str, Tensor]]:
+    """The whole model's state, gathered from every pipeline stage's own ``state`` onto stage 0 (a collective).
+
+    Args:
+        state: this stage's state dict (its own parameters and buffers, full names).
+        pp_group: the pipeline group of this rank (group rank == stage), or None (one stage: ``state`` itself).
+
+    Returns:
+        On stage 0 the union of every stage's entries; None on the other stages.
+    """
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return dict(state)
+    stage = dist.get_rank(pp_group)
+    parts: Optional[list] = [None] * dist.get_world_size(pp_group) if stage == 0 else None
+    dist.gather_object({k: v.detach() for k, v in state.items()}, parts, group=pp_group, group_dst=0)
+    if stage != 0:
+        return None
+    return {k: v for part in parts for k, v in part.items()}

@@ -1,5 +1,5 @@
-"""What both Lightning front ends share: the (dp, pp, cp) mesh, module preparation, batch sharding,
-gradient reduction and mesh-aware collectives.
+"""What both Lightning front ends share: the (dp, pp, cp) mesh, module preparation, gradient reduction and
+mesh-aware collectives.
 
 ``lightning_codraft.fabric.CoDraftStrategy`` and ``lightning_codraft.pytorch.CoDraftStrategy`` are thin
 adapters that forward to one :class:`CoDraftCore`. The core knows the model only through a small duck-typed
@@ -12,23 +12,20 @@ protocol, so it stays below ``training/`` in the layer order:
 Gradient semantics: every rank's loss is its share of the global token-mean loss, so the gradient of a
 parameter is the SUM over the ``dp_cp`` group (all ranks of one pipeline stage) of the per-rank gradients.
 Without PP a DDP wrapper over ``dp_cp`` does this (it averages, so the module scales its loss by ``dp*cp``);
-under PP, where the pipeline schedule runs forward and backward itself, :meth:`CoDraftCore.reduce_gradients`
-sums the gradients explicitly after the schedule.
+under PP, where the pipeline schedule runs forward and backward itself, :func:`reduce_gradients` sums the
+gradients explicitly after the schedule.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_codraft.attention.packing import validate_cu_seqlens
 from lightning_codraft.parallel.parallel_dims import ParallelDims
-
-#: keys of an RL batch (docs/design/interfaces.md) that are never sharded over CP
-GLOBAL_KEYS = ("cu_seqlens",)
 
 
 def check_codraft_module(module: nn.Module) -> None:
@@ -43,88 +40,6 @@ def check_codraft_module(module: nn.Module) -> None:
     if not callable(getattr(module, "configure_parallel", None)):
         raise TypeError(f"{type(module).__name__} has no configure_parallel(dims); subclass "
                         f"lightning_codraft.CoDraftModule")
-
-
-def shard_batch(batch: Mapping[str, Any], dims: ParallelDims) -> dict[str, Any]:
-    """Zigzag-shard every per-token tensor of a packed batch over the CP group; keep ``cu_seqlens`` global.
-
-    Args:
-        batch: the RL batch dict: per-token tensors ``(T, ...)`` and the GLOBAL ``cu_seqlens (N+1,)``.
-        dims: the mesh; with ``dims.cp == 1`` the batch is returned unchanged (as a new dict).
-
-    Returns:
-        A dict with the same keys: per-token tensors ``(T / cp, ...)`` holding chunks ``r`` and ``2cp-1-r`` of
-        every document (r = this CP rank), ``cu_seqlens`` unchanged, non-tensors unchanged.
-    """
-    if "cu_seqlens" not in batch:
-        raise KeyError(f"a packed batch needs 'cu_seqlens' (the GLOBAL document boundaries); got keys {sorted(batch)}")
-    out = dict(batch)
-    if dims.cp == 1:
-        return out
-    from lightning_codraft.attention import zigzag_shard
-
-    cu = batch["cu_seqlens"]
-    total = int(cu[-1])
-    validate_cu_seqlens(cu, total_tokens=total, multiple_of=2 * dims.cp)
-    for key, value in batch.items():
-        if key in GLOBAL_KEYS or not isinstance(value, Tensor):
-            continue
-        if value.dim() == 0 or value.shape[0] != total:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; every per-token tensor must have "
-                             f"cu_seqlens[-1]={total} rows (or be listed in GLOBAL_KEYS)")
-        out[key] = zigzag_shard(value, cu, dims.cp_rank, dims.cp)
-    return out
-
-
-def merge_microbatch_stats(stats: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """One step's loss statistics from its microbatches' (same keys in each): the mean over microbatches, as
-    the objective weighs them, except token counts (keys ending in ``num_tokens``), which are summed."""
-    if not stats:
-        return {}
-    return {k: sum(s[k] for s in stats) / (1 if k.endswith("num_tokens") else len(stats)) for k in stats[0]}
-
-
-def split_microbatches(batch: Mapping[str, Any], num_microbatches: int) -> list[dict[str, Any]]:
-    """Cut a packed batch into ``num_microbatches`` packed batches of consecutive whole documents.
-
-    Documents are dealt as evenly as possible (the first ``N % M`` microbatches get one more), each
-    microbatch gets its own ``cu_seqlens`` starting at 0. The split depends only on the batch, so one process
-    and a pipeline of any depth cut the same microbatches.
-
-    Args:
-        batch: an unsharded RL batch with ``N`` documents.
-        num_microbatches: ``M``, with ``1 <= M <= N``.
-    """
-    cu = batch["cu_seqlens"].long()
-    num_docs = cu.numel() - 1
-    if not 1 <= num_microbatches <= num_docs:
-        raise ValueError(f"cannot split a batch of {num_docs} documents into num_microbatches={num_microbatches}; "
-                         f"every microbatch needs at least one document (use 1 <= M <= {num_docs})")
-    if num_microbatches == 1:
-        return [dict(batch)]
-    total = int(cu[-1])
-    base, extra = divmod(num_docs, num_microbatches)
-    out, d0 = [], 0
-    for m in range(num_microbatches):
-        d1 = d0 + base + (1 if m < extra else 0)
-        t0, t1 = int(cu[d0]), int(cu[d1])
-        mb = {}
-        for key, value in batch.items():
-            if key == "cu_seqlens":
-                mb[key] = (cu[d0:d1 + 1] - t0).to(batch["cu_seqlens"].dtype)
-            elif isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == total:
-                mb[key] = value[t0:t1]
-            else:
-                mb[key] = value
-        out.append(mb)
-        d0 = d1
-    return out
-
-
-def is_sharded(batch: Mapping[str, Any], dims: ParallelDims) -> bool:
-    """True when ``batch`` already holds this CP rank's shard (token rows = total / cp)."""
-    total = int(batch["cu_seqlens"][-1])
-    return int(batch["input_ids"].shape[0]) * dims.cp == total and dims.cp > 1
 
 
 def reduce_gradients(params: Iterable[nn.Parameter], group: Optional[Any]) -> None:
@@ -201,8 +116,6 @@ class CoDraftCore:
         module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1)
         if not ddp:
             return module
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(module, process_group=dims.dp_cp_group, **self.ddp_kwargs)
 
     # ---------------------------------------------------------------- collectives

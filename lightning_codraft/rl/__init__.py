@@ -10,7 +10,17 @@ Public names (imported lazily so ``import lightning_codraft.rl`` stays light)::
     compare_arms, write_report                                         # rl.compare
 """
 
-from lightning_codraft._lazy import lazy_getattr
+from typing import TYPE_CHECKING
+
+from lightning_codraft._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
+    from lightning_codraft.rl.compare import compare_arms, write_report
+    from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
+    from lightning_codraft.rl.gsm8k import GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
+    from lightning_codraft.rl.loop import CoDraftRun, FitResult, fit
+    from lightning_codraft.rl.rewards import RewardError, resolve_reward, score_completions
+    from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, TaskSample, arithmetic_reward
 
 _LAZY = {
     "ArithmeticTask": "lightning_codraft.rl.tasks",
@@ -34,6 +44,6 @@ _LAZY = {
     "write_report": "lightning_codraft.rl.compare",
 }
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 __all__ = list(_LAZY)

@@ -1,7 +1,8 @@
 """Build the run's objects from a validated :class:`~lightning_codraft.config.CoDraftConfig`.
 
-Tokenizer + policy from ``model``, the task and its reward callable from ``task``. Every constructor
-argument comes from the config; nothing here holds state.
+Tokenizer + policy from ``model``, the draft from ``draft``, the module's hyper-parameters from ``rl`` /
+``draft`` / ``parallel``, the task and its reward callable from ``task``. Every constructor argument comes from
+the config; nothing here holds state.
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from typing import Sequence
 
 import torch
 
+from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
+from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.rewards import resolve_reward
 from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, RewardFn
+from lightning_codraft.training.config import CoDraftModuleConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,8 +83,6 @@ def build_policy(cfg, seed: int = 0):
         ``(tokenizer, policy, context)``: ``context`` is the usable context length (the config's
         ``max_position_embeddings``, capped by the model's).
     """
-    from lightning_codraft.models import Policy, PolicyConfig
-
     dtype = _DTYPES[cfg.dtype]
     if cfg.source == "tiny":
         tok = CharTokenizer()
@@ -94,8 +98,6 @@ def build_policy(cfg, seed: int = 0):
             policy = Policy(pcfg)
         return tok, policy.to(dtype), cfg.max_position_embeddings
     if cfg.source == "smollm2-135m":
-        from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
-
         path = smollm2_135m_path()
         policy = Policy.from_pretrained(path, dtype=dtype)
         tok = HFTokenizer(load_smollm2_tokenizer())
@@ -114,3 +116,48 @@ def build_policy(cfg, seed: int = 0):
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Prompt ids: the tokenizer's ``encode_prompt`` (chat template) when it has one, else ``encode``."""
     return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(text))
+
+
+def build_draft(cfg: CoDraftConfig, policy: Policy) -> Eagle3Draft:
+    """A fresh EAGLE-3 draft for ``policy`` (seeded by ``run.seed + 1``).
+
+    With ``draft.draft_vocab_size`` below the policy's vocabulary the vocabulary map starts uniform; the draft
+    warm-up (or a checkpoint) installs the real one.
+    """
+    V = policy.config.vocab_size
+    counts = torch.ones(V) if cfg.draft.draft_vocab_size is not None and cfg.draft.draft_vocab_size < V else None
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.run.seed + 1)
+        return Eagle3Draft.from_policy(policy, draft_vocab_size=cfg.draft.draft_vocab_size, token_counts=counts)
+
+
+def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
+    """The :class:`~lightning_codraft.training.config.CoDraftModuleConfig` of a run: the recipe's ``rl.*``,
+    ``draft.*`` and ``parallel.*`` knobs (``draft.mode`` decides whether the draft trains and is scored)."""
+    mode, p = cfg.draft.mode, cfg.parallel
+    return CoDraftModuleConfig(
+        draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
+        ttt_steps=cfg.draft.ttt_steps, ttt_decay=cfg.draft.ttt_decay, clip_eps=cfg.rl.clip_eps,
+        clip_eps_high=cfg.rl.clip_eps_high, kl_coef=cfg.rl.kl_coef, policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr,
+        grad_clip=cfg.rl.grad_clip, num_microbatches=p.num_microbatches, pp_schedule=p.pp_schedule,
+        layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage))
+
+
+def check_pipeline_split(cfg: CoDraftConfig, policy: Policy) -> None:
+    """Raise before any warm-up if ``parallel.pp`` / ``layers_per_stage`` cannot split ``policy``."""
+    if cfg.parallel.pp > 1:
+        StageLayout.split(int(policy.num_layers), cfg.parallel.pp, cfg.parallel.layers_per_stage)
+
+
+def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> list[list[int]]:
+    """``prompts`` unchanged, after checking every one leaves room for ``max_new_tokens`` in ``context``."""
+    room = context - max_new_tokens
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty after tokenization")
+        if len(p) > room:
+            raise ValueError(f"prompt {i} has {len(p)} tokens but the context {context} minus "
+                             f"rl.max_new_tokens={max_new_tokens} leaves {room}; raise model.max_position_embeddings "
+                             f"or lower rl.max_new_tokens")
+    return prompts
+

@@ -114,10 +114,9 @@ def compare_arms(cfg: CoDraftConfig, arms: Sequence[str] = ARMS,
     for step in range(cfg.rl.steps):
         line = [f"step {step + 1}/{cfg.rl.steps}:"]
         for a in arms:
-            m = runs[a].rl_step(step)
+            m = runs[a].step(step)
             runs[a].end_step(step, m)
-            line.append(f"{a} reward {m['reward']:.3f} accept {m['acceptance_length']:.2f} "
-                        f"rollout {m['rollout_s']:.1f}s")
+            line.append(f"{a} reward {m.reward:.3f} accept {m.acceptance_length:.2f} rollout {m.rollout_s:.1f}s")
         print_fn("  ".join(line))
     res = CompareResult(cfg=cfg)
     for a in arms:

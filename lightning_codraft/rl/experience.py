@@ -1,8 +1,8 @@
 """Experience: group rollouts, GRPO advantages, and packing into the next-token-aligned RL batch.
 
-The batch format is the one in ``docs/design/interfaces.md`` ("The RL training batch"): every (T,) tensor
-is packed (documents = prompt + completion of one sample, each padded to a multiple of ``2 * cp``) and
-NEXT-TOKEN ALIGNED, so row ``t`` carries what the logits at row ``t`` are scored against.
+The batch is a :class:`~lightning_codraft.batch.RLBatch` (docs/design/interfaces.md, "The RL training batch"):
+packed (documents = prompt + completion of one sample, each padded to a multiple of ``2 * cp``) and NEXT-TOKEN
+ALIGNED, so row ``t`` carries what the logits at row ``t`` are scored against.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from lightning_codraft.attention.packing import pack_documents
+from lightning_codraft.batch import RLBatch
 
 
 @dataclass
@@ -70,83 +70,28 @@ def sequence_weighted(advantages: Sequence[float], lengths: Sequence[int]) -> li
 
 
 def build_rl_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cp: int = 1,
-                   pad_id: int = 0, ref_logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, Tensor]:
-    """Pack rollouts into the next-token-aligned RL batch dict.
-
-    For a document ``prompt (n_p tokens) + completion (n_c tokens)`` starting at packed row ``s``, the
-    completion token ``j`` sits at row ``s + n_p + j`` and is predicted by the logits of row
-    ``s + n_p + j - 1``; that row gets ``target_ids = completion[j]``, ``loss_mask = 1``,
-    ``old_logprobs = logprobs[j]`` and the sample's advantage.
+                   pad_id: int = 0, ref_logprobs: Sequence[Sequence[float]] | None = None) -> RLBatch:
+    """Pack rollouts into the next-token-aligned :class:`~lightning_codraft.batch.RLBatch` (whole, unsharded).
 
     Args:
         rollouts: the samples, each with a non-empty prompt and completion.
         advantages: one scalar per rollout.
         cp: context-parallel size; every document is padded to a multiple of ``2 * cp``.
         pad_id: token id for padding and for ``target_ids`` rows that predict nothing.
-        ref_logprobs: optional per-rollout reference log-probs of each completion token (adds ``ref_logprobs``).
-
-    Returns:
-        dict with ``input_ids``, ``target_ids``, ``position_ids`` (T,) int64, ``cu_seqlens`` (N+1,) int32,
-        ``valid`` (T,) bool, ``loss_mask``, ``old_logprobs``, ``advantages``, ``draft_mask`` (T,) float32 and
-        optionally ``ref_logprobs`` (T,) float32.
+        ref_logprobs: optional per-rollout reference log-probs of each completion token.
     """
-    if len(rollouts) == 0:
-        raise ValueError("build_rl_batch needs at least one rollout")
-    if len(advantages) != len(rollouts):
-        raise ValueError(f"got {len(advantages)} advantages for {len(rollouts)} rollouts")
-    if ref_logprobs is not None and len(ref_logprobs) != len(rollouts):
-        raise ValueError(f"got {len(ref_logprobs)} ref_logprobs rows for {len(rollouts)} rollouts")
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}")
-    docs = []
-    for i, r in enumerate(rollouts):
-        if not r.prompt_ids:
-            raise ValueError(f"rollout {i} has an empty prompt")
-        if not r.completion_ids:
-            raise ValueError(f"rollout {i} has an empty completion; the engine must generate >= 1 token")
-        if len(r.logprobs) != len(r.completion_ids):
-            raise ValueError(f"rollout {i}: {len(r.logprobs)} logprobs for {len(r.completion_ids)} tokens")
-        docs.append(list(r.prompt_ids) + list(r.completion_ids))
-    packed = pack_documents(docs, multiple_of=2 * cp, pad_id=pad_id)
-    T = packed.num_tokens
-    target = torch.full((T,), pad_id, dtype=torch.int64)
-    loss_mask = torch.zeros(T, dtype=torch.float32)
-    old_lp = torch.zeros(T, dtype=torch.float32)
-    adv = torch.zeros(T, dtype=torch.float32)
-    ref = torch.zeros(T, dtype=torch.float32) if ref_logprobs is not None else None
-    starts = packed.cu_seqlens[:-1].tolist()
-    for i, (r, s) in enumerate(zip(rollouts, starts)):
-        n_p, n_c = len(r.prompt_ids), len(r.completion_ids)
-        n = n_p + n_c
-        target[s:s + n - 1] = packed.input_ids[s + 1:s + n]
-        rows = slice(s + n_p - 1, s + n - 1)
-        loss_mask[rows] = 1.0
-        old_lp[rows] = torch.tensor(r.logprobs, dtype=torch.float32)
-        adv[rows] = float(advantages[i])
-        if ref is not None:
-            ref[rows] = torch.tensor(ref_logprobs[i], dtype=torch.float32)
-    batch = {
-        "input_ids": packed.input_ids,
-        "target_ids": target,
-        "position_ids": packed.position_ids,
-        "cu_seqlens": packed.cu_seqlens,
-        "valid": packed.valid,
-        "loss_mask": loss_mask,
-        "old_logprobs": old_lp,
-        "advantages": adv,
-        "draft_mask": packed.valid.to(torch.float32),
-    }
-    if ref is not None:
-        batch["ref_logprobs"] = ref
-    return batch
+    return RLBatch.pack([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
+                        [r.logprobs for r in rollouts], advantages, ref_logprobs=ref_logprobs, multiple_of=2 * cp,
+                        pad_id=pad_id)
 
 
 def sft_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], cp: int = 1,
-              pad_id: int = 0) -> dict[str, Tensor]:
+              pad_id: int = 0) -> RLBatch:
     """The same next-token-aligned packed batch for supervised warm-up (loss on completion rows only).
 
-    Advantages are 1 and old log-probs 0 on completion rows, so the keys match :func:`build_rl_batch`.
+    Advantages are 1 and old log-probs 0 on completion rows.
     """
-    rollouts = [Rollout(list(p), list(c), [0.0] * len(c), group=i) for i, (p, c) in
-                enumerate(zip(prompts, completions))]
-    return build_rl_batch(rollouts, [1.0] * len(rollouts), cp=cp, pad_id=pad_id)
+    return RLBatch.pack(prompts, completions, [[0.0] * len(c) for c in completions], [1.0] * len(prompts),
+                        multiple_of=2 * cp, pad_id=pad_id)

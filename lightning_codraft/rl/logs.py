@@ -1,24 +1,21 @@
-"""Run outputs: per-step CSV + TensorBoard metrics, rich progress, and PNG plots at the end.
+"""Run outputs: per-step metrics through Lightning's own loggers (CSV + TensorBoard), rich progress, PNG plots.
 
-The CSV (``metrics.csv``) is the run's record; on resume it is cut back to the checkpointed step so a
-resumed run's file equals an uninterrupted one's (time columns aside).
+``metrics.csv`` (Lightning's ``CSVLogger``) is the run's record; on resume it is cut back to the checkpointed step
+(the kept rows are logged again through the fresh logger) so a resumed run's file equals an uninterrupted one's
+(time columns aside), and TensorBoard purges the events after that step.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import warnings
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
-#: Columns of metrics.csv, in order. Missing values are written empty.
-COLUMNS = (
-    "step", "reward", "reward_std", "accuracy", "acceptance_length", "acceptance_rate", "draft_loss",
-    "draft_acc0", "policy_loss", "clip_frac", "kl", "completion_tokens", "reward_failures", "rollout_s",
-    "train_s", "sync_s", "step_s", "tokens_per_s",
-)
-#: Columns that depend on wall time (excluded when comparing a resumed run with an uninterrupted one).
-TIME_COLUMNS = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_codraft.rl.step import COLUMNS, StepMetrics
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -31,56 +28,56 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 
 
 class MetricsLogger:
-    """Append one row per RL step to ``out_dir/metrics.csv`` and, optionally, TensorBoard.
+    """One row per RL step into ``out_dir/metrics.csv`` (and ``out_dir/tb``) through Lightning's loggers.
 
     Args:
         out_dir: run directory.
-        tensorboard: also write TensorBoard scalars under ``out_dir/tb``.
+        tensorboard: also write TensorBoard scalars (``rl/<column>``) under ``out_dir/tb``.
         resume_step: keep only existing rows with ``step <= resume_step`` (0 = start a fresh file).
+
+    Attributes:
+        rows: every row of the run so far (kept ones included), as dicts of floats.
     """
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0):
-        self.path = Path(out_dir) / "metrics.csv"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in kept:
-                w.writerow({k: _fmt(r.get(k)) for k in COLUMNS})
-        self.rows = kept
-        self._tb = None
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(out_dir / "metrics.csv") if r["step"] <= resume_step] if resume_step else []
+        self.csv = CSVLogger(root_dir=out_dir, name="", version="", flush_logs_every_n_steps=1)
+        with warnings.catch_warnings():  # "directory exists and is not empty": the run dir holds checkpoints too
+            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+            self.csv.experiment  # noqa: B018 - creates the writer now (it removes the old metrics.csv)
+        self.tb: Optional[TensorBoardLogger] = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            self.tb = TensorBoardLogger(root_dir=out_dir, name="tb", version="", default_hp_metric=False,
+                                        purge_step=resume_step + 1 if resume_step else None)
+        self.rows: list[dict[str, float]] = []
+        for row in kept:
+            self._write(row, tensorboard=False)
 
-            self._tb = SummaryWriter(str(Path(out_dir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
+    @property
+    def path(self) -> Path:
+        return Path(self.csv.log_dir) / "metrics.csv"
 
-    def log(self, metrics: Mapping[str, float]) -> None:
-        """Write one row; ``metrics["step"]`` is required, unknown keys are rejected."""
-        unknown = set(metrics) - set(COLUMNS)
+    def _write(self, row: Mapping[str, float], tensorboard: bool = True) -> None:
+        unknown = set(row) - set(COLUMNS)
         if unknown:
             raise KeyError(f"unknown metric(s) {sorted(unknown)}; metrics.csv has columns {COLUMNS}")
-        row = {k: float(metrics[k]) if k in metrics and metrics[k] is not None else math.nan for k in COLUMNS}
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writerow({k: _fmt(v) for k, v in row.items()})
-        self.rows.append(row)
-        if self._tb is not None:
-            step = int(row["step"])
-            for k, v in row.items():
-                if k != "step" and not math.isnan(v):
-                    self._tb.add_scalar(f"rl/{k}", v, step)
-            self._tb.flush()
+        values = {k: float(row[k]) if row.get(k) is not None else math.nan for k in COLUMNS}
+        step = int(values.pop("step"))
+        self.csv.log_metrics(values, step=step)
+        if tensorboard and self.tb is not None:
+            self.tb.log_metrics({f"rl/{k}": v for k, v in values.items() if not math.isnan(v)}, step=step)
+        self.rows.append({"step": float(step), **values})
+
+    def log(self, metrics: StepMetrics | Mapping[str, float]) -> None:
+        """Write one step's row (``step`` is required; unknown keys are rejected)."""
+        self._write(metrics.as_dict() if isinstance(metrics, StepMetrics) else metrics)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    return repr(float(v))
+        self.csv.finalize("success")
+        if self.tb is not None:
+            self.tb.finalize("success")
 
 
 def plot_curves(series: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path,

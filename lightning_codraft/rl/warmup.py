@@ -1,25 +1,32 @@
 """Warm-ups before RL: supervised fine-tuning of the policy on the task, and the draft's offline warm-start.
 
+:func:`run_warmups` runs both as a recipe says; the pieces:
+
 * :func:`sft_warmup` teaches a policy trained from scratch the task's answer format: cross-entropy on the
   completion rows of packed ``prompt + solution + eos`` documents (the next-token-aligned batch of
   :func:`~lightning_codraft.rl.experience.sft_batch`).
 * :func:`draft_warmup` fits the EAGLE-3 draft to the policy it will serve, on the policy's OWN samples and
   features (taps and logits of a frozen policy): the TTT loss of
-  :func:`~lightning_codraft.training.draft_loss.ttt_draft_loss` through
-  :meth:`~lightning_codraft.training.module.CoDraftModule.draft_step_loss`, the same code path as co-training.
+  :func:`~lightning_codraft.training.draft_loss.ttt_draft_loss` through the override points of
+  :class:`~lightning_codraft.training.module.CoDraftModule`, the same code path as co-training.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from lightning_codraft.rl.build import encode_prompt
-from lightning_codraft.rl.experience import sft_batch
+from lightning_codraft.batch import RLBatch
+from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.models.vocab import build_vocab_mapping
+from lightning_codraft.rl.build import encode_prompt, fit_prompts
+from lightning_codraft.rl.experience import Rollout, build_rl_batch, sft_batch
 from lightning_codraft.rl.tasks import TaskSample
+from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
 def encode_samples(tokenizer, samples: Sequence[TaskSample]) -> tuple[list[list[int]], list[list[int]]]:
@@ -29,11 +36,11 @@ def encode_samples(tokenizer, samples: Sequence[TaskSample]) -> tuple[list[list[
     return prompts, sols
 
 
-def completion_loss(policy, batch: dict) -> torch.Tensor:
+def completion_loss(policy, batch: RLBatch) -> torch.Tensor:
     """Mean next-token cross-entropy of ``policy`` on the batch's ``loss_mask`` rows (packed forward)."""
-    out = policy(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], position_ids=batch["position_ids"])
-    mask = batch["loss_mask"] > 0
-    return F.cross_entropy(out.logits[mask].float(), batch["target_ids"][mask])
+    out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids)
+    mask = batch.loss_mask > 0
+    return F.cross_entropy(out.logits[mask].float(), batch.target_ids[mask])
 
 
 def sft_warmup(policy, tokenizer, sample_fn: Callable[[int, int], list[TaskSample]], steps: int,
@@ -79,13 +86,14 @@ def sft_warmup(policy, tokenizer, sample_fn: Callable[[int, int], list[TaskSampl
     return losses
 
 
-def draft_warmup(module, batches: Sequence[dict], steps: int, lr: float,
+def draft_warmup(module, batches: Sequence[RLBatch], steps: int, lr: float,
                  on_step: Callable[[int, float, float], None] | None = None) -> list[float]:
     """Offline warm-start of ``module.draft`` on a FROZEN policy's own features.
 
-    Each step runs the policy without gradient on one packed batch (capturing the draft's taps and the
+    Each step runs the policy without gradient on one packed batch (capturing tap 0, the draft's taps and the
     soft-target logits), then the draft's TTT unroll and loss through the module's own override points
-    (:meth:`CoDraftModule.draft_step_logits`, :meth:`CoDraftModule.draft_loss`), exactly as in co-training.
+    (:meth:`CoDraftModule.draft_token_embeds`, :meth:`CoDraftModule.draft_step_logits`,
+    :meth:`CoDraftModule.draft_loss`), exactly as in co-training.
 
     Args:
         module: a single-process :class:`~lightning_codraft.training.module.CoDraftModule`.
@@ -111,9 +119,10 @@ def draft_warmup(module, batches: Sequence[dict], steps: int, lr: float,
     for i in range(steps):
         batch = batches[i % len(batches)]
         with torch.no_grad():
-            out = policy(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], position_ids=batch["position_ids"],
-                         taps=taps)
-        step_logits = module.draft_step_logits([t.detach() for t in out.taps], batch)
+            out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids,
+                         taps=(0, *taps))
+        embeds = module.draft_token_embeds(out.taps[0], batch)
+        step_logits = module.draft_step_logits(list(out.taps[1:]), embeds, batch)
         d = module.draft_loss(step_logits, out.logits.detach(), batch)
         opt.zero_grad(set_to_none=True)
         d.loss.backward()
@@ -124,3 +133,61 @@ def draft_warmup(module, batches: Sequence[dict], steps: int, lr: float,
         if on_step is not None:
             on_step(i, losses[-1], float(d.accuracy[0]))
     return losses
+
+
+DRAFT_POOL_SEED = 2 * 10**6
+"""Seed offset of the draft warm-up's prompts and samples (the RL steps never use it)."""
+
+
+def draft_pool(cfg: CoDraftConfig, policy, draft, tokenizer, task, context: int) -> list[RLBatch]:
+    """Packed batches of the policy's OWN samples (the draft learns the distribution it will serve).
+
+    ``min(draft.warmup_steps, 8)`` batches of ``draft.warmup_batch_size`` task prompts, sampled at the rollout
+    temperature. With a draft vocabulary smaller than the policy's, the draft's vocabulary map is rebuilt from the
+    pool's token counts.
+    """
+    bs = cfg.draft.warmup_batch_size
+    n_batches = max(1, min(cfg.draft.warmup_steps, 8))
+    samples = task.sample(bs * n_batches, seed=cfg.run.seed + DRAFT_POOL_SEED)
+    prompts = fit_prompts([encode_prompt(tokenizer, s.prompt) for s in samples], context, cfg.rl.max_new_tokens)
+    outs = SpeculativeEngine(policy, None, 0).generate(
+        prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=cfg.rl.temperature, top_p=cfg.rl.top_p,
+        seed=cfg.run.seed + DRAFT_POOL_SEED, stop_token_ids=[tokenizer.eos_token_id])
+    rollouts = [Rollout(p, o.token_ids, [0.0] * len(o.token_ids), group=i) for i, (p, o) in
+                enumerate(zip(prompts, outs)) if o.token_ids]
+    V = policy.config.vocab_size
+    if draft.config.draft_vocab_size < V:
+        ids = torch.tensor([t for r in rollouts for t in r.prompt_ids + r.completion_ids])
+        d2t, t2d = build_vocab_mapping(torch.bincount(ids, minlength=V), draft.config.draft_vocab_size)
+        draft.set_vocab_mapping(d2t, t2d)
+    return [build_rl_batch(rollouts[i:i + bs], [0.0] * len(rollouts[i:i + bs]), pad_id=tokenizer.pad_token_id)
+            for i in range(0, len(rollouts), bs)]
+
+
+def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
+                log: Callable[[str], None] = print) -> dict[str, float]:
+    """The run's warm-ups on the whole modules: SFT of the policy (``sft.steps``), then the draft's offline
+    warm-start on the policy's own samples (``draft.warmup_steps``); returns their final losses."""
+    info: dict[str, float] = {}
+    if cfg.sft.steps > 0:
+        t0 = time.perf_counter()
+        every = max(1, cfg.sft.steps // 5)
+        losses = sft_warmup(
+            module.policy, tokenizer, task.sample, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr,
+            seed=cfg.run.seed * 7919 + 3 * 10**6, context=context,
+            on_step=lambda i, l: (i + 1) % every == 0 and log(f"  SFT step {i + 1}/{cfg.sft.steps}: loss {l:.3f}"))
+        info["sft_loss"] = losses[-1]
+        log(f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0:
+        t0 = time.perf_counter()
+        batches = draft_pool(cfg, module.policy, module.draft, tokenizer, task, context)
+        every = max(1, cfg.draft.warmup_steps // 5)
+        losses = draft_warmup(
+            module, batches, cfg.draft.warmup_steps, cfg.draft.warmup_lr,
+            on_step=lambda i, l, a: (i + 1) % every == 0 and log(
+                f"  draft warm-up step {i + 1}/{cfg.draft.warmup_steps}: loss {l:.3f}, step-0 acc {a:.3f}"))
+        info["draft_warmup_loss"] = losses[-1]
+        log(f"draft warm-start: {cfg.draft.warmup_steps} steps in {time.perf_counter() - t0:.0f}s, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return info

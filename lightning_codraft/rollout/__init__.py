@@ -5,7 +5,17 @@ vLLM tests run from a separate environment (see ``tests/rollout/README.md``)::
     /work/venv-vllm/bin/python -m pytest tests/rollout -m vllm
 """
 
-from lightning_codraft._lazy import lazy_getattr
+from typing import TYPE_CHECKING
+
+from lightning_codraft._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
+    from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
+    from lightning_codraft.rollout.engine import AcceptanceStats, RolloutEngine, RolloutError, RolloutOutput
+    from lightning_codraft.rollout.sampling import SamplingParams
+    from lightning_codraft.rollout.speculative import SpeculativeEngine
+    from lightning_codraft.rollout.vllm_engine import VLLMEngine
+    from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict, module_states
 
 _LAZY = {
     "AcceptanceStats": "lightning_codraft.rollout.engine",
@@ -17,13 +27,12 @@ _LAZY = {
     "SamplingParams": "lightning_codraft.rollout.sampling",
     "SpeculativeEngine": "lightning_codraft.rollout.speculative",
     "VLLMEngine": "lightning_codraft.rollout.vllm_engine",
-    "WeightSyncCallback": "lightning_codraft.rollout.weight_sync",
-    "fabric_sync_weights": "lightning_codraft.rollout.weight_sync",
+    "WeightSync": "lightning_codraft.rollout.weight_sync",
     "full_state_dict": "lightning_codraft.rollout.weight_sync",
-    "push_weights": "lightning_codraft.rollout.weight_sync",
+    "module_states": "lightning_codraft.rollout.weight_sync",
 }
 
-__getattr__ = lazy_getattr(__name__, _LAZY)  # lazy: importing the package pulls in neither Lightning nor vLLM
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 
 __all__ = list(_LAZY)

@@ -1,37 +1,46 @@
-"""Push policy + draft weights into a rollout engine every N optimizer steps (Lightning callback + Fabric helper).
+"""The one weight-sync path: push policy + draft weights into a rollout engine every N optimizer steps.
 
-Gathering PP / CP / FSDP shards into full tensors is the strategy's job; here a *state function* returns a full,
-HF-named state dict (``None`` to skip that model). The default, :func:`full_state_dict`, handles an unwrapped
-module or one wrapped by DDP / Fabric / ``torch.compile`` (prefixes ``module.``, ``_forward_module.``,
-``_orig_mod.`` stripped) and materialises DTensor parameters with ``full_tensor()`` (a collective: every rank
-must call it). The state function runs on every rank; the push runs where ``push_on_rank(rank)`` is true
-(default: every rank, one embedded engine per rank; pass ``lambda r: r == 0`` for one shared vLLM server).
+:class:`WeightSync` is what the RL loop, the Fabric helper (``lightning_codraft.fabric.fabric_sync_weights``) and
+the Trainer callback (``lightning_codraft.pytorch.WeightSyncCallback``) all call. It knows no Lightning and no
+mesh: a *state function* returns the full, HF-named ``(policy_state, draft_state)`` (gathering shards is the
+training side's job and may be a collective: it runs on every rank); the push runs where the caller says
+(``push=True`` on the ranks that hold an engine). :func:`module_states` is the default state function of a module
+holding ``policy`` and ``draft``: ``module.full_state_dicts()`` when it has it (a ``CoDraftModule``, also under
+pipeline parallelism), else :func:`full_state_dict` of each.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from lightning_codraft.rollout.engine import RolloutEngine
 
-StateFn = Callable[[], "Mapping[str, torch.Tensor] | None"]
+State = Optional[Mapping[str, torch.Tensor]]
+StatesFn = Callable[[], "tuple[State, State]"]
 _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.")
 
 
-def full_state_dict(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
-    """Detached full state dict of ``module`` with wrapper prefixes removed (None for None)."""
+def full_state_dict(module: Optional[torch.nn.Module]) -> Optional[dict[str, torch.Tensor]]:
+    """Detached full state dict of ``module`` with wrapper prefixes removed (None for None).
+
+    Wrappers (DDP, Fabric, ``torch.compile``: ``module.``, ``_forward_module.``, ``_orig_mod.``) are stripped from
+    the names; DTensor entries (FSDP2) are materialised with ``full_tensor()``, a collective: every rank must call.
+    """
     if module is None:
         return None
+    pruned = [n for n, m in module.named_modules() if hasattr(m, "pruned_name")]
+    if pruned:
+        raise RuntimeError(f"{type(module).__name__} holds only its pipeline stage ({pruned[0]} and "
+                           f"{len(pruned) - 1} more live on other stages); build the whole state with "
+                           f"CoDraftModule.full_state_dicts() (a collective over the pipeline group)")
     out = {}
     for name, value in module.state_dict().items():
         if value.device.type == "meta":
-            raise RuntimeError(f"{name} is not materialised on this rank (device 'meta'): under pipeline "
-                               "parallelism each rank holds only its stage; build the full state with "
-                               "CoDraftModule.full_state_dicts() (a collective over the pipeline group)")
+            raise RuntimeError(f"{name} is not materialised on this rank (device 'meta'); build the state where the "
+                               f"whole module lives, e.g. with CoDraftModule.full_state_dicts()")
         while name.startswith(_WRAPPER_PREFIXES):
             name = name.split(".", 1)[1]
         if hasattr(value, "full_tensor"):  # DTensor (FSDP2 / TP): gather the shards
@@ -40,97 +49,64 @@ def full_state_dict(module: torch.nn.Module | None) -> dict[str, torch.Tensor] |
     return out
 
 
+def module_states(module: torch.nn.Module) -> tuple[State, State]:
+    """``(policy_state, draft_state)`` of a module holding ``policy`` and ``draft`` (call on every rank).
+
+    A ``CoDraftModule`` answers with ``full_state_dicts()`` (under PP the stages are gathered onto the first stage;
+    the others get ``(None, None)``); any other module with :func:`full_state_dict` of its two attributes.
+    """
+    gather = getattr(module, "full_state_dicts", None)
+    if callable(gather):
+        return gather()
+    return full_state_dict(getattr(module, "policy")), full_state_dict(getattr(module, "draft", None))
+
+
 def engine_drafts(engine: RolloutEngine) -> bool:
     """Whether ``engine`` proposes draft tokens, so a draft state is worth pushing (unknown engines: yes)."""
     return int(getattr(engine, "num_speculative_tokens", 1)) > 0
 
 
-def push_weights(engine: RolloutEngine, policy_state_fn: StateFn, draft_state_fn: StateFn | None = None,
-                 push: bool = True) -> float:
-    """Build the state dicts (on every rank) and, if ``push``, load them into ``engine``; returns seconds taken."""
-    start = time.perf_counter()
-    policy_state = policy_state_fn()
-    draft_state = draft_state_fn() if draft_state_fn is not None else None
-    if push:
-        engine.update_weights(policy_state, draft_state)
-    return time.perf_counter() - start
-
-
-class WeightSyncCallback(Callback):
-    """Push ``pl_module.policy`` / ``pl_module.draft`` (or custom state functions) to ``engine`` every N steps.
+class WeightSync:
+    """Push the states of ``states()`` into ``engine`` after every ``every_n_steps``-th optimizer step.
 
     Args:
-        engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`.
-        every_n_steps: push after every N-th optimizer step (``trainer.global_step``), N >= 1.
-        policy_state_fn: ``fn(pl_module) -> state dict``; default: ``pl_module.full_state_dicts()`` when the
-            module has it (a :class:`~lightning_codraft.CoDraftModule`: gathers pipeline stages onto the first
-            stage, whose ranks push), else ``full_state_dict(pl_module.policy)``.
-        draft_state_fn: ``fn(pl_module) -> state dict | None``; default ``full_state_dict(pl_module.draft)``
-            when the module has a draft and the engine drafts, else None.
-        push_on_rank: ``fn(global_rank) -> bool``; default every rank.
-        log_name: metric logged with the seconds a push took.
+        engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`; None on ranks that only take part in
+            the state function's collectives.
+        states: ``states() -> (policy_state, draft_state)``; either may be None (that model is left unchanged).
+        every_n_steps: push after every N-th optimizer step, N >= 1.
+
+    Attributes:
+        last_synced_step: the optimizer step of the last push (-1 before any).
+        sync_seconds: seconds of every sync (state function + push).
     """
 
-    def __init__(self, engine: RolloutEngine, every_n_steps: int = 1,
-                 policy_state_fn: Callable | None = None, draft_state_fn: Callable | None = None,
-                 push_on_rank: Callable[[int], bool] | None = None, log_name: str = "weight_sync/seconds"):
+    def __init__(self, engine: Optional[RolloutEngine], states: StatesFn, every_n_steps: int = 1):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
         self.engine = engine
+        self.states = states
         self.every_n_steps = int(every_n_steps)
-        self._gather = policy_state_fn is None and draft_state_fn is None
-        self.policy_state_fn = policy_state_fn or (lambda m: full_state_dict(m.policy))
-        self.draft_state_fn = draft_state_fn or _default_draft_state(engine)
-        self.push_on_rank = push_on_rank or (lambda rank: True)
-        self.log_name = log_name
         self.last_synced_step = -1
         self.sync_seconds: list[float] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = int(trainer.global_step)
-        if step == 0 or step == self.last_synced_step or step % self.every_n_steps:
-            return  # no optimizer step yet, or already pushed after this one (gradient accumulation)
-        push = self.push_on_rank(trainer.global_rank)
-        if self._gather and hasattr(pl_module, "full_state_dicts"):  # PP-aware: gathered on the first stage
-            start = time.perf_counter()
-            policy_state, draft_state = pl_module.full_state_dicts()
-            if push and policy_state is not None:
-                self.engine.update_weights(policy_state, draft_state if engine_drafts(self.engine) else None)
-            seconds = time.perf_counter() - start
-        else:
-            seconds = push_weights(self.engine, lambda: self.policy_state_fn(pl_module),
-                                   lambda: self.draft_state_fn(pl_module), push=push)
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (>= 1 once an optimizer step ran) needs a push."""
+        return step >= 1 and step != self.last_synced_step and step % self.every_n_steps == 0
+
+    def __call__(self, step: int, push: bool = True) -> Optional[float]:
+        """Sync after optimizer step ``step`` if due; returns the seconds taken, or None when not due.
+
+        The state function runs on every rank that calls (it may be a collective); the engine is updated only
+        where ``push`` is True, an engine is set and a state came back (the draft's only if the engine drafts).
+        """
+        if not self.due(step):
+            return None
+        start = time.perf_counter()
+        policy_state, draft_state = self.states()
+        draft_state = draft_state if self.engine is not None and engine_drafts(self.engine) else None
+        if push and self.engine is not None and (policy_state is not None or draft_state is not None):
+            self.engine.update_weights(policy_state, draft_state)
+        seconds = time.perf_counter() - start
         self.last_synced_step = step
         self.sync_seconds.append(seconds)
-        pl_module.log(self.log_name, seconds, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
-
-
-def _default_draft_state(engine) -> Callable:
-    drafts = engine_drafts(engine)
-
-    def fn(module):
-        draft = getattr(module, "draft", None)
-        return full_state_dict(draft) if (draft is not None and drafts) else None
-
-    return fn
-
-
-def fabric_sync_weights(fabric, engine: RolloutEngine, policy: torch.nn.Module, draft: torch.nn.Module | None = None,
-                        *, step: int, every_n_steps: int = 1, policy_state_fn: StateFn | None = None,
-                        draft_state_fn: StateFn | None = None, push_on_rank: Callable[[int], bool] | None = None,
-                        log_name: str = "weight_sync/seconds") -> float | None:
-    """Fabric helper: call after ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1).
-
-    Pushes when ``step % every_n_steps == 0`` and logs the seconds with ``fabric.log``; returns them (None when
-    not due). The state functions default to :func:`full_state_dict` of ``policy`` / ``draft``.
-    """
-    if int(every_n_steps) < 1:
-        raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
-    if step < 1 or step % every_n_steps:
-        return None
-    drafts = draft is not None and engine_drafts(engine)
-    seconds = push_weights(engine, policy_state_fn or (lambda: full_state_dict(policy)),
-                           draft_state_fn or (lambda: full_state_dict(draft) if drafts else None),
-                           push=(push_on_rank or (lambda r: True))(fabric.global_rank))
-    fabric.log(log_name, seconds, step=step)
-    return seconds
+        return seconds

@@ -3,8 +3,8 @@ import torch
 
 from lightning_codraft.attention.packing import pack_documents
 from lightning_codraft.models import Policy, PolicyConfig
-from lightning_codraft.parallel.pipeline import (MicrobatchMeta, PolicyStage, StageLayout, check_num_microbatches,
-                                                 release_unowned)
+from lightning_codraft.parallel.pipeline import (MicrobatchMeta, PolicyStage, Pruned, StageLayout,
+                                                 check_num_microbatches, prune_unowned)
 
 
 def test_balanced_split_gives_extra_layers_to_the_first_stages():
@@ -73,13 +73,18 @@ def test_a_stage_still_runs_after_the_rest_of_the_policy_is_released(tied):
     stage = PolicyStage(policy, StageLayout.split(4, 2, layers_per_stage=(3, 1)), 1)
     kept = {id(p) for p in stage.parameters()}
     total = sum(p.numel() * p.element_size() for p in policy.parameters())
-    freed = release_unowned(policy, stage.parameters())
-    held = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.is_meta)
+    freed = prune_unowned(policy, stage.parameters())
+    held = sum(p.numel() * p.element_size() for p in policy.parameters())
     assert freed + held == total and held == sum(p.numel() * p.element_size() for p in stage.parameters())
-    assert all(p.is_meta != (id(p) in kept) for p in policy.parameters())
-    assert set(policy.state_dict()) == set(full.state_dict())  # names stay
-    assert (policy.lm_head.weight is policy.model.embed_tokens.weight) == tied
-    assert release_unowned(policy, stage.parameters()) == 0  # idempotent
+    assert {id(p) for p in policy.parameters()} == kept
+    names = set(policy.state_dict())  # the kept entries keep their full names (layer indices never shift)
+    assert {"model.layers.3.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"} <= names
+    assert names <= set(full.state_dict()) and not any(n.startswith("model.layers.0.") for n in names)
+    assert isinstance(policy.model.layers[0], Pruned) and not isinstance(policy.model.layers[3], Pruned)
+    assert isinstance(policy.model.embed_tokens, Pruned) != tied  # the tied weight lives in lm_head too
+    with pytest.raises(RuntimeError, match="model.layers.0 lives on another pipeline stage"):
+        policy.model.layers[0](hidden, cos, sin, batch.cu_seqlens)
+    assert prune_unowned(policy, stage.parameters()) == 0  # idempotent
     stage.set_microbatches([meta])
     torch.testing.assert_close(stage(hidden, torch.tensor([0])), full.head(full.model.layers[3](
         hidden, cos, sin, batch.cu_seqlens)), rtol=0, atol=0)

@@ -47,36 +47,36 @@ def test_batch_rows_are_next_token_aligned(cp):
     b = build_rl_batch(rollouts, adv, cp=cp, pad_id=0)
     ref = _reference_rows(rollouts, adv, 2 * cp, 0)
     T = len(ref)
-    assert b["input_ids"].shape == (T,) and b["cu_seqlens"].dtype == torch.int32
-    assert torch.all(b["cu_seqlens"] % (2 * cp) == 0)
-    assert b["input_ids"].tolist() == [x[0] for x in ref]
-    assert b["target_ids"].tolist() == [x[1] for x in ref]
-    assert b["position_ids"].tolist() == [x[2] for x in ref]
-    assert b["valid"].tolist() == [x[3] for x in ref]
-    assert b["loss_mask"].tolist() == [x[4] for x in ref]
-    assert torch.allclose(b["old_logprobs"], torch.tensor([x[5] for x in ref]))
-    assert torch.allclose(b["advantages"], torch.tensor([x[6] for x in ref]))
-    assert torch.equal(b["draft_mask"], b["valid"].float())
-    assert int(b["loss_mask"].sum()) == sum(len(r.completion_ids) for r in rollouts)
+    assert b.input_ids.shape == (T,) and b.cu_seqlens.dtype == torch.int32
+    assert torch.all(b.cu_seqlens % (2 * cp) == 0)
+    assert b.input_ids.tolist() == [x[0] for x in ref]
+    assert b.target_ids.tolist() == [x[1] for x in ref]
+    assert b.position_ids.tolist() == [x[2] for x in ref]
+    assert b.valid.tolist() == [x[3] for x in ref]
+    assert b.loss_mask.tolist() == [x[4] for x in ref]
+    assert torch.allclose(b.old_logprobs, torch.tensor([x[5] for x in ref]))
+    assert torch.allclose(b.advantages, torch.tensor([x[6] for x in ref]))
+    assert torch.equal(b.draft_mask, b.valid.float())
+    assert int(b.loss_mask.sum()) == sum(len(r.completion_ids) for r in rollouts)
 
 
 def test_ref_logprobs_and_sft_batch():
     r = [Rollout([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], group=0)]
     b = build_rl_batch(r, [1.0], ref_logprobs=[[-1.0, -2.0, -3.0]])
-    assert b["ref_logprobs"].tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, 0.0]  # padded to 2*cp = 2
+    assert b.ref_logprobs.tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, 0.0]  # padded to 2*cp = 2
     s = sft_batch([[5, 6]], [[7, 8, 9]], cp=2)
-    assert s["target_ids"].tolist() == [6, 7, 8, 9, 0, 0, 0, 0]
-    assert s["loss_mask"].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
+    assert s.target_ids.tolist() == [6, 7, 8, 9, 0, 0, 0, 0]
+    assert s.loss_mask.tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
 
 
 def test_batch_errors():
-    with pytest.raises(ValueError, match="rollout 0 has an empty completion"):
+    with pytest.raises(ValueError, match="sample 0 has an empty completion"):
         build_rl_batch([Rollout([1], [], [], 0)], [0.0])
-    with pytest.raises(ValueError, match="rollout 0 has an empty prompt"):
+    with pytest.raises(ValueError, match="sample 0 has an empty prompt"):
         build_rl_batch([Rollout([], [1], [0.0], 0)], [0.0])
     with pytest.raises(ValueError, match="2 logprobs for 1 tokens"):
         build_rl_batch([Rollout([1], [2], [0.0, 0.0], 0)], [0.0])
-    with pytest.raises(ValueError, match="got 2 advantages for 1 rollouts"):
+    with pytest.raises(ValueError, match="got 2 advantages for 1 prompts"):
         build_rl_batch([Rollout([1], [2], [0.0], 0)], [0.0, 1.0])
 
 

@@ -41,16 +41,17 @@ def _numpy(state):
 def _report(run, result):
     """What a rank saw: its coordinates, its engine (if any), its replica's rollouts and the whole weights."""
     policy, draft = run.module.full_state_dicts()  # a collective: whole dicts on the first pipeline stage
-    lead_models = [m for m in (run.rollout_policy, run.rollout_draft) if m is not None]
+    worker = run.worker
+    lead_models = [m for m in (worker.policy, worker.draft) if m is not None]
     return {
         "coords": run.dims.coordinates, "lead": run.dims.is_replica_lead,
-        "engine": None if run.engine is None else type(run.engine).__name__,
-        "rollout_models_whole": all(not p.is_meta for m in lead_models for p in m.parameters()),
-        "rollout_models_are_training": run.rollout_policy is run.module.policy,
+        "engine": None if worker.engine is None else type(worker.engine).__name__,
+        "rollout_models_whole": all(not hasattr(m, "pruned_name") for lm in lead_models for m in lm.modules()),
+        "rollout_models_are_training": worker.policy is run.module.policy,
         "released_bytes": run.module.released_bytes,
         "rows": result.rows, "eval": (result.eval_before, result.eval_after),
         "speedup": None if result.speedup is None else result.speedup.acceptance_length,
-        "rollouts": [(r.prompt_ids, r.completion_ids, r.logprobs, r.reward) for r in run.last_rollouts],
+        "rollouts": [(r.prompt_ids, r.completion_ids, r.logprobs, r.reward) for r in run.rl_step.last_rollouts],
         "policy": _numpy(policy), "draft": _numpy(draft),
     }
 
@@ -167,7 +168,9 @@ def test_more_stages_than_layers_fails_before_the_warmups(tmp_path):
 
     cfg = loop_config(tmp_path, "parallel.devices=8", "parallel.pp=8")  # the micro policy has 4 layers
     with pytest.raises(ValueError, match="8 pipeline stages for a policy of 4 layers.*use pp <= 4"):
-        CoDraftRun(cfg, print_fn=lambda s: None)._build_models()
+        run = CoDraftRun(cfg, print_fn=lambda s: None)
+        run.launch = lambda: None  # only the build: the split is checked before any warm-up
+        run.build()
 
 
 @pytest.mark.slow
@@ -185,18 +188,19 @@ def _vllm_worker(rank, world_size, cfg):
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()
-    rows = [run.rl_step(s) for s in range(start, cfg.rl.steps)]
+    rows = [run.step(s).as_dict() for s in range(start, cfg.rl.steps)]
     policy, _ = run.module.full_state_dicts()
-    out = {"lead": run.dims.is_replica_lead, "engine": None if run.engine is None else type(run.engine).__name__,
+    engine = run.worker.engine
+    out = {"lead": run.dims.is_replica_lead, "engine": None if engine is None else type(engine).__name__,
            "rows": rows}
-    if run.engine is not None:  # vLLM verified every push (checksums); it decodes what the synced copies decode
+    if engine is not None:  # vLLM verified every push (checksums); it decodes what the synced copies decode
         prompts = [[1, 2, 3, 4], [5, 6, 7]]
-        ours = SpeculativeEngine(run.rollout_policy, None, 0).generate(prompts, max_new_tokens=8, temperature=0.0)
-        theirs = run.engine.generate(prompts, max_new_tokens=8, temperature=0.0)
+        ours = SpeculativeEngine(run.worker.policy, None, 0).generate(prompts, max_new_tokens=8, temperature=0.0)
+        theirs = engine.generate(prompts, max_new_tokens=8, temperature=0.0)
         out["same_greedy"] = [o.token_ids for o in theirs] == [o.token_ids for o in ours]
-        current = run.rollout_policy.state_dict()
+        current = run.worker.policy.state_dict()
         out["copies_current"] = all(torch.equal(current[k], v) for k, v in policy.items())
-        run.engine.close()  # stop vLLM's engine process before this rank exits
+        run.close()  # stop vLLM's engine process before this rank exits
     return out
 
 

@@ -24,8 +24,8 @@ def test_fit_with_vllm_engine_syncs_every_step(tmp_path):
                        "task.eval_prompts=0", "rl.temperature=0.0")
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()
-    rows = [run.rl_step(s) for s in range(start, cfg.rl.steps)]
-    engine = run.engine
+    rows = [run.step(s).as_dict() for s in range(start, cfg.rl.steps)]
+    engine = run.worker.engine
     assert type(engine).__name__ == "VLLMEngine"
     for r in rows:
         assert r["completion_tokens"] > 0

@@ -7,7 +7,9 @@ from lightning.pytorch import LightningModule, Trainer
 from rollout_helpers import make_policy, random_prompts
 
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rollout import SpeculativeEngine, WeightSyncCallback, fabric_sync_weights, full_state_dict
+from lightning_codraft.fabric import fabric_sync_weights
+from lightning_codraft.pytorch import WeightSyncCallback
+from lightning_codraft.rollout import SpeculativeEngine, full_state_dict
 
 
 class _RecordingEngine:

@@ -3,9 +3,11 @@ import pytest
 import torch
 from codraft_fixtures import make_batch, make_models
 
+from lightning_codraft.attention.packing import shift_left_local
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.parallel.pipeline import Pruned
 from lightning_codraft.rollout.weight_sync import full_state_dict
-from lightning_codraft.training.module import CoDraftModule, CoDraftModuleConfig
+from lightning_codraft.training import CoDraftModule, CoDraftModuleConfig
 
 
 def _grads(module, batch):
@@ -42,10 +44,12 @@ def test_draft_loss_value_is_the_draft_loss_function():
     module = CoDraftModule(policy, draft, ttt_steps=2)
     out = module(batch)
     with torch.no_grad():
-        pol = policy(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], position_ids=batch["position_ids"],
+        pol = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids,
                      taps=module.configure_taps())
-        steps = module.draft_step_logits(pol.taps, batch)
-        want = ttt_draft_loss(steps, pol.logits, batch["cu_seqlens"], batch["draft_mask"], draft.d2t, draft.t2d)
+        # the token inputs by their definition: embeddings of the ids shifted left by k + 1 inside documents
+        embeds = [policy.embed(shift_left_local(batch.input_ids, batch.cu_seqlens, k + 1)) for k in range(2)]
+        steps = module.draft_step_logits(pol.taps, embeds, batch)
+        want = ttt_draft_loss(steps, pol.logits, batch.cu_seqlens, batch.draft_mask, draft.d2t, draft.t2d)
     assert out.metrics["draft/loss"].item() == pytest.approx(want.loss.item(), rel=1e-6)
     assert out.metrics["draft/acc_step1"].item() == pytest.approx(want.accuracy[1].item())
 
@@ -80,14 +84,12 @@ def test_two_parameter_groups_with_their_own_schedules():
 
 
 def test_microbatch_objective_is_the_mean_of_microbatch_losses():
-    from lightning_codraft.parallel.strategy_core import split_microbatches
-
     batch = make_batch(7, num_docs=4)
     joint = CoDraftModule(*make_models(), num_microbatches=2, kl_coef=0.1)
     out, g = _grads(joint, batch)
     single = CoDraftModule(*make_models(), kl_coef=0.1)
     single.zero_grad()
-    losses = [single(mb) for mb in split_microbatches(batch, 2)]
+    losses = [single(mb) for mb in batch.split(2)]
     (sum(o.loss for o in losses) / 2).backward()
     assert out.metrics["loss"].item() == pytest.approx(sum(o.metrics["loss"].item() for o in losses) / 2, rel=1e-6)
     for n, p in single.named_parameters():
@@ -130,8 +132,8 @@ def _pp_models(tied: bool):
     return policy, Eagle3Draft.from_policy(policy)
 
 
-def _param_bytes(module, materialised_only=False):
-    return sum(p.numel() * p.element_size() for p in module.parameters() if not (materialised_only and p.is_meta))
+def _param_bytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _pp_memory_worker(rank, world_size, batch):
@@ -151,25 +153,26 @@ def _pp_memory_worker(rank, world_size, batch):
         policy_sd, draft_sd = module.full_state_dicts()  # gathered onto stage 0 for a rollout engine
         gathered = None if policy_sd is None else (
             {k: v.numpy().copy() for k, v in policy_sd.items()}, {k: v.numpy().copy() for k, v in draft_sd.items()})
-        with pytest.raises(RuntimeError, match="not materialised on this rank"):
+        with pytest.raises(RuntimeError, match="holds only its pipeline stage"):
             full_state_dict(module.policy)
         alive = [r() for r in before if r() is not None]  # released tensors must really be freed
         alive_bytes = sum(p.numel() * p.element_size() for p in alive)
         del alive
         step = module(batch)
         module.after_backward()
-        sizes = dict(stage_bytes=_param_bytes(module.policy, materialised_only=True),
-                     draft_bytes=_param_bytes(module.draft, materialised_only=True), released=module.released_bytes,
-                     alive_bytes=alive_bytes)
-        module.cpu()  # what Lightning does at teardown: meta parameters must survive it
+        sizes = dict(stage_bytes=_param_bytes(module.policy), draft_bytes=_param_bytes(module.draft),
+                     released=module.released_bytes, alive_bytes=alive_bytes)
+        module.cpu()  # what Lightning does at teardown: a pruned module moves like any other
         module.to(torch.float64)
         out[tied] = dict(
             **sizes,
-            loss=float(step.metrics["loss"]), owned=sorted(module.owned_state_dict()),
+            loss=float(step.metrics["loss"]), owned=sorted(module.state_dict()),
             grads={n: p.grad.to(torch.float32).numpy().copy() for n, p in module.named_parameters(remove_duplicate=False)
                    if p.grad is not None},
-            meta_dtypes={str(p.dtype) for p in module.parameters() if p.is_meta},
-            tie_kept=module.policy.lm_head.weight is module.policy.model.embed_tokens.weight, gathered=gathered)
+            dtypes={str(p.dtype) for p in module.parameters()},
+            pruned=sorted(n for n, m in module.named_modules() if isinstance(m, Pruned)),
+            tie_kept=getattr(module.policy.lm_head, "weight", None) is getattr(module.policy.model.embed_tokens,
+                                                                                 "weight", 0), gathered=gathered)
         with pytest.raises(ValueError, match="holds only pipeline stage"):
             from lightning_codraft.parallel.parallel_dims import ParallelDims
 
@@ -199,9 +202,13 @@ def test_pipeline_ranks_hold_only_their_stage_and_train_like_one_process():
             assert r["stage_bytes"] < 0.7 * full, (tied, r["stage_bytes"], full)
             assert r["alive_bytes"] == r["stage_bytes"] + r["draft_bytes"]  # nothing else keeps the old tensors
             assert r["released"] == full + _param_bytes(draft) - r["stage_bytes"] - r["draft_bytes"]
-            assert r["meta_dtypes"] == {"torch.float64"}  # .to(dtype) reaches released parameters, device stays
+            assert r["dtypes"] == {"torch.float64"}
             assert r["tie_kept"] == tied
             assert r["loss"] == pytest.approx(ref_loss.metrics["loss"].item(), rel=1e-5)
+        assert first["pruned"] == sorted(["draft", "policy.model.layers.2", "policy.model.layers.3",
+                                          "policy.model.norm"] + ([] if tied else ["policy.lm_head"]))
+        assert last["pruned"] == sorted(["policy.model.layers.0", "policy.model.layers.1"] + (
+            [] if tied else ["policy.model.embed_tokens"]))
         assert last["gathered"] is None  # only the first stage receives the full state
         ref_policy, ref_draft = _pp_models(tied)  # the initial weights the ranks started from
         for got, want in zip(first["gathered"], (ref_policy.state_dict(), ref_draft.state_dict())):
@@ -217,3 +224,46 @@ def test_pipeline_ranks_hold_only_their_stage_and_train_like_one_process():
                 want = ref_grads[name]
                 torch.testing.assert_close(torch.from_numpy(grad), want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{tied} {name}: {m}")
         assert set(first["grads"]) | set(last["grads"]) >= {n for n, g in ref_grads.items() if g is not None}
+
+
+# ----- override points apply under PP too: one objective for every schedule
+class SquaredAdvantageRL(CoDraftModule):
+    """A research subclass: its own RL loss (a REINFORCE-style term weighted by squared advantages)."""
+
+    def rl_loss(self, logprobs, batch):
+        base, stats = super().rl_loss(logprobs, batch)
+        extra = -(logprobs * batch.advantages.pow(2) * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)
+        stats = {**stats, "extra": extra.detach()}
+        return base + 0.5 * extra, stats
+
+
+def _subclass_pp_worker(rank, world_size, batch):
+    from lightning_codraft.parallel.strategy_core import CoDraftCore
+
+    core = CoDraftCore(pp=2)
+    core.setup_mesh(world_size, "cpu")
+    module = core.prepare_module(SquaredAdvantageRL(*_pp_models(False), num_microbatches=2, pp_schedule="1f1b"))
+    out = module(batch)
+    module.after_backward()
+    return {"metrics": {k: float(v) for k, v in out.metrics.items()},
+            "grads": {n: p.grad.numpy().copy() for n, p in module.named_parameters() if p.grad is not None}}
+
+
+def test_a_subclass_rl_loss_gives_the_same_step_at_pp1_and_pp2():
+    from distributed import run_distributed
+
+    batch = make_batch(11, num_docs=4)
+    single = SquaredAdvantageRL(*_pp_models(False), num_microbatches=2)
+    out, ref_grads = _grads(single, batch)
+    _, plain_grads = _grads(CoDraftModule(*_pp_models(False), num_microbatches=2), batch)
+    name = "policy.model.layers.0.mlp.up_proj.weight"
+    assert not torch.allclose(ref_grads[name], plain_grads[name], rtol=1e-3)  # the override bites
+    results = run_distributed(_subclass_pp_worker, world_size=2, args=(batch,), timeout=300)
+    for r in results:  # every stage reports the same metrics, the subclass's "extra" stat included
+        assert r["metrics"]["policy/extra"] == pytest.approx(out.metrics["policy/extra"].item(), rel=1e-5)
+        assert r["metrics"]["loss"] == pytest.approx(out.metrics["loss"].item(), rel=1e-5)
+    grads = {**results[0]["grads"], **results[1]["grads"]}
+    assert set(grads) == {n for n, g in ref_grads.items() if g is not None}
+    for name, grad in grads.items():
+        torch.testing.assert_close(torch.from_numpy(grad), ref_grads[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name}: {m}")

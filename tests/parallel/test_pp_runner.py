@@ -1,4 +1,5 @@
-"""The pipelined joint step equals the single-process step: losses, every gradient, and the shipped taps."""
+"""The pipeline runner with a joint RL + draft loss function equals the single-process step: losses, every gradient,
+and the shipped taps."""
 
 import copy
 
@@ -9,7 +10,8 @@ from distributed import run_distributed
 
 from lightning_codraft.attention.packing import pack_documents, shift_left_local
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.parallel.pp_step import PipelineCoDraft, PipelineConfig, pad_microbatches
+from lightning_codraft.batch import RLBatch
+from lightning_codraft.parallel.pp_runner import PipelineRunner
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.rl_loss import policy_gradient_loss
 
@@ -23,9 +25,33 @@ def _microbatch(gen, lengths, multiple_of):
     target = shift_left_local(b.input_ids, b.cu_seqlens, 1, fill=0)
     next_valid = shift_left_local(b.valid, b.cu_seqlens, 1, fill=False)
     loss_mask = (next_valid & (b.position_ids >= 2)).float()
-    return dict(input_ids=b.input_ids, target_ids=target, position_ids=b.position_ids, cu_seqlens=b.cu_seqlens,
-                valid=b.valid, loss_mask=loss_mask, old_logprobs=-3 * torch.rand(T, generator=gen) * loss_mask,
-                advantages=torch.randn(T, generator=gen) * loss_mask, draft_mask=b.valid.float())
+    return RLBatch(input_ids=b.input_ids, target_ids=target, position_ids=b.position_ids, cu_seqlens=b.cu_seqlens,
+                   valid=b.valid, loss_mask=loss_mask, old_logprobs=-3 * torch.rand(T, generator=gen) * loss_mask,
+                   advantages=torch.randn(T, generator=gen) * loss_mask, draft_mask=b.valid.float())
+
+
+def pad_microbatches(mbs, multiple_of):
+    length = -(-max(mb.num_tokens for mb in mbs) // multiple_of) * multiple_of
+    return [mb.pad_to(length) for mb in mbs]
+
+
+def _loss_fn(draft, taps, cp_group, draft_weight=1.0):
+    """The joint objective of one microbatch, written from the definitions (what CoDraftModule.objective does)."""
+
+    def fn(logits, shipped, mb):
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+        rl, stats = policy_gradient_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, group=cp_group)
+        if draft is None:
+            return rl, (rl.detach(), torch.zeros(()), {k: float(v) for k, v in stats.items()})
+        embeds = [mb.shift_left(shipped[0], k + 1, group=cp_group) for k in range(K)]
+        steps = draft.ttt_forward([shipped[t] for t in taps], embeds, mb.cu_seqlens, mb.position_ids,
+                                  cp_group=cp_group)
+        dl = ttt_draft_loss([lg for lg, _ in steps], logits.detach(), mb.cu_seqlens, mb.draft_targets, draft.d2t,
+                            draft.t2d, group=cp_group)
+        rl_global = float(stats["loss"])
+        return rl + draft_weight * dl.loss, (rl_global, float(dl.loss), {k: float(v) for k, v in stats.items()})
+
+    return fn
 
 
 def _models(num_layers, taps, tie):
@@ -41,15 +67,15 @@ def _reference_step(policy, draft, microbatches, draft_weight=1.0):
     rl_total = dl_total = 0.0
     taps, rl_stats = {}, {"clip_frac": 0.0, "num_tokens": 0.0}
     for m, mb in enumerate(microbatches):
-        ids, cu = mb["input_ids"], mb["cu_seqlens"]
-        out = policy(ids, cu_seqlens=cu, position_ids=mb["position_ids"], taps=(0, *draft.config.taps))
-        logp = torch.log_softmax(out.logits, -1).gather(-1, mb["target_ids"].unsqueeze(-1)).squeeze(-1)
-        rl, stats = policy_gradient_loss(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"])
+        ids, cu = mb.input_ids, mb.cu_seqlens
+        out = policy(ids, cu_seqlens=cu, position_ids=mb.position_ids, taps=(0, *draft.config.taps))
+        logp = torch.log_softmax(out.logits, -1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+        rl, stats = policy_gradient_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask)
         rl_stats["clip_frac"] += float(stats["clip_frac"]) / len(microbatches)  # means: averaged over microbatches
         rl_stats["num_tokens"] += float(stats["num_tokens"])  # counts: summed
         embeds = [policy.embed(shift_left_local(ids, cu, k + 1, fill=0)).detach() for k in range(K)]
-        steps = draft.ttt_forward([t.detach() for t in out.taps[1:]], embeds, cu, mb["position_ids"])
-        dl = ttt_draft_loss([lg for lg, _ in steps], out.logits.detach(), cu, mb["draft_mask"], draft.d2t, draft.t2d)
+        steps = draft.ttt_forward([t.detach() for t in out.taps[1:]], embeds, cu, mb.position_ids)
+        dl = ttt_draft_loss([lg for lg, _ in steps], out.logits.detach(), cu, mb.draft_mask, draft.d2t, draft.t2d)
         ((rl + draft_weight * dl.loss) / len(microbatches)).backward()
         rl_total += float(rl.detach()) / len(microbatches)
         dl_total += float(dl.loss.detach()) / len(microbatches)
@@ -80,8 +106,9 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
         cp_groups[q] = dist.new_group([q * cp + cc for cc in range(cp)]) if cp > 1 else None
     gen = torch.Generator().manual_seed(7)
     whole = pad_microbatches([_microbatch(gen, [5 + 3 * m, 9, 4 + m], 2 * cp) for m in range(num_mb)], 2 * cp)
-    mine = [{k: (v if k == "cu_seqlens" else _zigzag(v, mb["cu_seqlens"], c, cp)) for k, v in mb.items()}
-            for mb in whole] if cp > 1 else whole
+    mine = [mb.shard(c, cp) for mb in whole]
+    for mb, ref in zip(mine, whole):  # RLBatch.shard is the zigzag definition
+        assert torch.equal(mb.input_ids, _zigzag(ref.input_ids, ref.cu_seqlens, c, cp))
 
     policy, draft = _models(num_layers, taps, tie)
     ref_policy, ref_draft = copy.deepcopy(policy), copy.deepcopy(draft)
@@ -92,24 +119,26 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
     for schedule in schedules:
         policy.zero_grad(set_to_none=True)
         draft.zero_grad(set_to_none=True)
-        runner = PipelineCoDraft(policy, draft if p == pp - 1 else None, stage=p, num_stages=pp,
-                                 pp_group=pp_groups[c], tap_group=tap_groups[c], cp_group=cp_groups[p],
-                                 rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss,
-                                 config=PipelineConfig(schedule=schedule, layers_per_stage=split, ttt_steps=K))
+        runner = PipelineRunner(policy, stage=p, num_stages=pp, pp_group=pp_groups[c], tap_group=tap_groups[c],
+                                cp_group=cp_groups[p], tap_ids=(0, *draft.config.taps), schedule=schedule,
+                                layers_per_stage=split)
+        loss_fn = _loss_fn(draft if p == pp - 1 else None, draft.config.taps, cp_groups[p])
         if schedule == "1f1b" and pp > 1:
             with pytest.raises(ValueError, match=f"got 1 microbatches for {pp} stages"):
-                runner.step(mine[:1])
+                runner.step(mine[:1], loss_fn)
         received = {}
         if runner.is_last:
             receive = runner.channel.receive
             runner.channel.receive = lambda m: received.setdefault(m, {t: x.clone() for t, x in receive(m).items()})
-        out = runner.step(mine)
-        assert abs(float(out.rl_loss) - ref_rl) <= 1e-5 * abs(ref_rl), (schedule, float(out.rl_loss), ref_rl)
-        assert abs(float(out.draft_loss) - ref_dl) <= 1e-5 * abs(ref_dl), (schedule, float(out.draft_loss), ref_dl)
-        # the RL loss function's stats reach every stage (the loop logs them from the first)
-        assert abs(float(out.rl_stats["pg_loss"]) - ref_rl) <= 1e-5 * abs(ref_rl), (schedule, out.rl_stats)
-        assert abs(float(out.rl_stats["clip_frac"]) - ref_stats["clip_frac"]) <= 1e-6, (schedule, out.rl_stats)
-        assert float(out.rl_stats["num_tokens"]) == ref_stats["num_tokens"], (schedule, out.rl_stats)
+        records = runner.step(mine, loss_fn)
+        assert len(records) == num_mb  # the loss function's records reach every stage
+        rl = sum(r[0] for r in records) / num_mb
+        dl = sum(r[1] for r in records) / num_mb
+        assert abs(rl - ref_rl) <= 1e-5 * abs(ref_rl), (schedule, rl, ref_rl)
+        assert abs(dl - ref_dl) <= 1e-5 * abs(ref_dl), (schedule, dl, ref_dl)
+        clip = sum(r[2]["clip_frac"] for r in records) / num_mb
+        assert abs(clip - ref_stats["clip_frac"]) <= 1e-6, (schedule, clip)
+        assert sum(r[2]["num_tokens"] for r in records) == ref_stats["num_tokens"]
         errors = {}
         for name, param in list(runner.stage_module.named_parameters()) + list(
                 draft.named_parameters(prefix="draft") if runner.is_last else []):
@@ -123,9 +152,9 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
             for m in range(num_mb):
                 assert sorted(received[m]) == sorted({0, *taps})
                 for t, x in received[m].items():
-                    expected = ref_taps[m][t] if cp == 1 else _zigzag(ref_taps[m][t], whole[m]["cu_seqlens"], c, cp)
+                    expected = ref_taps[m][t] if cp == 1 else _zigzag(ref_taps[m][t], whole[m].cu_seqlens, c, cp)
                     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
-        report[schedule] = (len(errors), out.tap_bytes, float(out.loss))
+        report[schedule] = (len(errors), runner.tap_bytes_last_step, rl + dl)
     return report
 
 
@@ -155,35 +184,29 @@ def test_pp2_x_cp2_gpipe_tied_equal_single_process():
     assert [r["gpipe"][1] > 0 for r in results] == [True, True, False, False]
 
 
-def test_draft_on_a_stage_that_is_not_last_and_taps_outside_the_model_are_refused():
-    policy, draft = _models(4, (1, 2, 3), False)
-    with pytest.raises(ValueError, match="the draft was given to stage 0 but it must live on the last stage 1"):
-        PipelineCoDraft(policy, draft, stage=0, num_stages=2, pp_group=None, tap_group=None,
-                        rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss)
-    draft.config.taps = (1, 2, 7)
+def test_taps_outside_the_model_and_too_many_stages_are_refused():
+    policy, _ = _models(4, (1, 2, 3), False)
     with pytest.raises(ValueError, match="tap layer 7 is outside the model: tap ids are 0..4"):
-        PipelineCoDraft(policy, draft, stage=0, num_stages=1, pp_group=None, tap_group=None,
-                        rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss)
+        PipelineRunner(policy, stage=0, num_stages=1, pp_group=None, tap_group=None, tap_ids=(0, 1, 7))
     with pytest.raises(ValueError, match="5 pipeline stages for a policy of 4 layers"):
-        PipelineCoDraft(policy, None, stage=0, num_stages=5, pp_group=None, tap_group=None,
-                        rl_loss_fn=policy_gradient_loss)
+        PipelineRunner(policy, stage=0, num_stages=5, pp_group=None, tap_group=None)
 
 
 def test_microbatches_of_different_lengths_are_refused():
     policy, draft = _models(4, (1, 2, 3), False)
-    runner = PipelineCoDraft(policy, draft, stage=0, num_stages=1, pp_group=None, tap_group=None,
-                             rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss)
+    runner = PipelineRunner(policy, stage=0, num_stages=1, pp_group=None, tap_group=None,
+                            tap_ids=(0, *draft.config.taps))
     gen = torch.Generator().manual_seed(3)
-    with pytest.raises(ValueError, match="different token counts \\[7, 9\\].*pad_microbatches"):
-        runner.step([_microbatch(gen, [7], 1), _microbatch(gen, [9], 1)])
+    with pytest.raises(ValueError, match="different token counts \\[7, 9\\].*pad_to"):
+        runner.step([_microbatch(gen, [7], 1), _microbatch(gen, [9], 1)], _loss_fn(draft, draft.config.taps, None))
 
 
 def test_padding_microbatches_to_one_length_changes_no_loss():
     gen = torch.Generator().manual_seed(3)
     mbs = [_microbatch(gen, [6, 3], 1), _microbatch(gen, [11], 1)]
     padded = pad_microbatches(mbs, multiple_of=4)
-    assert [int(mb["input_ids"].shape[0]) for mb in padded] == [12, 12]
-    assert padded[0]["cu_seqlens"].tolist() == [0, 6, 9, 12] and padded[1]["cu_seqlens"].tolist() == [0, 11, 12]
+    assert [mb.num_rows for mb in padded] == [12, 12]
+    assert padded[0].cu_seqlens.tolist() == [0, 6, 9, 12] and padded[1].cu_seqlens.tolist() == [0, 11, 12]
     policy, draft = _models(4, (1, 2, 3), False)
     assert _reference_step(policy, draft, padded)[:2] == pytest.approx(_reference_step(policy, draft, mbs)[:2],
                                                                         rel=1e-6)

@@ -1,0 +1,79 @@
+"""The run directory's checkpoints: resumable RL checkpoints and the warmed-up weights.
+
+``<out_dir>/checkpoints/step-NNNNNN/`` holds a checkpoint written through ``fabric.save`` (the strategy's
+mesh-independent format) plus a ``COMPLETE`` marker written after every rank finished, so a run killed while
+saving never resumes from a partial checkpoint. ``<out_dir>/warm/weights.pt`` holds the policy and draft after the
+warm-ups (safetensors-free plain tensors, read with ``weights_only=True``), so another run can skip them
+(``run.init_from``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+class RunCheckpoints:
+    """Checkpoints of one run directory.
+
+    Args:
+        out_dir: the run directory (``run.out_dir``).
+        fabric: the launched ``Fabric`` whose strategy writes and reads the checkpoints.
+    """
+
+    def __init__(self, out_dir: str | Path, fabric):
+        self.out = Path(out_dir)
+        self.fabric = fabric
+
+    @property
+    def directory(self) -> Path:
+        return self.out / "checkpoints"
+
+    def last(self) -> Optional[tuple[int, Path]]:
+        """``(step, path)`` of the newest complete checkpoint, or None."""
+        found = [(int(p.name.split("-")[1]), p) for p in self.directory.glob("step-*") if (p / "COMPLETE").exists()]
+        return max(found) if found else None
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` (modules, optimizer, scheduler, plain entries) as checkpoint ``step``; call on every rank."""
+        path = self.directory / f"step-{step:06d}"
+        self.fabric.save(path, {**state, "step": step})
+        self.fabric.barrier()
+        if self.fabric.global_rank == 0:
+            (path / "COMPLETE").write_text(str(step))
+        self.fabric.barrier()
+        return path
+
+    def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> tuple[int, dict[str, Any]]:
+        """Restore ``state``'s objects from ``path``; returns ``(step, the checkpoint's other plain entries)``."""
+        rest = self.fabric.load(path, state, strict=strict)
+        step = int(rest.pop("step", path.name.split("-")[1]))
+        return step, rest
+
+    # ------------------------------------------------------------------ warm weights
+    @property
+    def warm_file(self) -> Path:
+        return self.out / "warm" / "weights.pt"
+
+    def save_warm(self, policy: nn.Module, draft: nn.Module, extra: dict[str, Any]) -> None:
+        """Write the warmed-up policy + draft (global rank 0 only); another run starts from them (``init_from``)."""
+        if self.fabric.global_rank != 0:
+            return
+        self.warm_file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"policy": policy.state_dict(), "draft": draft.state_dict(), "extra": extra}, self.warm_file)
+
+    @staticmethod
+    def load_warm(path: str | Path, policy: nn.Module, draft: nn.Module) -> dict[str, Any]:
+        """Load warmed-up weights from a ``warm`` directory (or its ``weights.pt``); returns their extra entries."""
+        path = Path(path)
+        f = path / "weights.pt" if path.is_dir() else path
+        if not f.is_file():
+            raise FileNotFoundError(f"run.init_from={str(path)!r} has no weights.pt; point it at the 'warm' "
+                                    f"directory of an earlier run")
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        policy.load_state_dict(state["policy"])
+        draft.load_state_dict(state["draft"])
+        return dict(state.get("extra", {}))

@@ -1,0 +1,168 @@
+"""One RL step: prompts -> rollouts -> rewards -> group advantages -> RLBatch -> optimizer step -> weight sync.
+
+:class:`RLStep` holds what a step needs (task, reward, tokenizer, the rollout worker, the Fabric-wrapped module
+and its optimizer) and returns the step's :class:`StepMetrics`. Everything a step consumes is a function of the
+seed, the step index and the checkpointed state: prompts come from ``task.sample(n, step_seed(seed, step))`` and
+the replica's sampling seed from ``(seed, step, dp_rank)``, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.fabric import fabric_training_step
+from lightning_codraft.rl.build import encode_prompt, fit_prompts
+from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
+from lightning_codraft.rl.rewards import score_completions
+from lightning_codraft.rollout.engine import AcceptanceStats
+from lightning_codraft.training.rl_loss import token_logprobs
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of RL step ``step``'s prompts and sampling."""
+    return seed * 100_003 + step + 1
+
+
+@dataclass
+class StepMetrics:
+    """What one RL step measured (the columns of ``metrics.csv``), global over every rank."""
+
+    step: int
+    """1-based index of the step."""
+    reward: float
+    """Mean reward of the step's samples."""
+    reward_std: float
+    """Standard deviation of the rewards (mean over replicas)."""
+    accuracy: float
+    """Share of samples with reward >= 1."""
+    reward_failures: float
+    """Samples whose reward function raised (scored 0)."""
+    completion_tokens: float
+    """Generated tokens of the step, per replica (mean over replicas)."""
+    acceptance_length: float
+    """Tokens emitted per verification round of the rollouts (1 = no draft)."""
+    acceptance_rate: float
+    """Share of proposed draft tokens the policy accepted."""
+    draft_loss: float
+    """The draft's TTT loss on the step's batch (NaN without a draft)."""
+    draft_acc0: float
+    """Top-1 agreement of the draft's first unroll step with the policy on the step's batch."""
+    policy_loss: float
+    """Clipped policy-gradient loss."""
+    clip_frac: float
+    """Share of completion tokens whose ratio was clipped."""
+    kl: float
+    """k3 KL to the reference policy (0 without one)."""
+    rollout_s: float
+    """Seconds spent generating."""
+    train_s: float
+    """Seconds of the optimizer step (forward, backward, update)."""
+    sync_s: float
+    """Seconds of the weight sync into the engine."""
+    step_s: float
+    """Seconds of the whole step."""
+    tokens_per_s: float
+    """Completion tokens per rollout second."""
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics))
+"""Columns of ``metrics.csv``, in order."""
+TIME_COLUMNS = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")
+"""Columns that depend on wall time (excluded when comparing runs for equality)."""
+
+
+class RLStep:
+    """The RL step of a run.
+
+    Args:
+        cfg: the run's config.
+        fabric: the launched ``Fabric``.
+        dims: this process' (dp, pp, cp) layout.
+        task, reward_fn, tokenizer, context: the task, its reward, the tokenizer and the usable context length.
+        worker: the :class:`~lightning_codraft.rl.rollouts.RolloutWorker`.
+        model: the Fabric-wrapped ``CoDraftModule``; optimizer / scheduler: its optimizer and LR schedule.
+        ref_policy: the reference policy for the KL term (``rl.kl_coef > 0``), else None.
+        log: where status lines go.
+    """
+
+    def __init__(self, cfg: CoDraftConfig, fabric, dims, task, reward_fn, tokenizer, context: int, worker, model,
+                 optimizer, scheduler, ref_policy=None, log: Callable[[str], None] = print):
+        self.cfg, self.fabric, self.dims = cfg, fabric, dims
+        self.task, self.reward_fn, self.tokenizer, self.context = task, reward_fn, tokenizer, context
+        self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
+        self.ref_policy, self.log = ref_policy, log
+        self.last_rollouts: list[Rollout] = []
+
+    def __call__(self, step: int) -> StepMetrics:
+        cfg, tok, dims = self.cfg, self.tokenizer, self.dims
+        seed = step_seed(cfg.run.seed, step)
+        t_start = time.perf_counter()
+        samples = self.task.sample(cfg.rl.prompts_per_step, seed=seed)
+        per_rank = cfg.rl.prompts_per_step // dims.dp
+        mine = samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
+        G = cfg.rl.group_size
+        prompts = fit_prompts([encode_prompt(tok, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens)
+        requests = [p for p in prompts for _ in range(G)]
+        outs, acc, rollout_s = self.worker.generate(requests, seed=seed * 131 + dims.dp_rank)
+        rewards, failed = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)],
+                                            [tok.decode(o.token_ids) for o in outs],
+                                            [s.answer for s in mine for _ in range(G)],
+                                            on_error=cfg.task.on_reward_error)
+        if failed:
+            self.log(f"step {step}: reward failed on samples {failed[:8]}{' ...' if len(failed) > 8 else ''} "
+                     f"(prompt of the first: {mine[failed[0] // G].prompt!r}); scored 0")
+        r = torch.tensor(rewards).view(len(mine), G)
+        adv = group_advantages(r, scale=cfg.rl.scale_advantages).view(-1).tolist()
+        if cfg.rl.loss_aggregation == "sequence":
+            adv = sequence_weighted(adv, [len(o.token_ids) for o in outs])
+        rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
+                    for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
+        self.last_rollouts = rollouts
+        batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id,
+                               ref_logprobs=self._ref_logprobs(rollouts))
+        self.model.train()
+        t0 = time.perf_counter()
+        m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
+        train_s = time.perf_counter() - t0
+        sync_s = self.worker.after_step(step + 1)
+        n_tok = sum(len(o.token_ids) for o in outs)
+        local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
+                              sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
+                              float(acc.accepted), float(acc.draft_steps), float(acc.drafted)], dtype=torch.float64)
+        g = self.fabric.all_reduce(local, reduce_op="mean").tolist()
+        mean_acc = AcceptanceStats(draft_steps=g[6], drafted=g[7], accepted=g[5])  # counts averaged over replicas
+        return StepMetrics(
+            step=step + 1, reward=g[0], reward_std=g[1], accuracy=g[2], reward_failures=g[3], completion_tokens=g[4],
+            acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
+            draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
+            policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
+            kl=m.get("policy/kl", math.nan), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+            step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
+
+    def _ref_logprobs(self, rollouts: list[Rollout]) -> Optional[list[list[float]]]:
+        if self.ref_policy is None:
+            return None
+        b = build_rl_batch(rollouts, [0.0] * len(rollouts), pad_id=self.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = token_logprobs(self.ref_policy(b.input_ids, cu_seqlens=b.cu_seqlens,
+                                                position_ids=b.position_ids).logits, b.target_ids)
+        out, starts = [], b.cu_seqlens[:-1].tolist()
+        for r, s in zip(rollouts, starts):
+            a = s + len(r.prompt_ids) - 1
+            out.append(lp[a:a + len(r.completion_ids)].tolist())
+        return out
+
+
+def metrics_from_dict(row: dict[str, Any]) -> StepMetrics:
+    """A :class:`StepMetrics` from a ``metrics.csv`` row (missing columns are NaN)."""
+    return StepMetrics(**{k: (int(row[k]) if k == "step" else float(row.get(k, math.nan))) for k in COLUMNS})

@@ -1,0 +1,90 @@
+"""``CoDraftModuleConfig``: hyper-parameters of the joint RL + draft objective, its optimiser and its pipeline schedule.
+
+Every field has a docstring; the RL loop maps the recipe's ``rl.*`` / ``draft.*`` / ``parallel.*`` keys onto it
+(``lightning_codraft.rl.build``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+@dataclass
+class CoDraftModuleConfig:
+    """Hyper-parameters of the joint RL + draft objective and its optimiser."""
+
+    draft_loss_weight: float = 1.0
+    """lambda in ``L = L_rl + lambda * L_draft``; 0 trains the policy only (the draft is still scored)."""
+    freeze_draft: bool = False
+    """Keep the draft fixed (baseline: a warm-started draft that drifts away from the policy)."""
+    score_draft: bool = True
+    """Run the draft (without gradient) to log its accuracy when it is not trained; False skips it entirely."""
+    ttt_steps: int = 3
+    """K: training-time-test unroll depth of the draft loss."""
+    ttt_decay: float = 0.8
+    """Weight ratio between consecutive unroll steps (step k weighs decay**k)."""
+    clip_eps: float = 0.2
+    """PPO / GRPO lower clip range."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (DAPO clip-higher); None = clip_eps."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (needs ``ref_logprobs`` in the batch when > 0)."""
+    policy_lr: float = 1e-5
+    """Peak learning rate of the policy parameter group."""
+    draft_lr: float = 1e-4
+    """Peak learning rate of the draft parameter group."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of both groups."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    policy_warmup_steps: int = 0
+    """Linear warm-up steps of the policy learning rate."""
+    draft_warmup_steps: int = 0
+    """Linear warm-up steps of the draft learning rate."""
+    schedule: str = "constant"
+    """After warm-up: ``constant`` or ``cosine`` (to 0 at ``total_steps``)."""
+    total_steps: int = 0
+    """Optimizer steps of the run, used by the cosine schedule (0 with ``constant``)."""
+    grad_clip: Optional[float] = None
+    """Clip each group's global gradient norm to this value; None = no clipping."""
+    taps: Optional[tuple[int, ...]] = None
+    """Policy tap ids feeding the draft; None = the draft's configured taps, else the policy's defaults."""
+    num_microbatches: int = 1
+    """M: each replica's batch is cut into M microbatches of whole documents; the objective is the mean over
+    microbatches of the token-mean losses (the pipeline schedule's unit; set it equal on every mesh)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule under pp > 1: ``1f1b`` (needs num_microbatches >= pp) or ``gpipe``."""
+    layers_per_stage: Optional[tuple[int, ...]] = None
+    """Decoder layers of every pipeline stage; None balances them."""
+
+    def __post_init__(self) -> None:
+        if self.draft_loss_weight < 0:
+            raise ValueError(f"draft_loss_weight (lambda)={self.draft_loss_weight} must be >= 0; "
+                             f"use 0 to train the policy only")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
+        if self.schedule == "cosine" and self.total_steps < 1:
+            raise ValueError(f"schedule='cosine' needs total_steps >= 1, got {self.total_steps}")
+        for name in ("policy_lr", "draft_lr", "weight_decay", "kl_coef", "clip_eps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be > 0 or None")
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} must be '1f1b' or 'gpipe'")
+
+    @property
+    def trains_draft(self) -> bool:
+        """The draft term is in the loss (lambda > 0 and the draft is not frozen)."""
+        return self.draft_loss_weight > 0 and not self.freeze_draft
+
+    @property
+    def runs_draft(self) -> bool:
+        """The draft runs in the step: trained, or scored without gradient."""
+        return self.trains_draft or self.score_draft
