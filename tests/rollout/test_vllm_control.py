@@ -1,6 +1,6 @@
 """VLLMEngine's control logic against a fake ``vllm.LLM`` (no vLLM needed): which weight-update path is taken,
-what every update and wake-up verifies (the draft included), sleep where unsupported, error summaries, per-request stats and
-``adaptive=True``. The real paths on vLLM-CPU: test_vllm_engine.py."""
+what every update and wake-up verifies (the draft included), sleep where unsupported, error summaries,
+per-request stats and ``adaptive=True``. The real paths on vLLM-CPU: test_vllm_engine.py."""
 
 import sys
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
-"""VLLMEngine against the embedded engine (needs vllm; see tests/rollout/README.md):
+"""VLLMEngine against the embedded engine: greedy equality, weight updates by the native API and the worker
+extension, verification of policy and draft, CPU sleep (needs vllm; see tests/rollout/README.md):
 
     /work/venv-vllm/bin/python -m pytest tests/rollout -m vllm -q
 """

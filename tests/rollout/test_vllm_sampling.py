@@ -146,7 +146,7 @@ def test_acceptance_equals_embedded_engine(fixed, models, temperature):
     emb, vll = acceptance(None, models, temperature), acceptance(fixed, models, temperature)
     print(f"T={temperature}: embedded {emb.per_position_rate()} over {emb.draft_steps} rounds "
           f"(length {emb.acceptance_length:.3f}); vLLM {vll.per_position_rate()} over {vll.draft_steps} rounds "
-          f"(length {vll.acceptance_length:.3f})")
+          f"(length {vll.acceptance_length:.3f}); z {[round(z, 2) for z in z_scores(vll, emb)]}")
     assert vll.drafted == K * vll.draft_steps and vll.draft_steps > 1000
     assert max(abs(z) for z in z_scores(vll, emb)) < Z, z_scores(vll, emb)
 
@@ -155,7 +155,7 @@ def test_without_the_fix_acceptance_collapses(unfixed, models):
     if not unfixed.cpu_fixes["expand_batch_to_tokens"].startswith("defect"):
         pytest.skip("this vLLM build expands sampling parameters correctly")
     emb, vll = acceptance(None, models, 0.05), acceptance(unfixed, models, 0.05)
-    print(f"unfixed T=0.05: embedded {emb.per_position_rate()} vLLM {vll.per_position_rate()}")
+    print(f"unfixed T=0.05: embedded {emb.per_position_rate()} vLLM {vll.per_position_rate()} z {z_scores(emb, vll)}")
     assert z_scores(emb, vll)[0] > 3 * Z  # the acceptance test above has the power to see the defect
 
 
