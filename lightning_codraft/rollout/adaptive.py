@@ -53,6 +53,10 @@ class AdaptiveConfig:
     follows a changing draft and a draft that stopped being used is re-probed."""
     request_decay: float = 0.9
     """Per-round factor on a request's own counts: its estimate follows its last ~10 rounds."""
+    untried_decay: float = 0.95
+    """Extra per-round factor on the engine-wide counts of the positions a round did not verify (j >= k): a
+    position left untried drifts back to its prior within ~15 rounds, so a proposal length that looked bad
+    once is tried again."""
     cost_history: int = 128
     """Memory of each cost term's fit, in measured rounds (older rounds weigh less by exp(-age / this));
     calibration points are kept besides."""
@@ -62,12 +66,13 @@ class AdaptiveConfig:
     """(first, longest) number of rounds drafting stays off after it stopped paying; the wait doubles each time
     drafting stops again within ``first`` rounds (a failed re-probe) and resets once drafting lasts ``first``
     rounds, so a draft that never pays costs a probe every ``longest`` rounds at most."""
-    resume_window: int = 16
+    resume_window: int = 32
     """While k = 0 the draft's catch-up is deferred; when drafting resumes after more plain rounds than this, the
-    draft restarts on the last ``resume_window`` positions instead of catching up on all of them."""
+    draft catches up on the last ``resume_window`` positions only (it keeps what it had cached before, e.g. the
+    prompt, and skips the positions between)."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_acceptance", "global_decay", "request_decay"):
+        for name in ("prior_acceptance", "global_decay", "request_decay", "untried_decay"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"AdaptiveConfig.{name}={value} must be in (0, 1]")
@@ -102,16 +107,20 @@ def expected_tokens(rates: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """Expected tokens a batch emits in one round, for every speculation length.
 
     Args:
-        rates: ``(B, K)`` conditional acceptance rate of each request at draft positions 1..K.
+        rates: ``(B, K)`` conditional acceptance rate of each request at draft positions 1..K, in [0, 1].
         remaining: ``(B,)`` tokens each request may still emit (>= 1); tokens past it are discarded.
 
     Returns:
         ``(K + 1,)``: entry k is ``sum_b 1 + sum_{j <= min(k, r_b - 1)} prod_{i <= j} rates[b, i]``.
     """
     B, K = rates.shape
-    reach = np.cumprod(np.clip(rates, 0.0, 1.0), axis=1)                       # P(position j accepted)
-    reach = np.where(np.arange(1, K + 1)[None, :] < remaining[:, None], reach, 0.0)
-    return B + np.concatenate([[0.0], np.cumsum(reach.sum(axis=0))])
+    reach = np.cumprod(rates, axis=1)                                   # P(draft position j accepted)
+    if remaining.min() <= K:                                            # rows that cannot use every position
+        reach[np.arange(1, K + 1)[None, :] >= remaining[:, None]] = 0.0
+    out = np.empty(K + 1)
+    out[0] = 0.0
+    np.cumsum(reach.sum(axis=0), out=out[1:])
+    return out + B
 
 
 class _LinearFit:
@@ -245,11 +254,20 @@ def _near(a: float, b: float) -> bool:
 class _Setting:
     """Engine-wide state of one sampling setting: decayed counts per draft position and the probe backoff."""
 
-    acc: np.ndarray     # (K,) accepted at position j (given positions < j were)
-    tried: np.ndarray   # (K,) verified at position j
+    acc: list[float]    # (K,) accepted at position j (given positions < j were)
+    tried: list[float]  # (K,) verified at position j
     backoff: int        # rounds drafting stays off the next time it stops paying
     hold: int = 0       # rounds left in the current wait
     run: int = 0        # consecutive drafting rounds up to the previous one
+
+
+def _outcome_tables(K: int) -> tuple[np.ndarray, np.ndarray]:
+    """``tried[k, a]`` / ``accepted[a]``: (K,) float masks of the positions verified / accepted in a round that
+    proposed k tokens and accepted a (position j is verified when j <= a, j < k; accepted when j < a)."""
+    j, a = np.arange(K)[None, :], np.arange(K + 1)[:, None]
+    accepted = (j < a).astype(np.float64)                               # (K+1, K)
+    tried = np.stack([((j < k) & (j <= a)).astype(np.float64) for k in range(K + 1)])   # (K+1, K+1, K)
+    return tried, accepted
 
 
 class AcceptanceEstimates:
@@ -263,41 +281,39 @@ class AcceptanceEstimates:
 
     def __init__(self, num_requests: int, shared: _Setting, config: AdaptiveConfig):
         self.shared, self.config = shared, config
-        K = shared.acc.shape[0]
+        K = len(shared.acc)
         self.acc, self.tried = np.zeros((num_requests, K)), np.zeros((num_requests, K))
+        self._tried_mask, self._acc_mask = _outcome_tables(K)
 
-    def global_rates(self) -> np.ndarray:
+    def global_rates(self) -> list[float]:
         """``(K,)`` engine-wide conditional rates; position i's prior is position i - 1's estimate."""
-        acc, tried = self.shared.acc, self.shared.tried
         c, prior, out = self.config, self.config.prior_acceptance, []
-        for j in range(acc.shape[0]):
-            prior = (acc[j] + c.global_prior_weight * prior) / (tried[j] + c.global_prior_weight)
+        for a, t in zip(self.shared.acc, self.shared.tried):
+            prior = (a + c.global_prior_weight * prior) / (t + c.global_prior_weight)
             out.append(prior)
-        return np.array(out)
+        return out
 
     def rates(self) -> np.ndarray:
         """``(B, K)`` each request's conditional rates."""
         m = self.config.request_prior_weight
-        return (self.acc + m * self.global_rates()[None, :]) / (self.tried + m)
+        return (self.acc + m * np.array(self.global_rates())) / (self.tried + m)
 
     def observe(self, k: int, accepted: np.ndarray) -> None:
         """Decay every count one round, then add a round in which every row proposed k and accepted ``accepted``
         (``(B,)`` ints in ``[0, k]``): position j was tried if j <= accepted + 1, accepted if j <= accepted."""
-        c = self.config
-        acc, tried = self.shared.acc, self.shared.tried
+        c, sh = self.config, self.shared
         self.acc *= c.request_decay
         self.tried *= c.request_decay
-        acc *= c.global_decay
-        tried *= c.global_decay
-        if k == 0:
-            return
-        j = np.arange(acc.shape[0])[None, :]
-        a = np.asarray(accepted)[:, None]
-        t_mask, a_mask = ((j < k) & (j <= a)).astype(np.float64), (j < a).astype(np.float64)
-        self.tried += t_mask
-        self.acc += a_mask
-        tried += t_mask.sum(axis=0)
-        acc += a_mask.sum(axis=0)
+        t_sum = a_sum = (0.0,) * len(sh.acc)
+        if k:
+            t_mask, a_mask = self._tried_mask[k][accepted], self._acc_mask[accepted]   # (B, K) each
+            self.tried += t_mask
+            self.acc += a_mask
+            t_sum, a_sum = t_mask.sum(axis=0).tolist(), a_mask.sum(axis=0).tolist()
+        for j in range(len(sh.acc)):     # untried positions (j >= k) fade faster
+            f = c.global_decay * (c.untried_decay if j >= k else 1.0)
+            sh.acc[j] = sh.acc[j] * f + a_sum[j]
+            sh.tried[j] = sh.tried[j] * f + t_sum[j]
 
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows`` (requests that finished leave the batch)."""
@@ -324,23 +340,27 @@ class SpeculationController:
         self.costs = costs or CostModel(self.config.cost_history)
         self.rounds_since_calibration = 0
         self._settings: dict[tuple, _Setting] = {}
+        self._checked_size: int | None = None   # needs_calibration's last batch size and answer
+        self._near_calibration = False
 
     def new_batch(self, num_requests: int, sampling_key: tuple) -> AcceptanceEstimates:
         """Estimates for a new batch of requests decoded with the given sampling setting."""
         if sampling_key not in self._settings:
-            self._settings[sampling_key] = _Setting(np.zeros(self.max_k), np.zeros(self.max_k),
+            self._settings[sampling_key] = _Setting([0.0] * self.max_k, [0.0] * self.max_k,
                                                     self.config.probe_backoff[0])
         return AcceptanceEstimates(num_requests, self._settings[sampling_key], self.config)
 
     def needs_calibration(self, batch_size: int) -> bool:
         """True when the cost model has no timed forwards near ``batch_size``, or its last ones are stale."""
-        return (self.costs.needs_calibration(batch_size)
-                or self.rounds_since_calibration >= self.config.recalibrate_every)
+        if batch_size != self._checked_size:
+            self._checked_size, self._near_calibration = batch_size, not self.costs.needs_calibration(batch_size)
+        return not self._near_calibration or self.rounds_since_calibration >= self.config.recalibrate_every
 
     def start_calibration(self, sizes: list[int]) -> None:
         """The engine is about to time forwards of these batch sizes (see :meth:`CostModel.start_calibration`)."""
         stale = self.rounds_since_calibration >= self.config.recalibrate_every
         self.costs.start_calibration(sizes, replace=stale)
+        self._checked_size = None
         if stale:
             self.rounds_since_calibration = 0
 
@@ -351,9 +371,9 @@ class SpeculationController:
         if st.hold > 0:
             st.hold -= 1
             return 0
-        times = np.array(self.costs.round_times(len(remaining), self.max_k))
-        gain = expected_tokens(estimates.rates(), np.asarray(remaining)) / times
-        k = int(np.argmax(gain)) if np.isfinite(gain).all() else 0
+        times = self.costs.round_times(len(remaining), self.max_k)
+        tokens = expected_tokens(estimates.rates(), np.asarray(remaining)).tolist()
+        k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:          # drafting stopped paying: wait, longer each time a probe fails
             st.hold, st.backoff = st.backoff, min(2 * st.backoff, longest)

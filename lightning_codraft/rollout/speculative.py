@@ -17,8 +17,7 @@ adaptive controller, rollout/adaptive.py):
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
    the next round's step-0 proposal. After a k = 0 round the catch-up is deferred (the round's taps are
    kept) and done in one forward when drafting resumes; past ``AdaptiveConfig.resume_window`` deferred
-   positions the draft restarts on the last ones (its cache slots then lag the policy's positions by an
-   offset per row), so a draft that does not pay costs nothing while unused.
+   positions only the last ones are caught up, so a draft that does not pay costs nothing while unused.
 
 The forwards run through the models' decoders (``Policy.decoder`` / ``Eagle3Draft.decoder``, models/decode.py:
 the modules' math with fewer ops per layer; modules without a ``decoder`` are called through their own
@@ -66,7 +65,7 @@ class _Batch:
     dcache: KVCache | None
     pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
     length: torch.Tensor          # (B,) tokens in the policy cache
-    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (nonzero after a draft restart)
+    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by _resume)
     h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while backlog is non-empty)
     dl_last: torch.Tensor | None  # (B, Vd) its logits
     backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
@@ -282,15 +281,15 @@ class SpeculativeEngine:
         b.dcache.lengths = new_lengths - b.doff
 
     def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch) -> None:
-        """Catch the draft up on the deferred k = 0 rounds (the last ``resume_window`` of them; with more, the
-        draft cache restarts at slot 0 on those positions)."""
+        """Catch the draft up on the deferred k = 0 rounds: all of them, or with more than ``resume_window`` the
+        last ``resume_window``, written right after the draft's cached positions (the skipped ones are left out:
+        the draft keeps the prompt and the recent tokens, its slots lag the policy's positions by ``b.doff``)."""
         taps = tuple(torch.cat([e[0][i] for e in b.backlog], dim=1) for i in range(3))
         nxt = torch.cat([e[1] for e in b.backlog], dim=1)
         window = self.controller.config.resume_window
         if nxt.shape[1] > window:
+            b.doff = b.doff + (nxt.shape[1] - window)
             taps, nxt = tuple(t[:, -window:] for t in taps), nxt[:, -window:]
-            b.doff = b.length - window
-            b.dcache.lengths = torch.zeros_like(b.length)
         last = torch.full_like(b.length, nxt.shape[1] - 1)
         self._catch_up(pdec, ddec, b, taps, nxt, last, b.length)
         b.backlog = []

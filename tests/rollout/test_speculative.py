@@ -51,7 +51,7 @@ class _Scripted(SpeculationController):
 
 def _adaptive(mode, k):
     """The engine's ``adaptive`` argument for a test mode: fixed K, the real controller, or a scripted one that
-    mixes every k in 0..K with runs of k = 0 longer than the resume window (the draft then restarts)."""
+    mixes every k in 0..K with runs of k = 0 longer than the resume window (the draft then skips positions)."""
     return {"fixed": False, "adaptive": True,
             "scripted": _Scripted(k, [k, 0, 1] + [0] * 20 + [k, k - 1, 0, 0, k])}[mode]
 
@@ -327,9 +327,9 @@ def test_adaptive_engine_stops_drafting_with_a_useless_draft(policy):
     assert total.plain_rounds > 0.8 * total.policy_forwards, total.as_dict()
 
 
-def test_draft_restart_after_plain_rounds_keeps_acceptance(policy, fitted):
-    """After more k = 0 rounds than the resume window, the draft restarts on the last positions: on prompts it
-    was fitted to, its proposals are still accepted."""
+def test_draft_resume_after_plain_rounds_keeps_acceptance(policy, fitted):
+    """After more k = 0 rounds than the resume window, the draft catches up on the last positions only: on
+    prompts it was fitted to, its proposals are still accepted."""
     draft, fit_set = fitted
     engine = SpeculativeEngine(policy, draft, 3, adaptive=_Scripted(3, [3] + [0] * 18 + [3] * 10))
     outs = engine.generate(fit_set[:8], 24, temperature=0.0)
