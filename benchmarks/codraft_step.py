@@ -97,7 +97,7 @@ def main() -> None:
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(step(name))
     med = {n: statistics.median(t) for n, t in times.items()}
-    tokens = int(batch["cu_seqlens"][-1])
+    tokens = batch.num_tokens
 
     rows = [(n, med[n], med[n] / med["rl_only"], tokens / med[n]) for n in names]
     header = f"{'variant':<10} {'step s':>9} {'x rl_only':>10} {'tokens/s':>10}"

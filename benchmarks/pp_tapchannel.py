@@ -37,10 +37,13 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+
 from lightning_codraft.attention.packing import pack_documents, shift_left_local  # noqa: E402
+from lightning_codraft.batch import RLBatch  # noqa: E402
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
 from lightning_codraft.parallel.pipeline import PolicyStage, check_num_microbatches  # noqa: E402
-from lightning_codraft.parallel.pp_step import PipelineCoDraft, PipelineConfig  # noqa: E402
+from lightning_codraft.parallel.pp_runner import PipelineRunner  # noqa: E402
 from lightning_codraft.parallel.tap_channel import TapChannel  # noqa: E402
 from lightning_codraft.training.draft_loss import ttt_draft_loss  # noqa: E402
 from lightning_codraft.training.rl_loss import policy_gradient_loss  # noqa: E402
@@ -56,7 +59,7 @@ class LocalTaps(TapChannel):
 
     def begin(self, num_microbatches, shape, dtype, device="cpu"):
         self._active, self._num_microbatches, self._shape, self._dtype = True, num_microbatches, tuple(shape), dtype
-        self._local = {}
+        self._local, self._sent = {}, set()
         self._zeros = torch.zeros(shape, dtype=dtype, device=device)
 
     def send(self, microbatch, tap, hidden):
@@ -110,15 +113,13 @@ class InbandStage(PolicyStage):
         return torch.cat([out] + [carried[t] for t in self.carried_out], dim=-1)
 
 
-class InbandRunner(PipelineCoDraft):
-    """PipelineCoDraft with the in-band stage: the schedule's activations are ``H * (1 + carried)`` wide."""
+class InbandRunner(PipelineRunner):
+    """PipelineRunner with the in-band stage: the schedule's activations are ``H * (1 + carried)`` wide."""
 
     def _schedule(self, num_microbatches, tokens, dtype, device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         key = (num_microbatches, tokens)
         if key not in self._schedules:
-            check_num_microbatches(self.config.schedule, num_microbatches, self.num_stages)
+            check_num_microbatches(self.schedule_name, num_microbatches, self.num_stages)
             s, H = self.stage_module, self.policy.config.hidden_size
             ex_in = (torch.zeros(1, tokens, dtype=torch.int64, device="meta") if s.is_first else
                      torch.empty(tokens, H * (1 + len(s.carried_in)), dtype=dtype, device="meta", requires_grad=True))
@@ -126,26 +127,42 @@ class InbandRunner(PipelineCoDraft):
             ex_out = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
             stage = PipelineStage(s, s.stage, s.num_stages, device, input_args=(ex_in,), output_args=(ex_out,),
                                   group=self.pp_group)
-            cls = Schedule1F1B if self.config.schedule == "1f1b" else ScheduleGPipe
-            self._schedules[key] = cls(stage, num_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+            cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
+            self._schedules[key] = cls(stage, num_microbatches, loss_fn=self._schedule_loss, scale_grads=False)
         return self._schedules[key]
 
 
-def make_runner(variant, policy, draft, stage, num_stages, pp_group, tap_group, config):
-    last = stage == num_stages - 1
-    kwargs = dict(stage=stage, num_stages=num_stages, pp_group=pp_group, tap_group=tap_group,
-                  rl_loss_fn=policy_gradient_loss, draft_loss_fn=ttt_draft_loss, config=config)
-    if variant == "no_draft":
-        return PipelineCoDraft(policy, None, **kwargs)
-    cls = InbandRunner if variant == "inband" else PipelineCoDraft
-    runner = cls(policy, draft if last else None, **kwargs)
-    if variant == "tapchannel":
+def joint_loss(draft, ttt_steps):
+    """The joint objective of one microbatch (RL loss + the draft's TTT loss on the shipped taps), or the RL loss
+    alone without a draft: ``loss_fn(logits, taps, batch) -> (loss, float value)`` for ``PipelineRunner.step``."""
+
+    def fn(logits, taps, mb):
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
+        rl, _ = policy_gradient_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask)
+        if draft is None:
+            return rl, float(rl)
+        embeds = [mb.shift_left(taps[0], k + 1) for k in range(ttt_steps)]
+        steps = draft.ttt_forward([taps[t] for t in draft.config.taps], embeds, mb.cu_seqlens, mb.position_ids)
+        dl = ttt_draft_loss([lg for lg, _ in steps], logits.detach(), mb.cu_seqlens, mb.draft_targets, draft.d2t,
+                            draft.t2d)
+        return rl + dl.loss, float(rl + dl.loss)
+
+    return fn
+
+
+def make_runner(variant, policy, draft, stage, num_stages, pp_group, tap_group, schedule, split):
+    taps = () if variant == "no_draft" else (0, *draft.config.taps)
+    kwargs = dict(stage=stage, num_stages=num_stages, pp_group=pp_group, tap_group=tap_group, tap_ids=taps,
+                  schedule=schedule, layers_per_stage=split)
+    runner = (InbandRunner if variant == "inband" else PipelineRunner)(policy, **kwargs)
+    if variant in ("no_draft", "tapchannel"):
         return runner
     owners = dict(runner.channel.owners)
     chan_cls = LocalTaps if variant == "draft_local" else InbandTaps
     runner.channel = chan_cls(owners, stage, num_stages, tap_group)
     stage_cls = InbandStage if variant == "inband" else PolicyStage
-    runner.stage_module = stage_cls(policy, runner.layout, stage, tap_sink=runner.channel.send, tap_ids=tuple(owners))
+    runner.stage_module = stage_cls(policy, runner.layout, stage, tap_sink=runner.channel.send,
+                                    tap_ids=tuple(owners))
     if variant == "inband":
         runner.stage_module.configure(owners, policy.config.hidden_size, runner.channel)
     return runner
@@ -169,10 +186,10 @@ def microbatches(num_mb, tokens, vocab, seed=0):
         lengths = [tokens // 2 + tokens // 8, tokens - tokens // 2 - tokens // 8]
         b = pack_documents([torch.randint(1, vocab, (n,), generator=gen) for n in lengths])
         mask = (b.position_ids >= 8).float()
-        out.append(dict(input_ids=b.input_ids, target_ids=shift_left_local(b.input_ids, b.cu_seqlens, 1),
-                        position_ids=b.position_ids, cu_seqlens=b.cu_seqlens, valid=b.valid, loss_mask=mask,
-                        old_logprobs=-torch.rand(tokens, generator=gen) * mask - 6.0 * mask,
-                        advantages=torch.randn(tokens, generator=gen) * mask, draft_mask=b.valid.float()))
+        out.append(RLBatch(input_ids=b.input_ids, target_ids=shift_left_local(b.input_ids, b.cu_seqlens, 1),
+                           position_ids=b.position_ids, cu_seqlens=b.cu_seqlens, valid=b.valid, loss_mask=mask,
+                           old_logprobs=-torch.rand(tokens, generator=gen) * mask - 6.0 * mask,
+                           advantages=torch.randn(tokens, generator=gen) * mask, draft_mask=b.valid.float()))
     return out
 
 
@@ -189,8 +206,10 @@ def worker(rank, world, port, args, queue):
     counts = torch.rand(args.vocab, generator=torch.Generator().manual_seed(1))
     draft = Eagle3Draft.from_policy(policy, draft_vocab_size=args.vocab // 4, token_counts=counts)
     split = tuple(int(x) for x in args.split.split(",")) if args.split else None
-    config = PipelineConfig(schedule=args.schedule, layers_per_stage=split, ttt_steps=args.ttt_steps)
-    runners = {v: make_runner(v, policy, draft, rank, world, pp_group, tap_group, config) for v in VARIANTS}
+    runners = {v: make_runner(v, policy, draft, rank, world, pp_group, tap_group, args.schedule, split)
+               for v in VARIANTS}
+    last = rank == world - 1
+    loss_fns = {v: joint_loss(None if v == "no_draft" or not last else draft, args.ttt_steps) for v in VARIANTS}
     mbs = microbatches(args.microbatches, args.tokens, args.vocab)
     times = {v: [] for v in VARIANTS}  # per round: (wall max over ranks, CPU sum over ranks, CPU max over ranks)
     losses, tap_bytes = {}, {}
@@ -200,7 +219,7 @@ def worker(rank, world, port, args, queue):
             draft.zero_grad(set_to_none=True)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            out = runners[v].step(mbs)
+            records = runners[v].step(mbs, loss_fns[v])
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             stats = torch.tensor([wall, cpu, cpu], dtype=torch.float64)
             mx = stats.clone()
@@ -208,7 +227,7 @@ def worker(rank, world, port, args, queue):
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
             if r:
                 times[v].append((float(mx[0]), float(stats[1]), float(mx[2])))
-            losses[v], tap_bytes[v] = float(out.loss), out.tap_bytes
+            losses[v], tap_bytes[v] = sum(records) / len(records), runners[v].tap_bytes_last_step
     pipe = {v: pipeline_bytes(v, runners[v], args.tokens, args.microbatches, args.hidden) for v in VARIANTS}
     queue.put((rank, times, losses, tap_bytes, pipe, None, draft.config.taps,
                runners["tapchannel"].layout.layer_ranges))

@@ -16,17 +16,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Sequence
 
+from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
+from lightning_codraft.rl.build import encode_prompt
+from lightning_codraft.rl.compare import compare_arms, write_report
+from lightning_codraft.rl.loop import fit, load_for_rollout
 from lightning_codraft.rl.rewards import RewardError
+from lightning_codraft.rollout.engine import AcceptanceStats
+
+
+class UsageError(ValueError):
+    """A command-line argument is invalid (exit status 2, like a config error)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="codraft", description="Online EAGLE-3 draft co-training during RL "
                                                            "post-training (lightning_codraft).")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--debug", action="store_true", help="on an error, print the full traceback")
     sub = p.add_subparsers(dest="command", required=True)
-
     def common(sp):
         sp.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/tiny-cpu.yaml); defaults if omitted")
         sp.add_argument("--dry-run", action="store_true", help="validate the config, print it, and exit")
@@ -77,33 +88,26 @@ def _placement(cfg: CoDraftConfig) -> str:
 
 
 def _cmd_fit(cfg: CoDraftConfig) -> int:
-    from lightning_codraft.rl.loop import fit
-
     fit(cfg)
     return 0
 
 
 def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
-    from lightning_codraft.rl.build import encode_prompt
-    from lightning_codraft.rl.loop import load_for_rollout
-
     run = load_for_rollout(cfg)
     tok = run.tokenizer
     if args.prompt is not None:
         texts = list(args.prompt)
         for i, t in enumerate(texts):
             if not t:
-                raise ValueError(f"--prompt #{i} is empty; give a non-empty prompt text")
+                raise UsageError(f"--prompt #{i} is empty; give a non-empty prompt text")
     else:
         if args.num_prompts < 1:
-            raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
+            raise UsageError(f"--num-prompts={args.num_prompts} must be >= 1")
         texts = [s.prompt for s in run.task.sample(args.num_prompts, seed=cfg.run.seed + 123)]
     prompts = run.fit_prompts([encode_prompt(tok, t) for t in texts])
     temperature = cfg.rl.temperature if args.temperature is None else args.temperature
     outs = run.worker.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
                                top_p=cfg.rl.top_p, seed=cfg.run.seed, stop_token_ids=[tok.eos_token_id])
-    from lightning_codraft.rollout.engine import AcceptanceStats
-
     for t, o in zip(texts, outs):
         print(f"{t!r} -> {tok.decode(o.token_ids)!r}  (acceptance length {o.stats.acceptance_length:.2f})")
     total = AcceptanceStats.total(o.stats for o in outs)
@@ -114,8 +118,6 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
 
 
 def _cmd_bench(cfg: CoDraftConfig, args) -> int:
-    from lightning_codraft.rl.compare import compare_arms, write_report
-
     res = compare_arms(cfg)
     print(res.table())
     if args.out:
@@ -125,7 +127,12 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``codraft`` console script; returns the exit status."""
+    """Entry point of the ``codraft`` console script; returns the exit status.
+
+    0: done. 2: the config or an argument is invalid (the message names it). 3: a reward function failed with
+    ``task.on_reward_error=raise``. 1: anything else (the error and where it happened; ``--debug`` prints the
+    full traceback).
+    """
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -137,13 +144,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "rollout":
             return _cmd_rollout(cfg, args)
         return _cmd_bench(cfg, args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"codraft {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, UsageError, FileNotFoundError) as e:
+        if args.debug:
+            traceback.print_exc()
+        kind = "config error" if isinstance(e, ConfigError) else "error"
+        print(f"codraft {args.command}: {kind}: {e}", file=sys.stderr)
         return 2
     except RewardError as e:
+        if args.debug:
+            traceback.print_exc()
         print(f"codraft {args.command}: stopped: {e} (task.on_reward_error=raise; the last checkpoint in "
               f"run.out_dir resumes the run)", file=sys.stderr)
         return 3
+    except Exception as e:  # noqa: BLE001 - the CLI reports every failure; --debug shows where
+        if args.debug:
+            traceback.print_exc()
+            return 1
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"codraft {args.command}: {type(e).__name__}: {e}\n  (raised at {where.filename}:{where.lineno}; "
+              f"rerun with --debug for the full traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -65,3 +65,25 @@ def test_console_entry_point_runs_as_a_module():
                         "rl.steps=7"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "GRPO: 7 steps" in r.stdout
+
+
+def test_version_and_only_config_errors_say_config_error(monkeypatch, capsys):
+    from lightning_codraft import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and __version__ in capsys.readouterr().out
+    assert main(["fit", "--config", TINY, "rl.stepz=3"]) == 2
+    assert "config error: unknown config key" in capsys.readouterr().err
+
+    def deep_failure(cfg):
+        raise ValueError("a shape mismatch deep inside training")
+
+    monkeypatch.setattr("lightning_codraft.cli.fit", deep_failure)
+    assert main(["fit", "--config", TINY]) == 1
+    err = capsys.readouterr().err
+    assert "config error" not in err and "ValueError: a shape mismatch deep inside training" in err
+    assert "test_cli.py" in err and "--debug" in err and "Traceback" not in err
+    assert main(["--debug", "fit", "--config", TINY]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "deep_failure" in err

@@ -1,7 +1,7 @@
 """``codraft_attention``: causal packed attention of the policy/draft with the TTT branch keys merged in.
 
 Query row ``i`` (of document ``d``) attends, in ONE softmax, to the main keys ``{K_j : j <= i, j in d}`` and
-to the branch keys ``{K^m_i : 1 <= m <= k}`` at its own row (DESIGN.md, "TTT branch attention"). The main part
+to the branch keys ``{K^m_i : 1 <= m <= k}`` at its own row (docs/design/architecture.md, "TTT branch attention"). The main part
 is causal varlen attention (or, under context parallelism, the zigzag ring of
 :mod:`lightning_codraft.attention.ring`); the branch part is closed-form and rank-local; the two are merged by
 log-sum-exp, and the backward differentiates each part against the merged ``(out, lse)``.
@@ -20,6 +20,7 @@ from lightning_codraft.attention.branch import branch_attention_backward, branch
 from lightning_codraft.attention.local import varlen_attention_backward, varlen_attention_forward
 from lightning_codraft.attention.merge import merge_attention_
 from lightning_codraft.attention.packing import validate_cu_seqlens
+from lightning_codraft.attention.ring import ring_codraft_attention
 
 
 def check_codraft_inputs(q: Tensor, k: Tensor, v: Tensor, branch_k: Sequence[Tensor],
@@ -94,8 +95,6 @@ def codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, br
     check_codraft_inputs(q, k, v, branch_k, branch_v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if group is not None and dist.get_world_size(group) > 1:
-        from lightning_codraft.attention.ring import ring_codraft_attention
-
         return ring_codraft_attention(q, k, v, cu_seqlens, branch_k=branch_k, branch_v=branch_v, group=group,
                                       softmax_scale=scale)
     validate_cu_seqlens(cu_seqlens, total_tokens=q.shape[0])

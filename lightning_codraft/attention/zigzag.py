@@ -2,7 +2,7 @@
 
 Every document length is a multiple of ``2 * cp``; each document is cut in ``2 * cp`` equal chunks and CP
 rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every document, in that order, documents concatenated
-(DESIGN.md). So every rank holds ``L / cp`` rows of a document of length ``L``: the local ``cu_seqlens`` is the
+(docs/design/architecture.md). So every rank holds ``L / cp`` rows of a document of length ``L``: the local ``cu_seqlens`` is the
 global one divided by ``cp``, and every rank does the same causal work (load balance).
 """
 

@@ -20,6 +20,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,12 +54,7 @@ def capture_rng() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
+    state["numpy"] = numpy.random.get_state()
     return state
 
 
@@ -68,8 +64,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy
-
         numpy.random.set_state(state["numpy"])
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 MESH_DIM_NAMES = ("dp", "pp", "cp")
 
@@ -159,8 +160,6 @@ class ParallelDims:
             raise ValueError(
                 f"the process group has {dist.get_world_size()} ranks but ParallelDims.world_size={self.world_size}"
             )
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.rank = dist.get_rank()
         self.mesh = init_device_mesh(device_type, (self.dp, self.pp, self.cp), mesh_dim_names=MESH_DIM_NAMES)
         for name in MESH_DIM_NAMES:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch import Tensor, nn
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -286,8 +287,6 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
         ``schedule.step(mb=arange(M), target=arange(M), losses=[])`` on the last, ``schedule.step(mb=...)``
         elsewhere.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     check_num_microbatches(schedule, num_microbatches, stage_module.num_stages)
     policy = stage_module._policy
     hidden = policy.config.hidden_size

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
 from lightning_codraft.parallel.pipeline import StageLayout
@@ -150,13 +150,17 @@ def check_pipeline_split(cfg: CoDraftConfig, policy: Policy) -> None:
 
 
 def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> list[list[int]]:
-    """``prompts`` unchanged, after checking every one leaves room for ``max_new_tokens`` in ``context``."""
+    """``prompts`` unchanged, after checking every one leaves room for ``max_new_tokens`` in ``context``.
+
+    Raises:
+        ConfigError: a prompt leaves no room (the fix is ``model.max_position_embeddings`` or ``rl.max_new_tokens``).
+    """
     room = context - max_new_tokens
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty after tokenization")
         if len(p) > room:
-            raise ValueError(f"prompt {i} has {len(p)} tokens but the context {context} minus "
+            raise ConfigError(f"prompt {i} has {len(p)} tokens but the context {context} minus "
                              f"rl.max_new_tokens={max_new_tokens} leaves {room}; raise model.max_position_embeddings "
                              f"or lower rl.max_new_tokens")
     return prompts

@@ -15,6 +15,7 @@ from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 from lightning_codraft.rollout.engine import AcceptanceStats
+from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
 def greedy_accuracy(engine, tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn, max_new_tokens: int,
@@ -64,8 +65,6 @@ def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[li
                     repeats: int = 3, max_batch_size: int | None = None) -> SpeedupResult:
     """Tokens/s of plain vs speculative decoding of ``prompts`` (best of ``repeats``, runs interleaved), both
     engines decoding ``max_batch_size`` sequences at a time (None: all together)."""
-    from lightning_codraft.rollout.speculative import SpeculativeEngine
-
     plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size)
     spec = SpeculativeEngine(policy, draft, num_speculative_tokens, max_batch_size=max_batch_size)
     best_p = best_s = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_codraft.rl.step import COLUMNS, StepMetrics
 
@@ -83,7 +84,7 @@ class MetricsLogger:
 def plot_curves(series: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path,
                 keys: Sequence[str] = ("reward", "acceptance_length"), title: str = "") -> Path:
     """One PNG with a panel per metric in ``keys``, one line per run in ``series`` (label -> rows)."""
-    import matplotlib
+    import matplotlib  # here, not at the top: selecting the Agg backend must not happen on import of the package
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,8 +117,6 @@ class StepProgress:
         self.enabled = enabled
         self._progress = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("reward {task.fields[reward]}  accept {task.fields[accept]}  {task.fields[tps]} tok/s"),

@@ -25,6 +25,7 @@ from torch import nn
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.rollout.vllm_engine import VLLMEngine
 from lightning_codraft.rollout.weight_sync import WeightSync
 
 
@@ -86,8 +87,6 @@ class RolloutWorker:
         k, p = self.num_speculative_tokens, self.cfg.parallel
         draft = self.draft if k else None
         if p.engine == "vllm":  # a separate engine holding copies: synced after every step
-            from lightning_codraft.rollout.vllm_engine import VLLMEngine
-
             out = Path(self.cfg.run.out_dir)
             workdir = out / ("vllm" if self.dims.dp == 1 else f"vllm-dp{self.dims.dp_rank}")
             return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir,
