@@ -7,15 +7,17 @@ Each round the engine asks :meth:`SpeculationController.choose` for ``k`` in ``0
     E_b(k) = 1 + sum_{j <= min(k, r_b - 1)} prod_{i <= j} a_{b,i}        (r_b: tokens row b may still emit)
     T(B, k) = P(B, 1 + k) + R(B) + [k > 0] (k D(B) + C(B, 1 + k))
 
-- ``a_{b,i}``: request b's conditional acceptance rate at draft position i (accepted given positions < i were),
-  from its own decayed counts shrunk towards the engine-wide estimate of the same sampling setting
-  (:class:`AcceptanceEstimates`). The engine-wide counts fade every round, and an unobserved position borrows the
-  previous position's rate, so a draft that stopped being used is re-probed once its bad record has faded.
-- ``P`` (policy verify forward of B rows x S tokens, with the sampling math), ``D`` (drafting one token: a chained
-  draft step and its sampling),
-  ``C`` (the draft catch-up over the verified positions) and ``R`` (the rest of a round) are least-squares fits
-  (:class:`CostModel`) of times measured on this machine: timed forwards on the live caches when the model has
-  no data near the batch size (:meth:`SpeculationController.calibrate`), then every round's measured blocks.
+- ``a_{b,j} = alpha_b m_j``: request b's conditional acceptance rate at draft position j (accepted given
+  positions < j were). ``alpha_b`` is the request's own decayed rate over the draft tokens it had verified,
+  shrunk towards the engine-wide rate of the same sampling setting; ``m_j`` is an engine-wide position profile
+  measured against each row's own rate, so it does not depend on which rows reach deep positions
+  (:class:`AcceptanceEstimates`). The engine-wide counts fade every round (faster while the draft is unused), so
+  a draft that stopped being used is re-probed once its bad record has faded; the waits between failed
+  re-probes double, up to ``probe_backoff[1]`` rounds.
+- ``P`` (policy verify forward of B rows x S tokens, with the sampling math), ``D`` (drafting one token: a
+  chained draft step and its sampling), ``C`` (the draft catch-up over the verified positions) and ``R`` (the
+  rest of a round) are least-squares fits (rollout/cost_model.py) of times measured on this machine: timed
+  forwards on the live caches when the model has no data near the batch size, then every round's blocks.
 
 The batch shares one k: the verify forward is padded to ``1 + k`` tokens per row, so a row verifying fewer
 positions saves no time; a request whose draft keeps failing adds ~1 token per round to ``sum_b E_b(k)`` whatever
@@ -24,16 +26,15 @@ k is, so a batch of such requests stops drafting (k = 0), and the engine then al
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.sampling import SamplingParams, sample_from_probs, sampling_logprobs
+from lightning_codraft.rollout.cost_model import CostModel
+from lightning_codraft.rollout.sampling import SamplingParams
 
 
 @dataclass
@@ -41,27 +42,26 @@ class AdaptiveConfig:
     """Knobs of the adaptive speculation controller (defaults suit every engine measured so far)."""
 
     prior_acceptance: float = 0.7
-    """Conditional acceptance assumed at draft position 1 before anything is observed (optimistic: a new engine
-    drafts, and so measures its draft). Position i > 1 borrows position i - 1's estimate."""
+    """Acceptance rate assumed before anything is observed (optimistic: a new engine drafts, and so measures
+    its draft)."""
     global_prior_weight: float = 2.0
-    """Pseudo-observations of that prior in the engine-wide estimate of each position (with ``global_decay``
-    it sets the least rate a never-accepted draft is credited with: 0.7 * 2 / (2 + 100) = 1.4% at batch 1)."""
+    """Pseudo-tokens of that prior in the engine-wide rate (with ``global_decay`` it sets the least rate a
+    never-accepted draft is credited with: 0.7 * 2 / (2 + 100) = 1.4% when one token is verified per round)."""
     request_prior_weight: float = 2.0
-    """Pseudo-observations of the engine-wide estimate in each request's own; a new request starts there."""
+    """Pseudo-tokens of the engine-wide rate in each request's own; a new request starts there."""
+    position_prior_weight: float = 8.0
+    """Pseudo-observations of ``m_j = 1`` (position j accepts at the rows' overall rate) in the position profile."""
     global_decay: float = 0.99
     """Per-round factor on the engine-wide counts (half-life ~70 rounds): old evidence fades, so the estimate
     follows a changing draft and a draft that stopped being used is re-probed."""
     request_decay: float = 0.9
     """Per-round factor on a request's own counts: its estimate follows its last ~10 rounds."""
-    untried_decay: float = 0.95
-    """Extra per-round factor on the engine-wide counts of the positions a round did not verify (j >= k): a
-    position left untried drifts back to its prior within ~15 rounds, so a proposal length that looked bad
-    once is tried again."""
+    idle_decay: float = 0.95
+    """Extra per-round factor on the engine-wide counts in rounds that verify nothing (k = 0): while the draft is
+    unused its bad record fades within ~15 rounds (``probe_backoff`` then spaces the re-probes)."""
     cost_history: int = 128
-    """Memory of each cost term's fit, in measured rounds (older rounds weigh less by exp(-age / this));
-    calibration points are kept besides."""
-    recalibrate_every: int = 1000
-    """Rounds after which the timed calibration forwards are repeated (load on the machine changes)."""
+    """Memory of each cost term's fit, in measured rounds (a round weighs exp(-newer rounds / this)); calibration
+    points are kept besides."""
     probe_backoff: tuple[int, int] = (4, 64)
     """(first, longest) number of rounds drafting stays off after it stopped paying; the wait doubles each time
     drafting stops again within ``first`` rounds (a failed re-probe) and resets once drafting lasts ``first``
@@ -72,14 +72,14 @@ class AdaptiveConfig:
     prompt, and skips the positions between)."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_acceptance", "global_decay", "request_decay", "untried_decay"):
+        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"AdaptiveConfig.{name}={value} must be in (0, 1]")
-        for name in ("global_prior_weight", "request_prior_weight"):
+        for name in ("global_prior_weight", "request_prior_weight", "position_prior_weight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be > 0")
-        for name, low in (("cost_history", 8), ("recalibrate_every", 1), ("resume_window", 1)):
+        for name, low in (("cost_history", 8), ("resume_window", 1)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be >= {low}")
         first, longest = self.probe_backoff
@@ -88,190 +88,54 @@ class AdaptiveConfig:
                              "0 <= first <= longest")
 
 
-def rows_of(cache: KVCache, rows: torch.Tensor | int) -> KVCache:
-    """``cache`` restricted to ``rows`` (B',) (a copy), or to its first ``rows`` rows (views, own lengths)."""
-    if isinstance(rows, int):
-        return KVCache(k=[t[:rows] for t in cache.k], v=[t[:rows] for t in cache.v], lengths=cache.lengths[:rows])
-    return KVCache(k=[t.index_select(0, rows) for t in cache.k], v=[t.index_select(0, rows) for t in cache.v],
-                   lengths=cache.lengths.index_select(0, rows))
-
-
-def clock(device: torch.device) -> float:
-    """``time.perf_counter()`` after the device's queued work (CUDA kernels run asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def expected_tokens(rates: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+def expected_tokens(rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> list[float]:
     """Expected tokens a batch emits in one round, for every speculation length.
+
+    Plain Python: per round this is a few hundred multiplications, cheaper than the NumPy calls would be.
 
     Args:
         rates: ``(B, K)`` conditional acceptance rate of each request at draft positions 1..K, in [0, 1].
         remaining: ``(B,)`` tokens each request may still emit (>= 1); tokens past it are discarded.
 
     Returns:
-        ``(K + 1,)``: entry k is ``sum_b 1 + sum_{j <= min(k, r_b - 1)} prod_{i <= j} rates[b, i]``.
+        ``(K + 1,)``: entry k is ``sum_b 1 + sum_{j <= min(k, r_b - 1)} prod_{i <= j} rates[b][i]``.
     """
-    B, K = rates.shape
-    reach = np.cumprod(rates, axis=1)                                   # P(draft position j accepted)
-    if remaining.min() <= K:                                            # rows that cannot use every position
-        reach[np.arange(1, K + 1)[None, :] >= remaining[:, None]] = 0.0
-    out = np.empty(K + 1)
-    out[0] = 0.0
-    np.cumsum(reach.sum(axis=0), out=out[1:])
-    return out + B
-
-
-class _LinearFit:
-    """Least-squares fit of a time as a non-negative combination of features, over the calibration points plus
-    the measured points with exponential forgetting (sufficient statistics in Python floats: an update costs a
-    few microseconds; the solve runs after every 16 updates)."""
-
-    def __init__(self, num_features: int, history: int):
-        self.anchors: list[tuple[tuple[float, ...], float]] = []
-        self._n, self._decay = num_features, 1.0 - 1.0 / history
-        self._xtx = [[0.0] * num_features for _ in range(num_features)]
-        self._xty = [0.0] * num_features
-        self._coef: tuple[float, ...] | None = None
-        self._stale = 0
-        self.empty = True
-
-    def add(self, features: tuple[float, ...], seconds: float, anchor: bool = False) -> None:
-        self.empty = False
-        if anchor:
-            self.anchors.append((tuple(features), float(seconds)))
-            self._coef = None
-            return
-        d = self._decay
-        for i, xi in enumerate(features):
-            row = self._xtx[i]
-            for j, xj in enumerate(features):
-                row[j] = row[j] * d + xi * xj
-            self._xty[i] = self._xty[i] * d + xi * seconds
-        self._stale += 1
-
-    def drop_anchors(self, keep=lambda features: False) -> None:
-        """Forget the calibration points except those whose features satisfy ``keep``."""
-        self.anchors = [(x, t) for x, t in self.anchors if keep(x)]
-        self._coef = None
-
-    def coef(self) -> tuple[float, ...]:
-        if self._coef is None or self._stale >= 16:
-            A, b = np.array(self._xtx), np.array(self._xty)
-            for x, t in self.anchors:
-                x = np.array(x)
-                A += np.outer(x, x)
-                b += x * t
-            A += np.eye(self._n) * 1e-9 * max(np.trace(A), 1e-30)   # ridge: a feature never varied stays 0
-            keep = list(range(self._n))
-            coef = np.zeros(self._n)
-            while keep:  # active set: drop features whose weight comes out negative
-                sol = np.linalg.solve(A[np.ix_(keep, keep)], b[keep])
-                if (sol >= 0).all():
-                    coef[keep] = sol
-                    break
-                keep.pop(int(np.argmin(sol)))
-            self._coef, self._stale = tuple(float(c) for c in coef), 0
-        return self._coef
-
-
-class CostModel:
-    """Seconds per round block of this engine on this machine, as functions of rows B and tokens S per row.
-
-    ``policy(B, S)``: verify forward + sampling math (``a + b B + c B S``); ``draft_step(B)``: drafting one token,
-    a chained draft step with its sampling (``a + b B``); ``catch_up(B, S)``: draft forward over S verified positions
-    (``a + b B + c B S``); ``rest(B)``: the round's remaining work (``a + b B``).
-    """
-
-    def __init__(self, history: int = 128):
-        self.policy_fit, self.catch_up_fit = _LinearFit(3, history), _LinearFit(3, history)
-        self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
-        self.sizes: list[int] = []   # batch sizes the calibration timed
-
-    def policy(self, B: int, S: int) -> float:
-        return _affine(self.policy_fit, B, S)
-
-    def draft_step(self, B: int) -> float:
-        return _affine(self.draft_fit, B)
-
-    def catch_up(self, B: int, S: int) -> float:
-        return _affine(self.catch_up_fit, B, S)
-
-    def rest(self, B: int) -> float:
-        return _affine(self.rest_fit, B)
-
-    def round_times(self, B: int, max_k: int) -> list[float]:
-        """Predicted seconds of a round of B rows drafting k = 0..K tokens (index k)."""
-        p, c = _coef(self.policy_fit, 3), _coef(self.catch_up_fit, 3)
-        d, r = _coef(self.draft_fit, 2), _coef(self.rest_fit, 2)
-        fixed = p[0] + p[1] * B + r[0] + r[1] * B
-        step, catch = d[0] + d[1] * B, c[0] + c[1] * B
-        times = [fixed + p[2] * B]
-        for k in range(1, max_k + 1):
-            times.append(fixed + p[2] * B * (1 + k) + k * step + catch + c[2] * B * (1 + k))
-        return [max(t, 1e-9) for t in times]
-
-    def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:
-        """Record a measured block: ``"policy"`` / ``"catch_up"`` (B rows x S tokens), ``"draft"`` (one step of
-        B rows) or ``"rest"``; ``anchor`` marks calibration points (kept until the next calibration)."""
-        if block in ("policy", "catch_up"):
-            fit, features = getattr(self, f"{block}_fit"), (1.0, float(B), float(B * S))
-        elif block in ("draft", "rest"):
-            fit, features = getattr(self, f"{block}_fit"), (1.0, float(B))
-        else:
-            raise ValueError(f"unknown cost block {block!r}; expected policy, catch_up, draft or rest")
-        fit.add(features, seconds, anchor)
-
-    def needs_calibration(self, B: int) -> bool:
-        """True when no calibration timed a batch size within a factor 2 of B."""
-        return not any(_near(s, B) for s in self.sizes)
-
-    def start_calibration(self, sizes: list[int], replace: bool) -> None:
-        """Forget the calibration points of batch sizes near ``sizes`` (all of them if ``replace``); the caller
-        then adds the new ones with ``anchor=True``."""
-        self.sizes = list(sizes) if replace else [s for s in self.sizes if not any(_near(s, n) for n in sizes)] + sizes
-        for fit in (self.policy_fit, self.draft_fit, self.catch_up_fit, self.rest_fit):
-            fit.drop_anchors(lambda f: not replace and not any(_near(f[1], n) for n in sizes))
-
-
-def _coef(fit: _LinearFit, n: int) -> tuple[float, ...]:
-    return (0.0,) * n if fit.empty else fit.coef()
-
-
-def _affine(fit: _LinearFit, B: int, S: int | None = None) -> float:
-    """``c0 + c1 B (+ c2 B S)`` with the fit's coefficients (0 before any point)."""
-    c = _coef(fit, 2 if S is None else 3)
-    return c[0] + c[1] * B + (c[2] * B * S if S is not None else 0.0)
-
-
-def _near(a: float, b: float) -> bool:
-    """Batch sizes within a factor 2 of each other."""
-    return a / 2 <= b <= 2 * a
+    K = len(rates[0]) if len(rates) else 0
+    reach = [0.0] * (K + 1)                       # reach[j]: sum_b P(draft position j accepted)
+    for row, r in zip(rates, remaining):
+        p = 1.0
+        for j in range(min(K, int(r) - 1)):
+            p *= row[j]
+            reach[j + 1] += p
+    out, total = [], float(len(rates))
+    for j in range(K + 1):
+        total += reach[j]
+        out.append(total)
+    return out
 
 
 @dataclass
 class _Setting:
-    """Engine-wide state of one sampling setting: decayed counts per draft position and the probe backoff."""
+    """Engine-wide state of one sampling setting: decayed acceptance counts and the probe backoff."""
 
-    acc: list[float]    # (K,) accepted at position j (given positions < j were)
-    tried: list[float]  # (K,) verified at position j
+    acc: float          # draft tokens accepted
+    tried: float        # draft tokens verified (a round accepting a of k verifies min(a + 1, k))
+    pos_acc: list[float]      # (K,) accepted at position j
+    pos_expected: list[float]  # (K,) what the rows' overall rates predicted there, where position j was verified
     backoff: int        # rounds drafting stays off the next time it stops paying
     hold: int = 0       # rounds left in the current wait
     run: int = 0        # consecutive drafting rounds up to the previous one
 
 
-def _outcome_tables(K: int) -> tuple[np.ndarray, np.ndarray]:
-    """``tried[k, a]`` / ``accepted[a]``: (K,) float masks of the positions verified / accepted in a round that
-    proposed k tokens and accepted a (position j is verified when j <= a, j < k; accepted when j < a)."""
-    j, a = np.arange(K)[None, :], np.arange(K + 1)[:, None]
-    accepted = (j < a).astype(np.float64)                               # (K+1, K)
-    tried = np.stack([((j < k) & (j <= a)).astype(np.float64) for k in range(K + 1)])   # (K+1, K+1, K)
-    return tried, accepted
-
-
 class AcceptanceEstimates:
-    """Per-request conditional acceptance counts of one batch, shrunk towards the engine-wide counts.
+    """Acceptance estimates of one batch: ``a_{b,j} = alpha_b * m_j``.
+
+    ``alpha_b``: request b's rate over every draft token it had verified (decayed), shrunk towards the
+    engine-wide rate of the sampling setting (itself shrunk towards ``prior_acceptance``). ``m_j``: how position j
+    fares against the rows' overall rates, engine-wide, from the rounds that verified it (accepted there over
+    ``sum alpha_b``), 1 until seen. Normalising by each row's own rate keeps the position profile free of which
+    rows reach deep positions (rows still decoding in the long tail are the hard ones). Plain Python lists: the
+    per-round updates are a few hundred operations.
 
     Args:
         num_requests: rows of the batch.
@@ -281,43 +145,58 @@ class AcceptanceEstimates:
 
     def __init__(self, num_requests: int, shared: _Setting, config: AdaptiveConfig):
         self.shared, self.config = shared, config
-        K = len(shared.acc)
-        self.acc, self.tried = np.zeros((num_requests, K)), np.zeros((num_requests, K))
-        self._tried_mask, self._acc_mask = _outcome_tables(K)
+        self.acc, self.tried = [0.0] * num_requests, [0.0] * num_requests
+        self._alpha: list[float] | None = None   # request_rates() of the current counts, reused by observe
 
-    def global_rates(self) -> list[float]:
-        """``(K,)`` engine-wide conditional rates; position i's prior is position i - 1's estimate."""
-        c, prior, out = self.config, self.config.prior_acceptance, []
-        for a, t in zip(self.shared.acc, self.shared.tried):
-            prior = (a + c.global_prior_weight * prior) / (t + c.global_prior_weight)
-            out.append(prior)
-        return out
-
-    def rates(self) -> np.ndarray:
-        """``(B, K)`` each request's conditional rates."""
-        m = self.config.request_prior_weight
-        return (self.acc + m * np.array(self.global_rates())) / (self.tried + m)
-
-    def observe(self, k: int, accepted: np.ndarray) -> None:
-        """Decay every count one round, then add a round in which every row proposed k and accepted ``accepted``
-        (``(B,)`` ints in ``[0, k]``): position j was tried if j <= accepted + 1, accepted if j <= accepted."""
+    def global_rate(self) -> float:
+        """The engine-wide rate of this sampling setting."""
         c, sh = self.config, self.shared
-        self.acc *= c.request_decay
-        self.tried *= c.request_decay
-        t_sum = a_sum = (0.0,) * len(sh.acc)
-        if k:
-            t_mask, a_mask = self._tried_mask[k][accepted], self._acc_mask[accepted]   # (B, K) each
-            self.tried += t_mask
-            self.acc += a_mask
-            t_sum, a_sum = t_mask.sum(axis=0).tolist(), a_mask.sum(axis=0).tolist()
-        for j in range(len(sh.acc)):     # untried positions (j >= k) fade faster
-            f = c.global_decay * (c.untried_decay if j >= k else 1.0)
-            sh.acc[j] = sh.acc[j] * f + a_sum[j]
-            sh.tried[j] = sh.tried[j] * f + t_sum[j]
+        return (sh.acc + c.global_prior_weight * c.prior_acceptance) / (sh.tried + c.global_prior_weight)
+
+    def request_rates(self) -> list[float]:
+        """``(B,)`` each request's overall rate ``alpha_b``."""
+        if self._alpha is None:
+            m = self.config.request_prior_weight
+            g = m * self.global_rate()
+            self._alpha = [(a + g) / (t + m) for a, t in zip(self.acc, self.tried)]
+        return self._alpha
+
+    def position_factors(self) -> list[float]:
+        """``(K,)`` the position profile ``m_j``."""
+        w = self.config.position_prior_weight
+        return [(a + w) / (e + w) for a, e in zip(self.shared.pos_acc, self.shared.pos_expected)]
+
+    def rates(self) -> list[list[float]]:
+        """``(B, K)`` each request's conditional rate at each draft position."""
+        m = self.position_factors()
+        return [[min(alpha * f, 0.999) for f in m] for alpha in self.request_rates()]
+
+    def observe(self, k: int, accepted: Sequence[int]) -> None:
+        """Decay every count one round, then add a round in which every row proposed k and accepted
+        ``accepted[b]`` in ``[0, k]``: positions ``j <= min(accepted + 1, k)`` were verified, ``j <= accepted``
+        accepted."""
+        c, sh = self.config, self.shared
+        alpha = self.request_rates()
+        f, d = c.global_decay * (c.idle_decay if k == 0 else 1.0), c.request_decay
+        sh.acc, sh.tried = sh.acc * f, sh.tried * f
+        pos_acc, pos_expected = [x * f for x in sh.pos_acc], [x * f for x in sh.pos_expected]
+        for b, a in enumerate(accepted):
+            verified = min(a + 1, k)
+            self.acc[b] = self.acc[b] * d + a
+            self.tried[b] = self.tried[b] * d + verified
+            sh.acc += a
+            sh.tried += verified
+            for j in range(verified):
+                pos_expected[j] += alpha[b]
+            for j in range(a):
+                pos_acc[j] += 1.0
+        sh.pos_acc, sh.pos_expected = pos_acc, pos_expected
+        self._alpha = None
 
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows`` (requests that finished leave the batch)."""
-        self.acc, self.tried = self.acc[rows], self.tried[rows]
+        self.acc, self.tried = [self.acc[i] for i in rows], [self.tried[i] for i in rows]
+        self._alpha = None
 
 
 class SpeculationController:
@@ -338,7 +217,6 @@ class SpeculationController:
         self.max_k = int(max_k)
         self.config = config or AdaptiveConfig()
         self.costs = costs or CostModel(self.config.cost_history)
-        self.rounds_since_calibration = 0
         self._settings: dict[tuple, _Setting] = {}
         self._checked_size: int | None = None   # needs_calibration's last batch size and answer
         self._near_calibration = False
@@ -346,25 +224,19 @@ class SpeculationController:
     def new_batch(self, num_requests: int, sampling_key: tuple) -> AcceptanceEstimates:
         """Estimates for a new batch of requests decoded with the given sampling setting."""
         if sampling_key not in self._settings:
-            self._settings[sampling_key] = _Setting([0.0] * self.max_k, [0.0] * self.max_k,
+            self._settings[sampling_key] = _Setting(0.0, 0.0, [0.0] * self.max_k, [0.0] * self.max_k,
                                                     self.config.probe_backoff[0])
         return AcceptanceEstimates(num_requests, self._settings[sampling_key], self.config)
 
     def needs_calibration(self, batch_size: int) -> bool:
-        """True when the cost model has no timed forwards near ``batch_size``, or its last ones are stale."""
+        """True when the cost model has no timed forwards of a batch size within a factor 2 of ``batch_size``
+        (measured rounds then keep the fits current: the timed points only pin down how a round's time grows
+        with the tokens per row, which one batch's rounds, all of one length, cannot)."""
         if batch_size != self._checked_size:
             self._checked_size, self._near_calibration = batch_size, not self.costs.needs_calibration(batch_size)
-        return not self._near_calibration or self.rounds_since_calibration >= self.config.recalibrate_every
+        return not self._near_calibration
 
-    def start_calibration(self, sizes: list[int]) -> None:
-        """The engine is about to time forwards of these batch sizes (see :meth:`CostModel.start_calibration`)."""
-        stale = self.rounds_since_calibration >= self.config.recalibrate_every
-        self.costs.start_calibration(sizes, replace=stale)
-        self._checked_size = None
-        if stale:
-            self.rounds_since_calibration = 0
-
-    def choose(self, estimates: AcceptanceEstimates, remaining: np.ndarray) -> int:
+    def choose(self, estimates: AcceptanceEstimates, remaining: Sequence[int]) -> int:
         """k in ``0..K`` maximising expected tokens per second for this batch (``remaining``: ``(B,)``), or 0
         while drafting waits out its backoff after it stopped paying."""
         st = estimates.shared
@@ -372,7 +244,7 @@ class SpeculationController:
             st.hold -= 1
             return 0
         times = self.costs.round_times(len(remaining), self.max_k)
-        tokens = expected_tokens(estimates.rates(), np.asarray(remaining)).tolist()
+        tokens = expected_tokens(estimates.rates(), remaining)
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:          # drafting stopped paying: wait, longer each time a probe fails
@@ -382,10 +254,9 @@ class SpeculationController:
             st.backoff = first
         return k
 
-    def observe(self, estimates: AcceptanceEstimates, k: int, accepted: np.ndarray) -> None:
+    def observe(self, estimates: AcceptanceEstimates, k: int, accepted: Sequence[int]) -> None:
         """Record a round's outcome (``accepted``: ``(B,)`` accepted draft tokens per row)."""
         estimates.observe(k, accepted)
-        self.rounds_since_calibration += 1
 
     def record_round(self, batch_size: int, k: int, policy_s: float, draft_s: float, rest_s: float) -> None:
         """Measured seconds of a round's verify block, its k-token proposal and the rest of the round."""
@@ -396,41 +267,6 @@ class SpeculationController:
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
                   pending: torch.Tensor, taps: Sequence[int], params: SamplingParams) -> None:
-        """Time verify forwards (1 and K+1 tokens per row, with the sampling math), draft catch-ups and a draft
-        step with its sampling, on the live caches: their first B and B/2 rows, lengths untouched (what the
-        forwards write lies past every row's length and is overwritten before it is read).
-
-        Args:
-            pdec, ddec: the engine's decoders.
-            pcache, dcache: the batch's policy and draft caches (B rows).
-            pending: ``(B,)`` each row's next token (the forwards' input).
-            taps: the draft's policy tap ids.
-            params: the call's sampling parameters.
-        """
-        B, device = int(pending.shape[0]), pending.device
-        generator = torch.Generator(device=device).manual_seed(0)   # the call's sampling stream stays untouched
-        sizes = sorted({B, max(1, (B + 1) // 2)})
-        self.start_calibration(sizes)
-        lp = lambda logits: sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
-        for n in sizes:
-            for S in (1, self.max_k + 1):
-                ids = pending[:n, None].expand(n, S)
-                for rep in range(2):  # the first run of a shape warms caches and the allocator: keep the second
-                    t0 = clock(device)
-                    logits, tapped = pdec.forward(ids, rows_of(pcache, n), taps)
-                    lp(logits)
-                    t1 = clock(device)
-                    ddec.step(ddec.fuse(tapped), pdec.embed(ids), rows_of(dcache, n))
-                    if rep:
-                        self.costs.add("policy", n, S, t1 - t0, anchor=True)
-                        self.costs.add("catch_up", n, S, clock(device) - t1, anchor=True)
-            hidden = ddec.fuse(tuple(t[:, :1] for t in tapped))
-            for rep in range(2):
-                t0 = clock(device)
-                _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), rows_of(dcache, n))
-                if params.greedy:
-                    torch.argmax(logits[:, 0], dim=-1)
-                else:
-                    sample_from_probs(lp(logits[:, 0]).exp(), generator)
-                if rep:
-                    self.costs.add("draft", n, 1, clock(device) - t0, anchor=True)
+        """Time forwards on the live caches around this batch size (:meth:`CostModel.calibrate`)."""
+        self.costs.calibrate(pdec, ddec, pcache, dcache, pending, taps, params, self.max_k)
+        self._checked_size = None

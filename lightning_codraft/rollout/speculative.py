@@ -32,13 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController, clock, rows_of
+from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController
+from lightning_codraft.rollout.cost_model import clock
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
@@ -75,8 +75,8 @@ class _Batch:
         sel = torch.tensor(rows, device=self.pending.device)
         self.active, self.emitted, self.budget = ([xs[i] for i in rows] for xs in (self.active, self.emitted,
                                                                                    self.budget))
-        self.pcache = rows_of(self.pcache, sel)
-        self.dcache = None if self.dcache is None else rows_of(self.dcache, sel)
+        self.pcache = self.pcache.select(sel)
+        self.dcache = None if self.dcache is None else self.dcache.select(sel)
         self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
         if self.h_last is not None:
             self.h_last, self.dl_last = self.h_last[sel], self.dl_last[sel]
@@ -346,7 +346,7 @@ class SpeculativeEngine:
                 if self.controller.needs_calibration(len(b.active)):
                     self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, params)
                     t_start = clock(device)
-                k = self.controller.choose(b.estimates, np.array(b.budget) - np.array(b.emitted))
+                k = self.controller.choose(b.estimates, [n - e for n, e in zip(b.budget, b.emitted)])
             t_draft = t_policy = t_catch = 0.0
             if k and b.backlog:
                 t0 = clock(device)
@@ -404,7 +404,7 @@ class SpeculativeEngine:
                 stats[r].record_round(k, a)
             b.length, b.pending = new_length, bonus
             if self.controller is not None:
-                self.controller.observe(b.estimates, k, np.array(host_accepted))
+                self.controller.observe(b.estimates, k, host_accepted)
                 self.controller.record_round(len(b.active), k, t_policy, t_draft,
                                              clock(device) - t_start - t_draft - t_policy - t_catch)
         return [RolloutOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], stats=stats[i])

@@ -50,3 +50,17 @@ def test_errors():
         cache.write(0, torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))
     with pytest.raises(ValueError, match="capacity=0 must be >= 1"):
         KVCache.allocate(1, 1, 1, 2, capacity=0)
+
+
+def test_select_rows_copies_or_views():
+    cache = KVCache.allocate(num_layers=2, batch_size=3, num_kv_heads=1, head_dim=2, capacity=4)
+    cache.k[0].copy_(torch.arange(24.0).view(3, 1, 4, 2))
+    cache.lengths = torch.tensor([1, 2, 3])
+    picked = cache.select(torch.tensor([2, 0]))
+    assert picked.lengths.tolist() == [3, 1] and torch.equal(picked.k[0], cache.k[0][[2, 0]])
+    picked.k[0].zero_()                                     # a copy: the cache keeps its keys
+    assert cache.k[0].abs().sum() > 0
+    first = cache.select(2)
+    assert first.batch_size == 2 and first.lengths.tolist() == [1, 2]
+    first.k[1].fill_(7.0)                                   # views: writes land in the cache's first rows
+    assert (cache.k[1][:2] == 7).all() and (cache.k[1][2] == 0).all()

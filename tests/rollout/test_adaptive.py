@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from lightning_codraft.rollout.adaptive import AdaptiveConfig, CostModel, SpeculationController, expected_tokens
+from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController, expected_tokens
+from lightning_codraft.rollout.cost_model import CostModel
 
 K = 4
 
@@ -143,12 +144,27 @@ def test_requests_are_weighed_by_their_own_record():
     est = ctl.new_batch(2, ("greedy",))
     _observe_rounds(ctl, est, K, [K, 0], 20)
     rates = est.rates()
-    assert rates[0].min() > 0.85 and rates[1, 0] < 0.15
+    assert min(rates[0]) > 0.85 and rates[1][0] < 0.15
     assert ctl.choose(est, np.full(2, 100)) == K
     est.select([1])
     assert ctl.choose(est, np.full(1, 100)) == 0
-    fresh = ctl.new_batch(1, ("greedy",))                   # a new request starts from the engine-wide rates
-    assert fresh.rates()[0, 0] == pytest.approx(fresh.global_rates()[0]) and fresh.rates()[0, 0] > 0.4
+    fresh = ctl.new_batch(1, ("greedy",))                   # a new request starts from the engine-wide rate
+    assert fresh.request_rates()[0] == pytest.approx(fresh.global_rate()) and fresh.global_rate() > 0.4
+
+
+def test_position_profile_ignores_which_rows_reach_deep_positions():
+    """Good requests verify 2 positions per round, one poor request (accepting any position with p = 0.5) is
+    the only one verifying positions 3 and 4: per position that data says 'deep positions accept half the time',
+    but against the rows' own rates positions 3 and 4 are as good as 1 and 2, and a good request is credited so."""
+    ctl = _controller(_costs(policy_per_token=1e-7))
+    rng = np.random.default_rng(0)
+    good, poor = ctl.new_batch(8, ("greedy",)), ctl.new_batch(1, ("greedy",))
+    for _ in range(200):
+        ctl.observe(good, 2, np.full(8, 2) - (rng.uniform(size=8) < 0.05))
+        ctl.observe(poor, K, np.array([int(np.argmin(np.append(rng.uniform(size=K) < 0.5, False)))]))
+    profile = good.position_factors()
+    assert profile[2:] == pytest.approx([1.0, 1.0], abs=0.2), profile
+    assert min(r[K - 1] for r in good.rates()) > 0.75 and max(poor.rates()[0]) < 0.65
 
 
 def test_sampling_settings_are_estimated_apart():

@@ -1,0 +1,216 @@
+"""The embedded engine's cost model: seconds per round block, measured on this machine, as functions of the batch.
+
+:class:`CostModel` holds four least-squares fits (:class:`_LinearFit`, local in the batch size B) of the blocks
+of a speculative round: the policy's verify forward of B rows x S tokens with the sampling math, drafting one
+token (a chained draft step and its sampling), the draft's catch-up over S verified positions, and the rest of
+the round. :meth:`CostModel.calibrate` times forwards on the engine's live caches when no batch size within a
+factor 2 was timed; every round's measured blocks then keep the fits current (rollout/adaptive.py uses them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
+from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.rollout.sampling import SamplingParams, sample_from_probs, sampling_logprobs
+
+
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _LinearFit:
+    """Least-squares fit of a time as a non-negative combination of features whose second one is the batch size
+    B, local in B (a CPU matmul's cost per row is not one constant from 1 row to 64): points are pooled into
+    half-octave bins of B, and a fit for B weighs bin i by ``exp(-(octaves from B)^2 / 2)``. Measured points
+    fade by ``1 - 1/history`` per newer point; calibration points stay until dropped. Sufficient statistics per
+    bin, so adding a point is O(1) and a solve (cached per bin until 32 more points arrived) is a 3x3 system."""
+
+    def __init__(self, num_features: int, history: int):
+        self.anchors: list[tuple[tuple[float, ...], float]] = []
+        self._n, self._decay, self._clock = num_features, 1.0 - 1.0 / history, 0
+        self._bins: dict[int, list] = {}        # bin -> [xtx, xty, clock of last update] (measured points)
+        self._anchor_bins: dict[int, list] = {}
+        self._solved: dict[int, tuple[float, ...]] = {}
+        self._stale = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self._bins and not self._anchor_bins
+
+    @staticmethod
+    def _bin(B: float) -> int:
+        return round(2 * math.log2(max(B, 1.0)))
+
+    def _accumulate(self, bins: dict[int, list], x: tuple[float, ...], t: float, decay: float = 1.0) -> None:
+        n = self._n
+        entry = bins.setdefault(self._bin(x[1]), [[0.0] * (n * n), [0.0] * n, self._clock])
+        f = decay ** (self._clock - entry[2])
+        xtx, xty = entry[0], entry[1]
+        for i in range(n):
+            xty[i] = xty[i] * f + x[i] * t
+            for j in range(n):
+                xtx[i * n + j] = xtx[i * n + j] * f + x[i] * x[j]
+        entry[2] = self._clock
+
+    def add(self, features: tuple[float, ...], seconds: float, anchor: bool = False) -> None:
+        if anchor:
+            self.anchors.append((tuple(features), float(seconds)))
+            self._accumulate(self._anchor_bins, features, seconds)
+            self._solved = {}
+            return
+        self._clock += 1
+        self._accumulate(self._bins, features, seconds, self._decay)
+        self._stale += 1
+        if self._stale >= 32:
+            self._solved, self._stale = {}, 0
+
+    def drop_anchors(self, keep=lambda features: False) -> None:
+        """Forget the calibration points except those whose features satisfy ``keep``."""
+        self.anchors = [(x, t) for x, t in self.anchors if keep(x)]
+        self._anchor_bins, self._solved = {}, {}
+        for x, t in self.anchors:
+            self._accumulate(self._anchor_bins, x, t)
+
+    def coef(self, B: int) -> tuple[float, ...]:
+        """The fit's coefficients for batches of B rows (zeros before any point)."""
+        q = self._bin(B)
+        if self.empty:
+            return (0.0,) * self._n
+        if q not in self._solved:
+            A, b = np.zeros((self._n, self._n)), np.zeros(self._n)
+            for bins, fading in ((self._bins, True), (self._anchor_bins, False)):
+                for i, (xtx, xty, last) in bins.items():
+                    w = math.exp(-0.5 * ((i - q) / 2) ** 2) * (self._decay ** (self._clock - last) if fading else 1)
+                    A += w * np.array(xtx).reshape(self._n, self._n)
+                    b += w * np.array(xty)
+            A += np.eye(self._n) * 1e-9 * max(np.trace(A), 1e-30)   # ridge: a feature never varied stays 0
+            keep, coef = list(range(self._n)), np.zeros(self._n)
+            while keep:  # active set: drop features whose weight comes out negative
+                sol = np.linalg.solve(A[np.ix_(keep, keep)], b[keep])
+                if (sol >= 0).all():
+                    coef[keep] = sol
+                    break
+                keep.pop(int(np.argmin(sol)))
+            self._solved[q] = tuple(float(c) for c in coef)
+        return self._solved[q]
+
+
+class CostModel:
+    """Seconds per round block of this engine on this machine, as functions of rows B and tokens S per row.
+
+    ``policy(B, S)``: verify forward + sampling math (``a + b B + c B S``); ``draft_step(B)``: drafting one token,
+    a chained draft step with its sampling (``a + b B``); ``catch_up(B, S)``: draft forward over S verified positions
+    (``a + b B + c B S``); ``rest(B)``: the round's remaining work (``a + b B``).
+    """
+
+    def __init__(self, history: int = 128):
+        self.policy_fit, self.catch_up_fit = _LinearFit(3, history), _LinearFit(3, history)
+        self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
+        self.sizes: list[int] = []   # batch sizes the calibration timed
+
+    def policy(self, B: int, S: int) -> float:
+        c = self.policy_fit.coef(B)
+        return c[0] + c[1] * B + c[2] * B * S
+
+    def draft_step(self, B: int) -> float:
+        c = self.draft_fit.coef(B)
+        return c[0] + c[1] * B
+
+    def catch_up(self, B: int, S: int) -> float:
+        c = self.catch_up_fit.coef(B)
+        return c[0] + c[1] * B + c[2] * B * S
+
+    def rest(self, B: int) -> float:
+        c = self.rest_fit.coef(B)
+        return c[0] + c[1] * B
+
+    def round_times(self, B: int, max_k: int) -> list[float]:
+        """Predicted seconds of a round of B rows drafting k = 0..K tokens (index k)."""
+        fixed, step = self.policy(B, 0) + self.rest(B), self.draft_step(B)
+        per_token, catch = self.policy(B, 1) - self.policy(B, 0), self.catch_up(B, 0)
+        catch_token = self.catch_up(B, 1) - catch
+        times = [fixed + per_token]
+        for k in range(1, max_k + 1):
+            times.append(fixed + (1 + k) * (per_token + catch_token) + k * step + catch)
+        return [max(t, 1e-9) for t in times]
+
+    def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:
+        """Record a measured block: ``"policy"`` / ``"catch_up"`` (B rows x S tokens), ``"draft"`` (one step of
+        B rows) or ``"rest"``; ``anchor`` marks calibration points (kept until the next calibration)."""
+        if block in ("policy", "catch_up"):
+            fit, features = getattr(self, f"{block}_fit"), (1.0, float(B), float(B * S))
+        elif block in ("draft", "rest"):
+            fit, features = getattr(self, f"{block}_fit"), (1.0, float(B))
+        else:
+            raise ValueError(f"unknown cost block {block!r}; expected policy, catch_up, draft or rest")
+        fit.add(features, seconds, anchor)
+
+    def needs_calibration(self, B: int) -> bool:
+        """True when no calibration timed a batch size within a factor 2 of B."""
+        return not any(_near(s, B) for s in self.sizes)
+
+    def start_calibration(self, sizes: list[int]) -> None:
+        """Forget the calibration points of batch sizes near ``sizes``; the caller then adds new ones with
+        ``anchor=True``."""
+        self.sizes = [s for s in self.sizes if not any(_near(s, n) for n in sizes)] + list(sizes)
+        for fit in (self.policy_fit, self.draft_fit, self.catch_up_fit, self.rest_fit):
+            fit.drop_anchors(lambda f: not any(_near(f[1], n) for n in sizes))
+
+    def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
+                  pending: torch.Tensor, taps: Sequence[int], params: SamplingParams, max_k: int) -> None:
+        """Time verify forwards (1 and K+1 tokens per row, with the sampling math), draft catch-ups and a draft
+        step with its sampling, on the live caches: their first B and B/2 rows, lengths untouched (what the
+        forwards write lies past every row's length and is overwritten before it is read).
+
+        Args:
+            pdec, ddec: the engine's decoders.
+            pcache, dcache: the batch's policy and draft caches (B rows).
+            pending: ``(B,)`` each row's next token (the forwards' input).
+            taps: the draft's policy tap ids.
+            params: the call's sampling parameters.
+            max_k: K, the longest proposal (verify forwards of 1 and K+1 tokens per row are timed).
+        """
+        B, device = int(pending.shape[0]), pending.device
+        generator = torch.Generator(device=device).manual_seed(0)   # the call's sampling stream stays untouched
+        sizes = sorted({B, max(1, (B + 1) // 2)})
+        self.start_calibration(sizes)
+        lp = lambda logits: sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
+        for n in sizes:
+            for S in (1, max_k + 1):
+                ids = pending[:n, None].expand(n, S)
+                verify, catch = [], []
+                for _ in range(3):  # the first run of a shape warms caches and the allocator; keep the faster other
+                    t0 = clock(device)
+                    logits, tapped = pdec.forward(ids, pcache.select(n), taps)
+                    lp(logits)
+                    t1 = clock(device)
+                    ddec.step(ddec.fuse(tapped), pdec.embed(ids), dcache.select(n))
+                    verify.append(t1 - t0)
+                    catch.append(clock(device) - t1)
+                self.add("policy", n, S, min(verify[1:]), anchor=True)
+                self.add("catch_up", n, S, min(catch[1:]), anchor=True)
+            hidden, step = ddec.fuse(tuple(t[:, :1] for t in tapped)), []
+            for _ in range(3):
+                t0 = clock(device)
+                _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), dcache.select(n))
+                if params.greedy:
+                    torch.argmax(logits[:, 0], dim=-1)
+                else:
+                    sample_from_probs(lp(logits[:, 0]).exp(), generator)
+                step.append(clock(device) - t0)
+            self.add("draft", n, 1, min(step[1:]), anchor=True)
+
+
+def _near(a: float, b: float) -> bool:
+    """Batch sizes within a factor 2 of each other."""
+    return a / 2 <= b <= 2 * a
