@@ -43,6 +43,8 @@ class CoDraftStrategy(DDPStrategy):
         dp: data-parallel replicas (``-1``: ``world_size // (pp * cp)``).
         pp: pipeline stages.
         cp: context-parallel ranks (zigzag ring attention with the draft's branch attention merged).
+        sharding: ``"fsdp"`` (FSDP2 over each pipeline stage's dp x cp ranks: parameters, gradients and optimizer
+            state sharded) or ``"ddp"`` (replicated); default FSDP2 whenever dp * cp > 1.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         timeout: collective timeout.
         start_method: how Fabric starts local processes (``"popen"`` re-runs the script, as torchrun).
@@ -52,14 +54,15 @@ class CoDraftStrategy(DDPStrategy):
 
     strategy_name = "codraft"
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, accelerator=None, parallel_devices=None,
+    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, sharding: Optional[str] = None, accelerator=None,
+                 parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision=None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", **ddp_kwargs: Any):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, ddp_kwargs=ddp_kwargs)
+        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -72,7 +75,7 @@ class CoDraftStrategy(DDPStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Install the mesh into the module (CP groups, PP stage) and wrap it with DDP over dp x cp."""
-        return self.core.prepare_module(module)
+        return self.core.prepare_module(module, precision=getattr(self.precision, "precision", None))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

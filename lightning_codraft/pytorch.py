@@ -40,6 +40,8 @@ class CoDraftStrategy(DDPStrategy):
         dp: data-parallel replicas (``-1``: ``world_size // (pp * cp)``).
         pp: pipeline stages.
         cp: context-parallel ranks.
+        sharding: ``"fsdp"`` (FSDP2 over each pipeline stage's dp x cp ranks: parameters, gradients and optimizer
+            state sharded) or ``"ddp"`` (replicated); default FSDP2 whenever dp * cp > 1.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         timeout: collective timeout.
         start_method: how the Trainer starts local processes (``"popen"`` re-runs the script, as torchrun).
@@ -49,7 +51,8 @@ class CoDraftStrategy(DDPStrategy):
 
     strategy_name = "codraft"
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, accelerator=None, parallel_devices=None,
+    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, sharding: Optional[str] = None, accelerator=None,
+                 parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", **ddp_kwargs: Any):
@@ -57,7 +60,7 @@ class CoDraftStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, ddp_kwargs=ddp_kwargs)
+        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -70,7 +73,8 @@ class CoDraftStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """Install the mesh into the CoDraftModule (CP groups, PP stage), then DDP over dp x cp."""
-        self.model = self.core.prepare_module(self.model)
+        precision = getattr(self.precision_plugin, "precision", None)
+        self.model = self.core.prepare_module(self.model, precision=precision)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -67,3 +67,9 @@ def concat_batches(batches: list[RLBatch]) -> RLBatch:
 def step_batches(num_steps: int, dp: int, seed: int = 100, num_docs: int = 4) -> list[list[RLBatch]]:
     """``[step][dp_rank]`` batches: what each replica reads at each step."""
     return [[make_batch(seed + 10 * s + r, num_docs=num_docs) for r in range(dp)] for s in range(num_steps)]
+
+
+def full_state(module) -> dict:
+    """``module.state_dict()`` as numpy arrays, FSDP2 shards gathered into full tensors (a collective)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().numpy()
+            for k, v in module.state_dict().items()}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("dp", "pp", "cp")
 
@@ -38,6 +38,7 @@ class ParallelDims:
     mesh: Any = field(default=None, repr=False)
     """The ``DeviceMesh`` over ``("dp", "pp", "cp")`` once built, else ``None``."""
     _groups: dict = field(default_factory=dict, repr=False)
+    _dp_cp_mesh: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("pp", "cp", "world_size"):
@@ -167,6 +168,7 @@ class ParallelDims:
         # ranks of one pipeline stage that hold different tokens: all (dp, cp) at a fixed pp index
         dp_cp_ranks = [[self.rank_of(d, p, c) for d in range(self.dp) for c in range(self.cp)] for p in range(self.pp)]
         self._groups["dp_cp"], _ = dist.new_subgroups_by_enumeration(dp_cp_ranks)
+        self._dp_cp_mesh = DeviceMesh.from_group(self._groups["dp_cp"], device_type, mesh_dim_names=("dp_cp",))
         # a second group over every pipeline's ranks: the TapChannel's traffic never interleaves the schedule's
         pipelines = [[self.rank_of(d, p, c) for p in range(self.pp)] for d in range(self.dp) for c in range(self.cp)]
         self._groups["pp_tap"], _ = dist.new_subgroups_by_enumeration(pipelines)
@@ -203,6 +205,11 @@ class ParallelDims:
     def dp_cp_group(self) -> Optional[Any]:
         """All ranks of this pipeline stage (dp x cp): gradients and token counts are reduced here."""
         return self.group("dp_cp")
+
+    @property
+    def dp_cp_mesh(self) -> Optional[Any]:
+        """A 1-D ``DeviceMesh`` over :attr:`dp_cp_group` (FSDP2 shards a stage's parameters over it), or None."""
+        return self._dp_cp_mesh if self.dp_cp > 1 and self.mesh is not None else None
 
     @property
     def tap_group(self) -> Optional[Any]:

@@ -16,7 +16,7 @@ Public API::
     layout.layer_range(stage) -> (start, stop) ; layout.tap_owner(tap) -> stage ; layout.tap_owners(taps)
     stage_mod = PolicyStage(policy, layout, stage, cp_group=None, tap_sink=None, tap_ids=())
     schedule = build_schedule(stage_mod, pp_group, num_microbatches, tokens, schedule="1f1b", loss_fn=None)
-    freed = prune_unowned(module, keep=stage_mod.parameters())   # other stages' modules -> Pruned placeholders
+    freed = prune_unowned(module, keep=stage_mod.owned_modules())   # other stages' modules -> Pruned placeholders
 
 A rank that runs only its stage frees the rest of the policy with :func:`prune_unowned` (modules outside the
 stage are replaced by parameter-less :class:`Pruned` placeholders, names of the kept ones unchanged); the stage
@@ -160,6 +160,11 @@ class PolicyStage(nn.Module):
         self.cp_group = cp_group
         self._microbatches: list[MicrobatchMeta] = []
 
+    def owned_modules(self) -> list[nn.Module]:
+        """The policy's submodules this stage holds: embeddings (first), its layers, norm and ``lm_head`` (last)."""
+        head = [self.norm, self.lm_head] if self.is_last else []
+        return ([self.embed_tokens] if self.is_first else []) + list(self.layers) + head
+
     def set_microbatches(self, microbatches: Sequence[MicrobatchMeta]) -> None:
         """Metadata of the microbatches of the coming step, indexed like the schedule's microbatches."""
         self._microbatches = list(microbatches)
@@ -212,41 +217,52 @@ class Pruned(nn.Module):
         return f"{self.pruned_name} (on another pipeline stage)"
 
 
-def prune_unowned(module: nn.Module, keep: Iterable[Tensor]) -> int:
-    """Replace every submodule of ``module`` that holds none of ``keep`` by a :class:`Pruned` placeholder.
+def prune_unowned(module: nn.Module, keep: Iterable[nn.Module]) -> int:
+    """Replace every submodule of ``module`` outside the ``keep`` modules by a :class:`Pruned` placeholder.
 
-    The rank then holds only the memory of ``keep`` (e.g. ``PolicyStage.parameters()`` plus the draft on the last
-    stage), and its ``state_dict`` / ``named_parameters`` list exactly the parameters it owns, under their full
-    names (``policy.model.layers.5...``: indices never shift), so checkpoints keyed by name load on any mesh.
-    Modules without parameters (RoPE tables) stay everywhere; a module holding both kept and other parameters
-    is recursed into. A parameter shared by several modules (tied embeddings) keeps every module that holds it.
+    The rank then holds only the memory of ``keep`` (e.g. ``PolicyStage.owned_modules()`` plus the draft on the last
+    stage), and its ``state_dict`` / ``named_parameters`` list exactly what it owns, under their full names
+    (``policy.model.layers.5...``: indices never shift), so checkpoints keyed by name load on any mesh. Ancestors
+    of kept modules are recursed into; modules without parameters (RoPE tables) stay everywhere. With tied
+    embeddings the first stage keeps ``embed_tokens`` and the last ``lm_head``: one module each, the same weight.
 
     Args:
         module: the module to prune in place (e.g. a ``CoDraftModule`` holding the policy and the draft).
-        keep: the parameters this rank owns.
+        keep: the modules this rank owns.
 
     Returns:
-        Bytes of the parameters that were dropped (freed once nothing else references them).
+        Bytes of the parameters no kept module holds any more (freed once nothing else references them).
     """
-    keep_ids = {id(p) for p in keep}
+    kept = {id(m) for m in keep}
+    kept_params = {id(p) for m in keep for p in m.parameters()}
+    ancestors = set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if id(sub) in kept:
+            parts = name.split(".") if name else []
+            node = module
+            ancestors.add(id(node))
+            for part in parts[:-1]:
+                node = node._modules[part]
+                ancestors.add(id(node))
     dropped: dict[int, int] = {}
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for n, p in parent.named_parameters(recurse=False):
-            if id(p) not in keep_ids:
+            if id(p) not in kept_params:
                 raise ValueError(f"cannot prune {prefix or type(parent).__name__}: it holds parameter {n!r} "
-                                 f"directly next to parameters of this stage; give it a submodule of its own")
+                                 f"directly next to modules of this stage; give it a submodule of its own")
         for name, child in list(parent._modules.items()):
-            if child is None:
+            if child is None or id(child) in kept:
+                continue
+            if id(child) in ancestors:
+                visit(child, f"{prefix}{name}.")
                 continue
             params = list(child.parameters())
             if not params:
                 continue
-            if any(id(p) in keep_ids for p in params):
-                visit(child, f"{prefix}{name}.")
-                continue
             for p in params:
-                dropped[id(p)] = p.numel() * p.element_size()
+                if id(p) not in kept_params:
+                    dropped[id(p)] = p.numel() * p.element_size()
             parent._modules[name] = Pruned(f"{prefix}{name}")
 
     visit(module, "")

@@ -89,13 +89,15 @@ class PipelineRunner:
 
     # ----- the step -----
 
-    def _schedule(self, num_microbatches: int, tokens: int, dtype: torch.dtype, device: torch.device):
-        key = (num_microbatches, tokens)
+    def _schedule(self, num_microbatches: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                  backward: bool = True):
+        key = (num_microbatches, tokens, backward)
         if key not in self._schedules:
             if len(self._schedules) >= self.max_cached_schedules:  # RL batches vary in length: bound the memory
                 self._schedules.pop(next(iter(self._schedules)))
             self._schedules[key] = build_schedule(self.stage_module, self.pp_group, num_microbatches, tokens,
-                                                  self.schedule_name, loss_fn=self._schedule_loss, dtype=dtype,
+                                                  self.schedule_name if backward else "gpipe",
+                                                  loss_fn=self._schedule_loss if backward else None, dtype=dtype,
                                                   device=device)
         return self._schedules[key]
 
@@ -163,6 +165,30 @@ class PipelineRunner:
             records = box[0]
         self._records = []
         return records
+
+    @torch.no_grad()
+    def forward(self, microbatches: Sequence[RLBatch]) -> Optional[list[Tensor]]:
+        """A forward-only pass of the pipeline (e.g. the reference policy): the logits of every microbatch.
+
+        Args:
+            microbatches: as for :meth:`step` (every stage passes the same list).
+
+        Returns:
+            On the last stage ``M`` tensors ``(T, V)``; None on the other stages.
+        """
+        rows = self._check(microbatches)
+        num_mb = len(microbatches)
+        own = next(self.stage_module.parameters())
+        schedule = self._schedule(num_mb, rows, own.dtype, own.device, backward=False)
+        self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(own.device),
+                                                           mb.position_ids.to(own.device)) for mb in microbatches])
+        mb_index = torch.arange(num_mb, device=own.device)
+        if self.stage_module.is_first:
+            ids = torch.stack([mb.input_ids.to(own.device) for mb in microbatches])
+            out = schedule.step(ids, mb=mb_index, return_outputs=self.is_last)
+        else:
+            out = schedule.step(mb=mb_index, return_outputs=self.is_last)
+        return list(out.split(rows)) if self.is_last else None
 
     @property
     def tap_bytes_last_step(self) -> int:

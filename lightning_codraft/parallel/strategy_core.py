@@ -11,13 +11,15 @@ protocol, so it stays below ``training/`` in the layer order:
 
 Gradient semantics: every rank's loss is its share of the global token-mean loss, so the gradient of a
 parameter is the SUM over the ``dp_cp`` group (all ranks of one pipeline stage) of the per-rank gradients.
-Without PP a DDP wrapper over ``dp_cp`` does this (it averages, so the module scales its loss by ``dp*cp``);
-under PP, where the pipeline schedule runs forward and backward itself, :func:`reduce_gradients` sums the
-gradients explicitly after the schedule.
+FSDP2 (the default when dp * cp > 1, ``parallel/fsdp.py``) reduce-scatters them as sums; with
+``sharding="ddp"`` a DDP wrapper over ``dp_cp`` averages (so the module scales its loss by ``dp*cp``), and under
+PP, where the pipeline schedule runs forward and backward itself, :func:`reduce_gradients` sums the gradients
+explicitly after the schedule.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_codraft.parallel.fsdp import SHARDINGS, bf16_resolution_warning, shard_codraft
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 
 
@@ -71,16 +74,22 @@ class CoDraftCore:
         dp: data-parallel size (``-1``: infer from the world size).
         pp: pipeline stages.
         cp: context-parallel size.
-        ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (non-PP meshes).
+        sharding: ``"fsdp"`` (FSDP2 over each stage's dp x cp ranks) or ``"ddp"`` (replicated weights); None:
+            FSDP2 whenever dp * cp > 1.
+        ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (non-PP meshes, ``sharding="ddp"``).
     """
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, ddp_kwargs: Optional[dict] = None):
+    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, sharding: Optional[str] = None,
+                 ddp_kwargs: Optional[dict] = None):
         for name, value in (("pp", pp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not isinstance(dp, int) or (dp < 1 and dp != -1):
             raise ValueError(f"dp={dp!r} must be a positive integer or -1 (infer from the world size)")
+        if sharding is not None and sharding not in SHARDINGS:
+            raise ValueError(f"sharding={sharding!r} is not one of {SHARDINGS} (or None: FSDP2 when dp*cp > 1)")
         self.dp, self.pp, self.cp = dp, pp, cp
+        self.sharding = sharding
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.dims: Optional[ParallelDims] = None
 
@@ -102,18 +111,34 @@ class CoDraftCore:
         return {"num_replicas": dims.dp, "rank": dims.dp_rank}
 
     # ---------------------------------------------------------------- module
-    def prepare_module(self, module: nn.Module) -> nn.Module:
-        """Install the mesh into ``module`` (CP groups, PP split), then wrap for data parallelism.
+    def resolved_sharding(self) -> str:
+        """``"fsdp"`` or ``"ddp"``: the explicit choice, else FSDP2 whenever several ranks hold different tokens."""
+        dims = self.require_dims()
+        return self.sharding or ("fsdp" if dims.dp_cp > 1 else "ddp")
+
+    def prepare_module(self, module: nn.Module, precision: Optional[str] = None) -> nn.Module:
+        """Install the mesh into ``module`` (CP groups, PP stage), then shard or wrap it for data parallelism.
+
+        Args:
+            module: a ``CoDraftModule``.
+            precision: Lightning's precision string (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ...).
 
         Returns:
-            ``DistributedDataParallel`` over the ``dp_cp`` group when there is no PP and more than one rank
-            holds different tokens; otherwise ``module`` itself (PP reduces gradients in
-            :meth:`reduce_gradients`).
+            ``module`` sharded in place by FSDP2 over each stage's dp x cp ranks (``sharding="fsdp"``); a
+            ``DistributedDataParallel`` over the ``dp_cp`` group (``"ddp"`` without PP, several token-holding
+            ranks); otherwise ``module`` itself (under PP with DDP the module sums gradients after the schedule).
         """
         check_codraft_module(module)
         dims = self.require_dims()
-        ddp = (not dims.pp_enabled) and dims.dp_cp > 1
-        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1)
+        sharding = self.resolved_sharding()
+        warning = bf16_resolution_warning(module.policy.parameters(), float(getattr(
+            getattr(module, "config", None), "policy_lr", 0.0)), precision)
+        if warning is not None:
+            warnings.warn(warning, RuntimeWarning, stacklevel=3)
+        ddp = sharding == "ddp" and (not dims.pp_enabled) and dims.dp_cp > 1
+        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1, sharding=sharding)
+        if sharding == "fsdp" and dims.dp_cp > 1:
+            return shard_codraft(module, dims.dp_cp_mesh, precision)
         if not ddp:
             return module
         return DistributedDataParallel(module, process_group=dims.dp_cp_group, **self.ddp_kwargs)

@@ -48,10 +48,13 @@ class CoDraftModule(LightningModule):
             ``num_layers`` and ``default_taps``).
         draft: the EAGLE-3 draft (``lightning_codraft.models.Eagle3Draft``: ``ttt_forward``, ``d2t``, ``t2d``).
         config: hyper-parameters; keyword overrides of its fields are accepted too.
+        reference: a frozen reference policy for the KL term (``kl_coef > 0``), e.g. a copy of the initial policy;
+            the strategy shards it like the policy, and its log-probs are computed here for batches that do not
+            carry ``ref_logprobs``. None: batches must carry them when ``kl_coef > 0``.
     """
 
-    def __init__(self, policy: nn.Module, draft: nn.Module, config: Optional[CoDraftModuleConfig] = None,
-                 **overrides: Any):
+    def __init__(self, policy: nn.Module, draft: nn.Module, config: Optional[CoDraftModuleConfig] = None, *,
+                 reference: Optional[nn.Module] = None, **overrides: Any):
         super().__init__()
         if not isinstance(policy, nn.Module) or not isinstance(draft, nn.Module):
             raise TypeError(f"CoDraftModule needs a policy and a draft nn.Module, got policy="
@@ -60,12 +63,17 @@ class CoDraftModule(LightningModule):
         self._check_vocabularies(policy, draft)
         self.policy = policy
         self.draft = draft
+        self.reference = None if reference is None else reference.requires_grad_(False).eval()
         self.automatic_optimization = False
         self.parallel_dims = ParallelDims()
         self.grad_average_size = 1
         """Ranks over which the strategy's wrapper AVERAGES gradients; the loss is scaled by it."""
+        self.sharding = "ddp"
+        """How the strategy shards the module over dp x cp: ``"fsdp"`` (FSDP2 reduces the gradients) or ``"ddp"``."""
         self.pipeline: Optional[PipelineRunner] = None
         """This rank's pipeline stage runner under pp > 1 (set by :meth:`configure_parallel`)."""
+        self.ref_pipeline: Optional[PipelineRunner] = None
+        """The reference policy's pipeline stage runner under pp > 1 (forward only)."""
         self.released_bytes = 0
         """Bytes of parameters this rank dropped under PP (the other stages' slices)."""
         self._stage_binding: Optional[tuple] = None  # (pp, stage, layers_per_stage) once pruned to a stage
@@ -85,12 +93,13 @@ class CoDraftModule(LightningModule):
                              f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy")
 
     # ------------------------------------------------------------------ parallel plumbing
-    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1) -> None:
-        """Called by the strategy with the mesh, before optimizers are built.
+    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp") -> None:
+        """Called by the strategy with the mesh, before it wraps or shards the module and before optimizers exist.
 
         Args:
             dims: the (dp, pp, cp) layout with its groups.
             grad_average_size: ranks over which the strategy's wrapper AVERAGES gradients (the loss is scaled).
+            sharding: ``"fsdp"`` (FSDP2 sums the gradients of every rank's loss share) or ``"ddp"``.
 
         Under PP this rank keeps only its pipeline stage (the embeddings on the first stage, its decoder layers,
         the final norm, ``lm_head`` and the draft on the last; with tied embeddings the first and the last stage
@@ -106,14 +115,17 @@ class CoDraftModule(LightningModule):
                              f"stage {dims.pp_rank}; build a fresh module for the new mesh and load a checkpoint")
         self.parallel_dims = dims
         self.grad_average_size = int(grad_average_size)
+        self.sharding = sharding
         if not dims.pp_enabled or self._stage_binding is not None:
             return
         c = self.config
-        self.pipeline = PipelineRunner(
-            self.policy, stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
-            cp_group=dims.cp_group, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule,
-            layers_per_stage=c.layers_per_stage)
-        keep = self.pipeline.parameters() + (list(self.draft.parameters()) if dims.is_last_stage else [])
+        stage = dict(stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
+                     cp_group=dims.cp_group, layers_per_stage=c.layers_per_stage)
+        self.pipeline = PipelineRunner(self.policy, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule, **stage)
+        keep = self.pipeline.stage_module.owned_modules() + ([self.draft] if dims.is_last_stage else [])
+        if self.reference is not None:
+            self.ref_pipeline = PipelineRunner(self.reference, schedule="gpipe", **stage)
+            keep += self.ref_pipeline.stage_module.owned_modules()
         self.released_bytes += prune_unowned(self, keep)
         self._stage_binding = binding
 
@@ -235,6 +247,22 @@ class CoDraftModule(LightningModule):
         metrics["loss"] = value
         return loss, MicrobatchRecord(metrics, d.correct, d.total)
 
+    def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
+        """Fill ``ref_logprobs`` from the reference policy where the KL term needs them and the batch has none."""
+        if self.config.kl_coef <= 0 or all(mb.ref_logprobs is not None for mb in microbatches):
+            return microbatches
+        if self.reference is None:
+            raise ValueError(f"kl_coef={self.config.kl_coef} > 0 needs batch.ref_logprobs or a reference policy: "
+                             f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
+        if self.ref_pipeline is not None:
+            logits = self.ref_pipeline.forward(microbatches) or [None] * len(microbatches)  # last stage only
+        else:
+            with torch.no_grad():
+                logits = [self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids,
+                                         cp_group=self.parallel_dims.cp_group).logits for mb in microbatches]
+        return [mb if lg is None else replace(mb, ref_logprobs=token_logprobs(lg, mb.target_ids) * mb.loss_mask)
+                for mb, lg in zip(microbatches, logits)]
+
     def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
         """This rank's microbatches: ``num_microbatches`` of whole documents (one length under PP), CP-sharded."""
         dims, M = self.parallel_dims, self.config.num_microbatches
@@ -261,7 +289,7 @@ class CoDraftModule(LightningModule):
             :class:`CoDraftStepOutput`; its ``loss`` is ready for ``backward`` (``None`` under PP, where the
             schedule already ran the backward).
         """
-        microbatches = self._microbatches(RLBatch.coerce(batch))
+        microbatches = self._with_reference(self._microbatches(RLBatch.coerce(batch)))
         loss = None
         if self.pipeline is not None:
             records = self.pipeline.step(microbatches, self.objective)
@@ -322,7 +350,7 @@ class CoDraftModule(LightningModule):
     def after_backward(self) -> dict[str, Tensor]:
         """Finish the gradients (under PP: summed over dp x cp), clip, and return ``grad_norm/{policy,draft}``."""
         dims = self.parallel_dims
-        if self.pipeline is not None:
+        if self.pipeline is not None and self.sharding != "fsdp":  # FSDP2 reduced them in the backward
             reduce_gradients([p for p in self.parameters() if p.requires_grad], dims.dp_cp_group)
         groups = {"policy": self.policy.parameters()}
         if self.config.trains_draft:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_codraft.training.objective import sum_over
 
@@ -50,7 +51,8 @@ def grad_norms(groups: Mapping[str, Iterable[nn.Parameter]], max_norm: Optional[
     """Global L2 gradient norm of every parameter group, each clipped to ``max_norm`` when given.
 
     Args:
-        groups: group name -> its parameters (those without a gradient are skipped).
+        groups: group name -> its parameters (those without a gradient are skipped). FSDP2-sharded gradients
+            (DTensors) contribute their local shard, summed over their shard group.
         max_norm: clip each group's gradients so its norm is at most this; None = no clipping.
         norm_group: process group over which a group's parameters are spread (the pipeline stages): the squared
             norms are summed over it. Every rank of it must call with the same group names.
@@ -61,13 +63,21 @@ def grad_norms(groups: Mapping[str, Iterable[nn.Parameter]], max_norm: Optional[
     out = {}
     for name, params in groups.items():
         grads = [p.grad for p in params if p.grad is not None and p.requires_grad]
-        sq = torch.zeros((), dtype=torch.float32)
+        plain = torch.zeros((), dtype=torch.float32)
+        sharded: dict[Any, Tensor] = {}  # shard group -> local sum of squares
         for g in grads:
-            sq = sq + g.detach().float().pow(2).sum()
-        norm = sum_over(sq, norm_group).sqrt()
+            if isinstance(g, DTensor):
+                group = g.device_mesh.get_group()
+                local = g.to_local().detach().float().pow(2).sum()
+                sharded[group] = sharded.get(group, torch.zeros((), dtype=torch.float32)) + local
+            else:
+                plain = plain + g.detach().float().pow(2).sum()
+        for group, sq in sharded.items():
+            plain = plain + sum_over(sq, group)
+        norm = sum_over(plain, norm_group).sqrt()
         if max_norm is not None:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                g.mul_(coef)
         out[f"grad_norm/{name}"] = norm
     return out
