@@ -63,7 +63,7 @@ def dry_run(cfg: CoDraftConfig) -> str:
     lines = [to_yaml(cfg).rstrip(), "---",
              f"mesh: world {world} = dp {p.dp} x pp {p.pp} x cp {p.cp} on {p.accelerator} "
              f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
-             f"policy: {cfg.model.source} ({cfg.model.dtype}, context {cfg.model.max_position_embeddings}); "
+             f"policy: {cfg.model.source} (precision {p.precision}, context {cfg.model.max_position_embeddings}); "
              f"task: {cfg.task.name}; reward: {cfg.task.reward or 'built-in'}",
              f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm-start {d.warmup_steps} "
              f"steps; SFT warm-up {cfg.sft.steps} steps",

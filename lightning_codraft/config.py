@@ -38,8 +38,6 @@ class ModelConfig:
     """Tiny policy only: MLP width."""
     max_position_embeddings: int = 128
     """Context length: longest prompt + max_new_tokens must fit (for pretrained models, capped by theirs)."""
-    dtype: str = "float32"
-    """Parameter dtype: ``float32`` or ``bfloat16``."""
 
 
 @dataclass
@@ -152,6 +150,15 @@ class ParallelConfig:
     """Pipeline schedule under pp > 1: ``gpipe`` or ``1f1b`` (needs num_microbatches >= pp)."""
     layers_per_stage: Optional[list[int]] = None
     """Decoder layers of every pipeline stage (one count per stage); null balances them."""
+    sharding: Optional[str] = None
+    """``fsdp`` (FSDP2 over each pipeline stage's dp x cp ranks) or ``ddp`` (replicated weights); null: FSDP2
+    whenever dp * cp > 1."""
+    precision: str = "32-true"
+    """Lightning's precision: ``32-true``, ``bf16-mixed`` (fp32 master weights and optimizer state, bf16 compute,
+    fp32 gradient reduction: what large runs use) or ``bf16-true`` (everything bf16: updates below bf16's
+    resolution round away)."""
+    timeout_s: float = 1800.0
+    """Collective timeout in seconds (a rank that waits longer for its peers fails instead of hanging)."""
     engine: str = "embedded"
     """Rollout engine: ``embedded`` (pure PyTorch speculative decoding) or ``vllm``."""
     engine_batch_size: Optional[int] = None
@@ -180,6 +187,9 @@ class RunConfig:
     """torch intra-op threads (0 = leave torch's default)."""
     init_from: Optional[str] = None
     """Skip the SFT and draft warm-ups: load policy + draft from the ``warm`` directory of an earlier run."""
+    max_nonfinite_steps: int = 3
+    """Steps in a row whose loss or gradient is not finite (each one skipped, never checkpointed) before the run
+    stops with an error."""
 
 
 @dataclass
@@ -201,7 +211,6 @@ class CoDraftConfig:
 
 
 _CHOICES = {
-    ("model", "dtype"): ("float32", "bfloat16"),
     ("draft", "mode"): ("cotrain", "frozen", "none"),
     ("task", "name"): ("arithmetic", "gsm8k"),
     ("task", "on_reward_error"): ("warn", "raise"),
@@ -209,7 +218,13 @@ _CHOICES = {
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
     ("parallel", "pp_schedule"): ("gpipe", "1f1b"),
+    ("parallel", "precision"): ("32-true", "bf16-mixed", "bf16-true"),
 }
+
+
+#: keys that moved: old key -> what to write instead
+_RENAMED = {"model.dtype": "parallel.precision (32-true, bf16-mixed or bf16-true): fp32 master weights need "
+                           "bf16-mixed, not bfloat16 parameters"}
 
 
 def _check_keys(node: Any, cls: type, prefix: str) -> None:
@@ -218,6 +233,8 @@ def _check_keys(node: Any, cls: type, prefix: str) -> None:
     valid = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in node.items():
         name = f"{prefix}.{key}" if prefix else str(key)
+        if name in _RENAMED:
+            raise ConfigError(f"config key {name!r} was replaced by {_RENAMED[name]}")
         if key not in valid:
             raise ConfigError(f"unknown config key {name!r}; valid keys{' under ' + repr(prefix) if prefix else ''}"
                               f": {', '.join(sorted(valid))}")
@@ -247,6 +264,9 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if p.engine_batch_size is not None:
         _positive("parallel.engine_batch_size", p.engine_batch_size)
     _positive("parallel.num_microbatches", p.num_microbatches)
+    if p.sharding not in (None, "fsdp", "ddp"):
+        raise ConfigError(f"parallel.sharding={p.sharding!r} is not one of ('fsdp', 'ddp', null)")
+    _positive("parallel.timeout_s", p.timeout_s, 1)
     if p.pp_schedule == "1f1b" and p.pp > 1 and p.num_microbatches < p.pp:
         raise ConfigError(f"parallel.pp_schedule=1f1b needs parallel.num_microbatches >= pp={p.pp} (got "
                           f"{p.num_microbatches}); raise num_microbatches or use pp_schedule=gpipe")
@@ -300,6 +320,7 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"need 2 <= task.min_terms <= task.max_terms, got {t.min_terms}, {t.max_terms}")
     _positive("sft.steps", cfg.sft.steps, 0)
     _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)
+    _positive("run.max_nonfinite_steps", cfg.run.max_nonfinite_steps)
     return cfg
 
 

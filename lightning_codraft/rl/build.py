@@ -21,8 +21,6 @@ from lightning_codraft.rl.rewards import resolve_reward
 from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, RewardFn
 from lightning_codraft.training.config import CoDraftModuleConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class HFTokenizer:
     """Adapts a ``transformers`` tokenizer to the project's tokenizer protocol (no special tokens added).
@@ -83,7 +81,6 @@ def build_policy(cfg, seed: int = 0):
         ``(tokenizer, policy, context)``: ``context`` is the usable context length (the config's
         ``max_position_embeddings``, capped by the model's).
     """
-    dtype = _DTYPES[cfg.dtype]
     if cfg.source == "tiny":
         tok = CharTokenizer()
         pcfg = PolicyConfig.tiny(vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size,
@@ -96,10 +93,10 @@ def build_policy(cfg, seed: int = 0):
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             policy = Policy(pcfg)
-        return tok, policy.to(dtype), cfg.max_position_embeddings
+        return tok, policy, cfg.max_position_embeddings
     if cfg.source == "smollm2-135m":
         path = smollm2_135m_path()
-        policy = Policy.from_pretrained(path, dtype=dtype)
+        policy = Policy.from_pretrained(path)
         tok = HFTokenizer(load_smollm2_tokenizer())
     else:
         path = Path(cfg.source)
@@ -108,7 +105,7 @@ def build_policy(cfg, seed: int = 0):
                                     f"checkpoint directory with config.json")
         from transformers import AutoTokenizer
 
-        policy = Policy.from_pretrained(path, dtype=dtype)
+        policy = Policy.from_pretrained(path)
         tok = HFTokenizer(AutoTokenizer.from_pretrained(str(path)))
     return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)
 

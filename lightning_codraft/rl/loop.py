@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -102,8 +103,9 @@ class CoDraftRun:
     def launch(self) -> None:
         """Start the processes (Fabric with a ``CoDraftStrategy`` over the recipe's mesh)."""
         p = self.cfg.parallel
-        self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes,
-                             strategy=CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp))
+        strategy = CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding, timeout=timedelta(seconds=p.timeout_s))
+        self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes, strategy=strategy,
+                             precision=p.precision)
         self.fabric.launch()
         self.dims = self.fabric.strategy.parallel_dims
         if self.cfg.run.threads:

@@ -56,20 +56,26 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ placement
     @property
+    def training_modules_whole(self) -> bool:
+        """Whether every rank's training modules stay whole: no PP (pruned stages) and no FSDP2 (sharded)."""
+        fsdp = (self.cfg.parallel.sharding or "fsdp") == "fsdp" and self.dims.dp_cp > 1
+        return not (self.dims.pp_enabled or fsdp)
+
+    @property
     def holds_copies(self) -> bool:
         """Whether the engine decodes with weights of its own, refreshed after every optimizer step: vLLM always,
-        the embedded engine under PP (where no rank holds the whole training module)."""
-        return self.cfg.parallel.engine == "vllm" or self.dims.pp_enabled
+        the embedded engine under PP or FSDP2 (where no rank holds the whole training module)."""
+        return self.cfg.parallel.engine == "vllm" or not self.training_modules_whole
 
     def take_models(self, module: nn.Module) -> None:
         """Choose the whole modules a lead decodes with; call BEFORE the strategy sets ``module`` up.
 
-        Without PP these are the training modules. Under PP the strategy prunes every submodule outside this rank's
-        stage, so the lead keeps deep copies (on its device), made now while the modules are whole.
+        Without PP or FSDP2 these are the training modules. Otherwise the strategy prunes or shards them, so the
+        lead keeps deep copies (on its device), made now while the modules are whole.
         """
         if not self.dims.is_replica_lead:
             return
-        if not self.dims.pp_enabled:
+        if self.training_modules_whole:
             self.policy, self.draft = module.policy, module.draft
             return
         policy, draft = copy.deepcopy((module.policy, module.draft))  # one memo: shared tensors stay shared
@@ -133,8 +139,9 @@ class RolloutWorker:
         return self.sync(step) or 0.0
 
     def after_load(self, module: nn.Module) -> None:
-        """Under PP, after a checkpoint was loaded into the stages: gather them into the lead's copies."""
-        if not self.dims.pp_enabled:
+        """Under PP / FSDP2, after a checkpoint was loaded into the stages or shards: gather them into the lead's
+        copies (a collective: call on every rank)."""
+        if self.training_modules_whole:
             return
         policy_state, draft_state = module.full_state_dicts()
         if self.dims.is_replica_lead:
@@ -147,8 +154,8 @@ class RolloutWorker:
             self.draft.load_state_dict(draft_state)
 
     def update_weights(self, policy_state: dict, draft_state: Optional[dict]) -> None:
-        """The :class:`WeightSync` target on a lead: refresh the copies (under PP) and the engine."""
-        if self.dims.pp_enabled and getattr(self.engine, "policy", None) is not self.policy:
+        """The :class:`WeightSync` target on a lead: refresh the copies (under PP / FSDP2) and the engine."""
+        if not self.training_modules_whole and getattr(self.engine, "policy", None) is not self.policy:
             self.load_copies(policy_state, draft_state)  # vLLM: the copies serve the final speed-up
         self.engine.update_weights(policy_state, draft_state)
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel.parallel_dims import ParallelDims
@@ -132,10 +133,12 @@ class CoDraftModule(LightningModule):
     def full_state_dicts(self) -> tuple[Optional[dict[str, Tensor]], Optional[dict[str, Tensor]]]:
         """Full HF-named ``(policy_state, draft_state)`` for a rollout engine; a collective under PP.
 
-        Without PP every rank holds everything and gets both dicts. Under PP the stages' states are gathered onto
-        the first stage (``pp_rank == 0``), which gets the full dicts; the other stages get ``(None, None)``.
+        Without PP every rank gets both dicts. FSDP2 shards are gathered (a collective over the stage's dp x cp
+        ranks); under PP the stages' states are gathered onto the first stage (``pp_rank == 0``), which gets the
+        full dicts, the other stages get ``(None, None)``. Call on every rank.
         """
-        whole = gather_stage_states(self.state_dict(), self.parallel_dims.pp_group if self.pipeline else None)
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+        whole = gather_stage_states(state, self.parallel_dims.pp_group if self.pipeline else None)
         if whole is None:
             return None, None
         policy = {k[len("policy."):]: v.detach() for k, v in whole.items() if k.startswith("policy.")}
