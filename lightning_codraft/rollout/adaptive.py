@@ -63,16 +63,20 @@ class AdaptiveConfig:
     """Memory of each cost term's fit, in measured rounds (a round weighs exp(-newer rounds / this)); calibration
     points are kept besides."""
     probe_backoff: tuple[int, int] = (4, 64)
-    """(first, longest) number of rounds drafting stays off after it stopped paying; the wait doubles each time
-    drafting stops again within ``first`` rounds (a failed re-probe) and resets once drafting lasts ``first``
-    rounds, so a draft that never pays costs a probe every ``longest`` rounds at most."""
+    """(first, longest) number of rounds drafting stays off after it stopped because its proposals were mostly
+    rejected (under ``failed_rate``); the wait doubles each time drafting stops so again within ``first`` rounds
+    (a failed re-probe) and resets once drafting lasts ``first`` rounds, so a draft that never pays costs a
+    probe every ``longest`` rounds at most. Drafting that stops because it no longer pays for this batch size
+    (acceptance fine, verify too dear) is free to resume the next round."""
+    failed_rate: float = 0.5
+    """A drafting run whose proposals were accepted less often than this counts as failed (see probe_backoff)."""
     resume_window: int = 32
     """While k = 0 the draft's catch-up is deferred; when drafting resumes after more plain rounds than this, the
     draft catches up on the last ``resume_window`` positions only (it keeps what it had cached before, e.g. the
     prompt, and skips the positions between)."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay"):
+        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay", "failed_rate"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"AdaptiveConfig.{name}={value} must be in (0, 1]")
@@ -125,6 +129,8 @@ class _Setting:
     backoff: int        # rounds drafting stays off the next time it stops paying
     hold: int = 0       # rounds left in the current wait
     run: int = 0        # consecutive drafting rounds up to the previous one
+    run_acc: float = 0.0    # draft tokens accepted / verified in that run
+    run_tried: float = 0.0
 
 
 class AcceptanceEstimates:
@@ -186,6 +192,8 @@ class AcceptanceEstimates:
             self.tried[b] = self.tried[b] * d + verified
             sh.acc += a
             sh.tried += verified
+            sh.run_acc += a
+            sh.run_tried += verified
             for j in range(verified):
                 pos_expected[j] += alpha[b]
             for j in range(a):
@@ -247,10 +255,12 @@ class SpeculationController:
         tokens = expected_tokens(estimates.rates(), remaining)
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
-        if k == 0 and st.run > 0:          # drafting stopped paying: wait, longer each time a probe fails
-            st.hold, st.backoff = st.backoff, min(2 * st.backoff, longest)
+        if k == 0 and st.run > 0:
+            if st.run_acc < self.config.failed_rate * st.run_tried:   # mostly rejected: wait, longer each time
+                st.hold, st.backoff = st.backoff, min(2 * st.backoff, longest)
+            st.run_acc = st.run_tried = 0.0
         st.run = st.run + 1 if k > 0 else 0
-        if st.run >= first:                # drafting lasted: the next stop waits the least again
+        if st.run >= first:                # drafting lasted: the next failure waits the least again
             st.backoff = first
         return k
 

@@ -137,6 +137,27 @@ def test_a_failing_request_stops_drafting_and_is_reprobed_less_and_less():
     assert est.shared.backoff == 4                           # ... and the next stop waits the least again
 
 
+def test_only_a_rejected_draft_waits_before_drafting_again():
+    """Drafting that stops because this batch size no longer pays (a 64-row verify of 1 + k tokens costs nearly
+    1 + k plain steps) while proposals are mostly accepted does not wait: the 2-row batch drafts on at once.
+    Drafting that stops because proposals are rejected does wait (a failed probe)."""
+    ctl = _controller(_costs(policy_per_token=3e-4))
+    rng = np.random.default_rng(1)
+    small = ctl.new_batch(2, ("greedy",))
+    for _ in range(12):                                      # each position accepted with probability 0.8
+        k = ctl.choose(small, [100, 100])
+        ctl.observe(small, k, [min(int(np.argmin(np.append(rng.uniform(size=K) < 0.8, False))), k)
+                               for _ in range(2)])
+    assert k > 0
+    assert ctl.choose(ctl.new_batch(64, ("greedy",)), [100] * 64) == 0
+    assert small.shared.hold == 0 and ctl.choose(small, [100, 100]) > 0
+    rejected = _controller(_costs(policy_per_token=3e-4))
+    est = rejected.new_batch(2, ("greedy",))
+    while (k := rejected.choose(est, [100, 100])) > 0:      # every proposal rejected
+        rejected.observe(est, k, [0, 0])
+    assert est.shared.hold > 0
+
+
 def test_requests_are_weighed_by_their_own_record():
     """Two requests, one always accepted, one never: together the good one makes K pay; once it has finished
     and left the batch, the failing one alone stops drafting (a batch-wide rate would keep it drafting)."""
