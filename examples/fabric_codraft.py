@@ -20,13 +20,13 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from lightning_codraft import CoDraftModule
+from lightning_codraft import CoDraftModule, RLBatch
 from lightning_codraft.fabric import CoDraftStrategy, fabric_training_step
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 
 
-def experience(step: int, cp: int, vocab: int, prompts: int = 4, group: int = 2) -> dict:
+def experience(step: int, cp: int, vocab: int, prompts: int = 4, group: int = 2) -> RLBatch:
     """One packed GRPO batch: ``prompts`` prompts x ``group`` completions, documents padded to 2*cp."""
     g = torch.Generator().manual_seed(step)
     rollouts = []
@@ -47,13 +47,16 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=-1, help="-1: devices * num_nodes // (pp * cp)")
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--sharding", default=None, choices=("fsdp", "ddp"), help="default: FSDP2 when dp*cp > 1")
+    parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed (fp32 masters, bf16 compute)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="runs/fabric_codraft")
     parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
 
-    strategy = CoDraftStrategy(dp=args.dp, pp=args.pp, cp=args.cp)
-    fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
+    strategy = CoDraftStrategy(dp=args.dp, pp=args.pp, cp=args.cp, sharding=args.sharding)
+    fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+                    precision=args.precision)
     fabric.launch()
     fabric.seed_everything(0)  # identical initial weights on every rank
 
@@ -61,7 +64,7 @@ def main() -> None:
     draft = Eagle3Draft.from_policy(policy)
     module = CoDraftModule(policy, draft, policy_lr=1e-4, draft_lr=1e-3, draft_loss_weight=1.0,
                            num_microbatches=max(2, args.pp))
-    model = fabric.setup_module(module)           # CP groups installed, PP stage split, DDP over dp x cp
+    model = fabric.setup_module(module)           # CP groups installed, PP stage split, FSDP2 over dp x cp
     optimizer, scheduler = model.build_optimizer()  # two parameter groups: policy and draft
     optimizer = fabric.setup_optimizers(optimizer)
 
@@ -73,7 +76,7 @@ def main() -> None:
     ckpt = Path(args.out) / "checkpoint"
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if ckpt.exists():
-        fabric.load(ckpt, state)  # written on any mesh
+        fabric.load(ckpt, state)  # a torch.distributed.checkpoint directory written on any mesh
     for step, batch in enumerate(loader):
         if step < state["step"]:
             continue

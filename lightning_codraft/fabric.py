@@ -62,6 +62,9 @@ class CoDraftStrategy(DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        if checkpoint_io is not None:
+            raise ValueError(f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
+                             f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin")
         self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs)
 
     @property
@@ -90,7 +93,7 @@ class CoDraftStrategy(DDPStrategy):
 
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Write a mesh-independent checkpoint directory (see ``lightning_codraft.parallel.checkpoint``)."""
+        """Write a DCP checkpoint directory that loads on any mesh (``lightning_codraft.parallel.checkpoint``)."""
         if storage_options is not None or filter is not None:
             raise TypeError("CoDraftStrategy.save_checkpoint supports neither storage_options nor filter; "
                             "pass only the state dict")

@@ -16,8 +16,8 @@ zigzag-shards it.
 
 from __future__ import annotations
 
-from datetime import timedelta
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -25,6 +25,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
+from torch import Tensor
 
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.parallel_dims import ParallelDims
@@ -60,7 +61,12 @@ class CoDraftStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
+        if checkpoint_io is not None:
+            raise ValueError(f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
+                             f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin")
         self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs)
+        self._checkpoint_path: Optional[Path] = None
+        self._optimizers_loaded = False
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -81,32 +87,51 @@ class CoDraftStrategy(DDPStrategy):
         """Samplers shard over the dp dimension only: PP and CP peers read the same samples."""
         return self.core.sampler_kwargs()
 
-    # ----- mesh-independent checkpoints: a directory of per-stage slices, parameters identified by name
+    # ----- distributed checkpoints (torch.distributed.checkpoint): loaded after setup, into shards / stages
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load checkpoints into the set-up module (pruned to its stage, FSDP-sharded), as sharded strategies do."""
+        return True
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's slice of the module state (the whole module without PP)."""
-        return ckpt.owned_state_dict(self.lightning_module)
+        """Nothing: :meth:`save_checkpoint` writes the live module through DCP (each rank its shards)."""
+        return {}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name, so any mesh can load it."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return ckpt.optimizer_state_by_name(optimizer, ckpt.module_param_names(self.lightning_module))
+        """Nothing: :meth:`save_checkpoint` writes the live optimizers through DCP, keyed by parameter name."""
+        return {}
+
+    def _dcp_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"state_dict": self.lightning_module}
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = getattr(optimizer, "_optimizer", optimizer)
+        return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        """Write ``filepath`` as a checkpoint directory (see ``lightning_codraft.parallel.checkpoint``)."""
+        """Write ``filepath`` as a DCP checkpoint directory: the module and optimizers through DCP, Lightning's
+        other entries (loops, schedulers, callbacks) as JSON; call on every rank."""
         if storage_options is not None:
             raise TypeError(f"CoDraftStrategy.save_checkpoint does not support storage_options={storage_options!r}")
-        ckpt.save_trainer_checkpoint(filepath, checkpoint, self.core.dims)
+        plain = {k: _plain(v) for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        ckpt.save_checkpoint(filepath, {**self._dcp_state(), **plain}, self.core.dims)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return ckpt.read_trainer_checkpoint(checkpoint_path, self.core.dims)
+        """Lightning's checkpoint dict of the plain entries; the tensors load in :meth:`load_model_state_dict`."""
+        self._checkpoint_path = Path(checkpoint_path)
+        self._optimizers_loaded = False
+        return {**ckpt.read_checkpoint(checkpoint_path), "state_dict": {}, "optimizer_states": []}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        ckpt.load_module_subset(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        """Load the module (and, once set up, the optimizers) from the checkpoint directory, resharded."""
+        state = self._dcp_state()
+        plain = {k: v for k, v in state.items() if k == "state_dict"} if not self.optimizers else state
+        ckpt.load_checkpoint(self._checkpoint_path, plain, self.core.dims, strict=strict)
+        self._optimizers_loaded = bool(self.optimizers)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        names = ckpt.module_param_names(self.lightning_module)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_optimizer_state_by_name(getattr(optimizer, "_optimizer", optimizer), state, names)
+        if not self._optimizers_loaded:
+            ckpt.load_checkpoint(self._checkpoint_path, self._dcp_state(), self.core.dims)
+            self._optimizers_loaded = True
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero and Path(filepath).is_dir():
@@ -119,6 +144,17 @@ class CoDraftStrategy(DDPStrategy):
 
 
 CoDraftStrategy.register_strategies(StrategyRegistry)
+
+
+def _plain(value: Any) -> Any:
+    """Lightning's checkpoint entries as JSON data: tensors (e.g. a callback's best score) become numbers."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 class WeightSyncCallback(Callback):

@@ -1,8 +1,14 @@
-"""Checkpoint at step n, stop the processes, resume on the same or another mesh: steps n+1.. are identical."""
+"""Distributed checkpoints: written on FSDP2 dp=2 x cp=2 after 2 steps, resumed in fresh processes on the same mesh
+and on other meshes (one process, pp=2, cp=2 with DDP), every continuation equal to the uninterrupted run; and a
+checkpoint crafted to run code on load does not run it."""
+
+import os
+import pickle
+import uuid
 
 import pytest
 import torch
-from codraft_fixtures import make_models, step_batches
+from codraft_fixtures import concat_batches, full_state, make_models, step_batches
 from distributed import run_distributed
 from test_fabric import HPARAMS, STEPS, WEIGHT_ATOL, reference_run
 
@@ -10,7 +16,13 @@ from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.training.module import CoDraftModule
 
 SAVE_AT = 2          # steps done before the checkpoint
-OVERRIDES = dict(num_microbatches=2)
+DP = 2               # the writer's data-parallel size: every other mesh trains on the two replicas' batches joined
+
+
+def _batches(mesh):
+    """What this mesh's replicas read per step: the writer's two replica batches, or both joined (dp == 1)."""
+    per_step = step_batches(STEPS, DP)
+    return per_step if mesh.get("dp", 1) == DP else [[concat_batches(b)] for b in per_step]
 
 
 def _fabric_run(rank, world_size, mesh, path, mode):
@@ -23,13 +35,15 @@ def _fabric_run(rank, world_size, mesh, path, mode):
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
     policy, draft = make_models(seed=1 if mode == "resume" else 0)  # resume must not depend on the init
-    model = fabric.setup_module(CoDraftModule(policy, draft, **{**HPARAMS, **OVERRIDES}))
+    overrides = dict(pp_schedule="gpipe") if mesh.get("pp", 1) > 1 else {}
+    model = fabric.setup_module(CoDraftModule(policy, draft, **{**HPARAMS, **overrides}))
     optimizer, scheduler = model.build_optimizer()
     optimizer = fabric.setup_optimizers(optimizer)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     if mode == "resume":
         fabric.load(path, state)
-    batches = [per_rank[0] for per_rank in step_batches(STEPS, 1)]  # dp == 1 in these meshes
+    dp_rank = strategy.parallel_dims.dp_rank
+    batches = [per_replica[dp_rank] for per_replica in _batches(mesh)]
     losses = []
     stop = SAVE_AT if mode == "save" else STEPS
     for step in range(state["step"], stop):
@@ -37,8 +51,7 @@ def _fabric_run(rank, world_size, mesh, path, mode):
         state["step"] = step + 1
     if mode == "save":
         fabric.save(path, state)
-    weights = {k: v.detach().clone().numpy() for k, v in model.module.state_dict().items()}
-    return losses, weights, state["step"]
+    return losses, full_state(model.module), state["step"]
 
 
 def _check_weights(weights, ref_weights, where):
@@ -50,54 +63,70 @@ def _check_weights(weights, ref_weights, where):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "step2"
-    results = run_distributed(_fabric_run, world_size=4, args=(dict(pp=2, cp=2), str(path), "save"), timeout=600)
+    results = run_distributed(_fabric_run, world_size=4, args=(dict(dp=DP, cp=2), str(path), "save"), timeout=600)
     return path, results
 
 
-@pytest.mark.slow
-def test_resume_in_fresh_processes_on_another_mesh_continues_identically(saved):
+def test_fsdp_checkpoint_is_dcp_and_loads_in_one_process(saved):
     path, first = saved
-    ref_losses, ref_weights = reference_run(1, **OVERRIDES)
+    ref_losses, ref_weights = reference_run(DP)
     assert first[0][0] == pytest.approx(ref_losses[:SAVE_AT], rel=1e-5)
-    # the processes that wrote the checkpoint are gone; two fresh ones (pp=1, cp=2) pick it up
-    results = run_distributed(_fabric_run, world_size=2, args=(dict(cp=2), str(path), "resume"), timeout=600)
-    for rank, (losses, weights, step) in enumerate(results):
-        assert step == STEPS
-        assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5), f"rank {rank}"
-        _check_weights(weights, ref_weights, f"rank {rank}")
-
-
-def test_pp2_cp2_checkpoint_loads_in_one_process(saved):
-    path, _ = saved
-    ref_losses, ref_weights = reference_run(1, **OVERRIDES)
+    names = sorted(p.name for p in path.iterdir())
+    assert ".metadata" in names and "codraft.json" in names
+    assert sorted(n for n in names if n.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # every rank
     policy, draft = make_models(seed=1)
-    module = CoDraftModule(policy, draft, **{**HPARAMS, **OVERRIDES})
+    module = CoDraftModule(policy, draft, **HPARAMS)
     optimizer, scheduler = module.build_optimizer()
     state = {"model": module, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    rest = ckpt.load_checkpoint(path, state)
-    assert state["step"] == SAVE_AT and rest == {}
-    batches = [per_rank[0] for per_rank in step_batches(STEPS, 1)]
+    assert ckpt.load_checkpoint(path, state) == {} and state["step"] == SAVE_AT
     losses = []
     for step in range(SAVE_AT, STEPS):
         optimizer.zero_grad()
-        out = module(batches[step])
+        out = module(_batches({})[step][0])
         out.loss.backward()
         module.after_backward()
         optimizer.step()
         scheduler.step()
         losses.append(float(out.metrics["loss"]))
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5)
-    _check_weights({k: v.detach().numpy() for k, v in module.state_dict().items()}, ref_weights, "single")
+    _check_weights(full_state(module), ref_weights, "one process")
 
 
-def test_checkpoint_layout_and_errors(saved, tmp_path):
+@pytest.mark.parametrize("world_size, mesh", [(4, dict(dp=DP, cp=2)), (2, dict(pp=2)),
+                                              pytest.param(2, dict(cp=2, sharding="ddp"), marks=pytest.mark.slow)])
+def test_resume_in_fresh_processes_continues_identically(saved, world_size, mesh):
+    """The writer's processes are gone (as after a kill); fresh ones on the same or another mesh pick it up."""
     path, _ = saved
-    assert sorted(p.name for p in path.iterdir()) == ["meta.pt", "stage0.pt", "stage1.pt"]
-    merged = ckpt.read_checkpoint(path)
-    policy, draft = make_models()
-    full = CoDraftModule(policy, draft).state_dict()
-    assert set(merged["modules"]["model"]) == set(full)  # the two stage files together are the whole model
-    with pytest.raises(FileNotFoundError, match="not a lightning_codraft checkpoint"):
-        ckpt.read_checkpoint(tmp_path)
-    with pytest.raises(KeyError, match="has no entries \\['epoch'\\]"):
+    ref_losses, ref_weights = reference_run(DP)
+    results = run_distributed(_fabric_run, world_size=world_size, args=(mesh, str(path), "resume"), timeout=600)
+    for rank, (losses, weights, step) in enumerate(results):
+        assert step == STEPS
+        assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5), f"rank {rank}"
+        _check_weights(weights, ref_weights, f"rank {rank}")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_tries_to_run_code_does_not_run_it(saved, tmp_path):
+    import shutil
+
+    path, _ = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    marker = tmp_path / f"pwned-{uuid.uuid4().hex}"
+    (bad / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    module = CoDraftModule(*make_models(), **HPARAMS)
+    with pytest.raises(ckpt.CheckpointError, match="refusing to load checkpoint metadata: it references "
+                                                   "(posix|os).system"):
+        ckpt.load_checkpoint(bad, {"model": module})
+    assert not marker.exists()
+    with pytest.raises(ckpt.CheckpointError, match="not a lightning_codraft checkpoint directory"):
+        ckpt.load_checkpoint(tmp_path, {"model": module})
+    with pytest.raises(ckpt.CheckpointError, match="has no entries \\['epoch'\\]"):
         ckpt.load_checkpoint(path, {"epoch": 0})

@@ -1,8 +1,9 @@
-"""Trainer checkpoints are mesh-independent: fit 2 steps on (pp=2, cp=2), resume with ckpt_path on cp=2."""
+"""Trainer checkpoints are DCP directories that load on any mesh: fit 2 steps on (pp=2, cp=2) with FSDP2 over the cp
+ranks, resume with ckpt_path on cp=2."""
 
 import pytest
 import torch
-from codraft_fixtures import make_batch, make_models
+from codraft_fixtures import full_state, make_batch, make_models
 from distributed import run_distributed
 from test_fabric import HPARAMS, WEIGHT_ATOL
 
@@ -33,7 +34,7 @@ def _trainer_run(rank, world_size, mesh, path, steps, resume):
                 ckpt_path=path if resume else None)
     if not resume:
         trainer.save_checkpoint(path)
-    return losses, {k: v.detach().clone().numpy() for k, v in module.state_dict().items()}, trainer.global_step
+    return losses, full_state(module), trainer.global_step
 
 
 def _reference(steps):

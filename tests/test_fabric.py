@@ -198,4 +198,5 @@ def test_two_node_torchrun_launch_trains(tmp_path):
     for node, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"node {node} failed:\n{out[-3000:]}"
     assert "step 1: loss" in outputs[0]
-    assert sorted(f.name for f in (tmp_path / "checkpoint").iterdir()) == ["meta.pt", "stage0.pt", "stage1.pt"]
+    files = sorted(f.name for f in (tmp_path / "checkpoint").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "codraft.json"]

@@ -1,21 +1,29 @@
-"""Mesh-independent checkpoints: written on one (dp, pp, cp) mesh, loadable on any other.
+"""Distributed checkpoints that load on any mesh: ``torch.distributed.checkpoint`` for tensors, JSON for the rest.
 
 A checkpoint is a directory::
 
-    meta.pt          rank 0: plain entries (step counters, loop state, scheduler states), the writer's mesh
-                     and every rank's RNG state
-    stage{p}.pt      the first rank of pipeline stage p (dp = cp = 0): its modules' state dicts and its
-                     optimizers' states, everything keyed by PARAMETER NAME, never by position
+    .metadata, __<rank>_<n>.distcp   DCP: every module's and optimizer's tensors, keyed by parameter NAME (FQN);
+                                     each rank writes only its shards (FSDP2) or its stage (PP); replicas once
+    codraft.json                     rank 0: the format, the writer's mesh, plain entries (step counters, loop
+                                     state), scheduler states, optimizers' param groups, every rank's RNG states
 
-Because dp and cp ranks hold replicas, one copy per stage is the whole model; because optimizer states are keyed
-by name, a loader on any mesh picks the entries for the parameters it holds (pp = 2 -> pp = 1 merges both
-stage files, cp = 2 -> cp = 1 reads the same files). RNG states are restored per rank when the world size
-matches, else every rank takes rank 0's.
+Because tensors are keyed by name and DCP reshards on read, a loader on any (dp, pp, cp, sharding) asks for the
+entries it holds in the layout it holds them: pp = 2 -> pp = 1 reads both stages' keys, FSDP2 over 4 ranks ->
+one process reads whole tensors, a DDP checkpoint -> FSDP2 shards. RNG states are restored per rank when the world
+size matches, else every rank takes rank 0's.
+
+Nothing is unpickled from a checkpoint: ``codraft.json`` is JSON, tensors are read with ``weights_only=True``, and
+DCP's ``.metadata`` (a pickle) is read with an unpickler that admits only DCP's own metadata classes, so a crafted
+file raises ``CheckpointError`` instead of running code.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import Any, Optional
@@ -23,126 +31,119 @@ from typing import Any, Optional
 import numpy
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.optim import Optimizer
 
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 
-FORMAT = "lightning_codraft.checkpoint/1"
+FORMAT = "lightning_codraft.checkpoint/2"
+META_FILE = "codraft.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, of another format, lacks what was asked for, or is unsafe to read."""
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
     """Strip DistributedDataParallel / Fabric wrappers."""
-    while hasattr(module, "module") and isinstance(getattr(module, "module"), nn.Module) and module is not getattr(
-            module, "module"):
+    while isinstance(getattr(module, "module", None), nn.Module) and module is not module.module:
         module = module.module
     return module
 
 
-def owned_state_dict(module: nn.Module) -> dict[str, Any]:
-    """The entries this rank writes: its module's state (under PP a pruned module holds only its stage)."""
-    return unwrap_module(module).state_dict()
+# ------------------------------------------------------------------------------------------------ safe reading
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                 ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 
 
-def _is_scheduler(obj: Any) -> bool:
-    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and hasattr(obj, "optimizer") and not \
-        isinstance(obj, Optimizer)
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any other global (``os.system``, ...) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS or module in _SAFE_MODULES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"refusing to load checkpoint metadata: it references {module}.{name}, which DCP "
+                              f"metadata never contains (the file may have been crafted to run code)")
 
 
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the ``.metadata`` pickle read by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any malformed pickle
+                raise CheckpointError(f"{path} is not readable DCP metadata: {type(e).__name__}: {e}") from e
+        metadata.storage_meta = getattr(metadata, "storage_meta", None)
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner that refuses pickled (non-tensor) entries: ours hold tensors only, the rest is JSON."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which "
+                              f"lightning_codraft checkpoints never contain (their non-tensor state is JSON); "
+                              f"refusing to unpickle it")
+
+
+# ------------------------------------------------------------------------------------------------ rng and json
 def capture_rng() -> dict[str, Any]:
-    """This process' RNG states: torch CPU (+ CUDA), Python ``random`` and (if installed) numpy."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process' RNG states as JSON-able data: torch CPU (+ CUDA), Python ``random`` and numpy."""
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+             "python": _jsonable(random.getstate()), "numpy": _jsonable(numpy.random.get_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    state["numpy"] = numpy.random.get_state()
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    def tensor(b64: str) -> Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8).clone()
+
+    torch.set_rng_state(tensor(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        numpy.random.set_state(state["numpy"])
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
 
 
-def optimizer_state_by_name(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameters identified by name instead of position.
-
-    Args:
-        optimizer: the optimizer.
-        names: ``id(parameter) -> name`` for every parameter it holds.
-    """
-    sd = optimizer.state_dict()
-    index_to_name = {}
-    i = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in names:
-                raise KeyError(f"optimizer parameter of shape {tuple(p.shape)} belongs to no module in the "
-                               f"checkpoint state; save the module that owns it in the same checkpoint")
-            index_to_name[i] = names[id(p)]
-            i += 1
-    groups = []
-    for g in sd["param_groups"]:
-        g = dict(g)
-        g["params"] = [index_to_name[j] for j in g["params"]]
-        groups.append(g)
-    return {"state": {index_to_name[j]: v for j, v in sd["state"].items()}, "param_groups": groups}
+def _jsonable(obj: Any, where: str = "state") -> Any:
+    """``obj`` as JSON data (tuples -> lists, numpy -> lists / numbers); raises naming ``where`` if impossible."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(x, f"{where}[{i}]") for i, x in enumerate(obj)]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, numpy.ndarray):
+        return obj.tolist()
+    if isinstance(obj, numpy.generic):
+        return obj.item()
+    raise CheckpointError(f"cannot store {where} of type {type(obj).__name__} in a checkpoint: plain entries must be "
+                          f"numbers, strings, lists or dicts (tensors are stored through DCP)")
 
 
-def load_optimizer_state_by_name(optimizer: Optimizer, by_name: dict[str, Any], names: dict[int, str]) -> None:
-    """Load a name-keyed optimizer state (possibly merged from several stages) into ``optimizer``."""
-    saved_groups = by_name["param_groups"]
-    state, groups, i = {}, [], 0
-    for gi, group in enumerate(optimizer.param_groups):
-        match = [g for g in saved_groups if "name" in group and g.get("name") == group["name"]]
-        saved = match[0] if match else (saved_groups[gi] if gi < len(saved_groups) else None)
-        if saved is None:
-            raise KeyError(f"the checkpoint has {len(saved_groups)} optimizer parameter groups; this optimizer's "
-                           f"group {gi} ({group.get('name', 'unnamed')}) has no counterpart")
-        indices = []
-        for p in group["params"]:
-            name = names[id(p)]
-            if name in by_name["state"]:
-                state[i] = by_name["state"][name]
-            indices.append(i)
-            i += 1
-        g = {k: v for k, v in saved.items() if k != "params"}
-        g["params"] = indices
-        groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    merged_state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for part in parts:
-        merged_state.update(part["state"])
-        for gi, g in enumerate(part["param_groups"]):
-            match = [h for h in groups if "name" in g and h.get("name") == g.get("name")]
-            if not match and "name" not in g and gi < len(groups):
-                match = [groups[gi]]
-            if match:
-                match[0]["params"] = list(match[0]["params"]) + [n for n in g["params"]
-                                                                 if n not in match[0]["params"]]
-            else:
-                groups.append(dict(g))
-    return {"state": merged_state, "param_groups": groups}
-
-
-def _param_names(state: dict[str, Any]) -> dict[int, str]:
-    names = {}
-    for key, obj in state.items():
-        if isinstance(obj, nn.Module):
-            for n, p in unwrap_module(obj).named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), f"{key}/{n}")
-    return names
-
-
-def _dims(dims: Optional[ParallelDims]) -> ParallelDims:
-    return dims if dims is not None else ParallelDims()
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def _distributed() -> bool:
@@ -150,151 +151,181 @@ def _distributed() -> bool:
 
 
 def _gather_rngs(dims: ParallelDims) -> list[dict[str, Any]]:
-    """Every rank's RNG state, indexed by global rank (a collective: call on every rank)."""
     if _distributed() and dist.get_world_size() > 1:
-        rngs: list[Any] = [None] * dims.world_size
+        rngs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, capture_rng())
         return rngs
     return [capture_rng()]
 
 
+def _owner(optimizer: Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
+    """The module of ``modules`` that holds the optimizer's parameters (the names its state is keyed by)."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for module in modules.values():
+        held = {id(p) for p in module.parameters()}
+        if params <= held:
+            return module
+    raise CheckpointError("the optimizer's parameters belong to no module of the checkpoint state; save the module "
+                          "that owns them in the same checkpoint")
+
+
+# ------------------------------------------------------------------------------------------------ save / load
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None) -> None:
-    """Write ``state`` (modules, optimizers, schedulers, plain values) to directory ``path``; call on every rank.
+    """Write ``state`` (modules, optimizers, schedulers, plain entries) to directory ``path``; call on every rank.
 
     Args:
         path: checkpoint directory (created).
-        state: ``{"model": module, "optimizer": opt, "scheduler": sched, "step": 7, ...}``.
+        state: ``{"model": module, "optimizer": opt, "scheduler": sched, "step": 7, ...}``; tensors among the plain
+            entries go through DCP, everything else must be JSON data.
         dims: the mesh (None: one process).
     """
-    dims = _dims(dims)
+    dims = dims or ParallelDims()
     path = Path(path)
-    names = _param_names(state)
-    rngs = _gather_rngs(dims)
-    if dims.dp_rank == 0 and dims.cp_rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        stage: dict[str, Any] = {"modules": {}, "optimizers": {}}
-        for key, obj in state.items():
-            if isinstance(obj, nn.Module):
-                stage["modules"][key] = owned_state_dict(obj)
-            elif isinstance(obj, Optimizer):
-                stage["optimizers"][key] = optimizer_state_by_name(obj, names)
-        torch.save(stage, path / f"stage{dims.pp_rank}.pt")
+    modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp},
+                            "modules": sorted(modules), "optimizers": {}, "stateful": {}, "entries": {},
+                            "tensor_entries": []}
+    for key, obj in state.items():
+        if key in modules:
+            tensors[key] = get_model_state_dict(modules[key])
+        elif isinstance(obj, Optimizer):
+            osd = get_optimizer_state_dict(_owner(obj, modules), obj)
+            tensors[key] = osd["state"]  # tensors only; the hyper-parameters go to JSON (the same on every stage)
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+            meta["optimizers"][key] = _jsonable(groups, f"{key}.param_groups")
+        elif _is_stateful(obj):
+            meta["stateful"][key] = _jsonable(obj.state_dict(), key)
+        elif isinstance(obj, Tensor):
+            tensors[f"entry.{key}"] = obj
+            meta["tensor_entries"].append(key)
+        else:
+            meta["entries"][key] = _jsonable(obj, key)
+    meta["rng"] = _gather_rngs(dims)
+    dcp.save(tensors, checkpoint_id=path)
     if dims.rank == 0:
-        meta: dict[str, Any] = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp},
-                                "rng": rngs, "entries": {}}
-        for key, obj in state.items():
-            if isinstance(obj, (nn.Module, Optimizer)):
-                continue
-            meta["entries"][key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(meta, path / "meta.pt")
+        tmp = path / f".{META_FILE}.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.replace(path / META_FILE)
     if _distributed():
         dist.barrier()
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint directory into one merged dict (any mesh): ``{"modules", "optimizers", "meta"}``."""
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``codraft.json`` of a checkpoint directory (its plain parts), validated."""
     path = Path(path)
-    if not (path / "meta.pt").exists():
-        raise FileNotFoundError(f"{path} is not a lightning_codraft checkpoint directory (no meta.pt)")
-    meta = torch.load(path / "meta.pt", weights_only=False)
+    f = path / META_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{path} is not a lightning_codraft checkpoint directory (no {META_FILE}; checkpoints "
+                              f"of the older pickled format must be re-created)")
+    meta = json.loads(f.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}/meta.pt has format {meta.get('format')!r}, expected {FORMAT!r}")
-    modules: dict[str, dict] = {}
-    optimizers: dict[str, list] = {}
-    for p in range(meta["mesh"]["pp"]):
-        stage = torch.load(path / f"stage{p}.pt", weights_only=False)
-        for key, sd in stage["modules"].items():
-            modules.setdefault(key, {}).update(sd)
-        for key, sd in stage["optimizers"].items():
-            optimizers.setdefault(key, []).append(sd)
-    return {"modules": modules, "optimizers": {k: _merge_optimizer_states(v) for k, v in optimizers.items()},
-            "meta": meta}
+        raise CheckpointError(f"{f} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
 
 
-def load_module_subset(module: nn.Module, full: dict[str, Any], strict: bool = True) -> None:
-    """Load the entries of ``full`` that ``module`` holds (a pipeline stage holds a subset of the names)."""
-    own = owned_state_dict(module)
-    module = unwrap_module(module)
-    missing = [k for k in own if k not in full]
-    if strict and missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} entries of {type(module).__name__}, e.g. {missing[:3]}")
-    module.load_state_dict({k: full[k] for k in own if k in full}, strict=False)
+def _keys(reader: SafeFileSystemReader) -> set[str]:
+    return set(reader.read_metadata().state_dict_metadata)
+
+
+def _tied_alias(fqn: str, available: set[str], prefix: str) -> Optional[str]:
+    """With tied embeddings the optimizer state is keyed by the first name of the shared weight: ``lm_head.weight``
+    on a last pipeline stage, ``model.embed_tokens.weight`` elsewhere; map one onto the other."""
+    for a, b in (("lm_head.weight", "model.embed_tokens.weight"), ("model.embed_tokens.weight", "lm_head.weight")):
+        if fqn.endswith(a) and f"{prefix}{fqn[:-len(a)] + b}" in available:
+            return fqn[:-len(a)] + b
+    return None
+
+
+def _param_groups(current: list[dict], saved: list[dict], path: Path) -> list[dict]:
+    """The saved hyper-parameters of every group (matched by ``name``, else by position) with this rank's params."""
+    out = []
+    for i, group in enumerate(current):
+        match = [g for g in saved if "name" in group and g.get("name") == group["name"]]
+        if not match and i < len(saved) and "name" not in group:
+            match = [saved[i]]
+        if not match:
+            raise CheckpointError(f"checkpoint {path} has no optimizer parameter group {group.get('name', i)!r}; it "
+                                  f"holds {[g.get('name', j) for j, g in enumerate(saved)]}")
+        out.append({**match[0], "params": group["params"]})
+    return out
 
 
 def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None,
                     strict: bool = True) -> dict[str, Any]:
     """Restore ``state``'s objects in place from ``path`` (written on any mesh); plain entries are replaced.
 
+    Args:
+        path: a checkpoint directory of :func:`save_checkpoint`.
+        state: the objects to restore, keyed as when saved; modules and optimizers are restored in place (in their
+            current layout: shards, stage), schedulers through ``load_state_dict``, plain entries replaced.
+        dims: the mesh (None: one process).
+        strict: every key of ``state`` and every tensor of its modules must be in the checkpoint.
+
     Returns:
         The checkpoint's plain entries that ``state`` did not ask for.
     """
-    dims = _dims(dims)
-    ckpt = read_checkpoint(path)
-    names = _param_names(state)
-    entries = dict(ckpt["meta"]["entries"])
-    if strict:
-        unknown = [k for k in state if k not in entries and k not in ckpt["modules"] and k not in ckpt["optimizers"]]
-        if unknown:
-            raise KeyError(f"checkpoint {path} has no entries {unknown}; it holds "
-                           f"{sorted([*entries, *ckpt['modules'], *ckpt['optimizers']])}")
-    for key, obj in list(state.items()):
-        if isinstance(obj, nn.Module):
-            if key in ckpt["modules"]:
-                load_module_subset(obj, ckpt["modules"][key], strict=strict)
-        elif isinstance(obj, Optimizer):
-            if key in ckpt["optimizers"]:
-                load_optimizer_state_by_name(obj, ckpt["optimizers"][key], names)
-        elif key in entries:
-            value = entries.pop(key)
-            if _is_scheduler(obj) or (hasattr(obj, "load_state_dict") and isinstance(value, dict)):
-                obj.load_state_dict(value)
-            else:
-                state[key] = value
-    rngs = ckpt["meta"]["rng"]
-    restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
-    return entries
-
-
-# ---------------------------------------------------------------------------------------- Trainer checkpoints
-def module_param_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` in ``module`` (the keys of name-keyed optimizer states of the Trainer path)."""
-    return {id(p): n for n, p in unwrap_module(module).named_parameters(remove_duplicate=False)}
-
-
-def save_trainer_checkpoint(path: str | os.PathLike, checkpoint: dict[str, Any],
-                            dims: Optional[ParallelDims] = None) -> None:
-    """Write a Trainer checkpoint dict as a mesh-independent directory; call on every rank.
-
-    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` must be this rank's slices (owned
-    state, name-keyed optimizer states); the first rank of every pipeline stage writes them to ``stage{p}.pt``
-    and rank 0 writes every other entry (loops, schedulers, callbacks, hyper-parameters) to ``meta.pt``.
-    """
-    dims = _dims(dims)
+    dims = dims or ParallelDims()
     path = Path(path)
-    rngs = _gather_rngs(dims)
-    if dims.dp_rank == 0 and dims.cp_rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"modules": {"state_dict": checkpoint["state_dict"]},
-                    "optimizers": dict(enumerate(checkpoint.get("optimizer_states", [])))},
-                   path / f"stage{dims.pp_rank}.pt")
-    if dims.rank == 0:
-        entries = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp}, "rng": rngs,
-                "entries": entries}
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(meta, path / "meta.pt")
-    if _distributed():
-        dist.barrier()
-
-
-def read_trainer_checkpoint(path: str | os.PathLike, dims: Optional[ParallelDims] = None) -> dict[str, Any]:
-    """The Trainer checkpoint dict of a directory written on any mesh (state and optimizer states merged)."""
-    dims = _dims(dims)
-    ckpt = read_checkpoint(path)
-    out = dict(ckpt["meta"]["entries"])
-    out["state_dict"] = ckpt["modules"].get("state_dict", {})
-    out["optimizer_states"] = [ckpt["optimizers"][i] for i in sorted(ckpt["optimizers"])]
-    rngs = ckpt["meta"]["rng"]
+    meta = read_meta(path)
+    reader = SafeFileSystemReader(path)
+    available = _keys(reader)
+    known = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["stateful"]) | set(meta["entries"]) | set(
+        meta["tensor_entries"])
+    if strict:
+        unknown = [k for k in state if k not in known]
+        if unknown:
+            raise CheckpointError(f"checkpoint {path} has no entries {unknown}; it holds {sorted(known)}")
+    modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
+    to_load: dict[str, Any] = {}
+    renames: dict[str, dict[str, str]] = {}
+    for key, module in modules.items():
+        if key not in meta["modules"]:
+            continue
+        sd = get_model_state_dict(module)
+        missing = [k for k in sd if f"{key}.{k}" not in available]
+        if missing and strict:
+            raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors of {key!r}, e.g. {missing[:3]}")
+        to_load[key] = {k: v for k, v in sd.items() if k not in missing}
+    optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer) and k in meta["optimizers"]}
+    for key, opt in optimizers.items():
+        owner = _owner(opt, modules)
+        osd = get_optimizer_state_dict(owner, opt)  # initialises the state tensors DCP loads into
+        loaded, renames[key] = {}, {}
+        for fqn, value in osd["state"].items():
+            src = fqn if any(k.startswith(f"{key}.{fqn}.") for k in available) else _tied_alias(
+                fqn, {k.rsplit(".", 1)[0] for k in available}, f"{key}.")
+            if src is None:
+                raise CheckpointError(f"checkpoint {path} has no optimizer state for {fqn!r} in {key!r}")
+            loaded[src] = value
+            renames[key][src] = fqn
+        to_load[key] = loaded
+    for key in meta["tensor_entries"]:
+        if key in state and isinstance(state[key], Tensor):
+            to_load[f"entry.{key}"] = state[key]
+    dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
+    for key, module in modules.items():
+        if key in to_load:
+            set_model_state_dict(module, to_load[key], options=StateDictOptions(strict=False))
+    for key, opt in optimizers.items():
+        owner = _owner(opt, modules)
+        opt_state = {renames[key][src]: v for src, v in to_load[key].items()}
+        set_optimizer_state_dict(owner, opt, {"state": opt_state, "param_groups": _param_groups(
+            get_optimizer_state_dict(owner, opt)["param_groups"], meta["optimizers"][key], path)})
+    rest = dict(meta["entries"])
+    for key, obj in list(state.items()):
+        if key in meta["stateful"] and _is_stateful(obj) and not isinstance(obj, (nn.Module, Optimizer)):
+            obj.load_state_dict(meta["stateful"][key])
+        elif key in rest:
+            state[key] = rest.pop(key)
+        elif f"entry.{key}" in to_load:
+            state[key] = to_load[f"entry.{key}"]
+    rngs = meta["rng"]
     restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
-    return out
+    return rest
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The plain parts of a checkpoint (entries, scheduler states, the writer's mesh), without loading tensors."""
+    meta = read_meta(path)
+    return {**meta["entries"], **meta["stateful"], "mesh": meta["mesh"]}
