@@ -244,13 +244,24 @@ class _Geometry:
 
 
 class _FusedMath:
-    """The shared pieces of the fused decoders: geometry, RoPE, attention with cache writes, gated MLP."""
+    """The shared pieces of the fused decoders: geometry, RoPE, attention with cache writes, gated MLP.
 
-    def __init__(self, capacity: int, rotary, like: Tensor):
+    Args:
+        module: the model decoded; its parameters are read at construction (rebuild after a weight update).
+        capacity: largest cache capacity the caller will use (RoPE table size).
+        rotary: the model's RoPE module, ``rotary(positions, dtype) -> (cos, sin)``.
+        like: a parameter of the model (dtype and device of the tables).
+    """
+
+    def __init__(self, module: nn.Module, capacity: int, rotary, like: Tensor):
+        self.module = module
         self.capacity = int(capacity)
         positions = torch.arange(self.capacity, device=like.device)
         self.cos, self.sin = rotary(positions, like.dtype)                         # (C, D) each
         self._rotate_half: dict[int, Tensor] = {}
+
+    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return self.module.allocate_kv_cache(batch_size, capacity)
 
     def _geometry(self, cache: KVCache, num_tokens: int) -> _Geometry:
         capacity = min(cache.capacity, self.capacity)
@@ -324,24 +335,16 @@ class _FusedMath:
 
 
 class FusedPolicyDecoder(_FusedMath):
-    """:class:`PolicyDecoder` of a :class:`~lightning_codraft.models.Policy` (or a subclass) with fused weights.
-
-    Args:
-        policy: the policy; its parameters are read now (rebuild after a weight update).
-        capacity: largest cache capacity the caller will use (RoPE table size).
-    """
+    """:class:`PolicyDecoder` of a :class:`~lightning_codraft.models.Policy` (or a subclass): ``(policy,
+    capacity)``, its parameters read now (rebuild after a weight update)."""
 
     def __init__(self, policy: nn.Module, capacity: int):
-        self.policy = policy
         backbone, eps = policy.model, float(policy.config.rms_norm_eps)
         self.embed_weight = backbone.embed_tokens.weight
-        super().__init__(capacity, policy.rotary, self.embed_weight)
+        super().__init__(policy, capacity, policy.rotary, self.embed_weight)
         self.layers = [_Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps)
                        for l in backbone.layers]
         self.eps, self.norm, self.lm_head = eps, backbone.norm.weight, policy.lm_head.weight
-
-    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return self.policy.allocate_kv_cache(batch_size, capacity)
 
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -365,24 +368,16 @@ class FusedPolicyDecoder(_FusedMath):
 
 
 class FusedDraftDecoder(_FusedMath):
-    """:class:`DraftDecoder` of an :class:`~lightning_codraft.models.Eagle3Draft` (or a subclass), fused weights.
-
-    Args:
-        draft: the draft; its parameters are read now (rebuild after a weight update).
-        capacity: largest cache capacity the caller will use (RoPE table size).
-    """
+    """:class:`DraftDecoder` of an :class:`~lightning_codraft.models.Eagle3Draft` (or a subclass): ``(draft,
+    capacity)``, its parameters read now (rebuild after a weight update)."""
 
     def __init__(self, draft: nn.Module, capacity: int):
-        self.draft = draft
         mid, eps = draft.midlayer, float(draft.config.rms_norm_eps)
         self.fc = draft.fc.weight
-        super().__init__(capacity, draft.rotary_emb, self.fc)
+        super().__init__(draft, capacity, draft.rotary_emb, self.fc)
         self.in_ln, self.hidden_ln = mid.input_layernorm.weight, mid.hidden_norm.weight
         self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps)
         self.eps, self.norm, self.lm_head = eps, draft.norm.weight, draft.lm_head.weight
-
-    def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return self.draft.allocate_kv_cache(batch_size, capacity)
 
     def fuse(self, taps: Taps) -> Tensor:
         return F.linear(torch.cat(taps, dim=-1), self.fc)

@@ -18,6 +18,8 @@ Each round the engine asks :meth:`SpeculationController.choose` for ``k`` in ``0
   chained draft step and its sampling), ``C`` (the draft catch-up over the verified positions) and ``R`` (the
   rest of a round) are least-squares fits (rollout/cost_model.py) of times measured on this machine: timed
   forwards on the live caches when the model has no data near the batch size, then every round's blocks.
+  Every ``explore_every`` drafting rounds a neighbouring length is verified instead, so the estimates of the
+  lengths not chosen stay measured.
 
 The batch shares one k: the verify forward is padded to ``1 + k`` tokens per row, so a row verifying fewer
 positions saves no time; a request whose draft keeps failing adds ~1 token per round to ``sum_b E_b(k)`` whatever
@@ -68,6 +70,9 @@ class AdaptiveConfig:
     (a failed re-probe) and resets once drafting lasts ``first`` rounds, so a draft that never pays costs a
     probe every ``longest`` rounds at most. Drafting that stops because it no longer pays for this batch size
     (acceptance fine, verify too dear) is free to resume the next round."""
+    explore_every: int = 16
+    """Every this many drafting rounds one verifies a token more than the choice (one fewer at K), so the times
+    and acceptance of the neighbouring lengths stay measured and a wrong early estimate cannot stick."""
     failed_rate: float = 0.5
     """A drafting run whose proposals were accepted less often than this counts as failed (see probe_backoff)."""
     resume_window: int = 32
@@ -83,7 +88,7 @@ class AdaptiveConfig:
         for name in ("global_prior_weight", "request_prior_weight", "position_prior_weight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be > 0")
-        for name, low in (("cost_history", 8), ("resume_window", 1)):
+        for name, low in (("cost_history", 8), ("resume_window", 1), ("explore_every", 2)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be >= {low}")
         first, longest = self.probe_backoff
@@ -131,6 +136,7 @@ class _Setting:
     run: int = 0        # consecutive drafting rounds up to the previous one
     run_acc: float = 0.0    # draft tokens accepted / verified in that run
     run_tried: float = 0.0
+    drafting_rounds: int = 0  # for explore_every
 
 
 class AcceptanceEstimates:
@@ -262,6 +268,10 @@ class SpeculationController:
         st.run = st.run + 1 if k > 0 else 0
         if st.run >= first:                # drafting lasted: the next failure waits the least again
             st.backoff = first
+        if k > 0:
+            st.drafting_rounds += 1
+            if st.drafting_rounds % self.config.explore_every == 0:
+                k = k + 1 if k < self.max_k else k - 1
         return k
 
     def observe(self, estimates: AcceptanceEstimates, k: int, accepted: Sequence[int]) -> None:

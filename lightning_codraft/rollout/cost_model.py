@@ -1,9 +1,9 @@
 """The embedded engine's cost model: seconds per round block, measured on this machine, as functions of the batch.
 
-:class:`CostModel` holds four least-squares fits (:class:`_LinearFit`, local in the batch size B) of the blocks
-of a speculative round: the policy's verify forward of B rows x S tokens with the sampling math, drafting one
-token (a chained draft step and its sampling), the draft's catch-up over S verified positions, and the rest of
-the round. :meth:`CostModel.calibrate` times forwards on the engine's live caches when no batch size within a
+:class:`CostModel` holds least-squares fits (:class:`_LinearFit`, local in the batch size B) of the blocks of a
+speculative round: the policy's verify forward of B rows x S tokens with the sampling math (one fit per S),
+drafting one token (a chained draft step and its sampling), the draft's catch-up over S verified positions, and
+the rest of the round. :meth:`CostModel.calibrate` times forwards on the engine's live caches when no batch size within a
 factor 2 was timed; every round's measured blocks then keep the fits current (rollout/adaptive.py uses them).
 """
 
@@ -81,6 +81,11 @@ class _LinearFit:
         for x, t in self.anchors:
             self._accumulate(self._anchor_bins, x, t)
 
+    def predict(self, B: int, S: int | None = None) -> float:
+        """Seconds at B rows (and S tokens per row): ``c0 + c1 B (+ c2 B S)`` with the coefficients for B."""
+        c = self.coef(B)
+        return c[0] + c[1] * B + (c[2] * B * S if S is not None else 0.0)
+
     def coef(self, B: int) -> tuple[float, ...]:
         """The fit's coefficients for batches of B rows (zeros before any point)."""
         q = self._bin(B)
@@ -108,47 +113,60 @@ class _LinearFit:
 class CostModel:
     """Seconds per round block of this engine on this machine, as functions of rows B and tokens S per row.
 
-    ``policy(B, S)``: verify forward + sampling math (``a + b B + c B S``); ``draft_step(B)``: drafting one token,
-    a chained draft step with its sampling (``a + b B``); ``catch_up(B, S)``: draft forward over S verified positions
-    (``a + b B + c B S``); ``rest(B)``: the round's remaining work (``a + b B``).
+    ``policy(B, S)``: verify forward + sampling math, one fit ``a_S + b_S B`` per S (a CPU verify of 3 tokens per
+    row is not the mean of 1 and 5: cost grows sub-linearly in S), interpolated in S where one is missing;
+    ``draft_step(B)``: drafting one token, a chained draft step with its sampling (``a + b B``);
+    ``catch_up(B, S)``: draft forward over S verified positions (``a + b B + c B S``); ``rest(B)``: the round's
+    remaining work (``a + b B``).
+
+    Args:
+        history: memory of each fit, in measured points (see :class:`_LinearFit`).
     """
 
     def __init__(self, history: int = 128):
-        self.policy_fit, self.catch_up_fit = _LinearFit(3, history), _LinearFit(3, history)
+        self.history = history
+        self.policy_fits: dict[int, _LinearFit] = {}
+        self.catch_up_fit = _LinearFit(3, history)
         self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
         self.sizes: list[int] = []   # batch sizes the calibration timed
 
     def policy(self, B: int, S: int) -> float:
-        c = self.policy_fit.coef(B)
-        return c[0] + c[1] * B + c[2] * B * S
+        known = sorted(s for s, fit in self.policy_fits.items() if not fit.empty)
+        if not known:
+            return 0.0
+        if S in known:
+            return self.policy_fits[S].predict(B)
+        if len(known) == 1:
+            return self.policy_fits[known[0]].predict(B)
+        lo = max([s for s in known if s < S] or known[:1])   # the nearest known S on each side (or two nearest)
+        hi = min([s for s in known if s > S and s != lo] or [s for s in known if s != lo][-1:])
+        y0, y1 = self.policy_fits[lo].predict(B), self.policy_fits[hi].predict(B)
+        return y0 + (y1 - y0) * (S - lo) / (hi - lo)
 
     def draft_step(self, B: int) -> float:
-        c = self.draft_fit.coef(B)
-        return c[0] + c[1] * B
+        return self.draft_fit.predict(B)
 
     def catch_up(self, B: int, S: int) -> float:
-        c = self.catch_up_fit.coef(B)
-        return c[0] + c[1] * B + c[2] * B * S
+        return self.catch_up_fit.predict(B, S)
 
     def rest(self, B: int) -> float:
-        c = self.rest_fit.coef(B)
-        return c[0] + c[1] * B
+        return self.rest_fit.predict(B)
 
     def round_times(self, B: int, max_k: int) -> list[float]:
         """Predicted seconds of a round of B rows drafting k = 0..K tokens (index k)."""
-        fixed, step = self.policy(B, 0) + self.rest(B), self.draft_step(B)
-        per_token, catch = self.policy(B, 1) - self.policy(B, 0), self.catch_up(B, 0)
-        catch_token = self.catch_up(B, 1) - catch
-        times = [fixed + per_token]
+        base, step = self.rest(B), self.draft_step(B)
+        times = [self.policy(B, 1) + base]
         for k in range(1, max_k + 1):
-            times.append(fixed + (1 + k) * (per_token + catch_token) + k * step + catch)
+            times.append(self.policy(B, 1 + k) + base + k * step + self.catch_up(B, 1 + k))
         return [max(t, 1e-9) for t in times]
 
     def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:
         """Record a measured block: ``"policy"`` / ``"catch_up"`` (B rows x S tokens), ``"draft"`` (one step of
         B rows) or ``"rest"``; ``anchor`` marks calibration points (kept until the next calibration)."""
-        if block in ("policy", "catch_up"):
-            fit, features = getattr(self, f"{block}_fit"), (1.0, float(B), float(B * S))
+        if block == "policy":
+            fit, features = self.policy_fits.setdefault(int(S), _LinearFit(2, self.history)), (1.0, float(B))
+        elif block == "catch_up":
+            fit, features = self.catch_up_fit, (1.0, float(B), float(B * S))
         elif block in ("draft", "rest"):
             fit, features = getattr(self, f"{block}_fit"), (1.0, float(B))
         else:
@@ -163,12 +181,12 @@ class CostModel:
         """Forget the calibration points of batch sizes near ``sizes``; the caller then adds new ones with
         ``anchor=True``."""
         self.sizes = [s for s in self.sizes if not any(_near(s, n) for n in sizes)] + list(sizes)
-        for fit in (self.policy_fit, self.draft_fit, self.catch_up_fit, self.rest_fit):
+        for fit in (*self.policy_fits.values(), self.draft_fit, self.catch_up_fit, self.rest_fit):
             fit.drop_anchors(lambda f: not any(_near(f[1], n) for n in sizes))
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
                   pending: torch.Tensor, taps: Sequence[int], params: SamplingParams, max_k: int) -> None:
-        """Time verify forwards (1 and K+1 tokens per row, with the sampling math), draft catch-ups and a draft
+        """Time verify forwards (1..K+1 tokens per row, with the sampling math), draft catch-ups and a draft
         step with its sampling, on the live caches: their first B and B/2 rows, lengths untouched (what the
         forwards write lies past every row's length and is overwritten before it is read).
 
@@ -186,7 +204,7 @@ class CostModel:
         self.start_calibration(sizes)
         lp = lambda logits: sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
         for n in sizes:
-            for S in (1, max_k + 1):
+            for S in range(1, max_k + 2):
                 ids = pending[:n, None].expand(n, S)
                 verify, catch = [], []
                 for _ in range(3):  # the first run of a shape warms caches and the allocator; keep the faster other
@@ -198,7 +216,8 @@ class CostModel:
                     verify.append(t1 - t0)
                     catch.append(clock(device) - t1)
                 self.add("policy", n, S, min(verify[1:]), anchor=True)
-                self.add("catch_up", n, S, min(catch[1:]), anchor=True)
+                if S in (1, max_k + 1):
+                    self.add("catch_up", n, S, min(catch[1:]), anchor=True)
             hidden, step = ddec.fuse(tuple(t[:, :1] for t in tapped)), []
             for _ in range(3):
                 t0 = clock(device)
