@@ -170,6 +170,29 @@ def _owner(optimizer: Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ save / load
+def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
+    """Refuse to write a checkpoint from a non-finite state (checked on every rank's shards, agreed globally)."""
+    bad: list[str] = []
+
+    def visit(node: Any, name: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                visit(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(node, Tensor) and node.is_floating_point():
+            local = node.to_local() if hasattr(node, "to_local") else node
+            if not bool(torch.isfinite(local).all()):
+                bad.append(name)
+
+    visit(tensors, "")
+    flag = torch.tensor([float(len(bad))])
+    if _distributed() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) > 0:
+        where = f"e.g. {bad[:3]}" if bad else "on another rank"
+        raise CheckpointError(f"refusing to write a checkpoint from a non-finite state: non-finite values in {where}; "
+                              f"the last checkpoint written is the last finite state")
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None) -> None:
     """Write ``state`` (modules, optimizers, schedulers, plain entries) to directory ``path``; call on every rank.
 
@@ -201,6 +224,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
             meta["tensor_entries"].append(key)
         else:
             meta["entries"][key] = _jsonable(obj, key)
+    _check_finite(tensors, dims)
     meta["rng"] = _gather_rngs(dims)
     dcp.save(tensors, checkpoint_id=path)
     if dims.rank == 0:

@@ -120,7 +120,8 @@ class CoDraftRun:
         check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
         self.task = build_task(cfg.task)
         self.reward_fn = build_reward(cfg.task, self.task)
-        self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg))
+        self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg),
+                                    max_nonfinite_steps=cfg.run.max_nonfinite_steps)
         if cfg.rl.kl_coef > 0:
             self.ref_policy = copy.deepcopy(policy).requires_grad_(False)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)

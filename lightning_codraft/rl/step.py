@@ -60,6 +60,8 @@ class StepMetrics:
     """Share of completion tokens whose ratio was clipped."""
     kl: float
     """k3 KL to the reference policy (0 without one)."""
+    skipped: float
+    """1 when the update was skipped because the loss or a gradient was not finite, else 0."""
     rollout_s: float
     """Seconds spent generating."""
     train_s: float
@@ -146,7 +148,7 @@ class RLStep:
             acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
-            kl=m.get("policy/kl", math.nan), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+            kl=m.get("policy/kl", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
             step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
 
     def _ref_logprobs(self, rollouts: list[Rollout]) -> Optional[list[list[float]]]:

@@ -58,6 +58,8 @@ class CoDraftModuleConfig:
     """Pipeline schedule under pp > 1: ``1f1b`` (needs num_microbatches >= pp) or ``gpipe``."""
     layers_per_stage: Optional[tuple[int, ...]] = None
     """Decoder layers of every pipeline stage; None balances them."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row with a non-finite loss or gradient (each skipped) before training stops."""
 
     def __post_init__(self) -> None:
         if self.draft_loss_weight < 0:
@@ -72,6 +74,8 @@ class CoDraftModuleConfig:
         for name in ("policy_lr", "draft_lr", "weight_decay", "kl_coef", "clip_eps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
         if self.grad_clip is not None and self.grad_clip <= 0:

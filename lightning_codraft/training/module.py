@@ -38,7 +38,7 @@ from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_los
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
                                                   step_metrics)
 from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
-from lightning_codraft.training.step import grad_norms, optimizer_step
+from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
 
 
 class CoDraftModule(LightningModule):
@@ -78,6 +78,8 @@ class CoDraftModule(LightningModule):
         self.released_bytes = 0
         """Bytes of parameters this rank dropped under PP (the other stages' slices)."""
         self._stage_binding: Optional[tuple] = None  # (pp, stage, layers_per_stage) once pruned to a stage
+        self.nonfinite_guard = NonFiniteGuard(self.config.max_nonfinite_steps)
+        """Skips steps with a non-finite loss or gradient; stops after ``max_nonfinite_steps`` in a row."""
         if not self.config.trains_draft:
             self.draft.requires_grad_(False)
 
@@ -306,7 +308,8 @@ class CoDraftModule(LightningModule):
                 records.append(record)
             loss = sum(losses) / len(microbatches) * self.grad_average_size
         metrics, counts = step_metrics(records)
-        return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts)
+        return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
+                                 microbatch_losses=[float(r.metrics["loss"]) for r in records])
 
     # ------------------------------------------------------------------ optimisation
     def param_groups(self) -> list[dict[str, Any]]:

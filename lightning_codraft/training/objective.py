@@ -32,11 +32,13 @@ class CoDraftStepOutput:
             strategy's gradient-averaging size); ``None`` when the pipeline schedule already ran the backward.
         metrics: detached global scalars for logging (same value on every rank).
         draft_counts: ``(correct (K,), total (K,))`` global per-step counts, or None when the draft did not run.
+        microbatch_losses: the global loss value of every microbatch (what the non-finite guard names).
     """
 
     loss: Optional[Tensor]
     metrics: dict[str, Tensor] = field(default_factory=dict)
     draft_counts: Optional[tuple[Tensor, Tensor]] = None
+    microbatch_losses: list[float] = field(default_factory=list)
 
 
 @dataclass

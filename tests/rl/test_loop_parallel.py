@@ -134,7 +134,7 @@ def test_pp2_equals_one_process_and_resumes(reference, tmp_path):
 
 
 def test_cp2_equals_one_process(reference, tmp_path):
-    cfg = loop_config(tmp_path, "parallel.devices=2", "parallel.cp=2")
+    cfg = loop_config(tmp_path, "parallel.devices=2", "parallel.cp=2", "parallel.sharding=ddp")
     reports = run_distributed(_fit_worker, world_size=2, args=(cfg,), timeout=300)
     _one_engine_per_replica(reports, reference)
     assert reports[0]["rollout_models_are_training"]  # no PP: the engine decodes with the training modules
@@ -175,7 +175,7 @@ def test_more_stages_than_layers_fails_before_the_warmups(tmp_path):
 
 @pytest.mark.slow
 def test_pp2_cp2_equals_one_process(reference, tmp_path):
-    cfg = loop_config(tmp_path, "parallel.devices=4", "parallel.pp=2", "parallel.cp=2")
+    cfg = loop_config(tmp_path, "parallel.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.sharding=ddp")
     reports = run_distributed(_fit_worker, world_size=4, args=(cfg,), timeout=600)
     _one_engine_per_replica(reports, reference)
     _same_run(reports[0], reference)
