@@ -73,6 +73,18 @@ class _LocalCoDraft(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, *dbk, *dbv)
 
 
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's when it is on (the kernels here are not autocast ops: with RoPE
+    in fp32 and projections in bf16 their inputs would mix), else the promoted dtype of ``tensors``."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, branch_k: Sequence[Tensor] = (),
                       branch_v: Sequence[Tensor] = (), group: Optional[dist.ProcessGroup] = None,
                       softmax_scale: Optional[float] = None) -> Tensor:
@@ -88,10 +100,14 @@ def codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, br
         softmax_scale: defaults to ``1 / sqrt(D)``.
 
     Returns:
-        ``(T, H, D)`` attention output for this rank's rows, q's dtype. Differentiable in q, k, v and every
-        branch tensor.
+        ``(T, H, D)`` attention output for this rank's rows, in the compute dtype: the autocast dtype inside
+        ``torch.autocast`` (bf16-mixed training), else the common dtype of the inputs. Differentiable in q, k, v and
+        every branch tensor.
     """
     branch_k, branch_v = tuple(branch_k), tuple(branch_v)
+    dtype = compute_dtype(q, k, v, *branch_k, *branch_v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    branch_k, branch_v = tuple(t.to(dtype) for t in branch_k), tuple(t.to(dtype) for t in branch_v)
     check_codraft_inputs(q, k, v, branch_k, branch_v)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if group is not None and dist.get_world_size(group) > 1:
