@@ -38,6 +38,12 @@ class ModelConfig:
     """Tiny policy only: MLP width."""
     max_position_embeddings: int = 128
     """Context length: longest prompt + max_new_tokens must fit (for pretrained models, capped by theirs)."""
+    config: Optional[str] = None
+    """Architecture of ``source`` where its weights are not at hand: a built-in name (``qwen3-8b``,
+    ``llama-3.1-8b``, ``qwen2.5-7b``, ``smollm2-135m``) or the path of a Hugging Face ``config.json``. ``codraft
+    plan`` builds the model from it on the meta device; ``fit`` checks that the checkpoint's own config.json has
+    the same architecture. null: ``source``'s config.json (not allowed with ``source: tiny``, whose shape is the
+    fields above)."""
 
 
 @dataclass
@@ -307,6 +313,13 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if r.max_new_tokens >= m.max_position_embeddings:
         raise ConfigError(f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
                           f"model.max_position_embeddings={m.max_position_embeddings}")
+    if m.config is not None and not str(m.config).strip():
+        raise ConfigError("model.config is empty; give a built-in architecture name (e.g. qwen3-8b), the path of a "
+                          "config.json, or null")
+    if m.source == "tiny" and m.config is not None:
+        raise ConfigError(f"model.config={m.config!r} with model.source=tiny: the tiny policy's shape is "
+                          f"model.hidden_size, num_hidden_layers, ...; set model.config=null, or model.source to the "
+                          f"checkpoint the architecture belongs to")
     if m.source == "tiny":
         _positive("model.num_hidden_layers", m.num_hidden_layers, 4)
         if m.num_attention_heads % m.num_key_value_heads:
