@@ -1,7 +1,7 @@
 """The embedded engine's cost model: seconds per round block, measured on this machine, as functions of the batch.
 
 :class:`CostModel` holds least-squares fits (:class:`_LinearFit`, local in the batch size B) of the blocks of a
-speculative round: the policy's verify forward of B rows x S tokens with the sampling math (one fit per S),
+speculative round: the policy's verify forward of B rows x S tokens with the sampling math,
 drafting one token (a chained draft step and its sampling), the draft's catch-up over S verified positions, and
 the rest of the round. :meth:`CostModel.calibrate` times forwards on the engine's live caches when no batch size within a
 factor 2 was timed; every round's measured blocks then keep the fits current (rollout/adaptive.py uses them).
@@ -113,35 +113,24 @@ class _LinearFit:
 class CostModel:
     """Seconds per round block of this engine on this machine, as functions of rows B and tokens S per row.
 
-    ``policy(B, S)``: verify forward + sampling math, one fit ``a_S + b_S B`` per S (a CPU verify of 3 tokens per
-    row is not the mean of 1 and 5: cost grows sub-linearly in S), interpolated in S where one is missing;
-    ``draft_step(B)``: drafting one token, a chained draft step with its sampling (``a + b B``);
-    ``catch_up(B, S)``: draft forward over S verified positions (``a + b B + c B S``); ``rest(B)``: the round's
-    remaining work (``a + b B``).
+    ``policy(B, S)``: verify forward + sampling math, ``a + b B + c B S + d B [S > 1]`` (a one-token query takes
+    another attention path than a longer one, so the step from 1 to 2 tokens is fitted apart from the per-token
+    slope); ``draft_step(B)``: drafting one token, a chained draft step with its sampling (``a + b B``); ``catch_up(B, S)``: draft forward over S verified positions (``a + b B + c B S``);
+    ``rest(B)``: the round's remaining work (``a + b B``).
 
     Args:
         history: memory of each fit, in measured points (see :class:`_LinearFit`).
     """
 
     def __init__(self, history: int = 128):
-        self.history = history
-        self.policy_fits: dict[int, _LinearFit] = {}
+        self.policy_fit = _LinearFit(4, history)
         self.catch_up_fit = _LinearFit(3, history)
         self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
         self.sizes: list[int] = []   # batch sizes the calibration timed
 
     def policy(self, B: int, S: int) -> float:
-        known = sorted(s for s, fit in self.policy_fits.items() if not fit.empty)
-        if not known:
-            return 0.0
-        if S in known:
-            return self.policy_fits[S].predict(B)
-        if len(known) == 1:
-            return self.policy_fits[known[0]].predict(B)
-        lo = max([s for s in known if s < S] or known[:1])   # the nearest known S on each side (or two nearest)
-        hi = min([s for s in known if s > S and s != lo] or [s for s in known if s != lo][-1:])
-        y0, y1 = self.policy_fits[lo].predict(B), self.policy_fits[hi].predict(B)
-        return y0 + (y1 - y0) * (S - lo) / (hi - lo)
+        c = self.policy_fit.coef(B)
+        return c[0] + c[1] * B + c[2] * B * S + (c[3] * B if S > 1 else 0.0)
 
     def draft_step(self, B: int) -> float:
         return self.draft_fit.predict(B)
@@ -164,7 +153,7 @@ class CostModel:
         """Record a measured block: ``"policy"`` / ``"catch_up"`` (B rows x S tokens), ``"draft"`` (one step of
         B rows) or ``"rest"``; ``anchor`` marks calibration points (kept until the next calibration)."""
         if block == "policy":
-            fit, features = self.policy_fits.setdefault(int(S), _LinearFit(2, self.history)), (1.0, float(B))
+            fit, features = self.policy_fit, (1.0, float(B), float(B * S), float(B) if S > 1 else 0.0)
         elif block == "catch_up":
             fit, features = self.catch_up_fit, (1.0, float(B), float(B * S))
         elif block in ("draft", "rest"):
@@ -181,7 +170,7 @@ class CostModel:
         """Forget the calibration points of batch sizes near ``sizes``; the caller then adds new ones with
         ``anchor=True``."""
         self.sizes = [s for s in self.sizes if not any(_near(s, n) for n in sizes)] + list(sizes)
-        for fit in (*self.policy_fits.values(), self.draft_fit, self.catch_up_fit, self.rest_fit):
+        for fit in (self.policy_fit, self.draft_fit, self.catch_up_fit, self.rest_fit):
             fit.drop_anchors(lambda f: not any(_near(f[1], n) for n in sizes))
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
