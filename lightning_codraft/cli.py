@@ -5,27 +5,35 @@
     codraft fit     --config recipes/tiny-cpu.yaml [key=value ...] [--dry-run]
     codraft rollout --config recipes/tiny-cpu.yaml [--prompt TEXT ...] [--num-prompts N] [key=value ...]
     codraft bench   --config recipes/tiny-cpu.yaml [--out docs/benchmarks] [key=value ...]
+    codraft plan    --config recipes/qwen3-8b-cluster.yaml [--json] [--device-memory 80GiB] [key=value ...]
 
 ``fit`` runs the RL loop (resuming from the last checkpoint of ``run.out_dir``); ``rollout`` generates with
 speculative decoding from the run's last checkpoint (or the fresh models when there is none) and prints the
-acceptance statistics; ``bench`` runs the no-draft / frozen-draft / co-trained-draft comparison. ``--dry-run``
-validates the config and prints the resolved run without building anything.
+acceptance statistics; ``bench`` runs the no-draft / frozen-draft / co-trained-draft comparison; ``plan`` prints
+the per-rank memory of the training and the rollout phase against a device's memory (``lightning_codraft.plan``,
+models built on the meta device: nothing is loaded). ``--dry-run`` validates the config and prints the resolved run
+and its memory plan without building anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from typing import Sequence
 
 from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
+from lightning_codraft.plan import PlanSpec, format_bytes, parse_bytes, plan_dict, plan_memory, render_text
 from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.compare import compare_arms, write_report
 from lightning_codraft.rl.loop import fit, load_for_rollout
 from lightning_codraft.rl.rewards import RewardError
 from lightning_codraft.rollout.engine import AcceptanceStats
+
+
+DEFAULT_DEVICE_MEMORY = 80 * 2**30
 
 
 class UsageError(ValueError):
@@ -53,7 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="no draft vs frozen vs co-trained draft, same seeds")
     common(b)
     b.add_argument("--out", default=None, help="write rl.md + PNG plots here (e.g. docs/benchmarks)")
+    m = sub.add_parser("plan", help="per-rank memory of the training and rollout phases (meta device, no weights)")
+    m.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/qwen3-8b-cluster.yaml); defaults if omitted")
+    m.add_argument("--json", action="store_true", help="print the plan as JSON")
+    m.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB, 141GB (default 80GiB)")
+    m.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. parallel.pp=4")
     return p
+
+
+def memory_plan(cfg: CoDraftConfig, device_memory: int = DEFAULT_DEVICE_MEMORY):
+    """The recipe's :class:`~lightning_codraft.plan.MemoryPlan`; a split or vocabulary the model cannot take is a
+    config error."""
+    try:
+        return plan_memory(PlanSpec.from_config(cfg), device_memory)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def dry_run(cfg: CoDraftConfig) -> str:
@@ -69,9 +93,23 @@ def dry_run(cfg: CoDraftConfig) -> str:
              f"steps; SFT warm-up {cfg.sft.steps} steps",
              f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
              f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
-             _placement(cfg),
+             _placement(cfg), *_memory_lines(cfg),
              "config OK (dry run: nothing was built)"]
     return "\n".join(lines)
+
+
+def _memory_lines(cfg: CoDraftConfig) -> list[str]:
+    """The dry run's memory section: each kind of rank's training and rollout phase (``codraft plan`` details)."""
+    try:
+        plan = memory_plan(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        return [f"memory per rank: not planned ({e})"]
+    lines = [f"memory per rank (`codraft plan` lists every term) against {format_bytes(plan.device_memory)}:"]
+    lines += [f"  {r.label}: training phase {format_bytes(r.training_total)}, rollout phase "
+              f"{format_bytes(r.rollout_total)}" for r in plan.ranks]
+    worst = max(plan.worst_training.training_total, plan.worst_rollout.rollout_total)
+    lines.append(f"  {'fits' if plan.fits else 'DOES NOT FIT'}: worst rank needs {format_bytes(worst)}")
+    return lines
 
 
 def _placement(cfg: CoDraftConfig) -> str:
@@ -85,6 +123,12 @@ def _placement(cfg: CoDraftConfig) -> str:
         line += ("; under pp > 1 each lead also holds a whole copy of policy + draft, gathered from the "
                  f"{p.pp} stages after every optimizer step")
     return line
+
+
+def _cmd_plan(cfg: CoDraftConfig, device_memory: int, as_json: bool) -> int:
+    plan = memory_plan(cfg, device_memory)
+    print(json.dumps(plan_dict(plan), indent=2) if as_json else render_text(plan))
+    return 0
 
 
 def _cmd_fit(cfg: CoDraftConfig) -> int:
@@ -129,12 +173,18 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``codraft`` console script; returns the exit status.
 
-    0: done. 2: the config or an argument is invalid (the message names it). 3: a reward function failed with
+    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid (the message names it). 3: a reward function failed with
     ``task.on_reward_error=raise``. 1: anything else (the error and where it happened; ``--debug`` prints the
     full traceback).
     """
     args = _parser().parse_args(argv)
     try:
+        if args.command == "plan":
+            try:
+                device_memory = parse_bytes(args.device_memory)
+            except ValueError as e:
+                raise UsageError(f"--device-memory: {e}") from None
+            return _cmd_plan(load_config(args.config, args.overrides), device_memory, args.json)
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
             print(dry_run(cfg))

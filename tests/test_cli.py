@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -87,3 +88,75 @@ def test_version_and_only_config_errors_say_config_error(monkeypatch, capsys):
     assert main(["--debug", "fit", "--config", TINY]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "deep_failure" in err
+
+
+CLUSTER = str(REPO / "recipes" / "qwen3-8b-cluster.yaml")
+
+
+def _qwen3_stage0_parameter_bytes() -> int:
+    """fp32 bytes of Qwen3-8B's embeddings + layers 0-17 over 8 FSDP2 ranks, from the HF config.json numbers."""
+    V, H, I, q, kv, D = 151936, 4096, 12288, 32 * 128, 8 * 128, 128
+    layer = H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H + 2 * D  # q/k/v/o, MLP, two norms, q/k norms
+    return 4 * (V * H + 18 * layer) // 8  # every dim divides by 8: no FSDP2 padding
+
+
+def test_plan_prints_every_rank_kind_and_fits_the_cluster_recipe(capsys):
+    assert main(["plan", "--config", CLUSTER]) == 0
+    out = capsys.readouterr().out
+    assert "world 16 = dp 2 x pp 2 x cp 4; FSDP2 over 8 ranks; precision bf16-mixed" in out
+    for row in ("stage 0 (first)", "stage 1 (last)", "parameters", "AdamW state", "activations (saved for backward)",
+                "engine weights (policy + draft)", "engine KV cache (16 sequences)", "TRAINING phase", "ROLLOUT phase"):
+        assert row in out, row
+    assert "FITS (headroom" in out and "of 80 GiB" in out
+
+
+def test_plan_json_matches_the_architecture_and_its_totals(capsys):
+    assert main(["plan", "--config", CLUSTER, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["device_memory"] == 80 * 2**30
+    first, last = plan["ranks"]
+    assert first["stages"] == [0] and last["stages"] == [1]
+    assert first["bytes"]["parameters"] == _qwen3_stage0_parameter_bytes()
+    assert first["in_flight"] == 2 and last["in_flight"] == 1  # 1F1B: pp - stage microbatches
+    assert first["tokens_per_microbatch"] == 8704 // 4  # one document of the context per microbatch, over cp = 4
+    for rank in plan["ranks"]:
+        b, phase = rank["bytes"], rank["phase"]
+        resident = sum(v for k, v in b.items() if phase[k] == "both")
+        step = sum(v for k, v in b.items() if phase[k] == "training")
+        assert rank["training_total"] == resident + max(step, b["reference_forward"], b["optimizer_step"])
+        assert rank["rollout_total"] == resident + sum(v for k, v in b.items() if phase[k] == "rollout")
+        assert phase["engine_weights"] == "rollout"  # vLLM sleeps during training on cuda
+    assert plan["worst"]["training"] == max(r["training_total"] for r in plan["ranks"]) <= 80 * 2**30
+
+
+def test_plan_against_a_smaller_device_does_not_fit_but_exits_0(capsys):
+    assert main(["plan", "--config", CLUSTER, "--device-memory", "40GiB"]) == 0
+    assert "DOES NOT FIT: training needs" in capsys.readouterr().out
+    assert main(["plan", "--config", CLUSTER, "--json", "--device-memory", "141GB"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"] == 141 * 10**9
+
+
+@pytest.mark.parametrize("value", ["80XB", "GiB", "-4GiB", "0"])
+def test_plan_rejects_a_bad_device_memory(value, capsys):
+    assert main(["plan", "--config", CLUSTER, f"--device-memory={value}"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memory" in err and repr(value) in err
+
+
+@pytest.mark.parametrize("override, match", [
+    ("model.config=qwen3-9b", "model.config='qwen3-9b': 'qwen3-9b' is neither a built-in architecture (qwen3-8b, llama-3.1-8b"),
+    ("model.config=null", "model.source='/checkpoints/Qwen3-8B' is not 'tiny'"),
+    ("parallel.layers_per_stage=[30,30]", "layers_per_stage=[30, 30] must be >= 1 each and sum to the 36 layers"),
+])
+def test_plan_bad_config_exits_2(override, match, capsys):
+    assert main(["plan", "--config", CLUSTER, override]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_dry_run_shows_the_memory_of_both_phases(capsys):
+    assert main(["fit", "--config", CLUSTER, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank (`codraft plan` lists every term) against 80 GiB:" in out
+    assert "stage 1 (last): training phase" in out and "rollout phase" in out and "  fits: worst rank needs" in out
+    assert main(["fit", "--config", CLUSTER, "--dry-run", "model.config=null"]) == 0  # no config.json here
+    assert "memory per rank: not planned (model.source='/checkpoints/Qwen3-8B'" in capsys.readouterr().out

@@ -149,3 +149,81 @@ def test_planned_bytes_equal_measured_bytes(world, index):
         if spec.fsdp:  # the all-gathered weights saved for backward never exceed the planned all-gathered units
             assert 0 < m["weights"] <= plan.get("fsdp_unsharded"), (where, m["weights"], plan.get("fsdp_unsharded"))
         assert m["param_dtypes"] == {"torch.float32"}  # fp32 masters under bf16-mixed too
+
+
+# ---------------------------------------------------------------- the pieces the plan reads
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("141GB", 141 * 10**9), ("24576 MiB", 24 * 2**30),
+                                            ("1.5TiB", 3 * 2**39), ("4096", 4096), ("512kb", 512_000)])
+def test_parse_bytes(text, expected):
+    from lightning_codraft.plan import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80XB", "GiB", "-1GiB", "0", "", "8 0GiB"])
+def test_parse_bytes_rejects_what_is_not_a_size(text):
+    from lightning_codraft.plan import parse_bytes
+
+    with pytest.raises(ValueError, match=f"device memory {text!r}"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("name, total, non_embedding", [
+    ("qwen3-8b", 8_190_735_360, 6_946_075_648),       # model card: 8.2B, 6.95B non-embedding
+    ("llama-3.1-8b", 8_030_261_248, 6_979_588_096),   # 8,030,261,248 parameters
+    ("qwen2.5-7b", 7_615_616_512, 6_525_621_760),     # model card: 7.61B, 6.53B non-embedding
+    ("smollm2-135m", 134_515_008, 106_203_456),       # tied embeddings
+])
+def test_presets_have_the_published_parameter_counts(name, total, non_embedding):
+    from lightning_codraft.models import Policy
+    from lightning_codraft.models.presets import preset_config
+
+    with torch.device("meta"):
+        policy = Policy(preset_config(name))
+    counted = sum(p.numel() for p in policy.parameters())
+    embeddings = policy.model.embed_tokens.weight.numel() * (1 if policy.config.tie_word_embeddings else 2)
+    assert (counted, counted - embeddings) == (total, non_embedding)
+
+
+def test_smollm2_preset_is_the_checkpoint_config_and_model_config_must_match_the_weights():
+    from lightning_codraft.config import ConfigError, load_config
+    from lightning_codraft.models.hf_io import read_config, smollm2_135m_path
+    from lightning_codraft.models.presets import architecture_differences, preset_config, resolve_architecture
+    from lightning_codraft.rl.build import build_policy, policy_config
+
+    path = smollm2_135m_path()
+    assert architecture_differences(preset_config("smollm2-135m"), read_config(path)) == []
+    assert architecture_differences(resolve_architecture(str(path)), read_config(path)) == []
+    assert architecture_differences(preset_config("qwen3-8b"), read_config(path))  # a real difference is reported
+    cfg = load_config(None, ["model.source=smollm2-135m", "model.max_position_embeddings=256"])
+    assert policy_config(cfg.model) == preset_config("smollm2-135m")  # planned without converting anything
+    wrong = load_config(None, ["model.source=smollm2-135m", "model.config=qwen3-8b", "model.max_position_embeddings=256"])
+    with pytest.raises(ConfigError, match="model.config='qwen3-8b' does not describe the checkpoint"):
+        build_policy(wrong.model)
+
+
+@pytest.mark.parametrize("override, match", [("model.config=qwen3-8b", "model.config='qwen3-8b' with model.source=tiny"),
+                                             ("model.config=' '", "model.config is empty")])
+def test_model_config_validation(override, match):
+    from lightning_codraft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_plan_memory_groups_stages_and_holds_one_in_flight_per_remaining_stage():
+    from lightning_codraft.models.presets import preset_config
+    from lightning_codraft.plan import plan_memory
+
+    spec = PlanSpec(policy=preset_config("llama-3.1-8b"), draft_vocab_size=32000, dp=2, pp=4, cp=2,
+                    precision="bf16-mixed", num_microbatches=64, samples_per_replica=64, seq_len=4096)
+    plan = plan_memory(spec, 80 * 2**30)
+    assert [r.label for r in plan.ranks] == ["stage 0 (first)", "stage 1 (middle)", "stage 2 (middle)", "stage 3 (last)"]
+    assert [r.in_flight for r in plan.ranks] == [4, 3, 2, 1]  # 1F1B warm-up depth pp - stage
+    assert [r.tokens for r in plan.ranks] == [4096 // 2] * 4
+    assert plan.ranks[0].get("loss_workspace") == 0 < plan.ranks[3].get("loss_workspace")
+    gpipe = plan_memory(PlanSpec(**{**spec.__dict__, "pp_schedule": "gpipe"}), 80 * 2**30)
+    assert [r.label for r in gpipe.ranks] == ["stage 0 (first)", "stages 1-2 (middle)", "stage 3 (last)"]
+    assert [r.in_flight for r in gpipe.ranks] == [64] * 3 and not gpipe.fits  # GPipe holds all M

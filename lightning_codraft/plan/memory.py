@@ -14,7 +14,8 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   buffers, ``M`` per remote tap, and the local taps it keeps for the whole step), the loss workspace of one
   microbatch, and FSDP2's all-gathered units (the root for the whole step, two layers or the draft at once, the
   unsharded gradients and the fp32 reduce-scatter input of one unit) or, without FSDP2 under ``bf16-mixed``,
-  autocast's bf16 weight copies. Before it, the reference's forward (the logits of all ``M`` microbatches, twice
+  autocast's bf16 weight copies (autocast's activations, a mix of fp32 norms and bf16 matmuls, are counted with
+  the fp32 formulas: an upper bound, 1.17-1.26x the measured bytes on the tiny test models). Before it, the reference's forward (the logits of all ``M`` microbatches, twice
   under PP where the schedule merges them); after it, AdamW's foreach temporaries (one state-sized tensor). The
   phase's total takes the largest of the three.
 - rollout: the engine's whole policy + draft in the compute dtype (issue #13: every rank generates; zero when
@@ -117,6 +118,8 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
             admits).
     """
     p_b, g_b, o_b, a, r_b = spec.bytes
+    if spec.precision == "bf16-mixed" and not spec.fsdp:
+        a = 4  # autocast keeps the residual stream and the norms in fp32: the fp32 layout bounds it from above
     pol, dcfg = spec.policy, models.draft.config
     H, V, M, pp = pol.hidden_size, pol.vocab_size, spec.num_microbatches, spec.pp
     T = spec.microbatch_tokens if tokens is None else int(tokens)
@@ -258,6 +261,9 @@ def _notes(spec: PlanSpec) -> list[str]:
         notes.append(f"pipeline receive buffers: PipelineRunner keeps {CACHED_SCHEDULES} schedules of distinct "
                      f"(M, T) shapes, each with its own buffers, and RL steps vary in length; the TapChannel posts "
                      f"landing buffers for all M microbatches of a step")
+    if spec.precision == "bf16-mixed" and not spec.fsdp:
+        notes.append("bf16-mixed without FSDP2 runs under autocast: its activations are counted with the fp32 "
+                     "formulas (an upper bound)")
     if spec.with_reference:
         notes.append("the reference policy is planned as CoDraftModule(reference=...), sharded like the policy")
     return notes
