@@ -10,10 +10,10 @@ from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 VOCAB = 48
 
 
-def make_models(seed: int = 0, layers: int = 4, draft_vocab: int | None = None):
+def make_models(seed: int = 0, layers: int = 4, draft_vocab: int | None = None, tied: bool = False):
     """A 4-layer, 32-wide policy and its EAGLE-3 draft, identical for a given seed on every process."""
     torch.manual_seed(seed)
-    policy = Policy(PolicyConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+    policy = Policy(PolicyConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, tie_word_embeddings=tied,
                                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
     counts = torch.arange(VOCAB, 0, -1).float() if draft_vocab else None
     draft = Eagle3Draft.from_policy(policy, draft_vocab_size=draft_vocab, token_counts=counts)

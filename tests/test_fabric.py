@@ -33,23 +33,24 @@ def _grads(module) -> dict:
 _REFERENCE: dict = {}
 
 
-def reference_run(dp: int, steps: int = STEPS, order=None, with_grads: bool = False, **overrides):
+def reference_run(dp: int, steps: int = STEPS, order=None, with_grads: bool = False, tied: bool = False,
+                  **overrides):
     """Cached :func:`_reference_run` (several tests compare against the same single-process run)."""
-    key = (dp, steps, None if order is None else tuple(order), tuple(sorted(overrides.items())))
+    key = (dp, steps, None if order is None else tuple(order), tied, tuple(sorted(overrides.items())))
     if key not in _REFERENCE:
-        _REFERENCE[key] = _reference_run(dp, steps, order, **overrides)
+        _REFERENCE[key] = _reference_run(dp, steps, order, tied, **overrides)
     losses, weights, grads = _REFERENCE[key]
     return (losses, weights, grads) if with_grads else (losses, weights)
 
 
-def _reference_run(dp: int, steps: int = STEPS, order=None, **overrides):
+def _reference_run(dp: int, steps: int = STEPS, order=None, tied: bool = False, **overrides):
     """One process, the dp replicas' batches concatenated per step (with num_microbatches > 1: dp == 1).
 
     ``order``: the sampler's permutation of the flat list of ``steps * dp`` batches (replica r reads
     ``order[r::dp]``, as DistributedSampler does); None = in order. Returns losses, final weights and the
     gradients of every step.
     """
-    policy, draft = make_models()
+    policy, draft = make_models(tied=tied)
     module = CoDraftModule(policy, draft, **{**HPARAMS, **overrides})
     optimizer, scheduler = module.build_optimizer()
     losses, grads = [], []
@@ -76,11 +77,13 @@ def _fabric_worker(rank, world_size, layouts):
 
     results = []
     for mesh, overrides in layouts:
+        mesh = dict(mesh)
+        tied = mesh.pop("tied", False)
         strategy = CoDraftStrategy(**mesh)
         fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
         fabric.launch()
         dp = strategy.parallel_dims.dp
-        policy, draft = make_models()
+        policy, draft = make_models(tied=tied)
         model = fabric.setup_module(CoDraftModule(policy, draft, **{**HPARAMS, **overrides}))
         optimizer, scheduler = model.build_optimizer()
         optimizer = fabric.setup_optimizers(optimizer)
@@ -114,7 +117,8 @@ LAYOUTS = {"default": [(dict(dp=2, cp=2), {}), (dict(pp=2, cp=2), dict(num_micro
                        (dict(dp=2, pp=2), dict(pp_schedule="gpipe")), (dict(dp=2, cp=2, sharding="ddp"), {})],
            "slow": [(dict(dp=4), {}), (dict(pp=4), dict(num_microbatches=4)),
                     (dict(pp=2, cp=2, sharding="ddp"), dict(num_microbatches=2))],
-           "slow8": [(dict(dp=2, pp=2, cp=2), dict(pp_schedule="gpipe"))]}
+           "slow8": [(dict(dp=2, pp=2, cp=2), dict(pp_schedule="gpipe"))],
+           "tied": [(dict(dp=2, pp=2, tied=True), dict(pp_schedule="gpipe"))]}
 _RESULTS: dict = {}
 
 
@@ -128,9 +132,10 @@ def _results(group):
 def _check_layout(group, index):
     mesh, overrides = LAYOUTS[group][index]
     dp = (8 if group == "slow8" else 4) // (mesh.get("pp", 1) * mesh.get("cp", 1))
-    ref_losses, ref_weights, ref_grads = reference_run(dp, with_grads=True, **overrides)
+    ref_losses, ref_weights, ref_grads = reference_run(dp, with_grads=True, tied=mesh.get("tied", False), **overrides)
     covered = set()
     fsdp = mesh.get("sharding", "fsdp") == "fsdp" and dp * mesh.get("cp", 1) > 1
+    tied = mesh.get("tied", False)
     for rank, per_layout in enumerate(_results(group)):
         losses, weights, reduced, coords, grads, sharded = per_layout[index]
         assert (sharded > 0) == fsdp, (rank, sharded)
@@ -140,6 +145,9 @@ def _check_layout(group, index):
         assert reduced == [float(sum(cp_peers)) if cp > 1 else float(rank), world_mean]  # the cp group; world
         assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
         for step, (got, want) in enumerate(zip(grads, ref_grads)):  # the gradients themselves, every step
+            if tied:  # one weight: the last stage names it lm_head, the one process embed_tokens
+                got = {("policy.model.embed_tokens.weight" if n == "policy.lm_head.weight" else n): g
+                       for n, g in got.items()}
             assert got and set(got) <= set(want), (rank, sorted(set(got) - set(want))[:3])
             for name, g in got.items():  # relative to the tensor's largest entry (fp32 reduction-order noise)
                 err = float(abs(g - want[name]).max() / max(abs(want[name]).max(), 1e-12))
@@ -161,6 +169,11 @@ def test_fabric_mesh_equals_single_process(index):
 @pytest.mark.parametrize("index", range(3), ids=[str(m) for m, _ in LAYOUTS["slow"]])
 def test_fabric_mesh_equals_single_process_slow(index):
     _check_layout("slow", index)
+
+
+def test_fabric_fsdp_pp_with_tied_embeddings_equals_single_process():
+    """The first stage's embed_tokens and the last stage's lm_head are one weight: their FSDP shards sum exactly."""
+    _check_layout("tied", 0)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """vLLM EAGLE-3 checkpoint I/O for the draft: a directory of ``config.json`` + ``model.safetensors``.
 
 - :func:`save_draft` writes a draft in the layout vLLM loads as ``LlamaForCausalLMEagle3`` (config from
-  :meth:`~lightning_codraft.models.config.Eagle3Config.to_hf_dict`).
+  :meth:`~lightning_codraft.models.config.Eagle3Config.to_hf_dict`); :func:`save_draft_state` the same from a state
+  dict.
 - :func:`load_draft` reads such a directory (ours or another vLLM-loadable EAGLE-3 draft) into an instance of
   the draft class it is given (``Eagle3Draft.from_pretrained`` passes its own class), strictly: a missing,
   unexpected or mis-shaped tensor is an error naming it.
@@ -27,16 +28,21 @@ def save_draft(draft: nn.Module, path: str | Path) -> Path:
     ``d2t`` is omitted when the draft vocabulary is the whole target vocabulary (vLLM then has no
     ``draft_id_to_target_id`` and refuses one); ``t2d`` is always written (vLLM skips it).
     """
+    return save_draft_state(draft.state_dict(), draft.config, path)
+
+
+def save_draft_state(state: dict[str, Tensor], config: Eagle3Config, path: str | Path) -> Path:
+    """:func:`save_draft` from a state dict (e.g. gathered from FSDP shards) and the draft's config."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    c = draft.config
-    state = {k: v.detach().to("cpu").contiguous() for k, v in draft.state_dict().items()}
+    c = config
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if c.draft_vocab_size == c.vocab_size:
         if bool(state["d2t"].any()):
             raise ValueError("a full-vocabulary draft must have d2t == 0 (identity map)")
         del state["d2t"]
     config = c.to_hf_dict()
-    config["torch_dtype"] = str(draft.fc.weight.dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(state["fc.weight"].dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     return path

@@ -127,6 +127,68 @@ def save_policy(policy: nn.Module, path: str | Path, max_shard_bytes: int = 5 * 
     return save_checkpoint(state, policy.config, path, max_shard_bytes=max_shard_bytes)
 
 
+class ShardWriter:
+    """Writes HF-named tensors one at a time into safetensors files of at most ``max_shard_bytes`` each.
+
+    Only the current file's tensors are held in memory, so a model streamed through it (e.g. gathered from FSDP2
+    shards one tensor at a time) never exists whole on the writing rank.
+
+    Args:
+        path: the checkpoint directory.
+        prefix: file names are ``{prefix}-{i:05d}.safetensors``.
+        max_shard_bytes: a file is written once the next tensor would push it past this.
+    """
+
+    def __init__(self, path: str | Path, prefix: str = "model", max_shard_bytes: int = 5 * 2**30):
+        self.path, self.prefix, self.max_shard_bytes = Path(path), prefix, int(max_shard_bytes)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.weight_map: dict[str, str] = {}
+        self.total_size = 0
+        self._current: dict[str, torch.Tensor] = {}
+        self._current_bytes = 0
+        self._files = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self._current_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._current[name] = tensor.detach().contiguous().cpu().clone()
+        self._current_bytes += nbytes
+        self.total_size += nbytes
+
+    def _flush(self) -> None:
+        name = f"{self.prefix}-{self._files:05d}.safetensors"
+        save_file(self._current, str(self.path / name), metadata={"format": "pt"})
+        self.weight_map.update({k: name for k in self._current})
+        self._files += 1
+        self._current, self._current_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        """Write the last file; returns the weight map (tensor name -> file name)."""
+        if self._current:
+            self._flush()
+        return self.weight_map
+
+
+def write_config(path: str | Path, config: PolicyConfig, dtype: torch.dtype) -> None:
+    """``config.json`` of a policy checkpoint whose tensors are ``dtype``."""
+    d = config.to_hf_dict()
+    d["torch_dtype"] = d["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    (Path(path) / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True))
+
+
+def write_index(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``, which ``transformers`` and vLLM read to find every tensor."""
+    (Path(path) / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": int(total_size)}, "weight_map": weight_map}, indent=2))
+
+
+def clear_weights(path: str | Path) -> None:
+    """Remove the safetensors files and index of an earlier checkpoint in ``path``."""
+    for old in list(Path(path).glob("model*.safetensors")) + list(Path(path).glob("model.safetensors.index.json")):
+        old.unlink()
+
+
 def save_checkpoint(state: dict[str, torch.Tensor], config: PolicyConfig, path: str | Path,
                     max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``config.json`` and the HF-named ``state`` as safetensors (sharded above ``max_shard_bytes``)."""
@@ -135,33 +197,20 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: PolicyConfig, path: 
     state = dict(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    dtype = next(iter(state.values())).dtype
-    config = config.to_hf_dict()
-    config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
-        old.unlink()
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    write_config(path, config, next(iter(state.values())).dtype)
+    clear_weights(path)
+    writer = ShardWriter(path, max_shard_bytes=max_shard_bytes)
     for k in sorted(state):
-        nbytes = state[k].numel() * state[k].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = state[k]
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        writer.add(k, state[k])
+    weight_map = writer.close()
+    files = sorted(set(weight_map.values()))
+    if len(files) == 1:  # one file: the plain HF layout, no index
+        (path / files[0]).rename(path / "model.safetensors")
         return path
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    renamed = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+    for old, new in renamed.items():
+        (path / old).rename(path / new)
+    write_index(path, {k: renamed[f] for k, f in weight_map.items()}, writer.total_size)
     return path
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel.pipeline import MicrobatchMeta, PolicyStage, StageLayout, build_schedule
@@ -196,16 +197,22 @@ class PipelineRunner:
         return self.channel.bytes_sent - self._tap_bytes_before
 
     def _sum_tied_embedding_grads(self) -> None:
-        """Tied ``embed_tokens`` / ``lm_head``: add the first and the last stage's gradients on both."""
+        """Tied ``embed_tokens`` / ``lm_head``: add the first and the last stage's gradients on both.
+
+        Under FSDP2 each rank adds its local shard: the two stages shard the same weight the same way over their
+        dp x cp ranks, so rank j of one stage holds the rows rank j of the other holds.
+        """
         if not (self.stage_module.is_first or self.is_last):
             return
         stage = self.stage_module
         weight = stage.embed_tokens.weight if stage.is_first else stage.lm_head.weight  # the one shared tensor
-        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
         peer = self.num_stages - 1 if self.stage_module.is_first else 0
-        other = torch.empty_like(grad)
-        ops = [dist.P2POp(dist.isend, grad.contiguous(), group=self.pp_group, group_peer=peer),
+        mine, other = grad.detach().clone().contiguous(), torch.empty_like(grad)
+        ops = [dist.P2POp(dist.isend, mine, group=self.pp_group, group_peer=peer),
                dist.P2POp(dist.irecv, other, group=self.pp_group, group_peer=peer)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        weight.grad = grad + other
+        grad.add_(other)
