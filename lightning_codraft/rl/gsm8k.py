@@ -94,7 +94,11 @@ def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", l
                                     f"'openai/gsm8k'")
         rows = _read_jsonl(Path(src))
     else:
-        import datasets
+        try:
+            import datasets  # optional: only the hub path needs it
+        except ImportError as e:
+            raise ImportError(f"GSM8K source {src!r} is a hub dataset, which needs the `datasets` package: "
+                              f'pip install "lightning_codraft[hub]" (or use a local JSONL path / "excerpt")') from e
 
         rows = list(datasets.load_dataset(src, "main", split=split))
     if limit is not None:
