@@ -98,7 +98,8 @@ class SpeculativeEngine:
         adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a default
             :class:`~lightning_codraft.rollout.adaptive.SpeculationController`, kept across calls as
             :attr:`controller`; or a controller of your own). Output is unchanged in distribution (and token
-            for token when greedy).
+            for token when greedy); a seed still fixes a fixed-K engine's samples, but an adaptive engine's k
+            follows measured times, so the same seed can draw different (equally distributed) samples.
 
     The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
     weights into them in place.
