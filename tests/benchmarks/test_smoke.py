@@ -1,0 +1,37 @@
+"""Every benchmark script runs end to end with tiny arguments and writes its table, so none can rot unnoticed."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def _run(script, *args, timeout=600):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *map(str, args)], capture_output=True,
+                         text=True, timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gpu_check_smoke(tmp_path):
+    text = _run("gpu_check.py", "--smoke", "--out", tmp_path)
+    assert "| self, packed | cpu |" in text and "bf16-mixed co-training step" in text
+    md = (tmp_path / "gpu.md").read_text()
+    assert "CPU (smoke run: no GPU)" in md and "| True |" in md
+
+
+def test_pp_tapchannel_smoke(tmp_path):
+    text = _run("pp_tapchannel.py", "--stages", 2, "--layers", 4, "--hidden", 64, "--vocab", 128, "--tokens", 32,
+                "--microbatches", 2, "--rounds", 1, "--out", tmp_path)
+    assert "| tapchannel |" in text and (tmp_path / "pp.md").is_file()
+
+
+@pytest.mark.parametrize("script, args", [
+    ("codraft_step.py", ["--layers", 4, "--hidden", 32, "--vocab", 128, "--docs", 2, "--length", 16, "--rounds", 1,
+                         "--threads", 1]),
+])
+def test_benchmark_smoke(tmp_path, script, args):
+    _run(script, *args, "--out", tmp_path)
+    assert list(tmp_path.glob("*.md"))
