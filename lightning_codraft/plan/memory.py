@@ -167,12 +167,12 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
             ref += s.largest_unit_unsharded + (s.root_unsharded if pp == 1 else 0)
     lines.append(Line("reference_forward", "reference forward (before the step)", ref, BEFORE))
     lines.append(Line("optimizer_step", "AdamW temporaries (after the step)", s.trained_elements * o_b, AFTER))
-    lines += _rollout_lines(spec, models, s)
+    lines += _rollout_lines(spec, models)
     return RankPlan(stages=(stage,), label=_stage_label((stage,), pp), tokens=T, in_flight=F,
                     activations_per_microbatch=per_mb, lines=lines)
 
 
-def _rollout_lines(spec: PlanSpec, models: MetaModels, s) -> list[Line]:
+def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
     """The engine's weights, KV cache, verification logits and the weight sync's gathered tensor."""
     p_b, a = spec.bytes[0], spec.bytes[3]
     K = spec.speculative_tokens
@@ -195,7 +195,7 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels, s) -> list[Line]:
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
         sync = largest * (p_b + a_e)
     return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if sleeps else BOTH),
-            Line("kv_cache", f"engine KV cache ({B} sequences)", kv, BOTH if keeps_cache else ROLLOUT),
+            Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv, BOTH if keeps_cache else ROLLOUT),
             Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
             Line("weight_sync", "weight sync (one tensor gathered)", sync, ROLLOUT)]
 

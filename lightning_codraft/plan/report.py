@@ -50,8 +50,9 @@ def render_text(plan: MemoryPlan) -> str:
             f"V={s.policy.vocab_size}); world {s.dp * s.pp * s.cp} = dp {s.dp} x pp {s.pp} x cp {s.cp}; "
             f"{'FSDP2 over ' + str(s.shards) + ' ranks' if s.fsdp else 'replicated (no FSDP2)'}; "
             f"precision {s.precision}")
-    batch = (f"step: {s.samples_per_replica} samples per replica of <= {s.seq_len} tokens, {s.num_microbatches} "
-             f"microbatch(es){' (' + s.pp_schedule + ')' if s.pp > 1 else ''}; engine: {s.engine}, "
+    mbs = f"{s.num_microbatches} microbatch{'es' if s.num_microbatches != 1 else ''}"
+    batch = (f"step: {s.samples_per_replica} samples per replica of <= {s.seq_len} tokens, {mbs}"
+             f"{' (' + s.pp_schedule + ')' if s.pp > 1 else ''}; engine: {s.engine}, "
              f"{s.engine_requests} request(s) per rank, {s.engine_concurrency} at once, K={s.speculative_tokens}")
     keys: dict[str, tuple[str, str]] = {}
     for r in ranks:
