@@ -173,9 +173,9 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``codraft`` console script; returns the exit status.
 
-    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid (the message names it). 3: a reward function failed with
-    ``task.on_reward_error=raise``. 1: anything else (the error and where it happened; ``--debug`` prints the
-    full traceback).
+    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid (the message names
+    it). 3: a reward function failed with ``task.on_reward_error=raise``. 1: anything else (the error and where it
+    happened; ``--debug`` prints the full traceback).
     """
     args = _parser().parse_args(argv)
     try:

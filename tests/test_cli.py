@@ -144,7 +144,7 @@ def test_plan_rejects_a_bad_device_memory(value, capsys):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("model.config=qwen3-9b", "model.config='qwen3-9b': 'qwen3-9b' is neither a built-in architecture (qwen3-8b, llama-3.1-8b"),
+    ("model.config=qwen3-9b", "model.config='qwen3-9b': 'qwen3-9b' is neither a built-in architecture (qwen3-8b, "),
     ("model.config=null", "model.source='/checkpoints/Qwen3-8B' is not 'tiny'"),
     ("parallel.layers_per_stage=[30,30]", "layers_per_stage=[30, 30] must be >= 1 each and sum to the 36 layers"),
 ])

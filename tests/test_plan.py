@@ -108,7 +108,8 @@ def _measure(rank, world_size):
         named = list(inner.named_parameters())
         own = [p for n, p in named if not n.startswith("reference.")]
         out.append(dict(
-            stage=dims.pp_rank, shard_rank=dims.dp_cp_rank, tokens=_microbatch_tokens(batch, mesh, inner.config.num_microbatches),
+            stage=dims.pp_rank, shard_rank=dims.dp_cp_rank,
+            tokens=_microbatch_tokens(batch, mesh, inner.config.num_microbatches),
             parameters=_storage_bytes(own), reference=_storage_bytes(p for n, p in named if n.startswith("reference.")),
             gradients=_storage_bytes(p.grad for p in own if p.grad is not None),
             optimizer=_storage_bytes(v for state in optimizer.state.values() for k, v in state.items() if k != "step"),
@@ -199,13 +200,16 @@ def test_smollm2_preset_is_the_checkpoint_config_and_model_config_must_match_the
     assert architecture_differences(preset_config("qwen3-8b"), read_config(path))  # a real difference is reported
     cfg = load_config(None, ["model.source=smollm2-135m", "model.max_position_embeddings=256"])
     assert policy_config(cfg.model) == preset_config("smollm2-135m")  # planned without converting anything
-    wrong = load_config(None, ["model.source=smollm2-135m", "model.config=qwen3-8b", "model.max_position_embeddings=256"])
+    wrong = load_config(None, ["model.source=smollm2-135m", "model.config=qwen3-8b",
+                               "model.max_position_embeddings=256"])
     with pytest.raises(ConfigError, match="model.config='qwen3-8b' does not describe the checkpoint"):
         build_policy(wrong.model)
 
 
-@pytest.mark.parametrize("override, match", [("model.config=qwen3-8b", "model.config='qwen3-8b' with model.source=tiny"),
-                                             ("model.config=' '", "model.config is empty")])
+@pytest.mark.parametrize("override, match", [
+    ("model.config=qwen3-8b", "model.config='qwen3-8b' with model.source=tiny"),
+    ("model.config=' '", "model.config is empty"),
+])
 def test_model_config_validation(override, match):
     from lightning_codraft.config import ConfigError, load_config
 
@@ -220,7 +224,8 @@ def test_plan_memory_groups_stages_and_holds_one_in_flight_per_remaining_stage()
     spec = PlanSpec(policy=preset_config("llama-3.1-8b"), draft_vocab_size=32000, dp=2, pp=4, cp=2,
                     precision="bf16-mixed", num_microbatches=64, samples_per_replica=64, seq_len=4096)
     plan = plan_memory(spec, 80 * 2**30)
-    assert [r.label for r in plan.ranks] == ["stage 0 (first)", "stage 1 (middle)", "stage 2 (middle)", "stage 3 (last)"]
+    assert [r.label for r in plan.ranks] == ["stage 0 (first)", "stage 1 (middle)", "stage 2 (middle)",
+                                             "stage 3 (last)"]
     assert [r.in_flight for r in plan.ranks] == [4, 3, 2, 1]  # 1F1B warm-up depth pp - stage
     assert [r.tokens for r in plan.ranks] == [4096 // 2] * 4
     assert plan.ranks[0].get("loss_workspace") == 0 < plan.ranks[3].get("loss_workspace")

@@ -15,9 +15,9 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   microbatch, and FSDP2's all-gathered units (the root for the whole step, two layers or the draft at once, the
   unsharded gradients and the fp32 reduce-scatter input of one unit) or, without FSDP2 under ``bf16-mixed``,
   autocast's bf16 weight copies (autocast's activations, a mix of fp32 norms and bf16 matmuls, are counted with
-  the fp32 formulas: an upper bound, 1.17-1.26x the measured bytes on the tiny test models). Before it, the reference's forward (the logits of all ``M`` microbatches, twice
-  under PP where the schedule merges them); after it, AdamW's foreach temporaries (one state-sized tensor). The
-  phase's total takes the largest of the three.
+  the fp32 formulas: an upper bound, 1.17-1.26x the measured bytes on the tiny test models). Before it, the
+  reference's forward (the logits of all ``M`` microbatches, twice under PP where the schedule merges them); after
+  it, AdamW's foreach temporaries (one state-sized tensor). The phase's total takes the largest of the three.
 - rollout: the engine's whole policy + draft in the compute dtype (issue #13: every rank generates; zero when
   the embedded engine decodes with the whole training modules), its KV cache for the sequences it decodes at once
   (``(prompt + completion + 2(K+1))`` slots of ``2 kv_heads D`` per policy layer and one draft layer), the logits
@@ -195,7 +195,8 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
         sync = largest * (p_b + a_e)
     return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if sleeps else BOTH),
-            Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv, BOTH if keeps_cache else ROLLOUT),
+            Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv,
+                 BOTH if keeps_cache else ROLLOUT),
             Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
             Line("weight_sync", "weight sync (one tensor gathered)", sync, ROLLOUT)]
 
