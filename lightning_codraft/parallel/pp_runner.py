@@ -58,8 +58,9 @@ class PipelineRunner:
         layers_per_stage: decoder layers of every stage; ``None`` balances (extra layers to the first stages).
     """
 
-    max_cached_schedules = 4
-    """Schedules (with their receive buffers) kept for distinct ``(M, T)``; the oldest is dropped beyond this."""
+    max_cached_schedules = 1
+    """Schedules kept for distinct ``(M, T)``: each holds receive buffers for all M microbatches, so keeping more
+    than the current one would hold several steps' worth of activations; RL batches vary in length."""
 
     def __init__(self, policy: nn.Module, *, stage: int, num_stages: int, pp_group: Optional[Any],
                  tap_group: Optional[Any], cp_group: Optional[Any] = None, tap_ids: Sequence[int] = (),
@@ -83,6 +84,9 @@ class PipelineRunner:
         self._loss_fn: Optional[LossFn] = None
         self._records: list[Any] = []
         self._tap_bytes_before = 0
+        self.activation_dtype: Optional[torch.dtype] = None
+        """dtype of the activations between stages and of the taps; None: the stage parameters' dtype. The
+        strategy sets it to FSDP2's compute dtype under mixed precision (the masters stay fp32)."""
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's policy parameters."""
@@ -137,13 +141,14 @@ class PipelineRunner:
         rows = self._check(microbatches)
         num_mb = len(microbatches)
         own = next(self.stage_module.parameters())
-        dtype, device = own.dtype, own.device
+        dtype, device = self.activation_dtype or own.dtype, own.device
         schedule = self._schedule(num_mb, rows, dtype, device)
         self._mbs, self._loss_fn, self._records = list(microbatches), loss_fn, []
         self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(device), mb.position_ids.to(device))
                                             for mb in microbatches])
         self._tap_bytes_before = self.channel.bytes_sent
-        self.channel.begin(num_mb, (rows, self.policy.config.hidden_size), dtype, device)
+        window = self.num_stages if self.schedule_name == "1f1b" else None  # GPipe runs every forward first
+        self.channel.begin(num_mb, (rows, self.policy.config.hidden_size), dtype, device, window=window)
         mb_index = torch.arange(num_mb, device=device)
         try:
             if self.stage_module.is_first:
@@ -180,7 +185,7 @@ class PipelineRunner:
         rows = self._check(microbatches)
         num_mb = len(microbatches)
         own = next(self.stage_module.parameters())
-        schedule = self._schedule(num_mb, rows, own.dtype, own.device, backward=False)
+        schedule = self._schedule(num_mb, rows, self.activation_dtype or own.dtype, own.device, backward=False)
         self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(own.device),
                                                            mb.position_ids.to(own.device)) for mb in microbatches])
         mb_index = torch.arange(num_mb, device=own.device)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_codraft.parallel.fsdp import SHARDINGS, bf16_resolution_warning, shard_codraft
+from lightning_codraft.parallel.fsdp import SHARDINGS, bf16_resolution_warning, mixed_precision_policy, shard_codraft
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 
 
@@ -136,8 +136,11 @@ class CoDraftCore:
         if warning is not None:
             warnings.warn(warning, RuntimeWarning, stacklevel=3)
         ddp = sharding == "ddp" and (not dims.pp_enabled) and dims.dp_cp > 1
-        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1, sharding=sharding)
-        if sharding == "fsdp" and dims.dp_cp > 1:
+        fsdp = sharding == "fsdp" and dims.dp_cp > 1
+        compute_dtype = mixed_precision_policy(precision).param_dtype if fsdp else None
+        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1, sharding=sharding,
+                                  compute_dtype=compute_dtype)
+        if fsdp:
             return shard_codraft(module, dims.dp_cp_mesh, precision)
         if not ddp:
             return module

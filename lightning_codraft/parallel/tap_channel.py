@@ -91,8 +91,8 @@ class TapChannel:
         return microbatch * len(self.tap_ids) + self.tap_ids.index(tap)
 
     def begin(self, num_microbatches: int, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> None:
-        """Start a step: on the last stage, pre-post every receive into fresh landing buffers.
+              device: torch.device | str = "cpu", window: Optional[int] = None) -> None:
+        """Start a step: on the last stage, pre-post the receives of the first ``window`` microbatches.
 
         Args:
             num_microbatches: microbatches in this step (every stage must pass the same value).
@@ -100,6 +100,10 @@ class TapChannel:
                 under CP); microbatches are padded to one length so the pipeline schedule can run them.
             dtype: dtype of the taps (the activation dtype).
             device: device of the landing buffers.
+            window: microbatches whose landing buffers exist at once (receiving one posts the next); None: all.
+                With 1F1B the first stage runs at most ``pp`` microbatches ahead of the last, so a window of ``pp``
+                never makes a sender wait longer than the schedule does, and bounds the buffers to ``pp``
+                microbatches instead of the step's ``M``.
         """
         if self._active:
             raise RuntimeError("TapChannel.begin() called twice without finish(); call finish() after every step")
@@ -111,17 +115,23 @@ class TapChannel:
         self._dtype = dtype
         self._sends, self._sent = [], set()
         self._recvs, self._local, self._received = {}, {}, set()
-        if not self.is_last:
-            return
-        for m in range(num_microbatches):  # microbatch-major, tap id ascending: the senders' order
-            posted = {}
-            for tap in self.tap_ids:
+        self._device, self._posted = device, 0
+        self._window = num_microbatches if window is None else max(1, int(window))
+        if self.is_last:
+            self._post_until(min(num_microbatches, self._window) - 1)
+
+    def _post_until(self, microbatch: int) -> None:
+        """Post the receives of every microbatch up to ``microbatch`` not posted yet, in order (the senders')."""
+        while self._posted <= min(microbatch, self._num_microbatches - 1):
+            m, posted = self._posted, {}
+            for tap in self.tap_ids:  # microbatch-major, tap id ascending: the senders' order
                 if self.owners[tap] == self.last:
                     continue
-                buf = torch.empty(self._shape, dtype=dtype, device=device)
+                buf = torch.empty(self._shape, dtype=self._dtype, device=self._device)
                 work = dist.irecv(buf, group=self.group, group_src=self.owners[tap], tag=self._tag(m, tap))
                 posted[tap] = (work, buf)
             self._recvs[m] = posted
+            self._posted += 1
 
     def send(self, microbatch: int, tap: int, hidden: Tensor) -> None:
         """Hand over tap ``tap`` of ``microbatch`` as computed on this stage (detached, asynchronous).
@@ -151,6 +161,7 @@ class TapChannel:
             return
         t = t.contiguous()
         work = dist.isend(t, group=self.group, group_dst=self.last, tag=self._tag(microbatch, tap))
+        self._sends = [(w, x) for w, x in self._sends if not w.is_completed()]  # release delivered taps
         self._sends.append((work, t))  # keep the tensor alive until the send completes
         self.bytes_sent += t.numel() * t.element_size()
 
@@ -165,16 +176,18 @@ class TapChannel:
                                f"({self.last}) receives taps")
         if not self._active:
             raise RuntimeError("TapChannel.receive() outside a step: call begin() first")
-        if microbatch not in self._recvs:
+        if not 0 <= microbatch < self._num_microbatches:
             raise ValueError(f"microbatch={microbatch} is outside [0, {self._num_microbatches})")
+        self._post_until(microbatch)
         if microbatch in self._received:
             raise RuntimeError(f"taps of microbatch {microbatch} were already received in this step")
         out: dict[int, Tensor] = {}
-        for tap, (work, buf) in self._recvs[microbatch].items():
+        for tap, (work, buf) in self._recvs.pop(microbatch).items():
             work.wait()
             self.bytes_received += buf.numel() * buf.element_size()
             out[tap] = buf
-        local = self._local.get(microbatch, {})
+        self._post_until(microbatch + self._window)  # the next microbatch's landing buffers
+        local = self._local.pop(microbatch, {})
         for tap in self.local_taps:
             if tap not in local:
                 raise RuntimeError(f"tap {tap} of microbatch {microbatch} belongs to the last stage but was not "
@@ -195,7 +208,8 @@ class TapChannel:
             work.wait()
         missing = [(m, t) for m in range(self._num_microbatches) for t in self.local_taps
                    if (m, t) not in self._sent]
-        if self.is_last:
+        if self.is_last:  # drain what was sent but not received (post the rest so every sender completes)
+            self._post_until(self._num_microbatches - 1)
             for m, posted in self._recvs.items():
                 if m not in self._received:
                     for work, _ in posted.values():

@@ -86,7 +86,6 @@ class CoDraftRun:
         self.context = 0
         self.module: Optional[CoDraftModule] = None
         self.model = self.optimizer = self.scheduler = None
-        self.ref_policy = None
         self.worker: Optional[RolloutWorker] = None
         self.checkpoints: Optional[RunCheckpoints] = None
         self.rl_step: Optional[RLStep] = None
@@ -120,10 +119,9 @@ class CoDraftRun:
         check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
         self.task = build_task(cfg.task)
         self.reward_fn = build_reward(cfg.task, self.task)
-        self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg),
+        reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 else None  # sharded like the policy
+        self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg), reference=reference,
                                     max_nonfinite_steps=cfg.run.max_nonfinite_steps)
-        if cfg.rl.kl_coef > 0:
-            self.ref_policy = copy.deepcopy(policy).requires_grad_(False)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)
 
     def fit_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -160,7 +158,7 @@ class CoDraftRun:
             self.worker.after_load(self.module)  # under PP: the lead's whole copies from the loaded stages
             self.log(f"resumed from {last[1]} (step {self.start_step})")
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
-                              self.worker, self.model, self.optimizer, self.scheduler, self.ref_policy, log=self.log)
+                              self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
         if self.fabric.global_rank == 0:
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step)
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
@@ -174,15 +172,12 @@ class CoDraftRun:
             self.log(f"warm-started policy and draft from {init}")
         else:
             extra = run_warmups(self.cfg, self.module, self.tokenizer, self.task, self.context, log=self.log)
-        if self.ref_policy is not None:
-            self.ref_policy.load_state_dict(self.module.policy.state_dict())
+        if self.module.reference is not None:
+            self.module.reference.load_state_dict(self.module.policy.state_dict())
         return extra
 
     def _state(self, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        state = {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler, **(extra or {})}
-        if self.ref_policy is not None:
-            state["ref_policy"] = self.ref_policy
-        return state
+        return {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler, **(extra or {})}
 
     def step(self, step: int) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank and return its metrics."""

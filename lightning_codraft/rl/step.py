@@ -12,7 +12,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -22,7 +22,6 @@ from lightning_codraft.rl.build import encode_prompt, fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rollout.engine import AcceptanceStats
-from lightning_codraft.training.rl_loss import token_logprobs
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -92,17 +91,17 @@ class RLStep:
         dims: this process' (dp, pp, cp) layout.
         task, reward_fn, tokenizer, context: the task, its reward, the tokenizer and the usable context length.
         worker: the :class:`~lightning_codraft.rl.rollouts.RolloutWorker`.
-        model: the Fabric-wrapped ``CoDraftModule``; optimizer / scheduler: its optimizer and LR schedule.
-        ref_policy: the reference policy for the KL term (``rl.kl_coef > 0``), else None.
+        model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);
+            optimizer / scheduler: its optimizer and LR schedule.
         log: where status lines go.
     """
 
     def __init__(self, cfg: CoDraftConfig, fabric, dims, task, reward_fn, tokenizer, context: int, worker, model,
-                 optimizer, scheduler, ref_policy=None, log: Callable[[str], None] = print):
+                 optimizer, scheduler, log: Callable[[str], None] = print):
         self.cfg, self.fabric, self.dims = cfg, fabric, dims
         self.task, self.reward_fn, self.tokenizer, self.context = task, reward_fn, tokenizer, context
         self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
-        self.ref_policy, self.log = ref_policy, log
+        self.log = log
         self.last_rollouts: list[Rollout] = []
 
     def __call__(self, step: int) -> StepMetrics:
@@ -130,8 +129,7 @@ class RLStep:
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         self.last_rollouts = rollouts
-        batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id,
-                               ref_logprobs=self._ref_logprobs(rollouts))
+        batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
         t0 = time.perf_counter()
         m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
@@ -150,19 +148,6 @@ class RLStep:
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
             step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
-
-    def _ref_logprobs(self, rollouts: list[Rollout]) -> Optional[list[list[float]]]:
-        if self.ref_policy is None:
-            return None
-        b = build_rl_batch(rollouts, [0.0] * len(rollouts), pad_id=self.tokenizer.pad_token_id)
-        with torch.no_grad():
-            lp = token_logprobs(self.ref_policy(b.input_ids, cu_seqlens=b.cu_seqlens,
-                                                position_ids=b.position_ids).logits, b.target_ids)
-        out, starts = [], b.cu_seqlens[:-1].tolist()
-        for r, s in zip(rollouts, starts):
-            a = s + len(r.prompt_ids) - 1
-            out.append(lp[a:a + len(r.completion_ids)].tolist())
-        return out
 
 
 def metrics_from_dict(row: dict[str, Any]) -> StepMetrics:

@@ -96,13 +96,16 @@ class CoDraftModule(LightningModule):
                              f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy")
 
     # ------------------------------------------------------------------ parallel plumbing
-    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp") -> None:
+    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp",
+                           compute_dtype: Optional[torch.dtype] = None) -> None:
         """Called by the strategy with the mesh, before it wraps or shards the module and before optimizers exist.
 
         Args:
             dims: the (dp, pp, cp) layout with its groups.
             grad_average_size: ranks over which the strategy's wrapper AVERAGES gradients (the loss is scaled).
             sharding: ``"fsdp"`` (FSDP2 sums the gradients of every rank's loss share) or ``"ddp"``.
+            compute_dtype: the dtype activations flow in between pipeline stages (FSDP2's mixed-precision
+                compute dtype), when it differs from the parameters'.
 
         Under PP this rank keeps only its pipeline stage (the embeddings on the first stage, its decoder layers,
         the final norm, ``lm_head`` and the draft on the last; with tied embeddings the first and the last stage
@@ -125,9 +128,11 @@ class CoDraftModule(LightningModule):
         stage = dict(stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
                      cp_group=dims.cp_group, layers_per_stage=c.layers_per_stage)
         self.pipeline = PipelineRunner(self.policy, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule, **stage)
+        self.pipeline.activation_dtype = compute_dtype
         keep = self.pipeline.stage_module.owned_modules() + ([self.draft] if dims.is_last_stage else [])
         if self.reference is not None:
             self.ref_pipeline = PipelineRunner(self.reference, schedule="gpipe", **stage)
+            self.ref_pipeline.activation_dtype = compute_dtype
             keep += self.ref_pipeline.stage_module.owned_modules()
         self.released_bytes += prune_unowned(self, keep)
         self._stage_binding = binding

@@ -106,6 +106,7 @@ def optimizer_step(forward: Callable[[Any], Any], module: nn.Module, batch: Any,
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
+    optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the rollouts that follow
     return metrics
 
 

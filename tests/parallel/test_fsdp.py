@@ -120,3 +120,23 @@ def test_fsdp_bf16_mixed_has_fp32_masters_grads_and_state_and_bf16_compute():
     for r in run_distributed(_mixed_fsdp_worker, 2, timeout=300):
         assert r["compute"] == torch.bfloat16
         assert r["masters"] == r["grads"] == r["optim"] == {torch.float32}
+
+
+def _pp_mixed_worker(rank, world_size):
+    import math
+
+    from lightning_codraft.parallel.strategy_core import CoDraftCore
+
+    core = CoDraftCore(dp=2, pp=2)
+    core.setup_mesh(world_size, "cpu")
+    module = core.prepare_module(CoDraftModule(*make_models(tied=True), num_microbatches=2), precision="bf16-mixed")
+    optimizer, _ = module.build_optimizer()
+    out = module(make_batch(core.dims.dp_rank, num_docs=4))
+    module.after_backward()
+    optimizer.step()
+    return math.isfinite(float(out.metrics["loss"])), module.pipeline.activation_dtype
+
+
+def test_fsdp_x_pp_bf16_mixed_ships_bf16_activations_and_taps():
+    for finite, dtype in run_distributed(_pp_mixed_worker, 4, timeout=300):
+        assert finite and dtype == torch.bfloat16

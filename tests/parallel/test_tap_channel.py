@@ -112,3 +112,46 @@ def test_clear_errors():
         ch.receive(0)
     with pytest.raises(RuntimeError, match="never sent \\(microbatch, tap\\) \\[\\(0, 1\\)\\]"):
         ch.finish()
+
+
+def _window_worker(rank, world_size, drain_first):
+    pipe, taps = dist.new_group([0, 1]), dist.new_group([0, 1])
+    owners = {0: 0, 1: 0, 2: 1}
+    ch = TapChannel(owners, stage=rank, num_stages=2, group=taps)
+    ch.begin(M, (T, H), torch.float32, window=1)
+    posted, got, act = [], {}, torch.zeros(1)
+    if ch.is_last:
+        posted.append(len(ch._recvs))
+    if drain_first:  # the sender runs every microbatch ahead: its sends wait for the window to reach them
+        if rank == 0:
+            for m in range(M):
+                for tap in (0, 1):
+                    ch.send(m, tap, _tap_value(0, m, tap))
+        dist.barrier(group=pipe)
+        if ch.is_last:
+            for m in range(M):
+                ch.send(m, 2, _tap_value(0, m, 2))
+                got[m] = ch.receive(m)
+                posted.append(len(ch._recvs))
+    else:
+        for m in range(M):
+            if rank == 0:
+                for tap in (0, 1):
+                    ch.send(m, tap, _tap_value(0, m, tap))
+                dist.send(act, group=pipe, group_dst=1)
+            else:
+                dist.recv(act, group=pipe, group_src=0)
+                ch.send(m, 2, _tap_value(0, m, 2))
+                got[m] = ch.receive(m)
+                posted.append(len(ch._recvs))
+    ch.finish()
+    return posted, {m: {t: v.clone() for t, v in x.items()} for m, x in got.items()}
+
+
+@pytest.mark.parametrize("drain_first", [False, True])
+def test_a_receive_window_bounds_the_landing_buffers_and_loses_nothing(drain_first):
+    _, (posted, got) = run_distributed(_window_worker, 2, args=(drain_first,), timeout=120)
+    assert max(posted) <= 1  # never more than `window` microbatches' buffers on the last stage
+    for m in range(M):
+        for tap in (0, 1, 2):
+            torch.testing.assert_close(got[m][tap], _tap_value(0, m, tap))

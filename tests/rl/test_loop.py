@@ -96,3 +96,12 @@ def test_grpo_climbs_a_dense_reward(tmp_path):
     rewards = [r["reward"] for r in fit(cfg, print_fn=lambda s: None).rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.3 and last > 0.6, rewards
+
+
+def test_kl_to_the_reference_policy_is_scored_by_the_module(tmp_path):
+    """rl.kl_coef > 0: the module holds the frozen reference (sharded like the policy on a mesh) and scores the KL;
+    it is 0 while the policy equals its start and positive once it moved."""
+    cfg = micro_config(tmp_path, "rl.kl_coef=0.1", "rl.lr=1e-2", "task.eval_prompts=0", "run.plots=false",
+                       "run.checkpoint_every=0", "task.reward=rewards_for_tests:digit_share_reward")
+    rows = fit(cfg, print_fn=lambda s: None).rows
+    assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 1e-6, [r["kl"] for r in rows]
