@@ -11,7 +11,8 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   under PP, the reference stage root that stays all-gathered.
 - training, during the forward/backward (summed): the saved activations ``F x`` one microbatch's, what the
   pipeline keeps besides them (a stage's outputs until their backward; on the last stage the TapChannel's landing
-  buffers, ``M`` per remote tap, and the local taps it keeps for the whole step), the loss workspace of one
+  buffers per remote tap, for a window of ``pp`` microbatches under 1F1B and ``M`` under GPipe, and the local taps
+  of the microbatch being received), the loss workspace of one
   microbatch, and FSDP2's all-gathered units (the root for the whole step, two layers or the draft at once, the
   unsharded gradients and the fp32 reduce-scatter input of one unit) or, without FSDP2 under ``bf16-mixed``,
   autocast's bf16 weight copies (autocast's activations, a mix of fp32 norms and bf16 matmuls, are counted with
@@ -149,7 +150,8 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
         owners = models.layout.tap_owners((0, *dcfg.taps))
         remote = sum(1 for t, o in owners.items() if o != stage)
         local = sum(1 for t, o in owners.items() if o == stage and t != start)
-        held += M * remote * act + M * local * act - (F * local * act if a == 4 else 0)
+        window = min(M, pp) if spec.pp_schedule == "1f1b" else M  # TapChannel landing buffers posted at once
+        held += window * remote * act + max(0, local * act - (F * local * act if a == 4 else 0))
     lines.append(Line("pipeline_held", "pipeline outputs and taps", held, TRAINING))
     workspace = 0
     if last:
@@ -259,9 +261,9 @@ def _notes(spec: PlanSpec) -> list[str]:
         notes.append("the embedded engine keeps its weights (copies under FSDP2 / PP) in both phases and frees its "
                      "KV cache between rollouts")
     if spec.pp > 1:
-        notes.append(f"pipeline receive buffers: PipelineRunner keeps {CACHED_SCHEDULES} schedules of distinct "
-                     f"(M, T) shapes, each with its own buffers, and RL steps vary in length; the TapChannel posts "
-                     f"landing buffers for all M microbatches of a step")
+        notes.append(f"pipeline receive buffers: torch.distributed.pipelining allocates them for all M microbatches "
+                     f"of a step and PipelineRunner keeps {CACHED_SCHEDULES} schedule; the TapChannel's landing "
+                     f"buffers cover {'pp microbatches (1F1B)' if spec.pp_schedule == '1f1b' else 'all M (GPipe)'}")
     if spec.precision == "bf16-mixed" and not spec.fsdp:
         notes.append("bf16-mixed without FSDP2 runs under autocast: its activations are counted with the fp32 "
                      "formulas (an upper bound)")
