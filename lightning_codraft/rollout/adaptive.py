@@ -36,7 +36,7 @@ import torch
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.rollout.cost_model import CostModel
-from lightning_codraft.rollout.sampling import SamplingParams
+from lightning_codraft.rollout.sampler import TokenSampler
 
 
 @dataclass
@@ -286,7 +286,7 @@ class SpeculationController:
         self.costs.add("rest", batch_size, 1, rest_s)
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
-                  pending: torch.Tensor, taps: Sequence[int], params: SamplingParams) -> None:
+                  pending: torch.Tensor, taps: Sequence[int], sampler: TokenSampler) -> None:
         """Time forwards on the live caches around this batch size (:meth:`CostModel.calibrate`)."""
-        self.costs.calibrate(pdec, ddec, pcache, dcache, pending, taps, params, self.max_k)
+        self.costs.calibrate(pdec, ddec, pcache, dcache, pending, taps, sampler, self.max_k)
         self._checked_size = None

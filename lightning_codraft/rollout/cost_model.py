@@ -18,7 +18,9 @@ import torch
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.sampling import SamplingParams, sample_from_probs, sampling_logprobs
+from lightning_codraft.rollout.noise import CounterNoise
+from lightning_codraft.rollout.sampler import TokenSampler
+from lightning_codraft.rollout.sampling import sampling_logprobs
 
 
 def clock(device: torch.device) -> float:
@@ -174,7 +176,7 @@ class CostModel:
             fit.drop_anchors(lambda f: not any(_near(f[1], n) for n in sizes))
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
-                  pending: torch.Tensor, taps: Sequence[int], params: SamplingParams, max_k: int) -> None:
+                  pending: torch.Tensor, taps: Sequence[int], sampler: TokenSampler, max_k: int) -> None:
         """Time verify forwards (1..K+1 tokens per row, with the sampling math), draft catch-ups and a draft
         step with its sampling, on the live caches: their first B and B/2 rows, lengths untouched (what the
         forwards write lies past every row's length and is overwritten before it is read).
@@ -184,22 +186,25 @@ class CostModel:
             pcache, dcache: the batch's policy and draft caches (B rows).
             pending: ``(B,)`` each row's next token (the forwards' input).
             taps: the draft's policy tap ids.
-            params: the call's sampling parameters.
+            sampler: the call's token sampler (its verify and proposal math are timed, on noise of its own).
             max_k: K, the longest proposal (verify forwards of 1 and K+1 tokens per row are timed).
         """
-        B, device = int(pending.shape[0]), pending.device
-        generator = torch.Generator(device=device).manual_seed(0)   # the call's sampling stream stays untouched
+        B, device, params = int(pending.shape[0]), pending.device, sampler.params
         sizes = sorted({B, max(1, (B + 1) // 2)})
         self.start_calibration(sizes)
         lp = lambda logits: sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
         for n in sizes:
+            noise, at = CounterNoise(torch.arange(n, device=device)), torch.zeros(n, dtype=torch.long, device=device)
             for S in range(1, max_k + 2):
                 ids = pending[:n, None].expand(n, S)
+                q = None
+                if sampler.uses_draft_probs:
+                    q = torch.full((n, S - 1, sampler.vocab_size), 1.0 / sampler.vocab_size, device=device)
                 verify, catch = [], []
                 for _ in range(3):  # the first run of a shape warms caches and the allocator; keep the faster other
                     t0 = clock(device)
                     logits, tapped = pdec.forward(ids, pcache.select(n), taps)
-                    lp(logits)
+                    sampler.verify(lp(logits), ids[:, 1:], q, sampler.start_round(noise, at, S - 1))
                     t1 = clock(device)
                     ddec.step(ddec.fuse(tapped), pdec.embed(ids), dcache.select(n))
                     verify.append(t1 - t0)
@@ -208,13 +213,11 @@ class CostModel:
                 if S in (1, max_k + 1):
                     self.add("catch_up", n, S, min(catch[1:]), anchor=True)
             hidden, step = ddec.fuse(tuple(t[:, :1] for t in tapped)), []
+            rn = sampler.start_round(noise, at, 1)   # a round's noise is timed with its verify
             for _ in range(3):
                 t0 = clock(device)
                 _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), dcache.select(n))
-                if params.greedy:
-                    torch.argmax(logits[:, 0], dim=-1)
-                else:
-                    sample_from_probs(lp(logits[:, 0]).exp(), generator)
+                sampler.propose(logits[:, 0], rn, 0)
                 step.append(clock(device) - t0)
             self.add("draft", n, 1, min(step[1:]), anchor=True)
 

@@ -142,8 +142,14 @@ class RolloutEngine(Protocol):
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        request_seeds: Sequence[int] | None = None,
     ) -> list[RolloutOutput]:
-        """Generate one continuation per prompt (prompts are token-id lists)."""
+        """Generate one continuation per prompt (prompts are token-id lists).
+
+        Randomness is per request: ``request_seeds[i]`` (in ``[0, 2**63)``) fixes request i's samples whatever
+        else is in the call; with only ``seed``, request i uses ``rollout.noise.request_seed(seed, i)``; with
+        neither, fresh seeds. Passing both is an error.
+        """
         ...
 
     def update_weights(

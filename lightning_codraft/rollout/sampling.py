@@ -1,22 +1,32 @@
 """Sampling utilities: temperature / top-k / top-p filtering and lossless speculative verification.
 
-Everything here is batched and works on logits of any leading shape ``(..., V)``. The verification
-rules are the standard ones (Leviathan et al. 2023, Chen et al. 2023):
+Everything here is batched and works on logits of any leading shape ``(..., V)``. Random choices take their
+noise as arguments (counter-based noise, rollout/noise.py), so a rule is a pure function of its inputs. The
+verification rules:
 
 * **greedy** (temperature 0): accept the longest prefix of draft tokens that equals the policy's
   argmax at each position; the next token is the policy's argmax after that prefix. Output is
   token-for-token identical to plain greedy decoding.
-* **sampling** (temperature > 0): accept draft token ``d_j`` drawn from ``q_j`` with probability
+* **coupled** (temperature > 0, the engine's default): position t's token is the policy's Gumbel-max sample
+  ``y_t = argmax_v(log p_t(v) + G_t(v))``; the draft proposed ``argmax_v(log q_t(v) + G_t(v))`` with the SAME
+  noise ``G_t``. Accept the longest prefix where the proposal equals ``y_t``; the next token is ``y_t`` at the
+  first mismatch (or the bonus ``y_K``). Every emitted token is ``y_t``, so the output is distributed as the
+  filtered policy and is a pure function of the context and the noise; the draft only decides how many
+  tokens one verify emits. A proposal is accepted with probability ``sum_x 1 / sum_y max(p_y / p_x, q_y / q_x)``
+  (the Gumbel coupling), between ``(1 - TV) / (1 + TV)`` and rejection sampling's ``1 - TV``.
+* **rejection** (temperature > 0): accept draft token ``d_j`` drawn from ``q_j`` with probability
   ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection draw from the residual
-  ``norm(max(0, p_j - q_j))``; if all K are accepted draw a bonus token from ``p_K``. Both ``p`` and
-  ``q`` are the *filtered* distributions (temperature, top-k, top-p applied to each), so the output
-  is distributed exactly as plain sampling from the filtered policy distribution.
+  ``norm(max(0, p_j - q_j))``; if all K are accepted draw a bonus token from ``p_K`` (Leviathan et al. 2023,
+  Chen et al. 2023).
+
+Both ``p`` and ``q`` are the *filtered* distributions (temperature, top-k, top-p applied to each), so the output
+is distributed exactly as plain sampling from the filtered policy distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,7 +44,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 disables top-k."""
     seed: int | None = None
-    """Seed of the sampling generator; the same seed, prompts and weights give the same outputs."""
+    """Call-wide seed: request i samples with seed ``request_seed(seed, i)`` (rollout/noise.py); the same seed,
+    prompts and weights give the same outputs."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Generation of a sequence stops after it emits one of these ids (the stop token is included)."""
 
@@ -100,17 +111,17 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, 
     return torch.log_softmax(filter_logits(logits, top_k, top_p), dim=-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row by the exponential-race trick: argmax(p / E), E ~ Exp(1).
+def gumbel_argmax(logits: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max sample ``argmax_v(logits[..., v] + gumbel[..., v])``: distributed as ``softmax(logits)``.
 
     Args:
-        probs: (..., V) non-negative weights (need not be normalised; each row needs some mass).
+        logits: (..., V) unnormalised log-probabilities (-inf for excluded tokens; each row needs a finite one).
+        gumbel: (..., V) standard Gumbel noise.
 
     Returns:
         (...,) int64 token ids.
     """
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return torch.argmax(probs / noise, dim=-1)
+    return torch.argmax(logits + gumbel, dim=-1)
 
 
 def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +140,27 @@ def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[to
     return num_accepted, next_ids
 
 
+def coupled_verify(target_logprobs: torch.Tensor, gumbel: torch.Tensor, draft_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-coupled verification: the policy's own samples, and how many of them the draft guessed.
+
+    Args:
+        target_logprobs: (B, K+1, V) filtered policy log-probabilities at the K+1 verified positions.
+        gumbel: (B, K+1, V) the Gumbel noise of those positions (the noise the draft proposed with).
+        draft_ids: (B, K) drafted tokens (target vocabulary).
+
+    Returns:
+        num_accepted: (B,) int64 in [0, K]; next_ids: (B,) the policy's sample after the accepted prefix.
+    """
+    return greedy_verify(gumbel_argmax(target_logprobs, gumbel), draft_ids)
+
+
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_ids: torch.Tensor,
-    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor,
+    next_noise: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling (lossless).
 
@@ -142,7 +169,9 @@ def rejection_sample(
         draft_probs: (B, K, V) filtered draft distributions the draft tokens were drawn from (target
             vocabulary; tokens outside the draft vocabulary have probability 0).
         draft_ids: (B, K) int64 drafted tokens.
-        generator: source of randomness.
+        uniforms: (B, K) uniforms in (0, 1) of the acceptance tests.
+        next_noise: maps ``num_accepted`` (B,) to the (B, V) Gumbel noise of the token drawn after the
+            accepted prefix (its position depends on the prefix).
 
     Returns:
         num_accepted: (B,) int64 in [0, K]; next_ids: (B,) the token drawn after the accepted prefix
@@ -153,8 +182,7 @@ def rejection_sample(
     if k > 0:
         p_d = target_probs[:, :k].gather(2, draft_ids[..., None]).squeeze(2)
         q_d = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)
-        u = torch.rand((batch, k), generator=generator, dtype=p_d.dtype, device=p_d.device)
-        accepted = (u * q_d <= p_d) & (p_d > 0)
+        accepted = (uniforms.to(p_d.dtype) * q_d <= p_d) & (p_d > 0)
         num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)
     else:
         num_accepted = torch.zeros(batch, dtype=torch.long, device=target_probs.device)
@@ -167,7 +195,7 @@ def rejection_sample(
         # so this fallback is only reached with probability 0 (kept for numerical safety).
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         p_next = torch.where(empty, p_next, residual)
-    next_ids = sample_from_probs(p_next, generator)
+    next_ids = gumbel_argmax(torch.log(p_next), next_noise(num_accepted))
     return num_accepted, next_ids
 
 

@@ -10,7 +10,9 @@ adaptive controller, rollout/adaptive.py):
    token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards.
 2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_k]`` (positions ``L_b .. L_b+k``),
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
-   sampling: standard rejection sampling (:func:`~lightning_codraft.rollout.sampling.rejection_sample`).
+   sampling: Gumbel-coupled verification (default: accept the longest prefix equal to the policy's own
+   Gumbel-max samples, drawn with the noise the draft proposed with) or rejection sampling
+   (rollout/sampler.py, rollout/sampling.py).
    ``a_b`` accepted tokens plus one token from the policy are emitted (from ``p_k`` when all k are accepted,
    from ``p_0`` when k = 0); the policy cache is rolled back to ``L_b + 1 + a_b``.
 3. **Catch up** the draft: one draft forward over positions ``L_b .. L_b+a_b`` with the policy's real
@@ -25,6 +27,13 @@ the modules' math with fewer ops per layer; modules without a ``decoder`` are ca
 Python on the round's accepted counts, new tokens and log-probs, copied to the host once per round. Sequences
 that finish (stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
 (or K = 0) the same loop is plain decoding: one policy forward per token.
+
+Randomness is counter-based (rollout/noise.py): the noise of request i at output position t is a hash of (its
+seed, t, purpose), so chunking, batch composition and request order never change a request's samples; with
+coupled sampling neither do the draft and the speculation lengths (fixed or adaptive): the output is the
+policy's Gumbel-max sample at every position. Token-for-token equality holds up to floating-point near-ties:
+a position's logits come out of verify forwards of different shapes, which may round their last bits
+differently, and that flips a sample only when two noisy scores are that close.
 """
 
 from __future__ import annotations
@@ -40,18 +49,11 @@ from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController
 from lightning_codraft.rollout.cost_model import clock
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
-from lightning_codraft.rollout.sampling import (
-    SamplingParams,
-    filter_logits,
-    greedy_verify,
-    rejection_sample,
-    sample_from_probs,
-    sampling_logprobs,
-)
+from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
+from lightning_codraft.rollout.sampler import SAMPLING_MODES, RoundNoise, TokenSampler
+from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
 
 Taps = tuple[torch.Tensor, ...]
-
-
 
 
 @dataclass
@@ -70,6 +72,8 @@ class _Batch:
     dl_last: torch.Tensor | None  # (B, Vd) its logits
     backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
     estimates: AcceptanceEstimates | None
+    noise: CounterNoise           # the rows' counter-based noise (their seeds)
+    out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
 
     def keep(self, rows: list[int]) -> None:
         sel = torch.tensor(rows, device=self.pending.device)
@@ -78,6 +82,7 @@ class _Batch:
         self.pcache = self.pcache.select(sel)
         self.dcache = None if self.dcache is None else self.dcache.select(sel)
         self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
+        self.noise, self.out_pos = self.noise.select(sel), self.out_pos[sel]
         if self.h_last is not None:
             self.h_last, self.dl_last = self.h_last[sel], self.dl_last[sel]
         self.backlog = [(tuple(t[sel] for t in taps), nxt[sel]) for taps, nxt in self.backlog]
@@ -98,15 +103,23 @@ class SpeculativeEngine:
         adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a default
             :class:`~lightning_codraft.rollout.adaptive.SpeculationController`, kept across calls as
             :attr:`controller`; or a controller of your own). Output is unchanged in distribution (and token
-            for token when greedy); a seed still fixes a fixed-K engine's samples, but an adaptive engine's k
-            follows measured times, so the same seed can draw different (equally distributed) samples.
+            for token when greedy or coupled; with ``sampling="rejection"`` the samples depend on each round's k,
+            which follows measured times).
+        sampling: how tokens are drawn at temperature > 0: "coupled" (Gumbel-coupled verification: the rollouts
+            are a pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch
+            size or request order) or "rejection" (speculative rejection sampling: ~1% more draft tokens
+            accepted, samples that depend on the speculation lengths). Both sample the policy exactly.
 
     The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
     weights into them in place.
     """
 
     def __init__(self, policy: nn.Module, draft: nn.Module | None = None, num_speculative_tokens: int = 3,
-                 *, max_batch_size: int | None = None, adaptive: bool | SpeculationController = False):
+                 *, max_batch_size: int | None = None, adaptive: bool | SpeculationController = False,
+                 sampling: str = "coupled"):
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}: 'coupled' (Gumbel-coupled, "
+                             "rollouts independent of the draft and batch) or 'rejection'")
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 "
                              "(0 = plain decoding without the draft)")
@@ -116,6 +129,7 @@ class SpeculativeEngine:
         self.draft = draft if int(num_speculative_tokens) > 0 else None
         self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
         self.max_batch_size = max_batch_size
+        self.sampling = sampling
         self._check_draft()
         self._draft_to_target: torch.Tensor | None = None
         self._draft_is_identity = False
@@ -166,15 +180,20 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[RolloutOutput]:
+                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 request_seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
         """Generate one continuation per prompt.
 
         Args:
             prompts: B lists of token ids (non-empty, shorter than the context).
             max_new_tokens: generated tokens per sequence at most (also capped by the context length).
             temperature, top_p, top_k: sampling distribution (temperature 0 = greedy).
-            seed: makes sampling reproducible (None: fresh randomness).
+            seed: call-wide seed: request i samples with ``request_seed(seed, i)`` (rollout/noise.py); None (and
+                no ``request_seeds``): fresh randomness.
             stop_token_ids: a sequence finishes after emitting one of these (included in its output).
+            request_seeds: B seeds in ``[0, 2**63)``, exclusive with ``seed``: request i's samples depend only on
+                ``request_seeds[i]``, its prompt and the weights (the noise at its output position t is a hash
+                of (seed, t)).
 
         Returns:
             B :class:`RolloutOutput` in prompt order.
@@ -182,25 +201,22 @@ class SpeculativeEngine:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop_token_ids=tuple(stop_token_ids))
         validate_prompts(prompts, self.vocab_size, self.max_context)
+        seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
         device = self._device()
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(int(seed))
         chunk = self.max_batch_size or len(prompts)
         with torch.inference_mode():  # every cache of this call fits max_context + 2(K+1) slots (_generate_batch)
             capacity = self.max_context + 2 * (self.num_speculative_tokens + 1)
             pdec = policy_decoder(self.policy, capacity)
             ddec = None if self.draft is None else draft_decoder(self.draft, capacity)
-            if self.draft is not None:
-                self._draft_index(device)
+            index = None if self.draft is None else self._draft_index(device)
+        sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput] = []
         for start in range(0, len(prompts), chunk):
             batch = prompts[start:start + chunk]
+            noise = CounterNoise(seed_tensor(seeds[start:start + chunk], device))
             try:
                 with torch.inference_mode():
-                    outputs.extend(self._generate_batch(batch, params, generator, pdec, ddec))
+                    outputs.extend(self._generate_batch(batch, sampler, noise, pdec, ddec))
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
                 shown = lens if len(lens) <= 8 else f"{min(lens)}..{max(lens)} over {len(lens)} prompts"
@@ -227,47 +243,28 @@ class SpeculativeEngine:
             self._check_draft()
 
     # ------------------------------------------------------------------ decoding
-    def _draft_probs(self, draft_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """(B, Vd) draft logits -> (B, Vd) filtered draft sampling distribution."""
-        logits = draft_logits.float()
-        if params.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
-            logits = logits / params.temperature
-        return torch.softmax(filter_logits(logits, params.top_k, params.top_p), dim=-1)
-
-    def _propose(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, k: int, params: SamplingParams,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @staticmethod
+    def _propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, k: int, sampler: TokenSampler, rn: RoundNoise
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft k tokens from the step-0 output ``b.h_last`` (B, H), ``b.dl_last`` (B, Vd).
 
         Returns:
-            draft_ids: (B, k) target-vocabulary ids; draft_probs: (B, k, V) target-space q (None if greedy).
+            draft_ids: (B, k) target-vocabulary ids; draft_probs: (B, k, V) target-space q (rejection sampling
+            only, else None).
         """
-        index = self._draft_index(b.dl_last.device)
         ids, probs = [], []
         hidden, logits, dcache = b.h_last, b.dl_last, b.dcache
         start = dcache.lengths  # a decoder step replaces the lengths tensor, never mutates it
         for j in range(k):
-            if params.greedy:
-                d = torch.argmax(logits, dim=-1)
-            else:
-                q = self._draft_probs(logits, params)
-                d = sample_from_probs(q, generator)
-                probs.append(q)
-            if not self._draft_is_identity:
-                d = index[d]
+            d, q = sampler.propose(logits, rn, j)
             ids.append(d)
+            if q is not None:
+                probs.append(q)
             if j + 1 < k:
                 hidden, logits = ddec.step(hidden[:, None], pdec.embed(d[:, None]), dcache)
                 hidden, logits = hidden[:, 0], logits[:, 0]
         dcache.lengths = start
-        draft_ids = torch.stack(ids, dim=1)
-        if params.greedy:
-            return draft_ids, None
-        q_draft = torch.stack(probs, dim=1)
-        if self._draft_is_identity:
-            return draft_ids, q_draft
-        q_target = q_draft.new_zeros(*q_draft.shape[:2], self.vocab_size)
-        q_target.index_copy_(2, index, q_draft)
-        return draft_ids, q_target
+        return torch.stack(ids, dim=1), sampler.target_probs(probs) if probs else None
 
     @staticmethod
     def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, taps: Taps, next_ids: torch.Tensor,
@@ -295,9 +292,9 @@ class SpeculativeEngine:
         self._catch_up(pdec, ddec, b, taps, nxt, last, b.length)
         b.backlog = []
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+    def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,
                         pdec: PolicyDecoder, ddec: DraftDecoder | None) -> list[RolloutOutput]:
-        device, K, batch = self._device(), self.num_speculative_tokens, len(prompts)
+        device, K, batch, params = self._device(), self.num_speculative_tokens, len(prompts), sampler.params
         use_draft = self.draft is not None and K > 0
         taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
         host_lens = [len(p) for p in prompts]
@@ -309,11 +306,12 @@ class SpeculativeEngine:
         capacity = max(max(n + b for n, b in zip(host_lens, budget)) + 2 * (K + 1), max_len)
         pcache = pdec.allocate_cache(batch, capacity)
         stops = set(params.stop_token_ids)
-        key = ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
         b = _Batch(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
                    dcache=ddec.allocate_cache(batch, capacity) if use_draft else None, pending=lens,
                    length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
-                   estimates=None if self.controller is None else self.controller.new_batch(batch, key))
+                   estimates=None if self.controller is None else self.controller.new_batch(batch, key),
+                   noise=noise, out_pos=torch.zeros_like(lens))
 
         # ---- prefill (prompts right-padded; padding slots are beyond each row's length, never attended)
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
@@ -323,7 +321,8 @@ class SpeculativeEngine:
         pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
         rows = torch.arange(batch, device=device)
-        b.pending = torch.argmax(lp, dim=-1) if params.greedy else sample_from_probs(lp.exp(), generator)
+        b.pending = sampler.first(lp, b.noise, b.out_pos)
+        b.out_pos = b.out_pos + 1
         pending_lp = lp[rows, b.pending]
         if use_draft:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
@@ -345,7 +344,7 @@ class SpeculativeEngine:
             k, t_start = K, clock(device)
             if self.controller is not None:
                 if self.controller.needs_calibration(len(b.active)):
-                    self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, params)
+                    self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, sampler)
                     t_start = clock(device)
                 k = self.controller.choose(b.estimates, [n - e for n, e in zip(b.budget, b.emitted)])
             t_draft = t_policy = t_catch = 0.0
@@ -355,9 +354,12 @@ class SpeculativeEngine:
                 self._resume(pdec, ddec, b)
                 t_catch = clock(device) - t0
                 self.controller.costs.add("catch_up", len(b.active), span, t_catch)
+            t_noise = clock(device)
+            rn = sampler.start_round(b.noise, b.out_pos, k)  # (B, k+1, V) noise when coupled: timed with the verify
             t0 = clock(device)
+            t_noise = t0 - t_noise
             if k:
-                draft_ids, q = self._propose(pdec, ddec, b, k, params, generator)
+                draft_ids, q = self._propose(pdec, ddec, b, k, sampler, rn)
                 verify_ids = torch.cat([b.pending[:, None], draft_ids], dim=1)
             else:
                 draft_ids, q = b.pending.new_zeros(len(b.active), 0), None
@@ -365,12 +367,7 @@ class SpeculativeEngine:
             t1 = clock(device)
             logits, taps = pdec.forward(verify_ids, b.pcache, taps_ids)
             lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, k+1, V)
-            if params.greedy:
-                accepted, bonus = greedy_verify(torch.argmax(lp, dim=-1), draft_ids)
-            else:
-                if q is None:  # no draft: an empty proposal, the next token comes from p_0
-                    q = lp.new_zeros(len(b.active), 0, lp.shape[-1])
-                accepted, bonus = rejection_sample(lp.exp(), q, draft_ids, generator)
+            accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
             new_ids = torch.cat([draft_ids, torch.zeros_like(b.pending[:, None])], dim=1)
             new_ids[rows, accepted] = bonus
             new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
@@ -378,7 +375,7 @@ class SpeculativeEngine:
             b.pcache.lengths = new_length
             host_accepted = accepted.tolist()
             t2 = clock(device)
-            t_draft, t_policy = t1 - t0, t2 - t1
+            t_draft, t_policy = t1 - t0, t2 - t1 + t_noise
             if use_draft and k:
                 span = max(host_accepted) + 1
                 self._catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted,
@@ -403,7 +400,7 @@ class SpeculativeEngine:
                 b.emitted[i] += n
                 done[i] = stop_at is not None or b.emitted[i] >= b.budget[i]
                 stats[r].record_round(k, a)
-            b.length, b.pending = new_length, bonus
+            b.length, b.pending, b.out_pos = new_length, bonus, b.out_pos + 1 + accepted
             if self.controller is not None:
                 self.controller.observe(b.estimates, k, host_accepted)
                 self.controller.record_round(len(b.active), k, t_policy, t_draft,

@@ -49,6 +49,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
+from lightning_codraft.rollout.noise import resolve_request_seeds
 from lightning_codraft.rollout.sampling import SamplingParams
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
 from lightning_codraft.rollout.vllm_weights import (
@@ -316,17 +317,23 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = ()) -> list[RolloutOutput]:
-        """See :meth:`RolloutEngine.generate`. With ``seed``, request ``i`` uses seed ``seed + i``."""
+                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 request_seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+        """See :meth:`RolloutEngine.generate`: request ``i`` samples with vLLM seed ``request_seeds[i]``, or
+        ``request_seed(seed, i)`` (rollout/noise.py) with only ``seed``. vLLM draws its own random numbers from
+        that seed, so its samples differ from the embedded engine's for the same seeds."""
         llm = self._live()
         from vllm import SamplingParams as VSamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop_token_ids=tuple(stop_token_ids))
         validate_prompts(prompts, self.vocab_size, self.max_context)
+        seeds = [None] * len(prompts)  # unseeded: vLLM's own fresh randomness (batched, faster than seeded)
+        if seed is not None or request_seeds is not None:
+            seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
         sampling = [VSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                     max_tokens=min(params.max_new_tokens, self.max_context - len(p)),
-                                    seed=None if seed is None else int(seed) + i,
+                                    seed=seeds[i],
                                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
                                     detokenize=False)
                     for i, p in enumerate(prompts)]

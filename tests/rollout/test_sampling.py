@@ -1,6 +1,8 @@
-"""Sampling utilities: filtering against a dense reference, greedy verification, and the statistical
-test that speculative rejection sampling reproduces the target distribution (and that the same test
-catches wrong acceptance rules)."""
+"""Sampling rules: filtering against a dense reference, greedy verification, the Gumbel-max sample, and the
+statistical tests that rejection sampling and Gumbel-coupled verification reproduce the target distribution
+(first token, second token, bonus token) with the acceptance their theory predicts (and that the same tests
+catch wrong rules). The rules get their noise from torch's generator here, so they are tested apart from the
+counter-based noise (tests/rollout/test_noise.py)."""
 
 import math
 
@@ -11,10 +13,11 @@ from rollout_helpers import reference_filter as _reference_filter
 
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
+    coupled_verify,
     filter_logits,
     greedy_verify,
+    gumbel_argmax,
     rejection_sample,
-    sample_from_probs,
     sampling_logprobs,
 )
 
@@ -57,15 +60,20 @@ def test_greedy_verify():
     assert nxt.tolist() == [4, 9, 7, 5]
 
 
-def test_sample_from_probs_distribution():
+def _gumbel(shape, g):
+    """Standard Gumbel noise from torch's generator, written from the definition: -log(E), E ~ Exp(1)."""
+    return -torch.empty(shape, dtype=torch.float64).exponential_(1.0, generator=g).log()
+
+
+def test_gumbel_argmax_distribution():
     g = torch.Generator().manual_seed(1)
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(100_000, 4)
-    counts = torch.bincount(sample_from_probs(probs, g), minlength=4).float() / 100_000
+    counts = torch.bincount(gumbel_argmax(probs.log(), _gumbel(probs.shape, g)), minlength=4).float() / 100_000
     assert counts[1] == 0
     assert torch.allclose(counts, probs[0], atol=0.01)
 
 
-# ---------------------------------------------------------------- the statistical test
+# ---------------------------------------------------------------- the statistical tests
 
 V, K, N = 6, 3, 200_000
 CHI2_CRIT = 25.7  # chi-square, 5 degrees of freedom, p = 1e-4
@@ -73,21 +81,34 @@ CHI2_CRIT = 25.7  # chi-square, 5 degrees of freedom, p = 1e-4
 
 def _synthetic(seed=0):
     g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(2.0 * torch.randn(K + 1, V, generator=g), -1)
-    q = torch.softmax(2.0 * torch.randn(K, V, generator=g), -1)
+    p = torch.softmax(2.0 * torch.randn(K + 1, V, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(2.0 * torch.randn(K, V, generator=g, dtype=torch.float64), -1)
     q[0, 1] = 0.0  # a token the draft never proposes: only reachable through the residual
     q = q / q.sum(-1, keepdim=True)
     return p, q
 
 
-def _first_tokens(rule, p, q, seed=0):
-    """Sample N speculative rounds and return the first emitted token of each."""
-    g = torch.Generator().manual_seed(seed)
+def _rejection_round(p, q, g, rule=rejection_sample):
+    """N rounds of rejection sampling with drafts drawn from q: (draft (N, K), accepted (N,), next (N,))."""
     draft = torch.multinomial(q, N, replacement=True, generator=g).T.contiguous()  # (N, K)
     pp, qq = p.expand(N, K + 1, V), q.expand(N, K, V)
-    accepted, nxt = rule(pp, qq, draft, g)
-    first = torch.where(accepted > 0, draft[:, 0], nxt)
-    return first
+    u = torch.rand(N, K, generator=g, dtype=torch.float64)
+    accepted, nxt = rule(pp, qq, draft, u, lambda a: _gumbel((N, V), g))
+    return draft, accepted, nxt
+
+
+def _coupled_round(p, q, g, rule=coupled_verify):
+    """N rounds of Gumbel-coupled verification: the draft proposes argmax(log q + G) with the policy's noise."""
+    noise = _gumbel((N, K + 1, V), g)
+    draft = gumbel_argmax(q.log(), noise[:, :K])
+    accepted, nxt = rule(p.log().expand(N, K + 1, V), noise, draft)
+    return draft, accepted, nxt
+
+
+def _emitted(draft, accepted, nxt, t):
+    """Token t (0-based) of each round's output, -1 where the round emitted fewer tokens."""
+    out = torch.where(accepted > t, draft[:, min(t, K - 1)], nxt)
+    return torch.where(accepted >= t, out, -1)
 
 
 def _chi2(samples, probs):
@@ -96,7 +117,7 @@ def _chi2(samples, probs):
     return float(((counts - expected) ** 2 / expected.clamp_min(1e-12)).sum())
 
 
-def _wrong_accept_if_p_ge_q(p, q, draft, g):
+def _wrong_accept_if_p_ge_q(p, q, draft, u, next_noise):
     """Wrong: deterministic acceptance when p(d) >= q(d), else residual."""
     p_d = p[:, :K].gather(2, draft[..., None])[..., 0]
     q_d = q.gather(2, draft[..., None])[..., 0]
@@ -104,22 +125,33 @@ def _wrong_accept_if_p_ge_q(p, q, draft, g):
     rows = torch.arange(len(draft))
     pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
     res = (p[rows, acc] - pad[rows, acc]).clamp_min(0)
-    return acc, torch.multinomial(res, 1, generator=g)[:, 0]
+    return acc, gumbel_argmax(res.log(), next_noise(acc))
 
 
-def _wrong_resample_from_p(p, q, draft, g):
+def _wrong_resample_from_p(p, q, draft, u, next_noise):
     """Wrong: correct acceptance test, but after a rejection sample from p instead of the residual."""
     p_d = p[:, :K].gather(2, draft[..., None])[..., 0]
     q_d = q.gather(2, draft[..., None])[..., 0]
-    u = torch.rand(p_d.shape, generator=g)
     acc = torch.cumprod((u * q_d <= p_d).long(), 1).sum(1)
     rows = torch.arange(len(draft))
-    return acc, torch.multinomial(p[rows, acc], 1, generator=g)[:, 0]
+    return acc, gumbel_argmax(p[rows, acc].log(), next_noise(acc))
+
+
+def _wrong_coupled_emit_draft(logp, noise, draft):
+    """Wrong: at the first mismatch emit the draft's token instead of the policy's sample."""
+    acc, nxt = coupled_verify(logp, noise, draft)
+    return acc, torch.where(acc < K, draft.gather(1, acc.clamp_max(K - 1)[:, None])[:, 0], nxt)
+
+
+def _wrong_coupled_bonus_from_previous(logp, noise, draft):
+    """Wrong: the bonus token scored with p_{K-1} instead of p_K."""
+    acc, nxt = coupled_verify(logp, noise, draft)
+    return acc, torch.where(acc == K, gumbel_argmax(logp[:, K - 1], noise[:, K]), nxt)
 
 
 def test_rejection_sampling_first_token_is_distributed_as_target():
     p, q = _synthetic()
-    first = _first_tokens(rejection_sample, p, q)
+    first = _emitted(*_rejection_round(p, q, torch.Generator().manual_seed(0)), 0)
     assert _chi2(first, p[0]) < CHI2_CRIT
     assert torch.bincount(first, minlength=V)[1] > 0  # the residual reaches tokens the draft never proposes
 
@@ -127,15 +159,14 @@ def test_rejection_sampling_first_token_is_distributed_as_target():
 @pytest.mark.parametrize("wrong_rule", [_wrong_accept_if_p_ge_q, _wrong_resample_from_p])
 def test_statistical_test_catches_wrong_acceptance_rules(wrong_rule):
     p, q = _synthetic()
-    assert _chi2(_first_tokens(wrong_rule, p, q), p[0]) > 10 * CHI2_CRIT
+    first = _emitted(*_rejection_round(p, q, torch.Generator().manual_seed(0), wrong_rule), 0)
+    assert _chi2(first, p[0]) > 10 * CHI2_CRIT
 
 
 def test_rejection_sampling_acceptance_rate_matches_theory():
     """P(accept position 0) = sum_x min(p(x), q(x)) = 1 - TV(p, q)."""
     p, q = _synthetic()
-    g = torch.Generator().manual_seed(3)
-    draft = torch.multinomial(q, N, replacement=True, generator=g).T.contiguous()
-    accepted, _ = rejection_sample(p.expand(N, K + 1, V), q.expand(N, K, V), draft, g)
+    _, accepted, _ = _rejection_round(p, q, torch.Generator().manual_seed(3))
     rate = (accepted > 0).double().mean().item()
     assert abs(rate - torch.minimum(p[0], q[0]).sum().item()) < 0.005
 
@@ -144,6 +175,53 @@ def test_rejection_sampling_identical_distributions_accept_everything():
     p, _ = _synthetic()
     g = torch.Generator().manual_seed(4)
     draft = torch.multinomial(p[:K], 1000, replacement=True, generator=g).T.contiguous()
-    accepted, nxt = rejection_sample(p.expand(1000, K + 1, V), p[:K].expand(1000, K, V), draft, g)
+    u = torch.rand(1000, K, generator=g, dtype=torch.float64)
+    accepted, nxt = rejection_sample(p.expand(1000, K + 1, V), p[:K].expand(1000, K, V), draft, u,
+                                     lambda a: _gumbel((1000, V), g))
     assert accepted.tolist() == [K] * 1000
     assert _chi2(nxt, p[K]) < 4 * CHI2_CRIT  # the bonus token comes from p_K
+
+
+def test_coupled_tokens_are_distributed_as_target():
+    """Every emitted token is the policy's own Gumbel-max sample: tokens 1 and 2 follow p_0 and p_1 (p does not
+    depend on the prefix here), and the bonus after K accepted proposals follows p_K."""
+    p, q = _synthetic()
+    draft, accepted, nxt = _coupled_round(p, q, torch.Generator().manual_seed(5))
+    for t in (0, 1):
+        tokens = _emitted(draft, accepted, nxt, t)
+        assert _chi2(tokens[tokens >= 0], p[t]) < CHI2_CRIT, t
+    bonus = nxt[accepted == K]
+    assert len(bonus) > 1000 and _chi2(bonus, p[K]) < CHI2_CRIT
+    assert torch.bincount(_emitted(draft, accepted, nxt, 0), minlength=V)[1] > 0   # q(1) = 0 is still emitted
+
+
+@pytest.mark.parametrize("wrong_rule", [_wrong_coupled_emit_draft, _wrong_coupled_bonus_from_previous])
+def test_statistical_test_catches_wrong_coupled_rules(wrong_rule):
+    p, q = _synthetic()
+    draft, accepted, nxt = _coupled_round(p, q, torch.Generator().manual_seed(5), wrong_rule)
+    first, bonus = _emitted(draft, accepted, nxt, 0), nxt[accepted == K]
+    assert max(_chi2(first, p[0]), _chi2(bonus, p[K])) > 10 * CHI2_CRIT
+
+
+def test_coupled_acceptance_matches_the_gumbel_coupling():
+    """P(argmax(log q + G) == argmax(log p + G)) = sum_x 1 / sum_y max(p_y / p_x, q_y / q_x), between
+    (1 - TV) / (1 + TV) and rejection sampling's 1 - TV."""
+    p, q = _synthetic(seed=7)
+    _, accepted, _ = _coupled_round(p, q, torch.Generator().manual_seed(6))
+    rate = (accepted > 0).double().mean().item()
+    p0, q0 = p[0], q[0]
+    ratio = torch.maximum(p0[None, :] / p0[:, None], q0[None, :] / q0[:, None].clamp_min(1e-300))  # [x, y]
+    exact = float((1.0 / ratio.sum(1)).sum())
+    tv = 0.5 * float((p0 - q0).abs().sum())
+    assert abs(rate - exact) < 0.005
+    assert (1 - tv) / (1 + tv) - 1e-9 <= exact <= 1 - tv + 1e-9
+
+
+def test_coupled_identical_distributions_accept_everything():
+    p, _ = _synthetic()
+    g = torch.Generator().manual_seed(8)
+    noise = _gumbel((1000, K + 1, V), g)
+    draft = gumbel_argmax(p[:K].log(), noise[:, :K])
+    accepted, nxt = coupled_verify(p.log().expand(1000, K + 1, V), noise, draft)
+    assert accepted.tolist() == [K] * 1000
+    assert torch.equal(nxt, gumbel_argmax(p[K].log(), noise[:, K]))

@@ -1,6 +1,8 @@
-"""SpeculativeEngine, fixed K and adaptive: greedy output identical to plain decoding, sampling distributed as the
-policy (with negative controls: wrong acceptance / residual / bonus rules injected into the engine fail the same
-test), log-probs equal to recomputed ones, acceptance of fitted vs random drafts, stop/length handling, errors."""
+"""SpeculativeEngine, fixed K and adaptive: greedy output identical to plain decoding; coupled sampling identical
+token for token whatever the draft, K, adaptivity, chunking, batch composition and request order; sampling (coupled
+and rejection) distributed as the policy (with negative controls: wrong acceptance / residual / bonus rules and
+position-blind noise injected into the engine fail the same test); log-probs equal to recomputed ones; acceptance
+of fitted vs random drafts; stop/length handling; errors."""
 
 import math
 
@@ -10,9 +12,10 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts,
 
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
-from lightning_codraft.rollout import speculative
+from lightning_codraft.rollout import noise, sampler
 from lightning_codraft.rollout.adaptive import SpeculationController
-from lightning_codraft.rollout.sampling import sample_from_probs
+from lightning_codraft.rollout.noise import request_seed
+from lightning_codraft.rollout.sampling import coupled_verify, gumbel_argmax
 
 
 @pytest.fixture(autouse=True)
@@ -135,12 +138,13 @@ def test_acceptance_fitted_draft_near_k_plus_1_random_near_1(policy, fitted):
     assert fit_stats.policy_forwards < 0.5 * (tokens - len(prompts))
 
 
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 @pytest.mark.parametrize("temperature,top_k,top_p,batch", [(1.0, 0, 1.0, None), (0.7, 5, 0.9, None),
                                                            (1.0, 0, 1.0, 1)])
-def test_logprobs_equal_recomputed(policy, fitted, temperature, top_k, top_p, batch):
+def test_logprobs_equal_recomputed(policy, fitted, temperature, top_k, top_p, batch, sampling):
     draft, _ = fitted
     prompts = random_prompts(6, policy.config.vocab_size, seed=4)
-    outs = SpeculativeEngine(policy, draft, 3, max_batch_size=batch).generate(
+    outs = SpeculativeEngine(policy, draft, 3, max_batch_size=batch, sampling=sampling).generate(
         prompts, 10, temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -204,9 +208,10 @@ def _chi2(groups):
 
 
 def _distribution_failures(engine, k, top_k, top_p, n=6000):
-    """Sample K+2 tokens n times from one prompt; check each token's marginal and, over the rows whose first
-    round accepted all k drafts, the bonus token's conditional distribution given its prefix. Returns the
-    failed checks (empty when the engine samples exactly from the policy) and the acceptance statistics."""
+    """Sample K+2 tokens n times from one prompt; check each token's marginal, the joint of the first two tokens
+    and, over the rows whose first round accepted all k drafts, the bonus token's conditional distribution given
+    its prefix. Returns the failed checks (empty when the engine samples exactly from the policy) and the
+    acceptance statistics."""
     policy, prompt, V = engine.policy, [3, 1, 4], engine.vocab_size
     n_tok = k + 2
     outs = engine.generate([prompt] * n, n_tok, temperature=0.9, top_k=top_k, top_p=top_p, seed=123)
@@ -217,6 +222,10 @@ def _distribution_failures(engine, k, top_k, top_p, n=6000):
         stat, df = _chi2([(counts, probs)])
         if stat > _chi2_crit(df):
             failures.append(f"token {t + 1}: chi2={stat:.1f} > {_chi2_crit(df):.1f}")
+    pairs = torch.tensor([o.token_ids[0] * V + o.token_ids[1] for o in outs])
+    stat, df = _chi2([(torch.bincount(pairs, minlength=V * V).double(), (tables[0][0][:, None] * tables[1]).reshape(-1))])
+    if stat > _chi2_crit(df):
+        failures.append(f"tokens 1 and 2 jointly: chi2={stat:.1f} > {_chi2_crit(df):.1f}")
     # one drafting round that accepted all k: tokens 2..k+1 are drafts, token k+2 is the bonus from p_k. The
     # prefixes are many, so test the randomised probability integral transform of each bonus token under its
     # own conditional (tokens in decreasing probability): uniform on [0, 1) exactly when the bonus follows p_k
@@ -245,55 +254,86 @@ def _sampling_setup():
     return policy, Eagle3Draft.from_policy(policy).eval()
 
 
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
 @pytest.mark.parametrize("mode", ["fixed", "adaptive", "scripted"])
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (6, 0.85)])
-def test_speculative_sampling_is_distributed_as_the_policy(top_k, top_p, mode):
-    """Tokens 1..K+2 (token 1 from the prefill, the rest accepted drafts, residual draws or bonus draws from
-    p_k, or plain draws from p_0 in k = 0 rounds) follow the policy's exact filtered marginals, and so does the
-    bonus token after a fully accepted round, given its prefix."""
+def test_speculative_sampling_is_distributed_as_the_policy(top_k, top_p, mode, sampling):
+    """Tokens 1..K+2 (token 1 from the prefill, the rest accepted drafts, the policy's samples at a mismatch
+    (coupled) or residual draws (rejection), bonus draws from p_k, or plain draws from p_0 in k = 0 rounds) follow
+    the policy's exact filtered marginals, tokens 1 and 2 its joint, and the bonus token after a fully accepted
+    round its conditional given the prefix."""
     policy, draft = _sampling_setup()
     k = 2
-    engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k),
+    engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k), sampling=sampling,
                                max_batch_size=8 if mode == "adaptive" else None)  # small batches: drafting pays
     failures, stats, n_bonus = _distribution_failures(engine, k, top_k, top_p)
     assert not failures, failures
     if mode == "fixed":
-        assert 0.05 < stats.acceptance_rate < 0.95  # both the accept and the residual paths are exercised
-        assert n_bonus > 100                          # the bonus check is exercised
+        assert 0.02 < stats.acceptance_rate < 0.95  # both the accept and the mismatch paths are exercised
+        assert n_bonus > 50                           # the bonus check is exercised
     assert stats.draft_steps > 0
 
 
 def _mutant_rejection_sample(mutation):
     """``rejection_sample`` with one deliberate error, written from the definition."""
 
-    def sample(target_probs, draft_probs, draft_ids, generator=None):
+    def sample(target_probs, draft_probs, draft_ids, uniforms, next_noise):
         B, k = draft_ids.shape
         rows = torch.arange(B)
         if k == 0:
-            return torch.zeros(B, dtype=torch.long), sample_from_probs(target_probs[:, 0], generator)
+            zero = torch.zeros(B, dtype=torch.long)
+            return zero, gumbel_argmax(target_probs[:, 0].log(), next_noise(zero))
         p_d = target_probs[:, :k].gather(2, draft_ids[..., None])[..., 0]
         q_d = draft_probs.gather(2, draft_ids[..., None])[..., 0]
-        u = torch.rand((B, k), generator=generator, dtype=p_d.dtype)
-        ok = (u <= p_d) if mutation == "accept_with_p" else (u * q_d <= p_d)   # right: min(1, p/q)
+        ok = (uniforms <= p_d) if mutation == "accept_with_p" else (uniforms * q_d <= p_d)   # right: min(1, p/q)
         accepted = torch.cumprod(ok.long(), dim=1).sum(1)
         p_next = target_probs[rows, accepted]
-        if mutation == "bonus_from_p_k_minus_1":                             # right: p_k
+        if mutation == "bonus_from_p_k_minus_1":                                          # right: p_k
             p_next = torch.where((accepted == k)[:, None], target_probs[:, k - 1], p_next)
         q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, accepted]
         residual = p_next if mutation == "residual_is_p" else (p_next - q_next).clamp_min(0)  # right: (p - q)+
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-        return accepted, sample_from_probs(residual, generator)
+        return accepted, gumbel_argmax(residual.log(), next_noise(accepted))
 
     return sample
 
 
-@pytest.mark.parametrize("mutation", ["none", "accept_with_p", "residual_is_p", "bonus_from_p_k_minus_1"])
-def test_the_distribution_test_catches_a_wrong_rule(monkeypatch, mutation):
-    """Negative controls: the engine with a wrong acceptance rule, residual or bonus distribution injected fails
-    the distribution test above (and the mutant harness itself, unmutated, passes it)."""
+def _mutant_coupled_verify(mutation):
+    """``coupled_verify`` with one deliberate error."""
+
+    def verify(logprobs, gumbel, draft_ids):
+        accepted, nxt = coupled_verify(logprobs, gumbel, draft_ids)
+        k = draft_ids.shape[1]
+        if mutation == "emit_draft_at_mismatch" and k:       # right: the policy's own sample
+            nxt = torch.where(accepted < k, draft_ids.gather(1, accepted.clamp_max(k - 1)[:, None])[:, 0], nxt)
+        if mutation == "bonus_from_p_k_minus_1" and k:       # right: scored with p_k
+            nxt = torch.where(accepted == k, gumbel_argmax(logprobs[:, k - 1], gumbel[:, k]), nxt)
+        return accepted, nxt
+
+    return verify
+
+
+def _position_blind(streams):
+    """Wrong noise: the same at every position (tokens of a sequence become dependent)."""
+    return lambda self, positions, purpose: streams(self, torch.zeros_like(positions), purpose)
+
+
+@pytest.mark.parametrize("sampling,mutation", [
+    ("rejection", "none"), ("rejection", "accept_with_p"), ("rejection", "residual_is_p"),
+    ("rejection", "bonus_from_p_k_minus_1"), ("coupled", "none"), ("coupled", "emit_draft_at_mismatch"),
+    ("coupled", "bonus_from_p_k_minus_1"), ("coupled", "position_blind_noise")])
+def test_the_distribution_test_catches_a_wrong_rule(monkeypatch, sampling, mutation):
+    """Negative controls: the engine with a wrong acceptance rule, residual or bonus distribution, or noise that
+    ignores the position, injected, fails the distribution test above (and the mutant harnesses themselves,
+    unmutated, pass it)."""
     policy, draft = _sampling_setup()
-    monkeypatch.setattr(speculative, "rejection_sample", _mutant_rejection_sample(mutation))
-    failures, _, _ = _distribution_failures(SpeculativeEngine(policy, draft, 2), 2, 0, 1.0)
+    if mutation == "position_blind_noise":
+        monkeypatch.setattr(noise.CounterNoise, "streams", _position_blind(noise.CounterNoise.streams))
+    elif sampling == "rejection":
+        monkeypatch.setattr(sampler, "rejection_sample", _mutant_rejection_sample(mutation))
+    else:
+        monkeypatch.setattr(sampler, "coupled_verify", _mutant_coupled_verify(mutation))
+    failures, _, _ = _distribution_failures(SpeculativeEngine(policy, draft, 2, sampling=sampling), 2, 0, 1.0)
     assert bool(failures) == (mutation != "none"), failures
 
 
@@ -346,8 +386,63 @@ def test_seed_reproducible(policy, fitted):
     a = eng.generate(prompts, 12, temperature=1.0, seed=11)
     b = eng.generate(prompts, 12, temperature=1.0, seed=11)
     c = eng.generate(prompts, 12, temperature=1.0, seed=12)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    assert _tokens(a) == _tokens(b)
+    assert _tokens(a) != _tokens(c)
+
+
+def _tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_coupled_rollouts_are_a_function_of_seed_and_prompt(policy, fitted, temperature, top_k, top_p):
+    """With the same request seeds, every engine emits the same tokens (and log-probs) as plain decoding: fixed
+    K = 2 / 4, adaptive and scripted k, one-row and 5-row chunks, a random draft, rejection mode without a draft,
+    the requests reversed, or mixed among other requests; a call-wide seed is request_seed(seed, i)."""
+    draft, fit_set = fitted
+    prompts = random_prompts(6, policy.config.vocab_size, seed=12) + fit_set[:6]
+    seeds = [request_seed(99, i) for i in range(len(prompts))]
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=(7,))
+    ref = SpeculativeEngine(policy, None, 0).generate(prompts, 40, request_seeds=seeds, **kw)
+    engines = [SpeculativeEngine(policy, draft, 2), SpeculativeEngine(policy, draft, 4),
+               SpeculativeEngine(policy, draft, 4, adaptive=True), SpeculativeEngine(policy, draft, 4,
+                                                                                     adaptive=_adaptive("scripted", 4)),
+               SpeculativeEngine(policy, draft, 4, max_batch_size=1), SpeculativeEngine(policy, draft, 3, max_batch_size=5),
+               SpeculativeEngine(policy, Eagle3Draft.from_policy(policy).eval(), 3),
+               SpeculativeEngine(policy, None, 0, sampling="rejection")]
+    accepted = 0
+    for engine in engines:
+        outs = engine.generate(prompts, 40, request_seeds=seeds, **kw)
+        assert _tokens(outs) == _tokens(ref)
+        for o, r in zip(outs, ref):
+            assert o.finish_reason == r.finish_reason
+            assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+        accepted += sum(o.stats.accepted for o in outs)
+    assert accepted > 30    # proposals were accepted: the coupled verification is exercised
+    order = list(reversed(range(len(prompts))))
+    rev = SpeculativeEngine(policy, draft, 4).generate([prompts[i] for i in order], 40,
+                                                       request_seeds=[seeds[i] for i in order], **kw)
+    assert _tokens(rev[::-1]) == _tokens(ref)
+    others = random_prompts(5, policy.config.vocab_size, seed=13)
+    mixed = SpeculativeEngine(policy, draft, 4, max_batch_size=4).generate(
+        others[:2] + prompts[:3] + others[2:], 40, request_seeds=[1, 2] + seeds[:3] + [3, 4, 5], **kw)
+    assert _tokens(mixed[2:5]) == _tokens(ref[:3])
+    assert _tokens(SpeculativeEngine(policy, draft, 2).generate(prompts, 40, seed=99, **kw)) == _tokens(ref)
+    other_seed = SpeculativeEngine(policy, None, 0).generate(prompts, 40, seed=98, **kw)
+    assert sum(a != b for a, b in zip(_tokens(other_seed), _tokens(ref))) > len(prompts) // 2
+
+
+def test_rejection_rollouts_do_not_depend_on_the_batch(policy, fitted):
+    """Rejection sampling with a fixed K: the same request seeds give the same tokens in any chunking and order
+    (its samples still depend on K: the draft's proposals are part of them)."""
+    draft, fit_set = fitted
+    prompts = random_prompts(4, policy.config.vocab_size, seed=14) + fit_set[:4]
+    seeds = list(range(100, 100 + len(prompts)))
+    ref = SpeculativeEngine(policy, draft, 3, sampling="rejection").generate(prompts, 30, request_seeds=seeds)
+    outs = SpeculativeEngine(policy, draft, 3, sampling="rejection", max_batch_size=3).generate(
+        prompts[::-1], 30, request_seeds=seeds[::-1])
+    assert _tokens(outs[::-1]) == _tokens(ref)
+    assert AcceptanceStats.total(o.stats for o in ref).accepted > 10
 
 
 def test_context_limit_and_per_sequence_lengths(policy, fitted):
@@ -398,6 +493,12 @@ def test_errors(policy):
         eng.generate([[1, 128]], 4)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         eng.generate([[1]], 0)
+    with pytest.raises(ValueError, match="both seed=1 and request_seeds"):
+        eng.generate([[1]], 2, seed=1, request_seeds=[1])
+    with pytest.raises(ValueError, match="request_seeds has 1 entries for 2 prompts"):
+        eng.generate([[1], [2]], 2, request_seeds=[1])
+    with pytest.raises(ValueError, match="sampling='gumbel' must be one of"):
+        SpeculativeEngine(policy, draft, 2, sampling="gumbel")
 
 
 class _FailingPolicy(torch.nn.Module):

@@ -1,0 +1,168 @@
+"""How the embedded engine draws each token: greedy, Gumbel-coupled or rejection sampling, from counter-based noise.
+
+One :class:`TokenSampler` serves one ``generate`` call. Every random number it uses is the batch's
+:class:`~lightning_codraft.rollout.noise.CounterNoise` at the output position being sampled (0 = the first
+generated token), so a request's samples depend on its seed, not on the batch around it:
+
+- **coupled** (default): the token at position t is ``argmax_v(log p_t(v) + G_t(v))`` (purpose TOKEN), and the
+  draft proposes ``argmax_v(log q_t(v) + G_t(v))`` with the same noise (each draft-vocabulary id scored with the
+  noise of its target id). Rollouts are a pure function of (seed, prompt, weights): the same with or without a
+  draft, for every speculation length.
+- **rejection**: the draft samples with its own noise (purpose DRAFT), the acceptance tests use uniforms (ACCEPT)
+  and the token after the accepted prefix is drawn with the TOKEN noise of its position, so plain decoding
+  (no draft, or k = 0) draws the same tokens in both modes; with a draft the samples depend on the speculation
+  lengths too.
+- **greedy** (temperature 0): argmax everywhere, no noise.
+
+sampling.py holds the rules (module docstring); this module only feeds them the right noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise
+from lightning_codraft.rollout.sampling import (
+    SamplingParams,
+    coupled_verify,
+    filter_logits,
+    greedy_verify,
+    gumbel_argmax,
+    rejection_sample,
+)
+
+SAMPLING_MODES = ("coupled", "rejection")
+
+
+class TokenSampler:
+    """The sampling rule of one ``generate`` call.
+
+    Args:
+        params: the call's sampling parameters.
+        mode: "coupled" or "rejection" (ignored when greedy).
+        vocab_size: V, the policy's vocabulary.
+        draft_index: (Vd,) target id of every draft-vocabulary id; None when the draft has the target vocabulary
+            (or there is no draft).
+    """
+
+    def __init__(self, params: SamplingParams, mode: str, vocab_size: int, draft_index: torch.Tensor | None = None):
+        if mode not in SAMPLING_MODES:
+            raise ValueError(f"sampling={mode!r} is not one of {SAMPLING_MODES}")
+        self.params, self.mode, self.vocab_size, self.index = params, mode, int(vocab_size), draft_index
+        self.greedy = params.greedy
+        self._ids: torch.Tensor | None = None
+
+    @property
+    def uses_draft_probs(self) -> bool:
+        """True when verification needs the draft's distributions (rejection sampling at temperature > 0)."""
+        return not self.greedy and self.mode == "rejection"
+
+    def _vocab(self, device: torch.device) -> torch.Tensor:
+        if self._ids is None or self._ids.device != device:
+            self._ids = torch.arange(self.vocab_size, device=device)
+        return self._ids
+
+    def first(self, logprobs: torch.Tensor, noise: CounterNoise, positions: torch.Tensor) -> torch.Tensor:
+        """The token after the prompt.
+
+        Args:
+            logprobs: (B, V) filtered policy log-probabilities.
+            noise: the batch's noise; positions: (B,) output positions being sampled.
+
+        Returns:
+            (B,) int64 token ids.
+        """
+        if self.greedy:
+            return torch.argmax(logprobs, dim=-1)
+        return gumbel_argmax(logprobs, noise.gumbel(positions[:, None], TOKEN, self._vocab(logprobs.device))[:, 0])
+
+    def start_round(self, noise: CounterNoise, positions: torch.Tensor, k: int) -> RoundNoise:
+        """Draw a round's noise in one go: k proposals and k + 1 verified positions from ``positions`` (B,)."""
+        out = RoundNoise(noise, positions)
+        if self.greedy:
+            return out
+        at = positions[:, None] + torch.arange(k + 1, device=positions.device)   # (B, k+1)
+        if self.mode == "coupled":
+            out.token = noise.gumbel(at, TOKEN, self._vocab(positions.device))
+        elif k:
+            out.draft = noise.gumbel(at[:, :k], DRAFT, self._draft_vocab(positions.device))
+            out.accept = noise.uniform(at[:, :k], ACCEPT)[..., 0]
+        return out
+
+    def _draft_vocab(self, device: torch.device) -> torch.Tensor:
+        return self.index if self.index is not None else self._vocab(device)
+
+    def propose(self, draft_logits: torch.Tensor, rn: RoundNoise, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The round's j-th draft token per row.
+
+        Args:
+            draft_logits: (B, Vd) the draft's raw logits.
+            rn: the round's noise (:meth:`start_round`).
+
+        Returns:
+            ids: (B,) target-vocabulary ids; q: (B, Vd) the filtered draft distribution (rejection sampling only,
+            else None).
+        """
+        if self.greedy:
+            return self._target_ids(torch.argmax(draft_logits, dim=-1)), None
+        logits = draft_logits.float()
+        if self.params.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
+            logits = logits / self.params.temperature
+        logits = filter_logits(logits, self.params.top_k, self.params.top_p)
+        if self.mode == "coupled":  # each draft id scored with the noise of its target id
+            g = rn.token[:, j] if self.index is None else rn.token[:, j].index_select(-1, self.index)
+            return self._target_ids(gumbel_argmax(logits, g)), None
+        return self._target_ids(gumbel_argmax(logits, rn.draft[:, j])), torch.softmax(logits, dim=-1)
+
+    def _target_ids(self, d: torch.Tensor) -> torch.Tensor:
+        return d if self.index is None else self.index[d]
+
+    def target_probs(self, draft_probs: list[torch.Tensor]) -> torch.Tensor:
+        """(B, k, V) target-space q from k draft-space (B, Vd) distributions (0 outside the draft vocabulary)."""
+        q = torch.stack(draft_probs, dim=1)
+        if self.index is None:
+            return q
+        out = q.new_zeros(*q.shape[:2], self.vocab_size)
+        return out.index_copy_(2, self.index, q)
+
+    def verify(self, logprobs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+               rn: RoundNoise) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify k proposals per row.
+
+        Args:
+            logprobs: (B, k+1, V) filtered policy log-probabilities at the verified positions.
+            draft_ids: (B, k) proposals (target vocabulary); draft_probs: (B, k, V) their q (rejection only).
+            rn: the round's noise (:meth:`start_round` with this k).
+
+        Returns:
+            num_accepted: (B,) int64 in [0, k]; next_ids: (B,) the policy's token after the accepted prefix.
+        """
+        if self.greedy:
+            return greedy_verify(torch.argmax(logprobs, dim=-1), draft_ids)
+        if self.mode == "coupled":
+            return coupled_verify(logprobs, rn.token, draft_ids)
+        batch, k = draft_ids.shape
+        if draft_probs is None:  # no draft: an empty proposal, the next token comes from p_0
+            draft_probs = logprobs.new_zeros(batch, 0, logprobs.shape[-1])
+        uniforms = rn.accept if k else logprobs.new_zeros(batch, 0)
+        ids = self._vocab(logprobs.device)
+        return rejection_sample(logprobs.exp(), draft_probs, draft_ids, uniforms,
+                                lambda accepted: rn.noise.gumbel((rn.positions + accepted)[:, None], TOKEN, ids)[:, 0])
+
+
+@dataclass
+class RoundNoise:
+    """The noise of one round (:meth:`TokenSampler.start_round`)."""
+
+    noise: CounterNoise
+    """The batch's noise."""
+    positions: torch.Tensor
+    """(B,) output position of each row's first verified token."""
+    token: torch.Tensor | None = None
+    """(B, k+1, V) Gumbel TOKEN noise of the verified positions (coupled sampling)."""
+    draft: torch.Tensor | None = None
+    """(B, k, Vd) Gumbel DRAFT noise of the proposals over the draft vocabulary (rejection sampling)."""
+    accept: torch.Tensor | None = None
+    """(B, k) uniforms of the acceptance tests (rejection sampling)."""
