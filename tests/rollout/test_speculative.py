@@ -223,7 +223,8 @@ def _distribution_failures(engine, k, top_k, top_p, n=6000):
         if stat > _chi2_crit(df):
             failures.append(f"token {t + 1}: chi2={stat:.1f} > {_chi2_crit(df):.1f}")
     pairs = torch.tensor([o.token_ids[0] * V + o.token_ids[1] for o in outs])
-    stat, df = _chi2([(torch.bincount(pairs, minlength=V * V).double(), (tables[0][0][:, None] * tables[1]).reshape(-1))])
+    joint = (tables[0][0][:, None] * tables[1]).reshape(-1)            # P(token 1 = a, token 2 = b) at a * V + b
+    stat, df = _chi2([(torch.bincount(pairs, minlength=V * V).double(), joint)])
     if stat > _chi2_crit(df):
         failures.append(f"tokens 1 and 2 jointly: chi2={stat:.1f} > {_chi2_crit(df):.1f}")
     # one drafting round that accepted all k: tokens 2..k+1 are drafts, token k+2 is the bonus from p_k. The
@@ -405,9 +406,10 @@ def test_coupled_rollouts_are_a_function_of_seed_and_prompt(policy, fitted, temp
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=(7,))
     ref = SpeculativeEngine(policy, None, 0).generate(prompts, 40, request_seeds=seeds, **kw)
     engines = [SpeculativeEngine(policy, draft, 2), SpeculativeEngine(policy, draft, 4),
-               SpeculativeEngine(policy, draft, 4, adaptive=True), SpeculativeEngine(policy, draft, 4,
-                                                                                     adaptive=_adaptive("scripted", 4)),
-               SpeculativeEngine(policy, draft, 4, max_batch_size=1), SpeculativeEngine(policy, draft, 3, max_batch_size=5),
+               SpeculativeEngine(policy, draft, 4, adaptive=True),
+               SpeculativeEngine(policy, draft, 4, adaptive=_adaptive("scripted", 4)),
+               SpeculativeEngine(policy, draft, 4, max_batch_size=1),
+               SpeculativeEngine(policy, draft, 3, max_batch_size=5),
                SpeculativeEngine(policy, Eagle3Draft.from_policy(policy).eval(), 3),
                SpeculativeEngine(policy, None, 0, sampling="rejection")]
     accepted = 0
