@@ -113,15 +113,18 @@ def _memory_lines(cfg: CoDraftConfig) -> list[str]:
 
 
 def _placement(cfg: CoDraftConfig) -> str:
-    """Where the RL loop generates: one engine per data-parallel replica, on its lead."""
+    """Where the RL loop generates: every rank, each its share of its replica's requests."""
     p = cfg.parallel
-    leads = [d * p.pp * p.cp for d in range(p.dp)]
-    line = (f"rollouts: {p.dp} {p.engine} engine(s), one per data-parallel replica on its lead (pp_rank 0, cp_rank 0:"
-            f" global rank{'s' if p.dp > 1 else ''} {', '.join(map(str, leads))}); each replica's "
-            f"{p.pp * p.cp} rank(s) train on its rollouts")
-    if p.pp > 1:
-        line += ("; under pp > 1 each lead also holds a whole copy of policy + draft, gathered from the "
-                 f"{p.pp} stages after every optimizer step")
+    world = p.dp * p.pp * p.cp
+    line = (f"rollouts: {world} {p.engine} engine(s), one on every rank; each of the {p.dp} data-parallel "
+            f"replica(s) splits its requests over its {p.pp * p.cp} rank(s) and gathers the outputs")
+    whole = p.pp == 1 and ((p.sharding or "fsdp") == "ddp" or p.dp * p.cp == 1)
+    if p.engine == "vllm":
+        line += "; vLLM holds its own weights, updated (checksum-verified) before every rollout phase"
+    elif not whole:
+        line += ("; the engine decodes with whole copies of policy + draft whose storage is released while "
+                 "training runs and refilled from the pipeline stages / FSDP2 shards, one tensor at a time, "
+                 "before every rollout phase")
     return line
 
 

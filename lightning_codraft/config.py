@@ -52,7 +52,14 @@ class DraftConfig:
     """``cotrain`` (draft trained online with the policy), ``frozen`` (warm-started, then fixed) or ``none``
     (no draft: plain decoding)."""
     num_speculative_tokens: int = 4
-    """K: tokens the draft proposes per verification step of the rollout engine."""
+    """K: the most tokens the draft proposes per verification round of the rollout engine."""
+    adaptive: bool = True
+    """Choose each round's speculation length in 0..K from live acceptance and measured costs (the embedded
+    engine; vLLM cannot and refuses it, so vLLM runs set false)."""
+    sampling: str = "coupled"
+    """How the embedded engine samples: ``coupled`` (Gumbel-coupled: every rollout token is a function of the
+    request's seed and position only, so rollouts do not depend on the draft, K, batching or placement) or
+    ``rejection`` (classic speculative rejection sampling: slightly higher acceptance, rollouts depend on them)."""
     ttt_steps: int = 3
     """Training-time-test unroll depth of the draft loss."""
     ttt_decay: float = 0.8
@@ -218,6 +225,7 @@ class CoDraftConfig:
 
 _CHOICES = {
     ("draft", "mode"): ("cotrain", "frozen", "none"),
+    ("draft", "sampling"): ("coupled", "rejection"),
     ("task", "name"): ("arithmetic", "gsm8k"),
     ("task", "on_reward_error"): ("warn", "raise"),
     ("rl", "loss_aggregation"): ("sequence", "token"),
@@ -290,6 +298,9 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     _positive("draft.ttt_steps", d.ttt_steps)
     _positive("draft.loss_weight", d.loss_weight, 0)
     _positive("draft.warmup_steps", d.warmup_steps, 0)
+    if d.adaptive and p.engine == "vllm" and d.mode != "none":
+        raise ConfigError("draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
+                          "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm")
     if d.mode != "none" and d.num_speculative_tokens == 0:
         raise ConfigError(f"draft.mode={d.mode!r} needs draft.num_speculative_tokens >= 1 (got 0); "
                           f"use draft.mode=none for plain decoding")

@@ -130,3 +130,35 @@ def test_a_checkpoint_that_tries_to_run_code_does_not_run_it(saved, tmp_path):
         ckpt.load_checkpoint(tmp_path, {"model": module})
     with pytest.raises(ckpt.CheckpointError, match="has no entries \\['epoch'\\]"):
         ckpt.load_checkpoint(path, {"epoch": 0})
+
+
+def test_a_fresh_optimizer_is_saved_and_restored_fresh(tmp_path):
+    """DCP initialises an optimizer without state by a zero-gradient step (AdamW's step count becomes 1, so the first
+    real update would shrink ~0.74x); a checkpoint taken before the first step must leave the training unchanged."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+
+    def first_update(m, opt):
+        before = m.weight.detach().clone()
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return m.weight.detach() - before
+
+    ref_model = torch.nn.Linear(4, 3)
+    ref_model.load_state_dict(model.state_dict())
+    ref = first_update(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt.save_checkpoint(tmp_path / "fresh", {"model": model, "optimizer": opt})
+    assert not opt.state  # saving did not step it
+    # a loaded fresh checkpoint also clears an optimizer that has stepped since
+    other = torch.nn.Linear(4, 3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    first_update(other, other_opt)
+    assert other_opt.state
+    ckpt.load_checkpoint(tmp_path / "fresh", {"model": other, "optimizer": other_opt})
+    assert not other_opt.state
+    for m, o in ((model, opt), (other, other_opt)):
+        torch.testing.assert_close(first_update(m, o), ref, rtol=1e-6, atol=0)

@@ -26,8 +26,17 @@ def test_dry_run_reports_the_cluster_mesh(capsys):
     assert main(["fit", "-c", str(REPO / "recipes" / "qwen3-8b-cluster.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "world 16 = dp 2 x pp 2 x cp 4" in out
-    assert "rollouts: 2 vllm engine(s), one per data-parallel replica on its lead" in out
-    assert "global ranks 0, 8" in out and "a whole copy of policy + draft, gathered from the 2 stages" in out
+    assert "rollouts: 16 vllm engine(s), one on every rank; each of the 2 data-parallel replica(s) splits its " \
+        "requests over its 8 rank(s)" in out
+    assert "vLLM holds its own weights" in out
+
+
+def test_dry_run_places_released_copies_under_fsdp(capsys):
+    assert main(["fit", "-c", TINY, "parallel.devices=2", "parallel.cp=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "rollouts: 2 embedded engine(s), one on every rank" in out and "released while training" in out
+    assert main(["fit", "-c", TINY, "parallel.devices=2", "parallel.cp=2", "parallel.sharding=ddp", "--dry-run"]) == 0
+    assert "released while training" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("override, match", [

@@ -158,6 +158,14 @@ def _gather_rngs(dims: ParallelDims) -> list[dict[str, Any]]:
     return [capture_rng()]
 
 
+def _fresh(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` has taken no step yet (no state). DCP's ``get_optimizer_state_dict`` would initialise
+    such an optimizer by stepping it once with zero gradients and learning rate 0, which leaves AdamW's step count at
+    1: the first real step would then use the bias correction of step 2 and update by ~0.74x. A fresh optimizer is
+    therefore saved as its hyper-parameters only, and restored fresh."""
+    return not any(optimizer.state.values())
+
+
 def _owner(optimizer: Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
     """The module of ``modules`` that holds the optimizer's parameters (the names its state is keyed by)."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -213,10 +221,13 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
         if key in modules:
             tensors[key] = get_model_state_dict(modules[key])
         elif isinstance(obj, Optimizer):
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]
+            meta["optimizers"][key] = _jsonable(groups, f"{key}.param_groups")
+            if _fresh(obj):  # no step taken yet: nothing to save (see _fresh)
+                meta.setdefault("fresh_optimizers", []).append(key)
+                continue
             osd = get_optimizer_state_dict(_owner(obj, modules), obj)
             tensors[key] = osd["state"]  # tensors only; the hyper-parameters go to JSON (the same on every stage)
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
-            meta["optimizers"][key] = _jsonable(groups, f"{key}.param_groups")
         elif _is_stateful(obj):
             meta["stateful"][key] = _jsonable(obj.state_dict(), key)
         elif isinstance(obj, Tensor):
@@ -312,6 +323,13 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
             raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors of {key!r}, e.g. {missing[:3]}")
         to_load[key] = {k: v for k, v in sd.items() if k not in missing}
     optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer) and k in meta["optimizers"]}
+    for key in meta.get("fresh_optimizers", []):  # saved before its first step: restore a fresh optimizer
+        if key in optimizers:
+            opt = optimizers.pop(key)
+            opt.state.clear()
+            groups = _param_groups(opt.param_groups, meta["optimizers"][key], path)
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
     for key, opt in optimizers.items():
         owner = _owner(opt, modules)
         osd = get_optimizer_state_dict(owner, opt)  # initialises the state tensors DCP loads into

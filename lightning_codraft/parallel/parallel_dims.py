@@ -127,8 +127,7 @@ class ParallelDims:
     def is_replica_lead(self) -> bool:
         """True on the lead of this rank's replica: ``(pp_rank 0, cp_rank 0)`` of its ``dp_rank``.
 
-        The lead is the rank that speaks for the replica: the RL loop generates its rollouts there only. It is
-        the replica's lowest global rank, rank 0 of :attr:`replica_group`, and the first pipeline stage, where
+        The lead is the rank that speaks for the replica. It is the replica's lowest global rank, rank 0 of :attr:`replica_group`, and the first pipeline stage, where
         ``CoDraftModule.full_state_dicts`` gathers the whole model.
         """
         return self.pp_rank == 0 and self.cp_rank == 0

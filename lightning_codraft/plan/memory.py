@@ -26,8 +26,9 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   pruned modules, one parameter gathered whole while the weights are synced tensor by tensor.
 
 The engine's weights count in the training phase too unless it can leave the device: vLLM on an accelerator
-sleeps (level 1: weights offloaded, cache discarded) while training runs; the embedded engine keeps its copies
-(only its KV cache is freed between rollouts); vLLM on CPU has no sleep mode and keeps both.
+sleeps (level 1: weights offloaded, cache discarded) while training runs; the embedded engine releases the storage
+of its copies (``RolloutWorker.release``) and frees its KV cache between rollouts; vLLM on CPU has no sleep mode and
+keeps both.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
     if not shares:
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
         sync = largest * (p_b + a_e)
-    return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if sleeps else BOTH),
+    released = sleeps or spec.engine == "embedded"  # vLLM asleep / the embedded engine's released copies
+    return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if released else BOTH),
             Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv,
                  BOTH if keeps_cache else ROLLOUT),
             Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
@@ -258,8 +260,8 @@ def _notes(spec: PlanSpec) -> list[str]:
                      "rollout phase only" if spec.accelerator != "cpu" else
                      "vLLM on CPU has no sleep mode: its weights and KV cache stay resident in both phases")
     else:
-        notes.append("the embedded engine keeps its weights (copies under FSDP2 / PP) in both phases and frees its "
-                     "KV cache between rollouts")
+        notes.append("the embedded engine's copies (under FSDP2 / PP) are released while training runs and refilled "
+                     "one tensor at a time before each rollout phase; its KV cache is freed between rollouts")
     if spec.pp > 1:
         notes.append(f"pipeline receive buffers: torch.distributed.pipelining allocates them for all M microbatches "
                      f"of a step and PipelineRunner keeps {CACHED_SCHEDULES} schedule; the TapChannel's landing "

@@ -11,22 +11,19 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
-from lightning_codraft.rollout.engine import AcceptanceStats
+from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
-def greedy_accuracy(engine, tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn, max_new_tokens: int,
+def greedy_accuracy(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn,
                     on_error: str = "warn") -> float:
-    """Mean reward of greedy (temperature 0) completions of ``samples`` (lossless under speculation)."""
+    """Mean reward of the greedy (temperature 0) completions ``outputs`` of ``samples`` (lossless under
+    speculation; decode them with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``)."""
     if not samples:
         return float("nan")
-    prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
-    outs = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0,
-                           stop_token_ids=[tokenizer.eos_token_id])
-    texts = [tokenizer.decode(o.token_ids) for o in outs]
+    texts = [tokenizer.decode(o.token_ids) for o in outputs]
     rewards, _ = score_completions(reward_fn, [s.prompt for s in samples], texts, [s.answer for s in samples],
                                    on_error=on_error)
     return sum(rewards) / len(rewards)
@@ -62,11 +59,13 @@ def _timed(engine, prompts, max_new_tokens, temperature, top_p, seed, stop):
 
 def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[list[int]], max_new_tokens: int,
                     temperature: float, top_p: float, seed: int, stop_token_ids: Sequence[int],
-                    repeats: int = 3, max_batch_size: int | None = None) -> SpeedupResult:
+                    repeats: int = 3, max_batch_size: int | None = None, adaptive: bool = False,
+                    sampling: str = "coupled") -> SpeedupResult:
     """Tokens/s of plain vs speculative decoding of ``prompts`` (best of ``repeats``, runs interleaved), both
     engines decoding ``max_batch_size`` sequences at a time (None: all together)."""
-    plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size)
-    spec = SpeculativeEngine(policy, draft, num_speculative_tokens, max_batch_size=max_batch_size)
+    plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling)
+    spec = SpeculativeEngine(policy, draft, num_speculative_tokens, max_batch_size=max_batch_size,
+                             adaptive=adaptive, sampling=sampling)
     best_p = best_s = None
     for _ in range(max(1, repeats)):
         p = _timed(plain, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids)

@@ -56,16 +56,24 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> 
     return adv
 
 
-def sequence_weighted(advantages: Sequence[float], lengths: Sequence[int]) -> list[float]:
-    """Advantages rescaled by ``mean(lengths) / length`` so that a TOKEN-mean loss over the batch equals the
+def sequence_weighted(advantages: Sequence[float], lengths: Sequence[int],
+                      mean_length: float | None = None) -> list[float]:
+    """Advantages rescaled by ``mean_length / length`` so that a TOKEN-mean loss over the batch equals the
     SEQUENCE-mean loss of GRPO (each sample's tokens averaged first, then the samples): every sample weighs
     the same whatever its length, and long wrong answers no longer outweigh short right ones on the tokens
-    they share."""
+    they share.
+
+    Args:
+        advantages: one per sample.
+        lengths: completion tokens per sample.
+        mean_length: the mean completion length of the WHOLE step's batch (under data parallelism: over every
+            replica, so that the global token mean equals the global sequence mean); default: ``mean(lengths)``.
+    """
     if len(advantages) != len(lengths):
         raise ValueError(f"got {len(advantages)} advantages for {len(lengths)} lengths")
     if any(n < 1 for n in lengths):
         raise ValueError(f"every completion needs >= 1 token, got lengths {list(lengths)}")
-    mean = sum(lengths) / len(lengths)
+    mean = sum(lengths) / len(lengths) if mean_length is None else float(mean_length)
     return [a * mean / n for a, n in zip(advantages, lengths)]
 
 

@@ -140,8 +140,7 @@ class CoDraftRun:
         last = self.checkpoints.last() if cfg.run.resume else None
         if last is None:  # warm-ups on every rank, on the whole modules (before the strategy prunes PP stages)
             self.extra = self._warm_start()
-        self.worker.take_models(self.module)
-        self.worker.start(self.module)
+        self.worker.start(self.module)  # before the strategy prunes / shards the module
         if last is None and "eval_before" not in self.extra:
             n_eval = cfg.task.eval_prompts
             self.extra["eval_before"] = self.evaluate(n_eval) if n_eval else math.nan
@@ -155,7 +154,6 @@ class CoDraftRun:
             self.checkpoints.save(0, self._state(self.extra))
         else:
             self.start_step, self.extra = self.checkpoints.load(last[1], self._state())
-            self.worker.after_load(self.module)  # under PP: the lead's whole copies from the loaded stages
             self.log(f"resumed from {last[1]} (step {self.start_step})")
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
                               self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
@@ -210,15 +208,15 @@ class CoDraftRun:
 
     # ------------------------------------------------------------------ evaluation and the summary
     def evaluate(self, n: int) -> float:
-        """Greedy accuracy on ``n`` held-out prompts: computed by global rank 0 (the lead of replica 0) with its
-        engine, broadcast to every rank (call on every rank)."""
-        value = None
-        if self.fabric.global_rank == 0:
-            samples = self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED)
-            self.worker.policy.eval()
-            value = greedy_accuracy(self.worker.engine, self.tokenizer, samples, self.reward_fn,
-                                    self.cfg.rl.max_new_tokens, on_error=self.cfg.task.on_reward_error)
-        return float(self.fabric.broadcast(value, src=0))
+        """Greedy accuracy on ``n`` held-out prompts, every rank of the world decoding a share (call on every
+        rank); the same value on every rank."""
+        samples = self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED)
+        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
+        self.worker.prepare()
+        self.worker.policy.eval()
+        outs, _, _ = self.worker.generate(prompts, [0] * len(prompts), temperature=0.0, group="world")
+        self.worker.release()
+        return greedy_accuracy(outs, self.tokenizer, samples, self.reward_fn, on_error=self.cfg.task.on_reward_error)
 
     def finish(self, completed: bool = True) -> FitResult:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
@@ -235,15 +233,20 @@ class CoDraftRun:
         cfg, tok = self.cfg, self.tokenizer
         if cfg.task.eval_prompts:
             result.eval_after = self.evaluate(cfg.task.eval_prompts)
+        if cfg.draft.mode != "none":  # every rank refills its copies (a collective); rank 0 measures
+            self.worker.prepare()
+            if self.fabric.global_rank == 0:
+                samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + EVAL_SEED + 1)
+                prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
+                result.speedup = measure_speedup(
+                    self.worker.policy, self.worker.draft, cfg.draft.num_speculative_tokens, prompts,
+                    cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p, seed=cfg.run.seed + EVAL_SEED,
+                    stop_token_ids=[tok.eos_token_id], max_batch_size=cfg.parallel.engine_batch_size,
+                    adaptive=cfg.draft.adaptive, sampling=cfg.draft.sampling)
+            self.fabric.barrier()
+            self.worker.release()
         if self.fabric.global_rank != 0:
             return
-        if cfg.draft.mode != "none":  # rank 0 holds whole, current modules
-            samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + EVAL_SEED + 1)
-            prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
-            result.speedup = measure_speedup(self.worker.policy, self.worker.draft, cfg.draft.num_speculative_tokens,
-                                             prompts, cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p,
-                                             seed=cfg.run.seed + EVAL_SEED, stop_token_ids=[tok.eos_token_id],
-                                             max_batch_size=cfg.parallel.engine_batch_size)
         if cfg.run.plots and result.rows:
             plot_curves({cfg.draft.mode: result.rows}, self.out / "curves.png",
                         title=f"{cfg.task.name}: reward and acceptance length per RL step")
@@ -295,6 +298,5 @@ def load_for_rollout(cfg: CoDraftConfig, print_fn: Callable[[str], None] = print
     else:
         run.log(f"no checkpoint in {run.out}: generating with freshly initialised models")
     run.module.policy.eval()
-    run.worker.take_models(run.module)  # never set up: whole on every rank
-    run.worker.start(run.module)
+    run.worker.start(run.module)  # never set up: the modules are whole on every rank
     return run

