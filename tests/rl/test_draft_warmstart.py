@@ -85,6 +85,10 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert state_fingerprint(changed) != state_fingerprint(policy)
     miss = warm_start_draft(changed, tok, task, fresh2, settings, tmp_path, log=lines.append)
     assert not miss.cache_hit and miss.draft_dir != rep.draft_dir
+    # a bf16 copy samples the corpus: other responses (a new corpus), the same machinery
+    bf16 = dataclasses.replace(settings, generation_dtype="bfloat16")
+    rep16 = warm_start_draft(policy, tok, task, _models()[2], bf16, tmp_path, log=lines.append)
+    assert not rep16.cache_hit and rep16.prompts == 12 and next(policy.parameters()).dtype == torch.float32
     # other fit settings: a new draft, but this policy's corpus and features are reused
     refit = dataclasses.replace(settings, fit=DraftFitConfig(epochs=1, batch_tokens=64, ttt_steps=2, val_docs=2))
     lines.clear()
@@ -92,7 +96,7 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert not other.cache_hit and other.draft_dir not in (rep.draft_dir, miss.draft_dir)
     assert any("cached responses" in line for line in lines) and not any("features" in line and "tokens (" in line
                                                                             for line in lines)
-    assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [2, 2, 3]
+    assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [3, 3, 4]
 
 
 def test_benchmark_smoke(tmp_path):

@@ -85,6 +85,21 @@ def test_cached_loss_equals_full_logit_loss(tmp_path, K):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_mixed_loss_and_gradients_track_fp32(tmp_path):
+    policy, docs = _policy(sharpen=4.0), _docs(6, seed=2)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c")
+    batch = cache.batch(list(range(6)))
+    outs = [draft_batch_loss(draft, policy.embed, batch, 3, precision=p) for p in ("32-true", "bf16-mixed")]
+    grads = [torch.autograd.grad(o.loss, list(draft.parameters())) for o in outs]
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=2e-2, atol=2e-2)
+    assert outs[1].loss.dtype == torch.float32
+    for a, b in zip(*grads):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        DraftFitConfig(precision="fp8")
+
+
 def test_cache_round_trip_and_fp16(tmp_path):
     policy, docs = _policy(), _docs(5, seed=3)
     draft = _draft(policy)
@@ -121,7 +136,8 @@ def test_fit_raises_held_out_accuracy(tmp_path):
     draft = _draft(policy)
     docs = _docs(160, seed=5, lo=10, hi=30)
     cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c", batch_tokens=256)
-    cfg = DraftFitConfig(epochs=6, batch_tokens=256, lr=3e-3, ttt_steps=2, val_docs=24, eval_every=1000)
+    cfg = DraftFitConfig(epochs=6, batch_tokens=256, lr=3e-3, ttt_steps=2, val_docs=24, eval_every=1000,
+                         precision="bf16-mixed")
     reports = []
     val = list(range(160 - 24, 160))
     acc0 = evaluate_draft(draft, policy.embed, cache, val, cfg)
