@@ -12,7 +12,7 @@ Gumbel noise then goes through float32 ``log1p`` / ``log``, whose last bit may d
     row     = mix64(seed + (purpose + 1) * G)             # (B,)     one stream per request and purpose
     stream  = mix64(row + (t + 1) * G)                    # (B, S)   one per output position t
     bits    = mix64(stream + (id + 1) * G)                # (B, S, N) SplitMix64's sequence over the ids
-    U       = float32(bits >>> 1) * 2**-63                # in (0, 1), clamped to [2**-64, 1 - 2**-24]
+    U       = float32(bits & (2**63 - 1)) * 2**-63        # in (0, 1), clamped to [2**-64, 1 - 2**-24]
 
 with ``G = 0x9E3779B97F4A7C15`` (the golden-ratio increment). Each (request, position, purpose) stream starts at
 a pseudo-random point of SplitMix64's sequence; two streams share values only if their starts lie within N steps
@@ -159,7 +159,8 @@ class CounterNoise:
         """(B, S) int64 stream key of each (row, position) for ``purpose``, from positions (B, S)."""
         if purpose not in self._rows:
             self._rows[purpose] = mix64(self.seeds + _signed((purpose + 1) * _GOLDEN))
-        return mix64(self._rows[purpose][:, None] + (positions.long() + 1) * _G)
+        z = self._rows[purpose][:, None] + (positions.long() + 1) * _G
+        return _mix64_(z, torch.empty_like(z))
 
     def uniform(self, positions: torch.Tensor, purpose: int, ids: torch.Tensor | None = None,
                 transform: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -190,7 +191,7 @@ class CounterNoise:
             zb, ob = z[:n], out[r0:r0 + n]
             torch.add(streams[r0:r0 + n], steps, out=zb)
             _mix64_(zb, tmp[:n])
-            zb.bitwise_right_shift_(1).bitwise_and_((1 << 63) - 1)                  # 63 random bits, >= 0
+            zb.bitwise_and_((1 << 63) - 1)                                           # 63 random bits, >= 0
             ob.copy_(zb).mul_(2.0 ** -63)                                            # the nearest float32
             ob.clamp_(2.0 ** -64, 1.0 - 2.0 ** -24)
             if transform is not None:

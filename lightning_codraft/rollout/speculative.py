@@ -107,8 +107,8 @@ class SpeculativeEngine:
             which follows measured times).
         sampling: how tokens are drawn at temperature > 0: "coupled" (Gumbel-coupled verification: the rollouts
             are a pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch
-            size or request order) or "rejection" (speculative rejection sampling: ~1% more draft tokens
-            accepted, samples that depend on the speculation lengths). Both sample the policy exactly.
+            size or request order) or "rejection" (speculative rejection sampling: measured 1-3% longer
+            acceptance, samples that depend on the speculation lengths). Both sample the policy exactly.
 
     The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
     weights into them in place.
