@@ -31,7 +31,7 @@ from lightning_codraft.attention.zigzag import zigzag_shard
 
 #: Per-row tensors of a batch, in field order (the optional ones may be None).
 ROW_FIELDS = ("input_ids", "target_ids", "position_ids", "valid", "loss_mask", "old_logprobs", "advantages",
-              "draft_mask", "ref_logprobs")
+              "draft_mask", "ref_logprobs", "ref_greedy")
 _REQUIRED = ("input_ids", "target_ids", "position_ids", "cu_seqlens", "valid", "loss_mask", "old_logprobs",
              "advantages")
 
@@ -51,6 +51,8 @@ class RLBatch:
         advantages: ``(T,)`` float32 the sample's advantage on its completion rows (0 off-mask).
         draft_mask: ``(T,)`` float32 rows whose policy distribution is a draft target; None means ``valid``.
         ref_logprobs: ``(T,)`` float32 reference-policy log-probs for the KL term, or None.
+        ref_greedy: ``(T,)`` int64 the reference policy's most likely next token at every row (for the greedy
+            agreement of the drift metrics), or None.
         cp_rank: the CP rank whose zigzag shard the rows are (0 for a whole batch).
         cp_size: the CP size the rows are sharded over (1: the rows are the whole batch).
     """
@@ -65,6 +67,7 @@ class RLBatch:
     advantages: Tensor
     draft_mask: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
+    ref_greedy: Optional[Tensor] = None
     cp_rank: int = 0
     cp_size: int = 1
 
@@ -120,7 +123,8 @@ class RLBatch:
         missing = [k for k in _REQUIRED if k not in d]
         unknown = [k for k in d if k not in (*ROW_FIELDS, "cu_seqlens")]
         if missing or unknown:
-            raise KeyError(f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs); "
+            raise KeyError(f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs, "
+                           f"ref_greedy); "
                            f"missing {missing}, unknown {unknown}")
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)
 

@@ -134,7 +134,12 @@ class RLConfig:
     grad_clip: Optional[float] = 1.0
     """Clip the policy's and the draft's global gradient norm (each group on its own) to this; null = no clipping."""
     kl_coef: float = 0.0
-    """KL penalty to the initial policy (0 = no reference model)."""
+    """KL penalty to the start policy (the policy when RL begins, after the warm-ups)."""
+    track_drift: bool = True
+    """Keep the start policy as a frozen reference even when ``kl_coef == 0`` and log, per step, how far the
+    policy has drifted from it on the step's rollouts: ``kl`` (k3 estimate of KL(policy || start)) and
+    ``greedy_agreement``. Costs a reference forward per step and the reference's memory (sharded like the policy;
+    ``codraft plan`` counts it); false drops both when ``kl_coef == 0``."""
     scale_advantages: bool = True
     """Divide group-centred rewards by the group std (GRPO); False = mean-centred only."""
     loss_aggregation: str = "sequence"

@@ -158,6 +158,10 @@ class PolicyStage(nn.Module):
         self.own_taps = frozenset(t for t, s in owners.items() if s == stage)
         self.tap_sink = tap_sink
         self.cp_group = cp_group
+        self.head_fn: Optional[Callable[[Tensor, int], Tensor]] = None
+        """Last stage: ``head_fn(logits (T, V), m) -> (T, W)`` replaces the logits of microbatch ``m`` as the stage's
+        output (a forward-only pass reduces them per row, so the schedule does not keep M vocabulary-wide outputs);
+        None returns the logits."""
         self._microbatches: list[MicrobatchMeta] = []
 
     def owned_modules(self) -> list[nn.Module]:
@@ -196,7 +200,8 @@ class PolicyStage(nn.Module):
             return h
         if self.stop in self.own_taps:  # tap L: the last layer's output, before the final norm
             self.tap_sink(m, self.stop, h)
-        return policy.head(h)
+        logits = policy.head(h)
+        return logits if self.head_fn is None else self.head_fn(logits, m)
 
 
 class Pruned(nn.Module):
@@ -283,7 +288,8 @@ def check_num_microbatches(schedule: str, num_microbatches: int, num_stages: int
 
 def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_microbatches: int, tokens: int,
                    schedule: str = "1f1b", loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
-                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   out_width: Optional[int] = None, out_dtype: Optional[torch.dtype] = None):
     """Wrap ``stage_module`` in a ``PipelineStage`` with static shapes and a GPipe / 1F1B schedule.
 
     Args:
@@ -297,6 +303,8 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
             mean). ``None`` builds a forward-only schedule. Pass the same on every stage.
         dtype: activation dtype.
         device: device of the stage.
+        out_width, out_dtype: the last stage's output width and dtype (default: vocabulary, ``dtype``), e.g. for a
+            :attr:`PolicyStage.head_fn` that reduces the logits.
 
     Returns:
         The schedule; call ``schedule.step(ids (M, T), mb=arange(M))`` on the first stage,
@@ -311,8 +319,9 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
         example_in = torch.zeros(1, tokens, dtype=torch.int64, device="meta")
     else:
         example_in = torch.empty(tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
-    width = policy.config.vocab_size if stage_module.is_last else hidden
-    example_out = torch.empty(tokens, width, dtype=dtype, device="meta", requires_grad=True)
+    width = (out_width or policy.config.vocab_size) if stage_module.is_last else hidden
+    o_dtype = (out_dtype or dtype) if stage_module.is_last else dtype
+    example_out = torch.empty(tokens, width, dtype=o_dtype, device="meta", requires_grad=True)
     pipe_stage = PipelineStage(stage_module, stage_module.stage, stage_module.num_stages, device,
                                input_args=(example_in,), output_args=(example_out,), group=pp_group)
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe

@@ -95,15 +95,16 @@ class PipelineRunner:
     # ----- the step -----
 
     def _schedule(self, num_microbatches: int, tokens: int, dtype: torch.dtype, device: torch.device,
-                  backward: bool = True):
-        key = (num_microbatches, tokens, backward)
+                  backward: bool = True, out: Optional[tuple[int, torch.dtype]] = None):
+        key = (num_microbatches, tokens, backward, out)
         if key not in self._schedules:
             if len(self._schedules) >= self.max_cached_schedules:  # RL batches vary in length: bound the memory
                 self._schedules.pop(next(iter(self._schedules)))
             self._schedules[key] = build_schedule(self.stage_module, self.pp_group, num_microbatches, tokens,
                                                   self.schedule_name if backward else "gpipe",
                                                   loss_fn=self._schedule_loss if backward else None, dtype=dtype,
-                                                  device=device)
+                                                  device=device, out_width=out[0] if out else None,
+                                                  out_dtype=out[1] if out else None)
         return self._schedules[key]
 
     def _schedule_loss(self, logits: Tensor, mb: Tensor) -> Tensor:
@@ -173,28 +174,40 @@ class PipelineRunner:
         return records
 
     @torch.no_grad()
-    def forward(self, microbatches: Sequence[RLBatch]) -> Optional[list[Tensor]]:
+    def forward(self, microbatches: Sequence[RLBatch],
+                reduce: Optional[tuple[Callable[[Tensor, RLBatch], Tensor], int]] = None) -> Optional[list[Tensor]]:
         """A forward-only pass of the pipeline (e.g. the reference policy): the logits of every microbatch.
 
         Args:
             microbatches: as for :meth:`step` (every stage passes the same list).
+            reduce: ``(fn, width)``: the last stage returns ``fn(logits (T, V), microbatch) -> (T, width)`` float32
+                per microbatch instead of its logits, computed as each microbatch leaves the pipeline (the schedule
+                keeps every microbatch's output until the step ends: reduce to keep M x T x width, not M x T x V).
 
         Returns:
-            On the last stage ``M`` tensors ``(T, V)``; None on the other stages.
+            On the last stage ``M`` tensors ``(T, V)`` (or ``(T, width)``); None on the other stages.
         """
         rows = self._check(microbatches)
         num_mb = len(microbatches)
         own = next(self.stage_module.parameters())
-        schedule = self._schedule(num_mb, rows, self.activation_dtype or own.dtype, own.device, backward=False)
+        out = (reduce[1], torch.float32) if reduce is not None else None
+        schedule = self._schedule(num_mb, rows, self.activation_dtype or own.dtype, own.device, backward=False,
+                                  out=out)
         self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(own.device),
                                                            mb.position_ids.to(own.device)) for mb in microbatches])
+        if reduce is not None and self.is_last:
+            fn = reduce[0]
+            self.stage_module.head_fn = lambda logits, m: fn(logits, microbatches[m]).to(torch.float32)
         mb_index = torch.arange(num_mb, device=own.device)
-        if self.stage_module.is_first:
-            ids = torch.stack([mb.input_ids.to(own.device) for mb in microbatches])
-            out = schedule.step(ids, mb=mb_index, return_outputs=self.is_last)
-        else:
-            out = schedule.step(mb=mb_index, return_outputs=self.is_last)
-        return list(out.split(rows)) if self.is_last else None
+        try:
+            if self.stage_module.is_first:
+                ids = torch.stack([mb.input_ids.to(own.device) for mb in microbatches])
+                result = schedule.step(ids, mb=mb_index, return_outputs=self.is_last)
+            else:
+                result = schedule.step(mb=mb_index, return_outputs=self.is_last)
+        finally:
+            self.stage_module.head_fn = None
+        return list(result.split(rows)) if self.is_last else None
 
     @property
     def tap_bytes_last_step(self) -> int:

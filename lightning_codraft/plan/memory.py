@@ -17,7 +17,8 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   unsharded gradients and the fp32 reduce-scatter input of one unit) or, without FSDP2 under ``bf16-mixed``,
   autocast's bf16 weight copies (autocast's activations, a mix of fp32 norms and bf16 matmuls, are counted with
   the fp32 formulas: an upper bound, 1.17-1.26x the measured bytes on the tiny test models). Before it, the
-  reference's forward (the logits of all ``M`` microbatches, twice under PP where the schedule merges them); after
+  reference's forward (one microbatch's logits at a time, reduced to a log-prob and an argmax per row that the
+  step keeps for all ``M`` microbatches, twice under PP where the schedule merges them); after
   it, AdamW's foreach temporaries (one state-sized tensor). The phase's total takes the largest of the three.
 - rollout: the engine's whole policy + draft in the compute dtype (issue #13: every rank generates; zero when
   the embedded engine decodes with the whole training modules), its KV cache for the sequences it decodes at once
@@ -165,7 +166,9 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
     lines.append(Line("autocast_copies", "autocast bf16 weight copies", autocast, TRAINING))
     ref = 0
     if spec.with_reference:
-        ref = (M * (2 if pp > 1 else 1) * T * V * a + 4 * T * V) if last else 0
+        # one microbatch's logits (+ fp32 log-softmax) at a time, reduced to (log-prob, argmax) fp32 per row; under
+        # PP the schedule keeps every microbatch's reduced output and merges them (x2)
+        ref = (T * V * (a + 4) + M * (2 if pp > 1 else 1) * T * 2 * 4) if last else 0
         if spec.fsdp:
             ref += s.largest_unit_unsharded + (s.root_unsharded if pp == 1 else 0)
     lines.append(Line("reference_forward", "reference forward (before the step)", ref, BEFORE))

@@ -52,7 +52,7 @@ class PlanSpec:
     num_speculative_tokens: int = 4
     """Tokens the engine's draft proposes per verification round."""
     with_reference: bool = False
-    """A frozen reference policy (``rl.kl_coef > 0``), pruned and sharded like the policy."""
+    """A frozen reference policy (``rl.kl_coef > 0`` or ``rl.track_drift``), pruned and sharded like the policy."""
     dp: int = 1
     """Data-parallel replicas."""
     pp: int = 1
@@ -96,7 +96,7 @@ class PlanSpec:
         policy = policy_config(cfg.model)
         context = min(cfg.model.max_position_embeddings, policy.max_position_embeddings)
         return cls(policy=policy, draft_vocab_size=d.draft_vocab_size, draft_mode=d.mode, ttt_steps=d.ttt_steps,
-                   num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0, dp=p.dp, pp=p.pp,
+                   num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0 or r.track_drift, dp=p.dp, pp=p.pp,
                    cp=p.cp, sharding=p.sharding, precision=p.precision, num_microbatches=p.num_microbatches,
                    pp_schedule=p.pp_schedule,
                    layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage),

@@ -119,7 +119,8 @@ class CoDraftRun:
         check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
         self.task = build_task(cfg.task)
         self.reward_fn = build_reward(cfg.task, self.task)
-        reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 else None  # sharded like the policy
+        keep = cfg.rl.kl_coef > 0 or cfg.rl.track_drift
+        reference = copy.deepcopy(policy) if keep else None  # sharded like the policy
         self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg), reference=reference,
                                     max_nonfinite_steps=cfg.run.max_nonfinite_steps)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)

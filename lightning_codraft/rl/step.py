@@ -63,7 +63,11 @@ class StepMetrics:
     clip_frac: float
     """Share of completion tokens whose ratio was clipped."""
     kl: float
-    """k3 KL to the reference policy (0 without one)."""
+    """Drift: KL(policy || start policy), the k3 estimate on the step's completion tokens before the update (the
+    start policy is the frozen reference; NaN without one: ``rl.track_drift=false`` and ``rl.kl_coef=0``)."""
+    greedy_agreement: float
+    """Drift: share of the step's completion positions where the policy's and the start policy's most likely next
+    token agree (1 = no drift; NaN without ``rl.track_drift``)."""
     skipped: float
     """1 when the update was skipped because the loss or a gradient was not finite, else 0."""
     rollout_s: float
@@ -162,7 +166,8 @@ class RLStep:
             mean_k=mean_acc.mean_k, tokens_per_round=mean_acc.tokens_per_round,
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
-            kl=m.get("policy/kl", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+            kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
+            greedy_agreement=m.get("drift/greedy_agreement", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
             step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
 
 

@@ -29,6 +29,10 @@ class CoDraftModuleConfig:
     """Upper clip range (DAPO clip-higher); None = clip_eps."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference policy (needs ``ref_logprobs`` in the batch when > 0)."""
+    track_drift: bool = False
+    """Score every batch under the reference policy even when ``kl_coef == 0``: logs ``policy/kl`` (the k3 KL of
+    the policy from the reference on the batch's completion tokens) and ``drift/greedy_agreement`` (the share of
+    completion rows where both policies' most likely next token agree). Needs a reference policy."""
     policy_lr: float = 1e-5
     """Peak learning rate of the policy parameter group."""
     draft_lr: float = 1e-4

@@ -37,7 +37,7 @@ from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
                                                   step_metrics)
-from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
+from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
 
 
@@ -238,6 +238,9 @@ class CoDraftModule(LightningModule):
         c = self.config
         rl, rl_stats = self.rl_loss(token_logprobs(logits, batch.target_ids), batch)
         metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
+        if batch.ref_greedy is not None:
+            metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
+                                                                 self.parallel_dims.dp_cp_group)
         value, loss = rl_stats["loss"].detach(), rl
         if not c.runs_draft:
             metrics["loss"] = value
@@ -258,20 +261,33 @@ class CoDraftModule(LightningModule):
         return loss, MicrobatchRecord(metrics, d.correct, d.total)
 
     def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
-        """Fill ``ref_logprobs`` from the reference policy where the KL term needs them and the batch has none."""
-        if self.config.kl_coef <= 0 or all(mb.ref_logprobs is not None for mb in microbatches):
+        """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
+        term or the drift metrics need them and the batch has none."""
+        c = self.config
+        drift = c.track_drift
+        if c.kl_coef <= 0 and not drift:
+            return microbatches
+        if all(mb.ref_logprobs is not None and (mb.ref_greedy is not None or not drift) for mb in microbatches):
             return microbatches
         if self.reference is None:
-            raise ValueError(f"kl_coef={self.config.kl_coef} > 0 needs batch.ref_logprobs or a reference policy: "
+            need = f"kl_coef={c.kl_coef} > 0" if c.kl_coef > 0 else "track_drift=True"
+            raise ValueError(f"{need} needs batch.ref_logprobs or a reference policy: "
                              f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
-        if self.ref_pipeline is not None:
-            logits = self.ref_pipeline.forward(microbatches) or [None] * len(microbatches)  # last stage only
+        def scored(logits: Tensor, mb: RLBatch) -> Tensor:  # (T, 2): the target's log-prob, the argmax id
+            return torch.stack([token_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
+
+        if self.ref_pipeline is not None:  # the last stage reduces each microbatch's logits as they come out
+            rows = self.ref_pipeline.forward(microbatches, reduce=(scored, 2)) or [None] * len(microbatches)
         else:
+            rows = []
             with torch.no_grad():
-                logits = [self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids,
-                                         cp_group=self.parallel_dims.cp_group).logits for mb in microbatches]
-        return [mb if lg is None else replace(mb, ref_logprobs=token_logprobs(lg, mb.target_ids) * mb.loss_mask)
-                for mb, lg in zip(microbatches, logits)]
+                for mb in microbatches:  # one microbatch's logits alive at a time
+                    rows.append(scored(self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens,
+                                                      position_ids=mb.position_ids,
+                                                      cp_group=self.parallel_dims.cp_group).logits, mb))
+        return [mb if r is None else replace(mb, ref_logprobs=r[:, 0] * mb.loss_mask,
+                                             ref_greedy=r[:, 1].long() if drift else mb.ref_greedy)
+                for mb, r in zip(microbatches, rows)]
 
     def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
         """This rank's microbatches: ``num_microbatches`` of whole documents (one length under PP), CP-sharded."""

@@ -121,3 +121,24 @@ def policy_gradient_loss(
         "approx_kl": sums[5], "num_tokens": count,
     }
     return loss, stats
+
+
+def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, group: Optional[Any] = None) -> Tensor:
+    """Share of completion rows where the policy's and the reference's most likely next token agree.
+
+    A drift measure next to the KL (``policy_gradient_loss``'s ``kl`` stat): 1 for a policy equal to the reference,
+    lower as greedy continuations diverge.
+
+    Args:
+        logits: ``(T, V)`` policy logits of this rank's rows.
+        ref_greedy: ``(T,)`` int64 the reference's argmax at each row.
+        loss_mask: ``(T,)`` 1 on completion rows.
+        group: the process group the rows are spread over (dp x cp); the mean is global.
+
+    Returns:
+        A 0-dim float32 tensor in [0, 1] (NaN when no rank has a completion row).
+    """
+    mask = loss_mask.to(torch.float32)
+    agree = (logits.argmax(-1) == ref_greedy).to(torch.float32)
+    sums = _all_reduce_sum(torch.stack([(agree * mask).sum(), mask.sum()]), group)
+    return sums[0] / sums[1]

@@ -35,3 +35,10 @@ def test_pp_tapchannel_smoke(tmp_path):
 def test_benchmark_smoke(tmp_path, script, args):
     _run(script, *args, "--out", tmp_path)
     assert list(tmp_path.glob("*.md"))
+
+
+def test_rollout_scale_smoke(tmp_path):
+    text = _run("rollout_scale.py", "--worlds", "1,2", "--prompts", 2, "--group-size", 2, "--max-new-tokens", 8,
+                "--rounds", 1, "--out", tmp_path, "--recipe-overrides", "sft.steps=2", "draft.warmup_steps=2")
+    assert "| 2 | pp=2 | every rank |" in text and "[2, 2]" in text  # both ranks decoded a share
+    assert "token for token" in (tmp_path / "rollout_scale.md").read_text()

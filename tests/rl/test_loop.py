@@ -48,6 +48,8 @@ def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
         assert 1.0 <= r["acceptance_length"] <= cfg.draft.num_speculative_tokens + 1
         assert r["completion_tokens"] > 0 and math.isfinite(r["draft_loss"]) and math.isfinite(r["policy_loss"])
     assert sum(r["reward_failures"] for r in rows) > 0  # the flaky reward raised and the run went on
+    # drift from the start policy (rl.track_drift, the default): none before the first update
+    assert rows[0]["kl"] == 0.0 and rows[0]["greedy_agreement"] == 1.0
     assert (out / "curves.png").stat().st_size > 1000
     assert list((out / "tb").glob("events.*"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in range(4)]
@@ -95,9 +97,15 @@ def test_grpo_climbs_a_dense_reward(tmp_path):
     cfg = micro_config(tmp_path, "task.reward=rewards_for_tests:digit_share_reward", "rl.steps=12", "rl.lr=3e-2",
                        "draft.mode=none", "rl.prompts_per_step=4", "rl.group_size=4", "task.eval_prompts=0",
                        "run.checkpoint_every=0", "run.plots=false", "run.tensorboard=false")
-    rewards = [r["reward"] for r in fit(cfg, print_fn=lambda s: None).rows]
+    rows = fit(cfg, print_fn=lambda s: None).rows
+    rewards = [r["reward"] for r in rows]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.3 and last > 0.6, rewards
+    # the drift metrics (rl.track_drift, on by default) follow: the KL from the start policy rises from exactly 0,
+    # greedy continuations stop agreeing with the start policy's
+    kl = [r["kl"] for r in rows]
+    assert kl[0] == 0.0 and rows[0]["greedy_agreement"] == 1.0
+    assert sum(kl[-3:]) / 3 > 10 * max(sum(kl[1:4]) / 3, 1e-6) and rows[-1]["greedy_agreement"] < 0.9, kl
 
 
 def test_kl_to_the_reference_policy_is_scored_by_the_module(tmp_path):

@@ -265,3 +265,42 @@ def test_a_subclass_rl_loss_gives_the_same_step_at_pp1_and_pp2():
     for name, grad in grads.items():
         torch.testing.assert_close(torch.from_numpy(grad), ref_grads[name], rtol=1e-5, atol=1e-7,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_drift_metrics_are_zero_for_an_unchanged_policy_and_grow_after_a_step():
+    """``track_drift``: the k3 KL of the policy from the reference (the start policy) on the batch's completions,
+    and the share of completion rows whose greedy next tokens agree."""
+    import copy
+
+    policy, draft = make_models()
+    module = CoDraftModule(policy, draft, reference=copy.deepcopy(policy), track_drift=True, num_microbatches=2,
+                           policy_lr=3e-2)
+    optimizer, _ = module.build_optimizer()
+    batch = make_batch(5, num_docs=4)
+    out = module(batch)
+    assert out.metrics["policy/kl"].item() == 0.0 and out.metrics["drift/greedy_agreement"].item() == 1.0
+    for _ in range(3):  # the policy moves away from the reference
+        module.zero_grad(set_to_none=True)
+        module(batch).loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        moved = module(batch)
+    kl, agree = moved.metrics["policy/kl"].item(), moved.metrics["drift/greedy_agreement"].item()
+    assert kl > 1e-4 and 0.0 <= agree < 1.0
+    # the KL is the k3 estimate over the completion tokens: recompute it from the two policies' log-probs
+    from lightning_codraft.training.rl_loss import token_logprobs
+
+    num = 0.0
+    with torch.no_grad():
+        for mb in batch.split(2):
+            logits = [m(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids).logits
+                      for m in (module.policy, module.reference)]
+            lp, ref = (token_logprobs(lg, mb.target_ids) for lg in logits)
+            d = ref - lp
+            k3 = (d.exp() - d - 1) * mb.loss_mask
+            num_mb, den_mb = k3.sum().item(), mb.loss_mask.sum().item()
+            num += num_mb / den_mb / 2  # the step's value: the mean of the 2 microbatches' token means
+    assert kl == pytest.approx(num, rel=1e-4)
+    # without a reference the metric is refused, not silently zero
+    with pytest.raises(ValueError, match="track_drift=True needs batch.ref_logprobs or a reference policy"):
+        CoDraftModule(*make_models(), track_drift=True)(batch)
