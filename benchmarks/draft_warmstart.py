@@ -181,11 +181,13 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=2000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=64)
-    ap.add_argument("--gen-budget-min", type=float, default=30.0)
+    ap.add_argument("--budget-min", type=float, default=58.0, help="wall-time budget of the whole warm start")
+    ap.add_argument("--gen-share", type=float, default=0.45, help="share of the budget spent sampling the corpus")
+    ap.add_argument("--gen-budget-min", type=float, default=None)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--epochs", type=float, default=3.0)
-    ap.add_argument("--fit-budget-min", type=float, default=15.0)
+    ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--precision", default="bf16-mixed", help="draft fit: 32-true or bf16-mixed")
     ap.add_argument("--gen-dtype", default="bfloat16", help="dtype of the policy copy that samples the corpus "
@@ -200,7 +202,7 @@ def main(argv=None) -> None:
         args.heldout, args.num_prompts, args.max_new_tokens, args.gen_batch = 8, 24, 12, 8
         args.draft_vocab, args.ttt_steps, args.epochs, args.batch_tokens = 24, 2, 2, 128
         args.eval_every, args.eval_prompts, args.eval_max_new_tokens, args.val_docs = 3, 4, 12, 3
-        args.gen_budget_min = args.fit_budget_min = None
+        args.gen_budget_min = args.fit_budget_min = args.budget_min = None
     torch.set_num_threads(args.threads)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,6 +218,8 @@ def main(argv=None) -> None:
     settings = WarmStartSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  generation_batch=args.gen_batch, seed=args.seed, fit=fit,
+                                 time_budget_s=args.budget_min * 60 if args.budget_min else None,
+                                 generation_share=args.gen_share,
                                  generation_dtype=None if args.gen_dtype == "none" else args.gen_dtype,
                                  generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None)
     held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:args.eval_prompts]]

@@ -20,6 +20,7 @@ what it can:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import random
@@ -65,6 +66,11 @@ class WarmStartSettings:
     """Prompts per ``generate`` call."""
     generation_budget_s: float | None = None
     """Stop generating (between batches) after this many seconds; None: all ``num_prompts``."""
+    time_budget_s: float | None = None
+    """Wall-time budget of the whole warm start: generation stops (between batches) once ``generation_share`` of it
+    is spent, and the fit gets what is left after the feature pass (``fit.time_budget_s`` caps it further)."""
+    generation_share: float = 0.45
+    """Share of ``time_budget_s`` given to sampling the corpus."""
     generation_dtype: str | None = None
     """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; 3x faster decoding on
     this machine's CPU); None: the policy as it is. The features and soft targets always come from the policy."""
@@ -89,6 +95,8 @@ class WarmStartSettings:
         if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'bfloat16', 'float16' or "
                              "'float32'")
+        if not 0 < self.generation_share < 1:
+            raise ValueError(f"generation_share={self.generation_share} must be in (0, 1)")
         if self.heldout_prompts < 0 or self.temperature <= 0:
             raise ValueError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
                              f"{self.temperature} > 0 (the warm start samples, like the rollouts)")
@@ -163,8 +171,10 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
 
 
 def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
-                    log: Callable[[str], None] = print) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft."""
+                    log: Callable[[str], None] = print,
+                    budget_s: float | None = None) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft;
+    stops between batches once ``budget_s`` seconds are spent."""
     if settings.generation_dtype is not None:
         policy = copy.deepcopy(policy).to(getattr(torch, settings.generation_dtype))
     engine = SpeculativeEngine(policy, None, 0)
@@ -179,7 +189,7 @@ def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmS
         n = sum(len(x) for _, x in out)
         log(f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
             f"({n / max(dt, 1e-9):.0f} tok/s)")
-        if settings.generation_budget_s is not None and dt >= settings.generation_budget_s:
+        if budget_s is not None and dt >= budget_s:
             break
     return out
 
@@ -230,7 +240,8 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     policy_key = state_fingerprint(policy)
     gen = {k: v for k, v in asdict(settings).items() if k in ("num_prompts", "heldout_prompts", "max_new_tokens",
                                                               "temperature", "top_p", "generation_batch",
-                                                              "generation_budget_s", "generation_dtype", "seed")}
+                                                              "generation_budget_s", "generation_dtype", "seed",
+                                                              "time_budget_s", "generation_share")}
     corpus_key = _digest(policy_key, gen, prompts)
     key = _digest(corpus_key, asdict(draft.config), asdict(settings))
     draft_dir = cache_dir / f"draft-{key}"
@@ -249,7 +260,9 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         corpus = [(p, c) for p, c in json.loads((corpus_dir / "samples.json").read_text())]
         log(f"draft warm start: {len(corpus)} cached responses from {corpus_dir}")
     else:
-        corpus = generate_corpus(policy, tokenizer, prompts, settings, log)
+        budgets = [b for b in (settings.generation_budget_s, settings.time_budget_s and
+                                settings.time_budget_s * settings.generation_share) if b]
+        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None)
         if not corpus:
             raise ValueError("the policy produced no response token for any training prompt")
         corpus_dir.mkdir(exist_ok=True)
@@ -294,8 +307,12 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
             on_eval({**entry, "warmstart_seconds": t - t_start - outside[0]})
             outside[0] += time.perf_counter() - t
 
+    fit = settings.fit
+    if settings.time_budget_s:
+        left = settings.time_budget_s - (time.perf_counter() - t_start) - 10.0  # 10 s for saving the draft
+        fit = dataclasses.replace(fit, time_budget_s=max(1e-3, min(left, fit.time_budget_s or left)))
     t0 = time.perf_counter()
-    result: FitResult = fit_draft(draft, policy.embed, cache, settings.fit, log=log, on_eval=eval_hook)
+    result: FitResult = fit_draft(draft, policy.embed, cache, fit, log=log, on_eval=eval_hook)
     report.fit_s = time.perf_counter() - t0 - outside[0]
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []

@@ -255,8 +255,8 @@ class DraftFitConfig:
     eval_every: int = 50
     """Optimizer steps between validation reports (and ``on_eval`` calls); the last step always reports."""
     time_budget_s: float | None = None
-    """Stop after this much training time (validation excluded); the schedule then runs on
-    ``max(step share, time share)`` so the learning rate has decayed when the budget ends."""
+    """Stop within this many seconds of training and held-out reports (``on_eval`` time excluded); the schedule
+    runs on ``max(step share, time share)`` so the learning rate has decayed when the budget ends."""
     seed: int = 0
     """Shuffle order of the documents each epoch."""
     precision: str = "32-true"
@@ -286,7 +286,7 @@ class FitResult:
     tokens_seen: int = 0
     """Target rows (draft-loss rows of step 0) trained on, counting repeats across epochs."""
     train_seconds: float = 0.0
-    """Training time, validation and callbacks excluded."""
+    """Training and held-out report time (``on_eval`` callbacks excluded)."""
     losses: list[float] = field(default_factory=list)
     """Draft loss of every step."""
     history: list[dict] = field(default_factory=list)
@@ -352,7 +352,7 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
         cache: the policy's features (:func:`build_feature_cache`).
         config: see :class:`DraftFitConfig`.
         log: receives one progress line per report.
-        on_eval: called with each report dict (see :attr:`FitResult.history`); its time is not training time.
+        on_eval: called with each report dict (see :attr:`FitResult.history`); its time is not counted.
 
     Returns:
         :class:`FitResult`.
@@ -370,10 +370,14 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     rng = np.random.default_rng(config.seed)
     result = FitResult()
-    clock, window = 0.0, []
+    clock, val_cost, window = 0.0, 0.0, []
 
     def report(step: int) -> None:
+        nonlocal clock, val_cost
+        t0 = time.perf_counter()
         acc = evaluate_draft(draft, embed, cache, val_docs, config) if val_docs else []
+        val_cost = time.perf_counter() - t0
+        clock += val_cost
         entry = dict(step=step, seconds=round(clock, 2), tokens_seen=result.tokens_seen,
                      loss=float(np.mean(window)) if window else float("nan"), val_accuracy=acc,
                      val_acceptance=implied_acceptance_length(acc))
@@ -409,7 +413,8 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
             window.append(result.losses[-1])
             result.tokens_seen += int(out.total[0])
             clock += time.perf_counter() - t0
-            stop = step >= total_steps or bool(config.time_budget_s and clock >= config.time_budget_s)
+            # stop early enough for the last held-out report to fit in the budget too
+            stop = step >= total_steps or bool(config.time_budget_s and clock + val_cost >= config.time_budget_s)
             if step % config.eval_every == 0 or stop:
                 draft.eval()
                 report(step)

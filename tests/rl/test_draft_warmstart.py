@@ -99,6 +99,13 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [3, 3, 4]
 
 
+def test_time_budget_bounds_generation_and_fit(tmp_path):
+    tok, policy, draft = _models()
+    rep = warm_start_draft(policy, tok, FixedTask(), draft, _settings(time_budget_s=1e-3), tmp_path, log=lambda s: None)
+    assert rep.prompts == 5  # one generation batch, then the budget is spent
+    assert rep.fit["steps"] == 1 and len(rep.fit["history"]) == 1
+
+
 def test_benchmark_smoke(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "draft_warmstart.py"), "--smoke",
                           "--out-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")],
