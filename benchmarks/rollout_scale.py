@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, args, out: str, init_from, queue) 
     try:
         from lightning_codraft.rl.build import encode_prompt
         from lightning_codraft.rl.loop import CoDraftRun
-        from lightning_codraft.rl.rollouts import request_seed
+        from lightning_codraft.rl.rollouts import rollout_seed
 
         cfg = _config(args, Path(out), world, init_from)
         run = CoDraftRun(cfg, print_fn=lambda s: None)
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, args, out: str, init_from, queue) 
         prompts = run.fit_prompts([encode_prompt(run.tokenizer, s.prompt) for s in samples])
         G = args.group_size
         requests = [p for p in prompts for _ in range(G)]
-        seeds = [request_seed(cfg.run.seed, 0, i // G, i % G) for i in range(len(requests))]
+        seeds = [rollout_seed(cfg.run.seed, 0, i // G, i % G) for i in range(len(requests))]
         times = {m: [] for m in MODES}
         sync, digests, tokens, counts = [], {m: set() for m in MODES}, {}, {}
         for r in range(args.rounds + 1):  # round 0 warms up
@@ -157,9 +157,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="tiny-cpu")
     ap.add_argument("--worlds", default="1,2,4", help="process counts, among 1, 2, 4")
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
     ap.add_argument("--recipe-overrides", nargs="*", default=[], help="key=value overrides of the recipe")

@@ -69,7 +69,11 @@ class DraftConfig:
     lr: float = 3e-3
     """Draft learning rate during RL co-training."""
     loss_weight: float = 1.0
-    """lambda in L = L_rl + lambda * L_draft."""
+    """lambda in L = L_rl + lambda * L_draft (0 = a frozen draft). The draft reads detached policy features, so its
+    parameters get gradient from lambda * L_draft alone and AdamW normalises lambda away: any lambda > 0 trains
+    alike (docs/benchmarks/drift.md); tune ``lr`` instead."""
+    train_every: int = 1
+    """Co-train the draft on every N-th RL step only (its loss is still scored every step)."""
     warmup_steps: int = 200
     """Offline warm-start steps of the draft on the policy's own features before RL (0 = none)."""
     warmup_batch_size: int = 32
@@ -92,6 +96,15 @@ class TaskConfig:
     """Arithmetic only: most operands per problem."""
     max_operand: int = 9
     """Arithmetic only: operands are drawn from 0..max_operand."""
+    styles: list[str] = field(default_factory=lambda: ["symbols"])
+    """Arithmetic only: styles of the worked solutions the SFT warm-up teaches, among ``symbols``
+    (``3+4=7,7-2=5#5``) and ``words`` (``3 plus 4 is 7, 7 minus 2 is 5#5``)."""
+    style_weights: Optional[list[float]] = None
+    """Arithmetic only: how often each of ``styles`` is drawn (null: uniform)."""
+    required_style: Optional[str] = None
+    """Arithmetic only: the built-in reward scores a correct answer only when the whole completion is written in
+    this style (null: any). With SFT on mostly one style and RL requiring the other, the policy drifts
+    (benchmarks/drift.py)."""
     reward: Optional[str] = None
     """Dotted path ``package.module:function`` of a reward ``fn(prompt, completion, answer) -> float``;
     null = the task's built-in exact-answer reward."""
@@ -347,6 +360,17 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     t = cfg.task
     if t.name == "arithmetic" and not 2 <= t.min_terms <= t.max_terms:
         raise ConfigError(f"need 2 <= task.min_terms <= task.max_terms, got {t.min_terms}, {t.max_terms}")
+    styles = ("symbols", "words")  # rl.tasks.STYLES (config imports nothing of the library)
+    for name in [*t.styles, t.required_style]:
+        if name is not None and name not in styles:
+            raise ConfigError(f"task style {name!r} (task.styles / task.required_style) is not one of {styles}")
+    if not t.styles:
+        raise ConfigError("task.styles is empty; give at least one of ('symbols', 'words')")
+    if t.style_weights is not None and (len(t.style_weights) != len(t.styles) or min(t.style_weights) < 0
+                                        or sum(t.style_weights) <= 0):
+        raise ConfigError(f"task.style_weights={list(t.style_weights)} needs one weight >= 0 per entry of "
+                          f"task.styles={list(t.styles)}, not all 0")
+    _positive("draft.train_every", cfg.draft.train_every)
     _positive("sft.steps", cfg.sft.steps, 0)
     _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)
     _positive("run.max_nonfinite_steps", cfg.run.max_nonfinite_steps)

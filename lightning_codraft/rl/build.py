@@ -60,7 +60,9 @@ class HFTokenizer:
 def build_task(cfg) -> ArithmeticTask | GSM8KTask:
     """The task of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`)."""
     if cfg.name == "arithmetic":
-        return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand)
+        return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand,
+                              styles=tuple(cfg.styles), required_style=cfg.required_style,
+                              style_weights=None if cfg.style_weights is None else tuple(cfg.style_weights))
     if cfg.name == "gsm8k":
         return GSM8KTask(source=cfg.source, limit=cfg.limit)
     raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k')")

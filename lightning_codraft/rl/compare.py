@@ -1,14 +1,16 @@
-"""The headline comparison: no draft vs a frozen draft vs the co-trained draft, same seeds, one process.
+"""Arms run side by side from the same seeds: no draft vs a frozen draft vs the co-trained draft (and variants).
 
-All arms start from the same warmed-up policy and draft (the SFT warm-up and the draft's offline warm-start
-run once, in the first arm set up) and see the same prompts and sampling seeds. Their RL steps run
-interleaved (step s of every arm, then step s+1), so machine load affects every arm alike and the speed-up
-ratios are measured side by side:
+All arms start from the same warmed-up policy and draft (the SFT warm-up and the draft's offline warm-start run
+once, in the first arm set up) and see the same prompts and sampling seeds. Their RL steps run interleaved (step s
+of every arm, then step s+1), so machine load affects every arm alike and the speed-up ratios are measured side by
+side:
 
 * rollout speed-up = (completion tokens / rollout seconds) of the arm over that of the no-draft arm;
 * end-to-end speed-up = (completion tokens / whole-step seconds: rollout + train + sync) likewise.
 
-Speculative decoding is lossless, so the reward curves differ only by sampling noise.
+Speculative decoding is lossless (with coupled sampling the arms' rollouts are the same tokens until their policies
+differ by round-off of the draft's share of the step), so reward curves differ only by noise. Arms are judged by
+paired per-step differences (``rl.stats.paired_difference``), never by one step.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.logs import plot_curves
 from lightning_codraft.rl.loop import CoDraftRun, FitResult
+from lightning_codraft.rl.stats import PairedDifference, paired_difference
 
 ARMS = ("none", "frozen", "cotrain")
 LABELS = {"none": "no draft", "frozen": "frozen draft", "cotrain": "co-trained draft"}
@@ -30,15 +33,23 @@ LABELS = {"none": "no draft", "frozen": "frozen draft", "cotrain": "co-trained d
 
 @dataclass
 class CompareResult:
-    """Per-arm results of :func:`compare_arms`.
+    """Per-arm results of :func:`compare_arms` / :func:`run_side_by_side`.
 
     Attributes:
-        cfg: the base config (its ``draft.mode`` is overridden per arm).
-        results: arm -> :class:`FitResult` (per-step rows, greedy accuracy before / after).
+        cfg: the base config.
+        results: arm name -> :class:`FitResult` (per-step rows, greedy accuracy before / after).
+        labels: arm name -> label in tables (default: :data:`LABELS`, else the name).
     """
 
     cfg: CoDraftConfig
     results: dict[str, FitResult] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def label(self, arm: str) -> str:
+        return self.labels.get(arm, LABELS.get(arm, arm))
+
+    def series(self, arm: str, key: str) -> list[float]:
+        return [r[key] for r in self.results[arm].rows]
 
     def totals(self, arm: str) -> dict[str, float]:
         rows = self.results[arm].rows
@@ -56,10 +67,16 @@ class CompareResult:
             "eval_before": self.results[arm].eval_before, "eval_after": self.results[arm].eval_after,
         }
 
-    def speedups(self, arm: str) -> tuple[float, float]:
-        """(rollout, end-to-end) speed-up of ``arm`` over the no-draft arm."""
-        base, t = self.totals("none"), self.totals(arm)
-        return t["rollout_tps"] / base["rollout_tps"], t["e2e_tps"] / base["e2e_tps"]
+    def speedups(self, arm: str, base: str = "none") -> tuple[float, float]:
+        """(rollout, end-to-end) speed-up of ``arm`` over ``base`` (token throughput ratios)."""
+        b, t = self.totals(base), self.totals(arm)
+        return t["rollout_tps"] / b["rollout_tps"], t["e2e_tps"] / b["e2e_tps"]
+
+    def paired(self, a: str, b: str, key: str, last_half: bool = True) -> PairedDifference:
+        """Per-step ``a - b`` of ``key`` (over the last half of the steps by default) with its 95% CI."""
+        x, y = self.series(a, key), self.series(b, key)
+        start = len(x) // 2 if last_half else 0
+        return paired_difference(x[start:], y[start:])
 
     def reward_noise(self) -> float:
         """Standard error of a per-step mean reward (binomial, from the pooled mean): the noise scale."""
@@ -68,8 +85,8 @@ class CompareResult:
         p = sum(self.totals(a)["reward_mean"] for a in self.results) / len(self.results)
         return math.sqrt(max(p * (1 - p), 1e-12) / n)
 
-    def table(self) -> str:
-        """A markdown table: one row per arm."""
+    def table(self, base: Optional[str] = "none") -> str:
+        """A markdown table: one row per arm (speed-ups over ``base`` when it ran)."""
         k = self.cfg.draft.num_speculative_tokens
         lines = [f"| arm | mean reward | reward, last half | greedy acc. before -> after | acceptance length "
                  f"(K={k}), last step | mean | rollout tok/s | rollout speed-up | end-to-end tok/s | "
@@ -77,8 +94,8 @@ class CompareResult:
                  "|---|---|---|---|---|---|---|---|---|---|"]
         for arm in self.results:
             t = self.totals(arm)
-            ro, e2e = self.speedups(arm) if "none" in self.results else (math.nan, math.nan)
-            lines.append(f"| {LABELS[arm]} | {t['reward_mean']:.3f} | {t['reward_last_half']:.3f} | "
+            ro, e2e = self.speedups(arm, base) if base in self.results else (math.nan, math.nan)
+            lines.append(f"| {self.label(arm)} | {t['reward_mean']:.3f} | {t['reward_last_half']:.3f} | "
                          f"{t['eval_before']:.3f} -> {t['eval_after']:.3f} | {t['acceptance_last']:.2f} | "
                          f"{t['acceptance_mean']:.2f} | {t['rollout_tps']:.1f} | {ro:.2f}x | {t['e2e_tps']:.1f} | "
                          f"{e2e:.2f}x |")
@@ -87,79 +104,101 @@ class CompareResult:
 
 def arm_config(cfg: CoDraftConfig, arm: str, out: Path, init_from: str | None) -> CoDraftConfig:
     """``cfg`` with ``draft.mode = arm``, its own output directory, no resume, checkpoint only at the end."""
-    return dataclasses.replace(
-        cfg, draft=dataclasses.replace(cfg.draft, mode=arm),
-        run=dataclasses.replace(cfg.run, out_dir=str(out / arm), resume=False, init_from=init_from,
-                                checkpoint_every=0, progress=False))
+    return isolated(dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=arm)), out / arm, init_from)
+
+
+def isolated(cfg: CoDraftConfig, out: Path, init_from: str | None) -> CoDraftConfig:
+    """``cfg`` writing to ``out``, starting from ``init_from`` (or warming up), no resume, no periodic checkpoint."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out), resume=False,
+                                                             init_from=init_from, checkpoint_every=0,
+                                                             progress=False))
+
+
+def run_side_by_side(configs: Mapping[str, CoDraftConfig], out: str | Path, base: CoDraftConfig,
+                     print_fn: Callable[[str], None] = print) -> CompareResult:
+    """Run every ``name -> config`` arm interleaved, step by step, from one warm start.
+
+    The first arm whose draft trains offline (``draft.mode != "none"``) is set up first and warms up (or starts from
+    its ``run.init_from``); the others start from its warmed-up weights. Outputs go under ``out/<name>``. All arms
+    must run the same number of RL steps.
+    """
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    steps = {c.rl.steps for c in configs.values()}
+    if len(steps) != 1:
+        raise ValueError(f"arms must run the same number of RL steps, got {sorted(steps)}")
+    names = list(configs)
+    first = next((n for n in names if configs[n].draft.mode != "none"), names[0])
+    runs: dict[str, CoDraftRun] = {}
+    for name in [first] + [n for n in names if n != first]:
+        init = configs[name].run.init_from if name == first else str(out / first / "warm")
+        runs[name] = CoDraftRun(isolated(configs[name], out / name, init),
+                                print_fn=lambda s, n=name: print_fn(f"[{n}] {s}"))
+        runs[name].setup()
+    for step in range(steps.pop()):
+        line = [f"step {step + 1}:"]
+        for name in names:
+            m = runs[name].step(step)
+            runs[name].end_step(step, m)
+            line.append(f"{name} reward {m.reward:.3f} accept {m.acceptance_length:.2f} rollout {m.rollout_s:.1f}s")
+        print_fn("  ".join(line))
+    res = CompareResult(cfg=base)
+    for name in names:
+        res.results[name] = runs[name].finish()
+    return res
 
 
 def compare_arms(cfg: CoDraftConfig, arms: Sequence[str] = ARMS,
                  print_fn: Callable[[str], None] = print) -> CompareResult:
-    """Run the arms on ``cfg`` (outputs under ``run.out_dir/bench/<arm>``) and return their results."""
+    """Run the arms (``draft.mode`` values) on ``cfg`` (outputs under ``run.out_dir/bench/<arm>``)."""
     for a in arms:
         if a not in ARMS:
             raise ValueError(f"unknown arm {a!r}; arms are {ARMS}")
-    out = Path(cfg.run.out_dir) / "bench"
-    if out.exists():
-        shutil.rmtree(out)
-    # the arm that warms up must train the draft offline (mode != none): it is set up first
-    first = "cotrain" if "cotrain" in arms else arms[0]
-    order = [first] + [a for a in arms if a != first]
-    runs: dict[str, CoDraftRun] = {}
-    for a in order:
-        # the first arm warms up (or starts from run.init_from when given); the others from its weights
-        init = cfg.run.init_from if a == first else str(out / first / "warm")
-        runs[a] = CoDraftRun(arm_config(cfg, a, out, init), print_fn=lambda s, a=a: print_fn(f"[{a}] {s}"))
-        runs[a].setup()
-    for step in range(cfg.rl.steps):
-        line = [f"step {step + 1}/{cfg.rl.steps}:"]
-        for a in arms:
-            m = runs[a].step(step)
-            runs[a].end_step(step, m)
-            line.append(f"{a} reward {m.reward:.3f} accept {m.acceptance_length:.2f} rollout {m.rollout_s:.1f}s")
-        print_fn("  ".join(line))
-    res = CompareResult(cfg=cfg)
-    for a in arms:
-        res.results[a] = runs[a].finish()
-    return res
+    configs = {a: dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=a)) for a in arms}
+    return run_side_by_side(configs, Path(cfg.run.out_dir) / "bench", cfg, print_fn)
+
+
+def paired_lines(res: CompareResult) -> list[str]:
+    """Markdown lines: per-step paired differences (last half of the run) between the arms that ran."""
+    lines = []
+    if "cotrain" in res.results and "frozen" in res.results:
+        lines.append(f"- acceptance length, co-trained - frozen, last half: "
+                     f"{res.paired('cotrain', 'frozen', 'acceptance_length')}")
+        lines.append(f"- reward, co-trained - frozen, whole run: "
+                     f"{res.paired('cotrain', 'frozen', 'reward', last_half=False)}")
+    if "none" in res.results:
+        for a in res.results:
+            if a != "none":
+                lines.append(f"- reward, {res.label(a)} - no draft, whole run: "
+                             f"{res.paired(a, 'none', 'reward', last_half=False)}")
+    return lines
 
 
 def write_report(res: CompareResult, out_dir: str | Path, name: str = "rl") -> Path:
-    """``<out_dir>/<name>.md`` with the table, the per-step curves and the goals; PNG plots beside it."""
+    """``<out_dir>/<name>.md`` with the table, the paired statistics and the per-step curves (PNG beside it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    series = {LABELS[a]: r.rows for a, r in res.results.items()}
-    png = plot_curves(series, out / f"{name}_curves.png", keys=("reward", "acceptance_length", "rollout_s"),
-                      title="no draft vs frozen vs co-trained draft (same seeds)")
+    series = {res.label(a): r.rows for a, r in res.results.items()}
+    png = plot_curves(series, out / f"{name}_curves.png", keys=("reward", "acceptance_length", "kl", "rollout_s"),
+                      title="arms from the same seeds")
     c = res.cfg
-    lines = [f"# RL with an online co-trained draft vs a frozen draft vs no draft", "",
+    lines = ["# RL with an online co-trained draft vs a frozen draft vs no draft", "",
              f"Task `{c.task.name}`, policy `{c.model.source}` "
              f"({c.model.num_hidden_layers} layers, hidden {c.model.hidden_size}), {c.rl.steps} GRPO steps x "
              f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, temperature {c.rl.temperature}, "
-             f"K = {c.draft.num_speculative_tokens}, embedded engine, {c.parallel.accelerator}. Same seeds in every "
-             f"arm; steps interleaved across arms; ratios measured side by side in this one run.", "",
-             res.table(), "", f"![curves]({png.name})", ""]
-    if "none" in res.results:
-        noise = res.reward_noise()
-        lines.append(f"Reward noise scale (binomial standard error of one step's mean reward): {noise:.3f}.")
-        for a in res.results:
-            if a != "none":
-                d = res.totals(a)["reward_mean"] - res.totals("none")["reward_mean"]
-                se = noise * math.sqrt(2.0 / len(res.results[a].rows))  # SE of a difference of two run means
-                lines.append(f"- {LABELS[a]}: mean reward differs from no draft by {d:+.3f} = {abs(d) / se:.1f} "
-                             f"standard errors of the difference of two {len(res.results[a].rows)}-step means.")
-        lines.append("")
-    lines += [f"Conditions: the embedded engine decodes `parallel.engine_batch_size = {c.parallel.engine_batch_size}` "
-              "sequence(s) at a time. On CPU a large decode batch is compute-bound, so verifying K+1 tokens costs "
-              "about K+1 single-token steps and speculation stops paying; small batches keep decoding "
-              "latency-bound, the regime of GPU decoding. Wall times come from one shared machine and are "
-              "noisy step to step; the ratios are over all steps of arms run interleaved.",
-              "", "Reproduce: `python benchmarks/codraft_vs_frozen.py` (or `codraft bench --config "
-              "recipes/tiny-cpu.yaml --out docs/benchmarks`).", ""]
-    lines.append("Per step (reward / acceptance length):")
-    lines.append("")
+             f"K = {c.draft.num_speculative_tokens} ({'adaptive' if c.draft.adaptive else 'fixed'}), embedded "
+             f"engine decoding {c.parallel.engine_batch_size or 'all'} sequence(s) at a time, "
+             f"{c.parallel.accelerator}. Same seeds in every arm; steps interleaved across arms; ratios measured "
+             f"side by side in this one run.", "", res.table(), "", f"![curves]({png.name})", ""]
+    counts = {len(r.rows) for r in res.results.values()}
+    if len(counts) == 1 and counts.pop() >= 4:
+        lines += ["Paired per-step differences (mean, 95% confidence interval, steps where the first arm is "
+                  "higher):", "", *paired_lines(res), ""]
+    lines += ["Reproduce: `python benchmarks/codraft_vs_frozen.py` (or `codraft bench --config "
+              "recipes/tiny-cpu.yaml --out docs/benchmarks`).", "", "Per step (reward / acceptance length):", ""]
     arms = list(res.results)
-    lines.append("| step | " + " | ".join(LABELS[a] for a in arms) + " |")
+    lines.append("| step | " + " | ".join(res.label(a) for a in arms) + " |")
     lines.append("|---|" + "---|" * len(arms))
     for i in range(len(res.results[arms[0]].rows)):
         cells = [f"{res.results[a].rows[i]['reward']:.3f} / {res.results[a].rows[i]['acceptance_length']:.2f}"

@@ -33,15 +33,16 @@ from torch import nn
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
+from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
 from lightning_codraft.rollout.weight_sync import WeightSync
 
 
-def request_seed(seed: int, step: int, prompt: int, sample: int) -> int:
-    """The sampling seed of one request: a function of the run's seed, the step, the prompt's index in the step and
-    the sample's index in its group, nothing else (placement-invariant rollouts)."""
-    return ((((seed * 1_000_003 + step) * 100_019 + prompt) * 1_009 + sample) * 2_654_435_761) % (2**63 - 1)
+def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The sampling seed of one RL request: a hash of the run's seed, the step, the prompt's index in the step and
+    the sample's index in its group, nothing else (placement-invariant rollouts); in ``[0, 2**63)``."""
+    return request_seed(request_seed(request_seed(seed, step), prompt), sample)
 
 
 def share(num_requests: int, parts: int, index: int) -> range:
@@ -214,7 +215,7 @@ class RolloutWorker:
 
         Args:
             requests: the group's requests (prompt token ids), the same list on every rank of the group.
-            seeds: one sampling seed per request (see :func:`request_seed`).
+            seeds: one sampling seed per request (see :func:`rollout_seed`).
             temperature: default ``rl.temperature``.
             group: ``"replica"`` (the replica's pp x cp ranks), ``"world"``, or None (this rank alone).
 

@@ -21,7 +21,7 @@ from lightning_codraft.fabric import fabric_training_step
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
 from lightning_codraft.rl.rewards import score_completions
-from lightning_codraft.rl.rollouts import request_seed
+from lightning_codraft.rl.rollouts import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
 
 
@@ -127,7 +127,7 @@ class RLStep:
         prompts = fit_prompts([encode_prompt(tok, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens)
         requests = [p for p in prompts for _ in range(G)]
         first = dims.dp_rank * per_rank  # the step's index of this replica's first prompt
-        seeds = [request_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
+        seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
         sync_s = self.worker.prepare()  # the engine's weights: the training state after `step` updates
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
         self.worker.release()
@@ -150,6 +150,7 @@ class RLStep:
         self.last_rollouts = rollouts
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
+        self.model.train_draft_this_step = step % self.cfg.draft.train_every == 0
         t0 = time.perf_counter()
         m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
         train_s = time.perf_counter() - t0

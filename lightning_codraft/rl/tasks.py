@@ -4,6 +4,12 @@ A task yields :class:`TaskSample` items (prompt text, reference answer, worked s
 completion with an exact-answer reward. The arithmetic task is learnable by a tiny policy trained from
 scratch: the worked solution spells each partial sum (``"3+4-2="`` -> ``"3+4=7,7-2=5#5"``), so most
 completion tokens are copies a draft predicts well, and the final answer after ``#`` is checked exactly.
+
+**Solution styles** make a policy that drifts, as RL post-training reshapes a model's style: the SFT solutions
+mix ``symbols`` (``3+4=7,7-2=5#5``) and ``words`` (``3 plus 4 is 7, 7 minus 2 is 5#5``) with ``style_weights``,
+and ``required_style`` makes the reward count only completions written in that style. A policy fine-tuned on
+mostly-symbols solutions and then rewarded for words moves its whole output distribution to the style it rarely
+used: the drift benchmark (benchmarks/drift.py) measures what that does to a frozen vs a co-trained draft.
 """
 
 from __future__ import annotations
@@ -73,6 +79,19 @@ class CharTokenizer:
 
 
 _ANSWER_RE = re.compile(r"#\s*(-?\d+)")
+STYLES = ("symbols", "words")
+"""Solution styles of the arithmetic task."""
+_STEP = {"symbols": r"-?\d+[+-]\d+=-?\d+", "words": r"-?\d+ (?:plus|minus) \d+ is -?\d+"}
+_STYLE_RE = {k: re.compile(f"{v}(?:{',' if k == 'symbols' else ', '}{v})*#-?\\d+") for k, v in _STEP.items()}
+
+
+def solution_style(completion: str) -> str | None:
+    """The style a completion is written in (``symbols`` / ``words``), or None when it follows neither."""
+    text = completion.strip()
+    for style, pattern in _STYLE_RE.items():
+        if pattern.fullmatch(text):
+            return style
+    return None
 
 
 def arithmetic_reward(prompt: str, completion: str, answer: str) -> float:
@@ -89,11 +108,17 @@ class ArithmeticTask:
         min_terms: fewest operands in a problem (>= 2).
         max_terms: most operands in a problem.
         max_operand: operands are drawn uniformly from ``0..max_operand``.
+        styles: the styles the worked solutions are written in (:data:`STYLES`).
+        style_weights: how often each of ``styles`` is drawn for a solution (None: uniform).
+        required_style: the reward counts a correct answer only in this style (None: any text with ``#answer``).
     """
 
     min_terms: int = 2
     max_terms: int = 3
     max_operand: int = 9
+    styles: tuple[str, ...] = ("symbols",)
+    style_weights: tuple[float, ...] | None = None
+    required_style: str | None = None
 
     def __post_init__(self):
         if not 2 <= self.min_terms <= self.max_terms:
@@ -101,19 +126,35 @@ class ArithmeticTask:
                              f"max_terms={self.max_terms}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
+        self.styles = tuple(self.styles)
+        bad = [x for x in (*self.styles, self.required_style) if x is not None and x not in STYLES]
+        if bad or not self.styles:
+            raise ValueError(f"styles={list(self.styles)} / required_style={self.required_style!r}: every style must "
+                             f"be one of {STYLES} and styles non-empty")
+        if self.style_weights is not None:
+            self.style_weights = tuple(float(w) for w in self.style_weights)
+            if len(self.style_weights) != len(self.styles) or min(self.style_weights) < 0 or \
+                    sum(self.style_weights) <= 0:
+                raise ValueError(f"style_weights={list(self.style_weights)} needs one weight >= 0 per style "
+                                 f"{list(self.styles)}, not all 0")
 
     def make(self, rng: random.Random) -> TaskSample:
         """Draw one problem with ``rng``."""
         n = rng.randint(self.min_terms, self.max_terms)
         nums = [rng.randint(0, self.max_operand) for _ in range(n)]
         ops = [rng.choice("+-") for _ in range(n - 1)]
+        style = self.styles[0] if len(self.styles) == 1 else rng.choices(self.styles, self.style_weights)[0]
         prompt = str(nums[0]) + "".join(o + str(x) for o, x in zip(ops, nums[1:])) + "="
         acc, steps = nums[0], []
         for o, x in zip(ops, nums[1:]):
             new = acc + x if o == "+" else acc - x
-            steps.append(f"{acc}{o}{x}={new}")
+            if style == "words":
+                steps.append(f"{acc} {'plus' if o == '+' else 'minus'} {x} is {new}")
+            else:
+                steps.append(f"{acc}{o}{x}={new}")
             acc = new
-        return TaskSample(prompt=prompt, answer=str(acc), solution=",".join(steps) + f"#{acc}")
+        sep = ", " if style == "words" else ","
+        return TaskSample(prompt=prompt, answer=str(acc), solution=sep.join(steps) + f"#{acc}")
 
     def sample(self, n: int, seed: int) -> list[TaskSample]:
         """``n`` problems, a pure function of ``seed`` (so a resumed run sees the same prompts)."""
@@ -121,5 +162,8 @@ class ArithmeticTask:
         return [self.make(rng) for _ in range(n)]
 
     def reward(self, prompt: str, completion: str, answer: str) -> float:
-        """The task's built-in exact-answer reward (:func:`arithmetic_reward`)."""
+        """The task's built-in exact-answer reward (:func:`arithmetic_reward`); with ``required_style``, only a
+        completion written wholly in that style (:func:`solution_style`) can score."""
+        if self.required_style is not None and solution_style(completion) != self.required_style:
+            return 0.0
         return arithmetic_reward(prompt, completion, answer)

@@ -77,6 +77,10 @@ class CoDraftModule(LightningModule):
         """The reference policy's pipeline stage runner under pp > 1 (forward only)."""
         self.released_bytes = 0
         """Bytes of parameters this rank dropped under PP (the other stages' slices)."""
+        self.train_draft_this_step = True
+        """False skips the draft's update in the coming optimizer step (its loss is still scored; its gradients are
+        dropped after the backward, so AdamW leaves the draft and its moments untouched): co-training every N-th
+        step (``draft.train_every``). Set it to the same value on every rank."""
         self._stage_binding: Optional[tuple] = None  # (pp, stage, layers_per_stage) once pruned to a stage
         self.nonfinite_guard = NonFiniteGuard(self.config.max_nonfinite_steps)
         """Skips steps with a non-finite loss or gradient; stops after ``max_nonfinite_steps`` in a row."""
@@ -380,8 +384,11 @@ class CoDraftModule(LightningModule):
         if self.pipeline is not None and self.sharding != "fsdp":  # FSDP2 reduced them in the backward
             reduce_gradients([p for p in self.parameters() if p.requires_grad], dims.dp_cp_group)
         groups = {"policy": self.policy.parameters()}
-        if self.config.trains_draft:
+        if self.config.trains_draft and self.train_draft_this_step:
             groups["draft"] = self.draft.parameters()
+        elif self.config.trains_draft:  # an off step: AdamW skips parameters without a gradient
+            for p in self.draft.parameters():
+                p.grad = None
         return grad_norms(groups, self.config.grad_clip, dims.pp_group)
 
     def training_step(self, batch: RLBatch, batch_idx: int = 0) -> Tensor:

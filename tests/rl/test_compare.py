@@ -24,6 +24,10 @@ def test_speedups_are_token_throughput_ratios(tmp_path):
     path = write_report(res, tmp_path / "docs")
     text = path.read_text()
     assert "| 4 | 0.300 / 1.00 | 0.200 / 3.00 | 0.300 / 3.50 |" in text
+    # paired per-step statistics: co-trained - frozen acceptance over the last half (steps 3, 4: +0.5 each)
+    assert "- acceptance length, co-trained - frozen, last half: +0.500 (95% CI +0.500 .. +0.500; sd 0.000; 2/2" in text
+    d = res.paired("cotrain", "frozen", "reward", last_half=False)
+    assert (d.n, d.wins) == (4, 1) and math.isclose(d.mean, 0.0, abs_tol=1e-12)
     assert (tmp_path / "docs" / "rl_curves.png").stat().st_size > 1000
 
 

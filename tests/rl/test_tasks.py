@@ -49,3 +49,34 @@ def test_char_tokenizer_round_trip_and_errors():
     rng = random.Random(0)
     assert tok.decode([tok.pad_token_id, tok.bos_token_id] + tok.encode("12")) == "12"
     assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}) == 3 and rng is not None
+
+
+def test_solution_styles_mix_and_the_reward_can_require_one():
+    from lightning_codraft.rl.tasks import ArithmeticTask, solution_style
+
+    task = ArithmeticTask(styles=("symbols", "words"), style_weights=(0.75, 0.25), required_style="words")
+    samples = task.sample(400, seed=3)
+    styles = [solution_style(s.solution) for s in samples]
+    assert set(styles) == {"symbols", "words"} and 0.18 < styles.count("words") / 400 < 0.32
+    for s, st in zip(samples, styles):  # every solution is correct; only the required style scores
+        assert task.reward(s.prompt, s.solution, s.answer) == (1.0 if st == "words" else 0.0)
+    w = next(s for s, st in zip(samples, styles) if st == "words")
+    assert " is " in w.solution and ("plus" in w.solution or "minus" in w.solution)
+    assert task.reward(w.prompt, w.solution.replace(f"#{w.answer}", "#999"), w.answer) == 0.0  # wrong answer
+    assert solution_style("3+4=7 and 7#7") is None and solution_style("3 plus 4 is 7#7") == "words"
+    # one style: the prompts, answers and solutions of the plain task (same random stream)
+    plain, one = ArithmeticTask().sample(20, seed=1), ArithmeticTask(styles=("symbols",)).sample(20, seed=1)
+    assert plain == one
+    with pytest.raises(ValueError, match="one of"):
+        ArithmeticTask(styles=("prose",))
+    with pytest.raises(ValueError, match="one weight >= 0 per style"):
+        ArithmeticTask(styles=("symbols", "words"), style_weights=(1.0,))
+
+
+def test_style_config_errors_name_the_key():
+    from lightning_codraft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task style 'prose'"):
+        load_config(None, ["task.required_style=prose"])
+    with pytest.raises(ConfigError, match="task.style_weights"):
+        load_config(None, ["task.styles=[symbols,words]", "task.style_weights=[1.0]"])

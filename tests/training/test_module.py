@@ -1,3 +1,4 @@
+import math
 import numpy as np
 import pytest
 import torch
@@ -304,3 +305,31 @@ def test_drift_metrics_are_zero_for_an_unchanged_policy_and_grow_after_a_step():
     # without a reference the metric is refused, not silently zero
     with pytest.raises(ValueError, match="track_drift=True needs batch.ref_logprobs or a reference policy"):
         CoDraftModule(*make_models(), track_drift=True)(batch)
+
+
+def test_an_off_step_leaves_the_draft_and_its_adam_moments_untouched():
+    """``train_draft_this_step = False`` (draft.train_every > 1): the policy updates, the draft does not move and
+    AdamW's draft moments do not advance, then the next on-step trains it as usual."""
+    from lightning_codraft.training.step import optimizer_step
+
+    module = CoDraftModule(*make_models(), draft_lr=1e-2, policy_lr=1e-2)
+    optimizer, scheduler = module.build_optimizer()
+    batch = make_batch(5, num_docs=4)
+
+    def snapshot(m):
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    optimizer_step(module, module, batch, optimizer, scheduler)  # an on-step: the draft has Adam state now
+    draft_state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in module.draft.parameters()}
+    before_policy, before_draft = snapshot(module.policy), snapshot(module.draft)
+    module.train_draft_this_step = False
+    metrics = optimizer_step(module, module, batch, optimizer, scheduler)
+    assert "grad_norm/draft" not in metrics and math.isfinite(metrics["draft/loss"].item())  # scored, not trained
+    assert any(not torch.equal(p, before_policy[n]) for n, p in module.policy.named_parameters())
+    for n, p in module.draft.named_parameters():
+        assert torch.equal(p, before_draft[n]), n
+        for k, v in optimizer.state[p].items():
+            assert torch.equal(v, draft_state[id(p)][k]), (n, k)
+    module.train_draft_this_step = True
+    optimizer_step(module, module, batch, optimizer, scheduler)
+    assert any(not torch.equal(p, before_draft[n]) for n, p in module.draft.named_parameters())

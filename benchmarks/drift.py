@@ -1,0 +1,193 @@
+"""What co-training is for: a policy that drifts, a frozen draft that decays, a co-trained draft that holds.
+
+    python benchmarks/drift.py [--config recipes/tiny-drift.yaml] [--name drift] [--out docs/benchmarks] [key=value ...]
+    python benchmarks/drift.py --ablation [...]        # co-train every N steps, draft loss weight lambda
+
+Main mode: arms no draft / frozen draft / co-trained draft from the same seeds and the same warm start, steps
+interleaved (lightning_codraft.rl.compare), on a recipe whose RL really moves the policy (recipes/tiny-drift.yaml:
+SFT on mostly `symbols` solutions, RL rewarding `words` solutions). Reports per step reward, KL from the start
+policy, greedy agreement with it, acceptance length, rollout and step time; per arm the speed-ups over no draft;
+and judges co-trained against frozen by paired per-step differences over the last half of the run (mean, 95% CI).
+
+Ablation mode: co-trained arms that update the draft every 1 / 2 / 4 steps and with lambda in {0.1, 1, 10}, next to
+the frozen draft (lambda = 0), against acceptance length and step time.
+
+Writes ``<out>/<name>.md`` (+ ``<name>_curves.png``); prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lightning_codraft.config import load_config  # noqa: E402
+from lightning_codraft.rl.compare import CompareResult, compare_arms, run_side_by_side  # noqa: E402
+from lightning_codraft.rl.logs import plot_curves  # noqa: E402
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def acceptance_drift(res: CompareResult, arm: str) -> tuple[float, float, float]:
+    """(start, end, relative change) of an arm's acceptance length: step 1 vs the mean of the last quarter."""
+    acc = res.series(arm, "acceptance_length")
+    end = _mean(acc[-max(1, len(acc) // 4):])
+    return acc[0], end, end / acc[0] - 1.0
+
+
+def drift_table(res: CompareResult) -> str:
+    rows = ["| arm | acceptance at step 1 | last quarter | change | KL from start, last step | greedy agreement, "
+            "last step | rollout speed-up | end-to-end speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for arm in res.results:
+        last = res.results[arm].rows[-1]
+        ro, e2e = res.speedups(arm) if "none" in res.results else (math.nan, math.nan)
+        if arm == "none":
+            acc = "- | - | -"
+        else:
+            s, e, ch = acceptance_drift(res, arm)
+            acc = f"{s:.2f} | {e:.2f} | {100 * ch:+.1f}%"
+        rows.append(f"| {res.label(arm)} | {acc} | {last['kl']:.3f} | "
+                    f"{last['greedy_agreement']:.3f} | {ro:.2f}x | {e2e:.2f}x |")
+    return "\n".join(rows)
+
+
+def goals(res: CompareResult) -> list[str]:
+    """The issue's goals, each with its measured value and whether it holds."""
+    out = []
+    kl = res.series("cotrain", "kl")
+    q = max(1, len(kl) // 4)
+    out.append(f"KL from the start policy rises: first quarter {_mean(kl[:q]):.3f} -> last quarter "
+               f"{_mean(kl[-q:]):.3f} ({'yes' if _mean(kl[-q:]) > _mean(kl[:q]) else 'NO'})")
+    _, _, fch = acceptance_drift(res, "frozen")
+    out.append(f"frozen draft's acceptance falls by >= 25% of its start: {100 * -fch:.1f}% "
+               f"({'yes' if -fch >= 0.25 else 'NO'})")
+    _, _, cch = acceptance_drift(res, "cotrain")
+    out.append(f"co-trained draft stays within 10% of its start: {100 * cch:+.1f}% "
+               f"({'yes' if abs(cch) <= 0.10 else 'NO'})")
+    d = res.paired("cotrain", "frozen", "acceptance_length")
+    out.append(f"paired co-trained - frozen acceptance, last half >= +0.5 with its 95% CI above 0: {d} "
+               f"({'yes' if d.mean >= 0.5 and d.low > 0 else 'NO'})")
+    if "none" in res.results:
+        rc, rf = res.speedups("cotrain")[0], res.speedups("frozen")[0]
+        out.append(f"co-trained rollout speed-up above frozen: {rc:.2f}x vs {rf:.2f}x ({'yes' if rc > rf else 'NO'})")
+        for a in ("frozen", "cotrain"):
+            r = res.paired(a, "none", "reward", last_half=False)
+            out.append(f"reward agrees with no draft ({res.label(a)} - no draft, whole run; agreement = the 95% CI "
+                       f"contains 0): {r} ({'yes' if r.low <= 0 <= r.high else 'NO'})")
+    return out
+
+
+def per_step_table(res: CompareResult) -> str:
+    arms = list(res.results)
+    head = "| step | " + " | ".join(f"{res.label(a)}: reward / KL / acceptance" for a in arms) + " |"
+    lines = [head, "|---|" + "---|" * len(arms)]
+    for i in range(len(res.results[arms[0]].rows)):
+        cells = []
+        for a in arms:
+            r = res.results[a].rows[i]
+            cells.append(f"{r['reward']:.3f} / {r['kl']:.3f} / {r['acceptance_length']:.2f}")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _shown(path) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
+
+
+def setup_line(cfg, args) -> str:
+    c = cfg
+    return (f"Recipe `{Path(args.config).name}` ({' '.join(args.overrides) or 'as shipped'}): task `{c.task.name}` "
+            f"(SFT styles {list(c.task.styles)} weights {c.task.style_weights}, RL reward requires "
+            f"`{c.task.required_style}`), policy {c.model.source} ({c.model.num_hidden_layers} layers, hidden "
+            f"{c.model.hidden_size}), {c.rl.steps} GRPO steps x {c.rl.prompts_per_step} prompts x "
+            f"{c.rl.group_size} samples, lr {c.rl.lr}, temperature {c.rl.temperature}, K = "
+            f"{c.draft.num_speculative_tokens} ({'adaptive' if c.draft.adaptive else 'fixed'}), the embedded engine "
+            f"decoding {c.parallel.engine_batch_size or 'all'} sequence(s) at a time, draft lr {c.draft.lr}, "
+            f"{c.parallel.accelerator}, seed {c.run.seed}.")
+
+
+def run_main(cfg, args) -> str:
+    res = compare_arms(cfg)
+    out = Path(args.out)
+    png = plot_curves({res.label(a): r.rows for a, r in res.results.items()}, out / f"{args.name}_curves.png",
+                      keys=("reward", "kl", "greedy_agreement", "acceptance_length", "rollout_s"),
+                      title="drift: no draft vs frozen vs co-trained draft (same seeds)")
+    g = goals(res)
+    text = "\n".join([
+        f"# Drift: a frozen draft decays, a co-trained draft holds ({args.name})", "", setup_line(cfg, args), "",
+        "Arms from the same warm start and seeds, steps interleaved, ratios measured side by side in one run. "
+        "Acceptance length = tokens per verification round of the rollouts (fixed K: comparable across arms). "
+        "KL = k3 estimate of KL(policy || start policy) on the step's completions; greedy agreement = share of "
+        "completion positions where the policy's and the start policy's argmax agree.", "",
+        res.table(), "", drift_table(res), "", "Goals (issue #15):", "", *[f"- {x}" for x in g], "",
+        f"![curves]({png.name})", "", "Per step:", "", per_step_table(res), "",
+        f"Reproduce: `python benchmarks/drift.py --config {_shown(args.config)} --name {args.name}"
+        f"{' ' + ' '.join(args.overrides) if args.overrides else ''}`.", ""])
+    print(res.table())
+    print(drift_table(res))
+    print("\n".join(g))
+    return text
+
+
+ABLATION = {
+    "frozen (lambda = 0)": {"mode": "frozen"},
+    "every step, lambda = 1": {"mode": "cotrain"},
+    "every 2 steps": {"mode": "cotrain", "train_every": 2},
+    "every 4 steps": {"mode": "cotrain", "train_every": 4},
+    "lambda = 0.1": {"mode": "cotrain", "loss_weight": 0.1},
+    "lambda = 10": {"mode": "cotrain", "loss_weight": 10.0},
+}
+
+
+def run_ablation(cfg, args) -> str:
+    configs = {name: dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, **kw))
+               for name, kw in ABLATION.items()}
+    res = run_side_by_side(configs, Path(cfg.run.out_dir) / "ablation", cfg)
+    base = "every step, lambda = 1"
+    lines = ["| arm | acceptance, last half | vs every step (paired, last half) | vs frozen (paired, last half) | "
+             "train s per step | step s per step |", "|---|---|---|---|---|---|"]
+    for name in res.results:
+        acc = res.series(name, "acceptance_length")
+        half = acc[len(acc) // 2:]
+        vs = "-" if name == base else str(res.paired(name, base, "acceptance_length"))
+        vf = "-" if name.startswith("frozen") else str(res.paired(name, "frozen (lambda = 0)", "acceptance_length"))
+        lines.append(f"| {name} | {_mean(half):.2f} | {vs} | {vf} | {_mean(res.series(name, 'train_s')):.2f} | "
+                     f"{_mean(res.series(name, 'step_s')):.2f} |")
+    table = "\n".join(lines)
+    png = plot_curves({n: r.rows for n, r in res.results.items()}, Path(args.out) / f"{args.name}_curves.png",
+                      keys=("acceptance_length", "train_s"), title="ablation: how often and how strongly to co-train")
+    print(table)
+    return "\n".join([f"# Co-training ablation ({args.name})", "", setup_line(cfg, args), "",
+                      "All arms from the same warm start and seeds, interleaved. `every N steps` updates the draft on "
+                      "every N-th RL step only (`draft.train_every`; its backward still runs, the update is skipped); "
+                      "lambda is `draft.loss_weight`.", "", table, "", f"![curves]({png.name})", ""])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "recipes" / "tiny-drift.yaml"))
+    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    ap.add_argument("--name", default=None, help="report name (default: drift, or drift_ablation)")
+    ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    args = ap.parse_args(argv)
+    args.name = args.name or ("drift_ablation" if args.ablation else "drift")
+    cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides])
+    text = run_ablation(cfg, args) if args.ablation else run_main(cfg, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.md").write_text(text)
+    print(f"wrote {out / f'{args.name}.md'}")
+
+
+if __name__ == "__main__":
+    main()
