@@ -129,7 +129,8 @@ def run_side_by_side(configs: Mapping[str, CoDraftConfig], out: str | Path, base
     if len(steps) != 1:
         raise ValueError(f"arms must run the same number of RL steps, got {sorted(steps)}")
     names = list(configs)
-    first = next((n for n in names if configs[n].draft.mode != "none"), names[0])
+    modes = {n: configs[n].draft.mode for n in names}  # the co-trained arm's draft warm-up is the general case
+    first = next((n for n in names if modes[n] == "cotrain"), next((n for n in names if modes[n] != "none"), names[0]))
     runs: dict[str, CoDraftRun] = {}
     for name in [first] + [n for n in names if n != first]:
         init = configs[name].run.init_from if name == first else str(out / first / "warm")

@@ -110,7 +110,19 @@ def draft_warmup(module, batches: Sequence[RLBatch], steps: int, lr: float,
     if not batches:
         raise ValueError("draft_warmup needs at least one batch")
     draft, policy = module.draft, module.policy
-    params = [p for p in draft.parameters() if p.requires_grad]
+    params = list(draft.parameters())  # all of them: a draft frozen for RL (draft.mode=frozen) is warm-started too
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        return _fit_draft(module, batches, steps, params, lr, on_step)
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+def _fit_draft(module, batches, steps, params, lr, on_step) -> list[float]:
+    policy = module.policy
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))

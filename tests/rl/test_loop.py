@@ -115,3 +115,11 @@ def test_kl_to_the_reference_policy_is_scored_by_the_module(tmp_path):
                        "run.checkpoint_every=0", "task.reward=rewards_for_tests:digit_share_reward")
     rows = fit(cfg, print_fn=lambda s: None).rows
     assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 1e-6, [r["kl"] for r in rows]
+
+
+def test_a_frozen_draft_is_warm_started_too(tmp_path):
+    """draft.mode=frozen: the draft is fixed during RL but warm-started offline before it (its parameters do not
+    require gradients, which the warm-up must not mistake for "nothing to train")."""
+    cfg = micro_config(tmp_path, "draft.mode=frozen", "rl.steps=1", "task.eval_prompts=0", "run.plots=false")
+    res = fit(cfg, print_fn=lambda s: None)
+    assert res.completed and res.rows[0]["acceptance_length"] > 1.5
