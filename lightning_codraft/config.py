@@ -112,6 +112,11 @@ class TaskConfig:
     """When the reward raises: ``warn`` (score 0, warn naming the prompt, keep going) or ``raise`` (stop)."""
     eval_prompts: int = 64
     """Held-out prompts scored greedily before and after training (0 = skip)."""
+    eval_every: int = 0
+    """Every N RL steps also score the same held-out prompts during training: greedy accuracy and the reward of one
+    sample per prompt at the rollout temperature (fixed seeds), logged as ``eval_accuracy`` / ``eval_reward`` (NaN
+    on other steps). Unlike the step's reward, which is measured on that step's own prompts, these compare steps
+    on one fixed set. 0 = only before and after RL."""
 
 
 @dataclass
@@ -370,6 +375,7 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                                         or sum(t.style_weights) <= 0):
         raise ConfigError(f"task.style_weights={list(t.style_weights)} needs one weight >= 0 per entry of "
                           f"task.styles={list(t.styles)}, not all 0")
+    _positive("task.eval_every", cfg.task.eval_every, 0)
     _positive("draft.train_every", cfg.draft.train_every)
     _positive("sft.steps", cfg.sft.steps, 0)
     _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)

@@ -17,10 +17,10 @@ from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
-def greedy_accuracy(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn,
-                    on_error: str = "warn") -> float:
-    """Mean reward of the greedy (temperature 0) completions ``outputs`` of ``samples`` (lossless under
-    speculation; decode them with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``)."""
+def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn,
+                on_error: str = "warn") -> float:
+    """Mean reward of the completions ``outputs`` of ``samples`` (greedy ones: the greedy accuracy; decode them
+    with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``)."""
     if not samples:
         return float("nan")
     texts = [tokenizer.decode(o.token_ids) for o in outputs]

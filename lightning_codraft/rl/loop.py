@@ -22,6 +22,7 @@ whole modules; greedy evaluation and the speed-up run on global rank 0 (the lead
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -36,9 +37,9 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.rl.build import (build_draft, build_policy, build_reward, build_task, check_pipeline_split,
                                         encode_prompt, fit_prompts, module_config)
 from lightning_codraft.rl.checkpoints import RunCheckpoints
-from lightning_codraft.rl.evaluate import SpeedupResult, greedy_accuracy, measure_speedup
+from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
-from lightning_codraft.rl.rollouts import RolloutWorker
+from lightning_codraft.rl.rollouts import RolloutWorker, rollout_seed
 from lightning_codraft.rl.step import RLStep, StepMetrics
 from lightning_codraft.rl.warmup import run_warmups
 from lightning_codraft.training.module import CoDraftModule
@@ -179,8 +180,14 @@ class CoDraftRun:
         return {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler, **(extra or {})}
 
     def step(self, step: int) -> StepMetrics:
-        """Run RL step ``step`` (0-based) on every rank and return its metrics."""
-        return self.rl_step(step)
+        """Run RL step ``step`` (0-based) on every rank and return its metrics (with the held-out scores every
+        ``task.eval_every`` steps)."""
+        metrics = self.rl_step(step)
+        t = self.cfg.task
+        if t.eval_every and t.eval_prompts and (step + 1) % t.eval_every == 0:
+            metrics = dataclasses.replace(metrics, eval_accuracy=self.evaluate(t.eval_prompts),
+                                          eval_reward=self.evaluate(t.eval_prompts, self.cfg.rl.temperature))
+        return metrics
 
     def end_step(self, step: int, metrics: StepMetrics) -> None:
         """Record a finished step and checkpoint on schedule."""
@@ -208,16 +215,18 @@ class CoDraftRun:
         return self.finish()
 
     # ------------------------------------------------------------------ evaluation and the summary
-    def evaluate(self, n: int) -> float:
-        """Greedy accuracy on ``n`` held-out prompts, every rank of the world decoding a share (call on every
-        rank); the same value on every rank."""
+    def evaluate(self, n: int, temperature: float = 0.0) -> float:
+        """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample
+        per prompt with fixed seeds), every rank of the world decoding a share (call on every rank); the same value
+        on every rank."""
         samples = self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED)
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
+        seeds = [rollout_seed(self.cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
         self.worker.prepare()
         self.worker.policy.eval()
-        outs, _, _ = self.worker.generate(prompts, [0] * len(prompts), temperature=0.0, group="world")
+        outs, _, _ = self.worker.generate(prompts, seeds, temperature=temperature, group="world")
         self.worker.release()
-        return greedy_accuracy(outs, self.tokenizer, samples, self.reward_fn, on_error=self.cfg.task.on_reward_error)
+        return mean_reward(outs, self.tokenizer, samples, self.reward_fn, on_error=self.cfg.task.on_reward_error)
 
     def finish(self, completed: bool = True) -> FitResult:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""

@@ -68,6 +68,10 @@ class StepMetrics:
     greedy_agreement: float
     """Drift: share of the step's completion positions where the policy's and the start policy's most likely next
     token agree (1 = no drift; NaN without ``rl.track_drift``)."""
+    eval_accuracy: float
+    """Greedy accuracy on the fixed held-out prompts (``task.eval_every`` steps; NaN on the others)."""
+    eval_reward: float
+    """Mean reward of one sample per held-out prompt at the rollout temperature (``task.eval_every``; else NaN)."""
     skipped: float
     """1 when the update was skipped because the loss or a gradient was not finite, else 0."""
     rollout_s: float
@@ -168,7 +172,8 @@ class RLStep:
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
-            greedy_agreement=m.get("drift/greedy_agreement", math.nan), skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
+            greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
+            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
             step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
 
 

@@ -26,14 +26,16 @@ def micro_config(tmp, *extra):
 def micro_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("micro")
     # prompts starting with 7 make the reward raise: the run must survive and count the failures
-    cfg = micro_config(out, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4")
+    cfg = micro_config(out, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4",
+                       "task.eval_every=2")
     return cfg, fit(cfg, print_fn=lambda s: None)
 
 
 def _comparable(rows):
     """What a resumed run must reproduce: everything but wall times and the adaptive schedule (the rollouts are the
     same tokens; which k each round chose follows measured times)."""
-    return [{k: v for k, v in r.items() if k not in TIME_COLUMNS + SCHEDULE_COLUMNS} for r in rows]
+    return [{k: "nan" if v != v else v for k, v in r.items() if k not in TIME_COLUMNS + SCHEDULE_COLUMNS}
+            for r in rows]
 
 
 def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
@@ -50,6 +52,9 @@ def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
     assert sum(r["reward_failures"] for r in rows) > 0  # the flaky reward raised and the run went on
     # drift from the start policy (rl.track_drift, the default): none before the first update
     assert rows[0]["kl"] == 0.0 and rows[0]["greedy_agreement"] == 1.0
+    # task.eval_every=2: the fixed held-out set is scored on steps 2 (and not 1, 3)
+    assert math.isnan(rows[0]["eval_accuracy"]) and math.isnan(rows[2]["eval_reward"])
+    assert 0.0 <= rows[1]["eval_accuracy"] <= 1.0 and 0.0 <= rows[1]["eval_reward"] <= 1.0
     assert (out / "curves.png").stat().st_size > 1000
     assert list((out / "tb").glob("events.*"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{i:06d}" for i in range(4)]
@@ -66,7 +71,7 @@ def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
     shutil.rmtree(killed / "checkpoints" / "step-000003")
     shutil.rmtree(killed / "checkpoints" / "step-000002")
     cfg2 = micro_config(killed, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4",
-                        "task.eval_prompts=0", "run.plots=false")
+                        "task.eval_every=2", "run.plots=false")
     # kill again after one resumed step (no checkpoint written for it), then resume to the end
     part = fit(cfg2, stop_after=1, print_fn=lambda s: None)
     assert not part.completed and [r["step"] for r in part.rows] == [1.0, 2.0]
