@@ -190,6 +190,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--precision", default="bf16-mixed", help="draft fit: 32-true or bf16-mixed")
+    ap.add_argument("--feature-precision", default="bf16-mixed", help="policy feature pass: 32-true or bf16-mixed")
     ap.add_argument("--gen-dtype", default="bfloat16", help="dtype of the policy copy that samples the corpus "
                     "(none: the policy itself)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
@@ -219,7 +220,7 @@ def main(argv=None) -> None:
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  generation_batch=args.gen_batch, seed=args.seed, fit=fit,
                                  time_budget_s=args.budget_min * 60 if args.budget_min else None,
-                                 generation_share=args.gen_share,
+                                 generation_share=args.gen_share, feature_precision=args.feature_precision,
                                  generation_dtype=None if args.gen_dtype == "none" else args.gen_dtype,
                                  generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None)
     held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:args.eval_prompts]]

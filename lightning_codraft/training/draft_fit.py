@@ -152,7 +152,7 @@ def compact_logits(policy_logits: Tensor, target_ids: Tensor) -> Tensor:
 @torch.no_grad()
 def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], target_ids: Tensor, taps: Sequence[int],
                         path: str | os.PathLike, *, batch_tokens: int = 4096, dtype: str = "float16",
-                        temperature: float = 1.0,
+                        temperature: float = 1.0, precision: str = "32-true",
                         on_progress: Callable[[int, int], None] | None = None) -> FeatureCache:
     """Run the frozen ``policy`` once over ``docs`` and store its taps and compact logits.
 
@@ -168,8 +168,12 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         temperature: the policy's mean per-token entropy at this temperature over the target rows is recorded
             in ``meta["entropy"]`` (with ``meta["argmax_coverage"]``, the share of target rows whose top-1 is
             in the draft vocabulary).
+        precision: ``"32-true"``, or ``"bf16-mixed"`` to run the policy under bf16 autocast (4x faster on this
+            machine's CPU; taps and logits then carry bf16 rounding).
         on_progress: called with ``(tokens done, tokens total)`` after every forward.
     """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {sorted(_PRECISIONS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {sorted(_DTYPES)}")
     for i, (ids, start) in enumerate(docs):
@@ -199,9 +203,10 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in group])
         cu = torch.zeros(len(group) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor([lengths[d] for d in group]).cumsum(0)
-        dev = target_ids.device
-        out = policy(ids.to(dev), cu_seqlens=cu.to(dev), position_ids=position_ids_from_cu_seqlens(cu).long().to(dev),
-                     taps=tuple(taps))
+        dev, amp = target_ids.device, _PRECISIONS[precision]
+        pos = position_ids_from_cu_seqlens(cu).long().to(dev)
+        with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+            out = policy(ids.to(dev), cu_seqlens=cu.to(dev), position_ids=pos, taps=tuple(taps))
         starts = cu.tolist()
         rows = torch.cat([torch.arange(starts[j] + int(docs[d][1]), starts[j + 1] - 1) for j, d in enumerate(group)])
         logits = out.logits[rows.to(dev)].float()

@@ -98,6 +98,12 @@ def test_bf16_mixed_loss_and_gradients_track_fp32(tmp_path):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
     with pytest.raises(ValueError, match="precision='fp8'"):
         DraftFitConfig(precision="fp8")
+    # the feature pass under bf16 autocast: the same cache up to bf16 rounding
+    c16 = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "b",
+                              precision="bf16-mixed")
+    b16 = c16.batch(list(range(6)))
+    torch.testing.assert_close(b16["taps"], batch["taps"], rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(b16["compact_logits"], batch["compact_logits"], rtol=5e-2, atol=5e-2)
 
 
 def test_cache_round_trip_and_fp16(tmp_path):
