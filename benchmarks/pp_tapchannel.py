@@ -57,7 +57,7 @@ VARIANTS = ("no_draft", "draft_local", "tapchannel", "inband")
 class LocalTaps(TapChannel):
     """``draft_local``: nothing is sent; the last stage gets zeros for remote taps (same draft compute)."""
 
-    def begin(self, num_microbatches, shape, dtype, device="cpu"):
+    def begin(self, num_microbatches, shape, dtype, device="cpu", window=None):
         self._active, self._num_microbatches, self._shape, self._dtype = True, num_microbatches, tuple(shape), dtype
         self._local, self._sent = {}, set()
         self._zeros = torch.zeros(shape, dtype=dtype, device=device)
@@ -77,7 +77,7 @@ class LocalTaps(TapChannel):
 class InbandTaps(TapChannel):
     """``inband``: taps ride in the stage outputs; this object only holds them between stage and loss."""
 
-    def begin(self, num_microbatches, shape, dtype, device="cpu"):
+    def begin(self, num_microbatches, shape, dtype, device="cpu", window=None):
         self._active, self._num_microbatches, self._shape, self._dtype = True, num_microbatches, tuple(shape), dtype
         self._carried = {m: {} for m in range(num_microbatches)}
 
