@@ -49,7 +49,7 @@ _TINY_RL = ["sft.steps=2", "draft.warmup_steps=2", "rl.prompts_per_step=2", "rl.
 
 
 def test_drift_smoke(tmp_path):
-    text = _run("drift.py", "--out", tmp_path, "--name", "d", f"run.out_dir={tmp_path / 'run'}", "rl.steps=3", *_TINY_RL)
+    text = _run("drift.py", "--out", tmp_path, "--name", "d", f"run.out_dir={tmp_path / 'run'}", "rl.steps=4", *_TINY_RL)
     assert "frozen draft's acceptance falls" in text and "co-trained draft |" in text
     md = (tmp_path / "d.md").read_text()
     assert "Goals (issue #15)" in md and "| step |" in md and (tmp_path / "d_curves.png").is_file()
@@ -57,7 +57,7 @@ def test_drift_smoke(tmp_path):
 
 def test_drift_ablation_smoke(tmp_path):
     text = _run("drift.py", "--ablation", "--out", tmp_path, "--name", "a", f"run.out_dir={tmp_path / 'run'}",
-                "rl.steps=2", *_TINY_RL)
+                "rl.steps=4", *_TINY_RL)
     assert "| every 4 steps |" in text and "| lambda = 10 |" in text and "| draft lr / 3 |" in text
     assert (tmp_path / "a.md").is_file()
 
