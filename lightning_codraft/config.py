@@ -80,6 +80,13 @@ class DraftConfig:
     """Sequences per offline warm-start step."""
     warmup_lr: float = 3e-3
     """Learning rate of the offline warm-start."""
+    warm_start: Optional[dict] = None
+    """Self-distillation warm start instead of ``warmup_steps``: fields of
+    :class:`~lightning_codraft.rl.draft_warmstart.WarmStartSettings` (e.g. ``{num_prompts: 512, time_budget_s:
+    1800}``): the draft is fitted on the policy's own responses to the task's training prompts and cached."""
+    warm_start_cache: str = "~/.cache/lightning_codraft/draft_warmstart"
+    """Directory of the warm start's caches (corpus, features, finished draft), keyed by the policy's weights and
+    the settings, so a later run of the same recipe loads its draft and a different policy never does."""
 
 
 @dataclass

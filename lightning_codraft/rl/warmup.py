@@ -9,21 +9,26 @@
   features (taps and logits of a frozen policy): the TTT loss of
   :func:`~lightning_codraft.training.draft_loss.ttt_draft_loss` through the override points of
   :class:`~lightning_codraft.training.module.CoDraftModule`, the same code path as co-training.
+* ``draft.warm_start`` replaces it by self-distillation on many more of the policy's responses, cached on disk
+  (:func:`~lightning_codraft.rl.draft_warmstart.warm_start_draft`): the real-model warm start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from lightning_codraft.batch import RLBatch
-from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models.vocab import build_vocab_mapping
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, warm_start_draft
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, sft_batch
 from lightning_codraft.rl.tasks import TaskSample
 from lightning_codraft.rollout.speculative import SpeculativeEngine
@@ -176,11 +181,26 @@ def draft_pool(cfg: CoDraftConfig, policy, draft, tokenizer, task, context: int)
             for i in range(0, len(rollouts), bs)]
 
 
+def warm_start_settings(cfg: CoDraftConfig) -> WarmStartSettings:
+    """``draft.warm_start`` as :class:`WarmStartSettings` (a :class:`ConfigError` naming the bad key or value)."""
+    try:
+        return WarmStartSettings(**dict(cfg.draft.warm_start))
+    except TypeError as e:
+        valid = ", ".join(f.name for f in dataclasses.fields(WarmStartSettings))
+        raise ConfigError(f"draft.warm_start: {e}; valid keys: {valid}") from None
+    except ValueError as e:
+        raise ConfigError(f"draft.warm_start: {e}") from None
+
+
 def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
                 log: Callable[[str], None] = print) -> dict[str, float]:
     """The run's warm-ups on the whole modules: SFT of the policy (``sft.steps``), then the draft's offline
-    warm-start on the policy's own samples (``draft.warmup_steps``); returns their final losses."""
+    warm-start on the policy's own samples: self-distillation with its cache (``draft.warm_start``) or
+    ``draft.warmup_steps`` steps on a small pool; returns their final losses (and the warm start's implied
+    acceptance)."""
     info: dict[str, float] = {}
+    if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
+        warm_start_settings(cfg)  # bad keys fail before the SFT runs
     if cfg.sft.steps > 0:
         t0 = time.perf_counter()
         every = max(1, cfg.sft.steps // 5)
@@ -191,7 +211,11 @@ def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
         info["sft_loss"] = losses[-1]
         log(f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    if cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0:
+    if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
+        report = warm_start_draft(module.policy, tokenizer, task, module.draft, warm_start_settings(cfg),
+                                  Path(cfg.draft.warm_start_cache).expanduser(), log=log)
+        info["draft_warmstart_acceptance"] = report.val_acceptance
+    elif cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0:
         t0 = time.perf_counter()
         batches = draft_pool(cfg, module.policy, module.draft, tokenizer, task, context)
         every = max(1, cfg.draft.warmup_steps // 5)

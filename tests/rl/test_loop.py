@@ -1,9 +1,10 @@
+import dataclasses
 import math
 import shutil
 
 import pytest
 
-from lightning_codraft.config import load_config
+from lightning_codraft.config import ConfigError, load_config
 from lightning_codraft.rl.logs import read_metrics
 from lightning_codraft.rl.loop import fit
 from lightning_codraft.rl.rewards import RewardError
@@ -128,3 +129,27 @@ def test_a_frozen_draft_is_warm_started_too(tmp_path):
     cfg = micro_config(tmp_path, "draft.mode=frozen", "rl.steps=1", "task.eval_prompts=0", "run.plots=false")
     res = fit(cfg, print_fn=lambda s: None)
     assert res.completed and res.rows[0]["acceptance_length"] > 1.5
+
+
+def test_recipe_warm_start_self_distills_caches_and_reuses_the_draft(tmp_path):
+    """draft.warm_start: the draft is fitted on the policy's own responses (not the warmup_steps pool), cached
+    under draft.warm_start_cache, and a second run of the same recipe loads it instead of fitting again."""
+    ws = ("draft.warm_start={num_prompts: 8, max_new_tokens: 8, generation_batch: 8, "
+          "fit: {epochs: 1, batch_tokens: 64, val_docs: 2, ttt_steps: 2}}")
+    cfg = micro_config(tmp_path / "a", ws, f"draft.warm_start_cache={tmp_path / 'cache'}", "rl.steps=1",
+                       "task.eval_prompts=0", "run.plots=false", "draft.warmup_steps=0")
+    lines = []
+    first = fit(cfg, print_fn=lines.append)
+    assert first.completed and any("saved" in l and "draft-" in l for l in lines)
+    assert len(list((tmp_path / "cache").glob("draft-*/COMPLETE"))) == 1
+    lines.clear()
+    again = fit(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(tmp_path / "b"))),
+                print_fn=lines.append)
+    assert any("cache hit" in l for l in lines) and not any("warm start: generated" in l for l in lines)
+    assert again.rows[0]["acceptance_length"] == first.rows[0]["acceptance_length"]
+
+
+def test_recipe_warm_start_rejects_unknown_keys(tmp_path):
+    cfg = micro_config(tmp_path, "draft.warm_start={prompts: 8}", "rl.steps=1")
+    with pytest.raises(ConfigError, match="draft.warm_start: .*prompts.*valid keys: num_prompts"):
+        fit(cfg, print_fn=lambda s: None)

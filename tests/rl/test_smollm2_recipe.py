@@ -15,10 +15,13 @@ def test_smollm2_recipe_runs_on_gsm8k(tmp_path):
 
     cfg = load_config(REPO / "recipes" / "smollm2-135m-cpu.yaml", [
         "rl.steps=1", "rl.prompts_per_step=1", "rl.group_size=2", "rl.max_new_tokens=16", "task.eval_prompts=2",
-        "draft.warmup_steps=2", "draft.warmup_batch_size=2", "draft.draft_vocab_size=1024",
+        "draft.warm_start={num_prompts: 2, heldout_prompts: 32, max_new_tokens: 8, generation_batch: 2, "
+        "generation_dtype: bfloat16, feature_precision: bf16-mixed, fit: {epochs: 1, batch_tokens: 64, val_docs: 1}}",
+        f"draft.warm_start_cache={tmp_path / 'cache'}", "draft.draft_vocab_size=1024",
         "run.checkpoint_every=0", "run.progress=false", f"run.out_dir={tmp_path}"])
     res = fit(cfg, print_fn=lambda s: None)
     assert res.completed and len(res.rows) == 1
     row = res.rows[0]
     assert row["completion_tokens"] > 0 and 1.0 <= row["acceptance_length"] <= 5.0
+    assert len(list((tmp_path / "cache").glob("draft-*/COMPLETE"))) == 1  # the recipe's self-distillation warm start
     assert math.isfinite(row["draft_loss"]) and math.isfinite(res.eval_before) and math.isfinite(res.eval_after)
