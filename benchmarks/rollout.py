@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -178,14 +179,26 @@ def first_difference(a, b) -> str:
     return f"lengths {len(a.token_ids)} vs {len(b.token_ids)}"
 
 
-def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repeats: int, case: str) -> dict:
-    """Every arm on ``prompts`` (one batch), alternating, ``repeats`` times; the cell's row."""
+def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repeats: int, case: str,
+            min_cpu_s: float) -> dict:
+    """Every arm on ``prompts`` (one batch), alternating, ``repeats`` times (each timing ``inner`` calls, so that
+    one lasts about ``min_cpu_s`` of CPU); the cell's row."""
     B = len(prompts)
     engines = engines_for(model, B)
     seeds = [1000 * B + i for i in range(B)]
-    kw = dict(temperature=T, stop_token_ids=model.stop, request_seeds=seeds)
-    for arm in ARMS:  # warm-up (untimed): allocator, first-call paths, the adaptive engine's calibration at B
-        engines[arm].generate(prompts, min(max_new, 8), **kw)
+    kw_of = lambda seeds: dict(temperature=T, stop_token_ids=model.stop, request_seeds=seeds)  # noqa: E731
+    kw = kw_of(seeds)
+    # warm-up (untimed): allocator and first-call paths on 2 prompts; the adaptive engine on all B (its cost model
+    # calibrates at B when no batch size within a factor 2 was timed) or, once calibrated, on 2 prompts too
+    c0 = time.process_time()
+    engines["none"].generate(prompts[:2], min(max_new, 8), **kw_of(seeds[:2]))
+    per_token = (time.process_time() - c0) / 2 / min(max_new, 8)
+    engines["fixed"].generate(prompts[:2], min(max_new, 8), **kw_of(seeds[:2]))
+    if model.adaptive.controller.costs.needs_calibration(B):
+        engines["adaptive"].generate(prompts, 2, **kw)
+    engines["adaptive"].generate(prompts[:2], min(max_new, 8), **kw_of(seeds[:2]))
+    # short runs (the tiny model: ~0.05 s) are timed over `inner` calls, so a measurement lasts ~min_cpu_s
+    inner = max(1, min(50, math.ceil(min_cpu_s / max(per_token * B * max_new, 1e-6))))
     cpu = {a: [] for a in ARMS}
     wall = {a: [] for a in ARMS}
     outs, mismatches = {}, []
@@ -193,7 +206,8 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
         order = ARMS[r % 3:] + ARMS[:r % 3]
         for arm in order:
             c0, w0 = time.process_time(), time.perf_counter()
-            outs[arm] = engines[arm].generate(prompts, max_new, **kw)
+            for _ in range(inner):
+                outs[arm] = engines[arm].generate(prompts, max_new, **kw)
             cpu[arm].append(time.process_time() - c0)
             wall[arm].append(time.perf_counter() - w0)
         for arm in ("fixed", "adaptive"):  # losslessness: the same tokens as plain decoding
@@ -202,17 +216,19 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
                     mismatches.append(f"{arm} request {i}, repeat {r}: {first_difference(a, b)}")
     lengths = [len(o.token_ids) for o in outs["none"]]
     tokens = sum(lengths)
-    row = dict(model=model.name, case=case, B=B, T=T, max_new_tokens=max_new, repeats=repeats, tokens=tokens,
+    row = dict(model=model.name, case=case, B=B, T=T, max_new_tokens=max_new, repeats=repeats, inner=inner,
+               tokens=tokens,
                lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)], mismatches=mismatches)
     for arm in ARMS:
         stats = AcceptanceStats.total(o.stats for o in outs[arm])
         rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
         row[arm] = dict(
-            cpu_s=statistics.median(cpu[arm]), wall_s=statistics.median(wall[arm]),
-            tok_s_cpu=tokens / statistics.median(cpu[arm]), tok_s_wall=tokens / statistics.median(wall[arm]),
+            cpu_s=statistics.median(cpu[arm]) / inner, wall_s=statistics.median(wall[arm]) / inner,
+            tok_s_cpu=inner * tokens / statistics.median(cpu[arm]),
+            tok_s_wall=inner * tokens / statistics.median(wall[arm]),
             fwd_per_tok=(stats.policy_forwards + B) / tokens, acc_len=stats.acceptance_length,
             mean_k=stats.mean_k, plain_rounds=stats.plain_rounds, rounds=rounds,
-            wall_per_round=statistics.median(wall[arm]) / max(rounds, 1),
+            wall_per_round=statistics.median(wall[arm]) / inner / max(rounds, 1),
             speedup_cpu=statistics.median(c0 / c for c0, c in zip(cpu["none"], cpu[arm])),
             speedup_wall=statistics.median(w0 / w for w0, w in zip(wall["none"], wall[arm])))
     # adaptive against the better of no draft and fixed K=4, paired per repeat
@@ -300,9 +316,12 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              "`request_seeds` in every arm; B prompts decoded together (`max_batch_size=B`), stop at EOS. Arms: "
              "no draft; fixed K=4; adaptive (`adaptive=True`, k in 0..4 chosen each round; one adaptive engine per "
              "model kept across the cells, as the RL loop keeps it across steps).",
-             f"- Timing: each arm warmed up once per cell (untimed, 8 tokens: the adaptive engine's cost-model "
-             f"calibration at that batch size happens there), then {args.repeats} repeats in which the arms "
-             f"alternate (order rotating). tokens/s = generated tokens / median time; **CPU** = "
+             f"- Timing: each arm warmed up once per cell (untimed, 8 tokens on 2 prompts; the adaptive engine "
+             f"also decodes 2 tokens of the B prompts the first time it meets a batch size, where its cost model "
+             f"calibrates), then repeats (per model: {args.repeats}) in which "
+             f"the arms alternate (order rotating); a timed measurement of a short run repeats the call `inner` "
+             f"times (column in rollout.json) so that it lasts ~{args.min_cpu_s:g} s of CPU. tokens/s = generated "
+             "tokens / median time; **CPU** = "
              "`time.process_time()` of the process (one thread, so other jobs' load barely moves it), wall = "
              "`time.perf_counter()`. Speed-ups are medians over repeats of the ratio against the no-draft run of "
              "the same repeat (side by side). policy fwd / token counts the prefill.",
@@ -318,7 +337,7 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
     if args.findings:
         lines += ["## Findings", "", Path(args.findings).read_text().strip(), ""]
     lines += ["## Batch sizes x temperatures", "",
-              f"max_new_tokens as listed; {args.repeats} repeats. acceptance length = tokens per drafting round "
+              f"max_new_tokens as listed; repeats {args.repeats}. acceptance length = tokens per drafting round "
               "(1 + accepted / drafting rounds); mean k = drafted tokens per round, plain rounds included.", ""]
     lines += table(grid) + [""]
     lines += ["## Long tail: a batch that narrows as it runs", "",
@@ -378,6 +397,15 @@ def plot(rows, path: Path) -> None:
     plt.close(fig)
 
 
+def per_model(spec: str) -> dict[str, int]:
+    """``"tiny=7,smollm2=3"`` -> ``{"tiny": 7, "smollm2": 3}``; ``"5"`` -> ``{"*": 5}``."""
+    out = {}
+    for part in str(spec).split(","):
+        name, _, n = part.rpartition("=")
+        out[name or "*"] = int(n)
+    return out
+
+
 def main() -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
@@ -387,7 +415,9 @@ def main() -> int:
     ap.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
     ap.add_argument("--max-new-tokens", default="tiny=40,smollm2=32",
                     help="per model (name=N,...) or one N for all: tokens per request in the grid")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", default="tiny=5,smollm2=2", help="per model (name=N,...) or one N for all")
+    ap.add_argument("--min-cpu-s", type=float, default=0.5, help="a timed measurement repeats the generate call "
+                    "until it lasts about this long (short tiny runs)")
     ap.add_argument("--long-tail-batch", type=int, default=16, help="0: skip the long-tail case")
     ap.add_argument("--long-tail-tokens", type=int, default=300, help="max_new_tokens of SmolLM2's long tail "
                     "(tiny: its context minus the prompt)")
@@ -403,6 +433,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--findings", default=None, help="a markdown file whose text goes in the report's Findings")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--report-only", default=None, help="rebuild the report from a rollout.json of an earlier run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -410,33 +441,38 @@ def main() -> int:
     if "smollm2" in keys and args.smollm2_draft is None:
         ap.error(f"no SmolLM2 draft: {SMOLLM2_DRAFT} does not exist; produce one with `python "
                  "benchmarks/draft_warmstart.py` and pass its draft-<key>/ directory as --smollm2-draft")
-    max_new = {}
-    for part in args.max_new_tokens.split(","):
-        name, _, n = part.rpartition("=")
-        max_new[name or "*"] = int(n)
+    max_new, repeats = per_model(args.max_new_tokens), per_model(args.repeats)
     rows, notes = [], {}
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+        return finish(saved["rows"], saved["notes"], args, saved.get("elapsed_s", 0.0), out)
+    save = lambda: (out / "rollout.json").write_text(json.dumps(  # noqa: E731
+        {"rows": rows, "notes": notes, "elapsed_s": time.perf_counter() - start, "argv": sys.argv}, indent=1))
     print(HEADER, flush=True)
-    for key in keys:
+    for key in keys:  # the long tail first: with the grid, the longest part of a run
         model = {"tiny": tiny_model, "smollm2": smollm2_model}[key](args)
         notes[model.name] = model.notes
-        n = max_new.get(key, max_new.get("*", 32))
+        n, reps = max_new.get(key, max_new.get("*", 32)), repeats.get(key, repeats.get("*", 3))
+        if args.long_tail_batch:
+            room = int(model.policy.config.max_position_embeddings) - max(map(len, model.long_prompts))
+            lt_tokens = min(args.long_tail_tokens, room) if key == "smollm2" else room
+            rows.append(measure(model, model.long_prompts, model.long_temperature, lt_tokens,
+                                args.long_tail_repeats or reps, "long-tail", args.min_cpu_s))
+            print(fmt_row(rows[-1]), flush=True)
+            save()
         for B in args.batch_sizes:
             for T in args.temperatures:
-                rows.append(measure(model, model.prompts[:B], T, n, args.repeats, "grid"))
+                rows.append(measure(model, model.prompts[:B], T, n, reps, "grid", args.min_cpu_s))
                 print(fmt_row(rows[-1]), flush=True)
-                (out / "rollout.json").parent.mkdir(parents=True, exist_ok=True)
-                (out / "rollout.json").write_text(json.dumps(rows, indent=1))
-        if args.long_tail_batch:
-            lt_tokens = args.long_tail_tokens if key == "smollm2" else \
-                int(model.policy.config.max_position_embeddings) - max(map(len, model.long_prompts))
-            lt_tokens = min(lt_tokens, int(model.policy.config.max_position_embeddings)
-                            - max(map(len, model.long_prompts)))
-            rows.append(measure(model, model.long_prompts, model.long_temperature, lt_tokens,
-                                args.long_tail_repeats or args.repeats, "long-tail"))
-            print(fmt_row(rows[-1]), flush=True)
-            (out / "rollout.json").write_text(json.dumps(rows, indent=1))
-    md = write_report(rows, notes, args, time.perf_counter() - start, out)
+                save()
+    save()
+    return finish(rows, notes, args, time.perf_counter() - start, out)
+
+
+def finish(rows, notes, args, elapsed, out: Path) -> int:
+    md = write_report(rows, notes, args, elapsed, out)
     print("\nGoals (issue #14):")
     for s, v, t, ok in goals(rows):
         print(f"  {s}: {v:.2f}x (>= {t}x: {'holds' if ok else 'MISSED'})")

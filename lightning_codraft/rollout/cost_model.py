@@ -24,9 +24,20 @@ from lightning_codraft.rollout.sampling import sampling_logprobs
 
 
 def clock(device: torch.device) -> float:
-    """``time.perf_counter()`` after the device's queued work (CUDA kernels run asynchronously)."""
+    """Seconds for timing round blocks: ``time.perf_counter()`` after the device's queued work (CUDA kernels run
+    asynchronously); on a CPU device with one intra-op thread, the calling thread's CPU time (``time.thread_time()``).
+
+    With one thread every block runs on the calling thread, so its CPU time is the block's cost, and time the core
+    spends on other processes (a shared machine) is not charged to whichever block it happened to interrupt: with
+    wall time, the tiny-cpu policy at batch 16 on 2 cores shared by 3 jobs chose a mean k of 3.7, 4.0 and 0.04 in
+    three repeats of the same batch (acceptance ~4.5 at K=4); with CPU time 4.0 every time
+    (docs/benchmarks/rollout.md). More threads: wall time (the work of the other threads counts through it).
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        return time.perf_counter()
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time()
     return time.perf_counter()
 
 

@@ -64,7 +64,8 @@ def test_drift_ablation_smoke(tmp_path):
 
 def test_rollout_smoke(tmp_path):
     text = _run("rollout.py", "--models", "tiny", "--batch-sizes", "1,2", "--temperatures", 1, "--max-new-tokens", 8,
-                "--repeats", 1, "--long-tail-batch", 2, "--out", tmp_path, "--work-dir", tmp_path / "work",
+                "--repeats", 1, "--min-cpu-s", 0, "--long-tail-batch", 2, "--out", tmp_path,
+                "--work-dir", tmp_path / "work",
                 "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
     assert "adaptive / max(no draft, fixed K=4)" in text and "LOSSLESSNESS" not in text
     md = (tmp_path / "rollout.md").read_text()
