@@ -71,3 +71,26 @@ def test_rollout_smoke(tmp_path):
     md = (tmp_path / "rollout.md").read_text()
     assert "identical in every cell" in md and "## Goals (issue #14)" in md and "| tiny | 2 | 1 |" in md
     assert "## Long tail" in md and (tmp_path / "rollout.png").is_file()
+
+
+def test_codraft_vs_frozen_smoke(tmp_path):
+    text = _run("codraft_vs_frozen.py", "--out", tmp_path, f"run.out_dir={tmp_path / 'run'}", "rl.steps=2",
+                "model.num_hidden_layers=4", *_TINY_RL)
+    assert "| no draft |" in text and "| frozen draft |" in text and "| co-trained draft |" in text
+    assert "| co-trained draft |" in (tmp_path / "rl.md").read_text() and (tmp_path / "rl_curves.png").is_file()
+
+
+def test_cp_attention_smoke(tmp_path):
+    text = _run("cp_attention.py", "--lengths", 64, "--cp", 1, 2, "--K", 2, "--heads", 2, "--kv-heads", 1,
+                "--head-dim", 8, "--doc-tokens", 32, "--threads", 1, "--out", tmp_path)
+    assert "cp=2" in text
+    md = (tmp_path / "cp.md").read_text()
+    assert "| 0.0625K | 1 |" in md and "| 0.0625K | 2 |" in md and "ours vs dupkeys" in md
+    assert (tmp_path / "cp.png").is_file()
+
+
+def test_draft_warmstart_smoke(tmp_path):
+    text = _run("draft_warmstart.py", "--smoke", "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache")
+    assert "acceptance length" in text and "cache hit" in text
+    res = (tmp_path / "draft_warmstart.json").read_text()
+    assert '"cache_hit_same": true' in res and (tmp_path / "draft_warmstart.md").is_file()
