@@ -158,9 +158,10 @@ class RolloutWorker:
         if isinstance(self.engine, VLLMEngine):
             if self.engine.supports_sleep:
                 self.engine.sleep(level=1)
-        for m in (self.policy, self.draft):
-            if m is not None:
-                release_parameters(m)
+        if not self.training_modules_whole:  # never the training modules themselves (vLLM over whole modules)
+            for m in (self.policy, self.draft):
+                if m is not None:
+                    release_parameters(m)
         self._awake = False
 
     def prepare(self) -> float:
@@ -169,9 +170,10 @@ class RolloutWorker:
         if not self.holds_copies:
             return 0.0
         start = time.perf_counter()
-        for m in (self.policy, self.draft):
-            if m is not None:
-                _refill(m)
+        if not self.training_modules_whole:
+            for m in (self.policy, self.draft):
+                if m is not None:
+                    _refill(m)
         if isinstance(self.engine, VLLMEngine) and self.engine.supports_sleep:
             self.engine.wake_up()
         self._phases += 1
