@@ -119,6 +119,13 @@ def setup_line(cfg, args) -> str:
             f"{c.parallel.accelerator}, seed {c.run.seed}.")
 
 
+NEAR_TIES = ("The arms' rollouts are the same samples (coupled sampling: a token is a function of the request's seed "
+             "and position, docs/design/sampling.md), so the reward curves agree by construction, except where two "
+             "tokens' noised logits tie within float rounding: the speculative arms score a position inside a K+1 "
+             "verify forward, the plain arm in a one-token forward, and a last-bit difference can flip such a "
+             "near tie; from then on that arm's policy takes slightly different updates (a small KL gap by the end).")
+
+
 def run_main(cfg, args) -> str:
     res = compare_arms(cfg)
     out = Path(args.out)
@@ -132,7 +139,7 @@ def run_main(cfg, args) -> str:
         "Acceptance length = tokens per verification round of the rollouts (fixed K: comparable across arms). "
         "KL = k3 estimate of KL(policy || start policy) on the step's completions; greedy agreement = share of "
         "completion positions where the policy's and the start policy's argmax agree.", "",
-        res.table(), "", drift_table(res), "", "Goals (issue #15):", "", *[f"- {x}" for x in g], "",
+        res.table(), "", drift_table(res), "", "Goals (issue #15):", "", *[f"- {x}" for x in g], "", NEAR_TIES, "",
         f"![curves]({png.name})", "", "Per step:", "", per_step_table(res), "",
         f"Reproduce: `python benchmarks/drift.py --config {_shown(args.config)} --name {args.name}"
         f"{' ' + ' '.join(args.overrides) if args.overrides else ''}`.", ""])
