@@ -189,7 +189,9 @@ def run_ablation(cfg, args) -> str:
                       "lambda is `draft.loss_weight`; `draft lr / 3` co-trains every step at a third of the recipe's "
                       f"draft learning rate ({cfg.draft.lr:g}). The draft's parameters are its own, so lambda only "
                       "scales the draft's gradients, which AdamW normalises away (up to its epsilon and the gradient "
-                      "clip): the learning rate, not lambda, sets how fast the draft follows.", "", table, "", f"![curves]({png.name})", ""])
+                      "clip): the learning rate, not lambda, sets how fast the draft follows.", "", table, "", f"![curves]({png.name})", "",
+                      f"Reproduce: `python benchmarks/drift.py --ablation --config {_shown(args.config)}"
+                      f"{' ' + ' '.join(args.overrides) if args.overrides else ''}`.", ""])
 
 
 def main(argv=None) -> None:
