@@ -29,6 +29,10 @@ class CoDraftModuleConfig:
     """Upper clip range (DAPO clip-higher); None = clip_eps."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference policy (needs ``ref_logprobs`` in the batch when > 0)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: the RL loss (and the reference's log-probs) score tokens under
+    ``logits / temperature``, the distribution they were sampled from, so the first, on-policy ratio is 1. Zero
+    (greedy rollouts) scores under the plain logits."""
     track_drift: bool = False
     """Score every batch under the reference policy even when ``kl_coef == 0``: logs ``policy/kl`` (the k3 KL of
     the policy from the reference on the batch's completion tokens) and ``drift/greedy_agreement`` (the share of
@@ -71,6 +75,8 @@ class CoDraftModuleConfig:
                              f"use 0 to train the policy only")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (the rollouts' sampling temperature)")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.total_steps < 1:

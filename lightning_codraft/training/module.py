@@ -166,6 +166,11 @@ class CoDraftModule(LightningModule):
             return tuple(draft_taps)
         return tuple(self.policy.default_taps)
 
+    def sampled_logprobs(self, logits: Tensor, target_ids: Tensor) -> Tensor:
+        """``(T,)`` log-probs of ``target_ids`` under the rollouts' sampling distribution ``softmax(logits / T)``."""
+        t = self.config.temperature
+        return token_logprobs(logits if t in (0.0, 1.0) else logits / t, target_ids)
+
     def rl_loss(self, logprobs: Tensor, batch: RLBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """RL loss of this rank's rows: PPO / GRPO clipped surrogate, token mean over the dp x cp batch.
 
@@ -240,7 +245,7 @@ class CoDraftModule(LightningModule):
             ``record`` its detached global statistics.
         """
         c = self.config
-        rl, rl_stats = self.rl_loss(token_logprobs(logits, batch.target_ids), batch)
+        rl, rl_stats = self.rl_loss(self.sampled_logprobs(logits, batch.target_ids), batch)
         metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
         if batch.ref_greedy is not None:
             metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
@@ -278,7 +283,7 @@ class CoDraftModule(LightningModule):
             raise ValueError(f"{need} needs batch.ref_logprobs or a reference policy: "
                              f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
         def scored(logits: Tensor, mb: RLBatch) -> Tensor:  # (T, 2): the target's log-prob, the argmax id
-            return torch.stack([token_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
+            return torch.stack([self.sampled_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
 
         if self.ref_pipeline is not None:  # the last stage reduces each microbatch's logits as they come out
             rows = self.ref_pipeline.forward(microbatches, reduce=(scored, 2)) or [None] * len(microbatches)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import numpy as np
 import pytest
@@ -333,3 +334,21 @@ def test_an_off_step_leaves_the_draft_and_its_adam_moments_untouched():
     module.train_draft_this_step = True
     optimizer_step(module, module, batch, optimizer, scheduler)
     assert any(not torch.equal(p, before_draft[n]) for n, p in module.draft.named_parameters())
+
+
+def test_the_rl_loss_scores_tokens_at_the_rollouts_temperature():
+    """Rollouts sampled at T record log softmax(logits / T): the first, on-policy step must see ratio 1 exactly
+    (no clipping) with ``temperature=T``, and does not without it (the old untempered scoring)."""
+    policy, draft = make_models()
+    batch = make_batch(0, num_docs=2)
+    with torch.no_grad():
+        logits = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids).logits
+        tempered = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, batch.target_ids[:, None])[:, 0]
+    batch = dataclasses.replace(batch, old_logprobs=tempered * batch.loss_mask)
+    on_policy = CoDraftModule(policy, draft, temperature=0.7, clip_eps=0.05)(batch).metrics
+    assert on_policy["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)
+    assert on_policy["policy/clip_frac"].item() == 0
+    untempered = CoDraftModule(policy, draft, clip_eps=0.05)(batch).metrics
+    assert abs(untempered["policy/ratio"].item() - 1.0) > 1e-3 and untempered["policy/clip_frac"].item() > 0
+    with pytest.raises(ValueError, match="temperature=-1 must be >= 0"):
+        CoDraftModuleConfig(temperature=-1)
