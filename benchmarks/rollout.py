@@ -156,7 +156,8 @@ def smollm2_model(args) -> Model:
              f"held-out GSM8K prompts): a WEAK draft, the issue's target is >= 2.0",
              f"prompts: the last {args.heldout} problems of `{args.gsm8k}` (`split_prompts(task, "
              f"WarmStartSettings(heldout_prompts={args.heldout}))[1]`, never trained on), in file order; "
-             f"{len(train)} training prompts were available to the warm start"]
+             f"the warm start drew its training prompts from the other {len(task.samples) - args.heldout} problems "
+             f"(it answered {rep.get('prompts', '?')} of them within its budget)"]
     lt = encoded[:args.long_tail_batch]
     return Model("SmolLM2-135M", policy, draft, encoded[:need], lt, [tok.eos_token_id], args.long_tail_temperature,
                  notes)
@@ -330,13 +331,15 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              f"Command: {args.command.replace('{elapsed}', f'{elapsed / 60:.0f}')}.", "",
              "## Conditions", "",
              f"- Machine: {platform.machine()} CPU, 2 cores shared with other jobs (during this run: the lead's drift "
-             f"benchmark and another helper's RL experiments, one thread each; load average at the end "
-             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}). One torch thread (`torch.set_num_threads("
+             f"benchmark and another helper's RL experiments, one thread each; "
+             + ("load: see Findings" if args.report_only else
+                f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+             + f"). One torch thread (`torch.set_num_threads("
              f"{args.threads})`).",
              "- Engine: the embedded `SpeculativeEngine`, fp32, Gumbel-coupled sampling (the default), the same "
              "`request_seeds` in every arm; B prompts decoded together (`max_batch_size=B`), stop at EOS. Arms: "
              "no draft; fixed K=4; adaptive (`adaptive=True`, k in 0..4 chosen each round; one adaptive engine per "
-             "model kept across the cells, as the RL loop keeps it across steps).",
+             "model and process, kept across the cells, as the RL loop keeps it across steps).",
              f"- Timing: each arm warmed up once per cell (untimed, 8 tokens on 2 prompts; the adaptive engine "
              f"also decodes 2 tokens of the B prompts the first time it meets a batch size, where its cost model "
              f"calibrates), then repeats in which the arms alternate (order rotating); a timed measurement of a "
@@ -371,8 +374,8 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
     lines += ["## Cost model: the adaptive controller's predicted round times vs measured", "",
               "Predicted: `controller.costs.round_times(B, 4)` after the cell (for k = 0 and 4; the controller "
               "times blocks by the thread's CPU time with one torch thread); measured: the arm's median CPU time per "
-              "call / its batch rounds, prefill included (long-tail cells and rows that finish early: averaged over "
-              "a narrowing batch, so below the prediction at the starting B).", ""]
+              "call / its batch rounds, prefill included (so well above the prediction where the prompts' prefill is "
+              "a large share: SmolLM2 at B >= 16; long-tail cells average over a narrowing batch).", ""]
     lines += cost_table(rows) + [""]
     bad = [m for r in rows for m in r["mismatches"]]
     if bad:
@@ -476,6 +479,9 @@ def main() -> int:
             notes.update(sv["notes"])
         args.command = " and ".join(f"`python {' '.join(sv['argv'])}` ({sv['elapsed_s'] / 60:.0f} min)"
                                     for sv in saved)
+        (out / "rollout.json").write_text(json.dumps(
+            {"rows": rows, "notes": notes, "elapsed_s": sum(sv["elapsed_s"] for sv in saved),
+             "argv": sys.argv, "merged": [sv["argv"] for sv in saved]}, indent=1))
         return finish(rows, notes, args, sum(sv["elapsed_s"] for sv in saved), out)
     args.command = f"`python {' '.join(sys.argv)}` ({{elapsed}} min)"
     save = lambda: (out / "rollout.json").write_text(json.dumps(  # noqa: E731
