@@ -386,6 +386,9 @@ class SpeculativeEngine:
                     self.controller.costs.add("catch_up", len(b.active), span, dt)
             elif use_draft:
                 b.backlog.append((taps, bonus[:, None]))
+                if len(b.backlog) > self.controller.config.resume_window:  # only the last window is ever used
+                    b.backlog.pop(0)
+                    b.doff = b.doff + 1
             del taps
             for i, (a, ids_i, lp_i) in enumerate(zip(host_accepted, new_ids.tolist(), new_lp.tolist())):
                 # keep the a+1 new tokens up to the first stop token and the row's budget

@@ -13,7 +13,7 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts,
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
 from lightning_codraft.rollout import noise, sampler
-from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.sampling import coupled_verify, gumbel_argmax
 
@@ -40,8 +40,8 @@ def fitted(policy):
 class _Scripted(SpeculationController):
     """Draws each round's k from a fixed cycle (any k sequence must leave the output exact); no timing."""
 
-    def __init__(self, max_k, schedule):
-        super().__init__(max_k)
+    def __init__(self, max_k, schedule, resume_window=8):
+        super().__init__(max_k, AdaptiveConfig(resume_window=resume_window))  # shorter than the runs of k = 0
         self.schedule, self.calls = list(schedule), 0
 
     def needs_calibration(self, batch_size):
@@ -377,7 +377,8 @@ def test_draft_resume_after_plain_rounds_keeps_acceptance(policy, fitted):
     assert [o.token_ids for o in outs] == [o.token_ids for o in SpeculativeEngine(policy, None, 0).generate(
         fit_set[:8], 24, temperature=0.0)]
     total = AcceptanceStats.total(o.stats for o in outs)
-    assert total.draft_steps > 8 and total.acceptance_length > 0.8 * 4, total.as_dict()
+    # 18 plain rounds, window 8: the draft skips 10 positions of context and still gets 3 of 4 tokens per round
+    assert total.draft_steps > 8 and total.acceptance_length > 0.7 * 4, total.as_dict()
 
 
 def test_seed_reproducible(policy, fitted):
