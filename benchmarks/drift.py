@@ -109,10 +109,12 @@ def _shown(path) -> str:
 
 def setup_line(cfg, args) -> str:
     c = cfg
-    return (f"Recipe `{Path(args.config).name}` ({' '.join(args.overrides) or 'as shipped'}): task `{c.task.name}` "
-            f"(SFT styles {list(c.task.styles)} weights {c.task.style_weights}, RL reward requires "
-            f"`{c.task.required_style}`), policy {c.model.source} ({c.model.num_hidden_layers} layers, hidden "
-            f"{c.model.hidden_size}), {c.rl.steps} GRPO steps x {c.rl.prompts_per_step} prompts x "
+    styles = (f" (SFT styles {list(c.task.styles)} weights {c.task.style_weights}, RL reward requires "
+              f"`{c.task.required_style}`)" if c.task.required_style else "")
+    shape = (f" ({c.model.num_hidden_layers} layers, hidden {c.model.hidden_size})" if c.model.source == "tiny"
+             else "")
+    return (f"Recipe `{Path(args.config).name}` ({' '.join(args.overrides) or 'as shipped'}): task `{c.task.name}`"
+            f"{styles}, policy {c.model.source}{shape}, {c.rl.steps} GRPO steps x {c.rl.prompts_per_step} prompts x "
             f"{c.rl.group_size} samples, lr {c.rl.lr}, temperature {c.rl.temperature}, K = "
             f"{c.draft.num_speculative_tokens} ({'adaptive' if c.draft.adaptive else 'fixed'}), the embedded engine "
             f"decoding {c.parallel.engine_batch_size or 'all'} sequence(s) at a time, draft lr {c.draft.lr}, "
