@@ -3,7 +3,8 @@
     python benchmarks/codraft_vs_frozen.py [--config recipes/tiny-cpu.yaml] [--out docs/benchmarks] [key=value ...]
 
 Prints the table (reward, acceptance length, rollout and end-to-end tokens/s and their speed-ups over no
-draft) and writes ``<out>/rl.md`` with per-step curves (``rl_curves.png``). Same as ``codraft bench``.
+draft) and writes ``<out>/codraft_vs_frozen.md`` with per-step curves (``codraft_vs_frozen_curves.png``). Same as
+``codraft bench``. docs/benchmarks/rl.md summarises this and the drift runs.
 """
 
 from __future__ import annotations

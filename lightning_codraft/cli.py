@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=None, help="default: rl.temperature")
     b = sub.add_parser("bench", help="no draft vs frozen vs co-trained draft, same seeds")
     common(b)
-    b.add_argument("--out", default=None, help="write rl.md + PNG plots here (e.g. docs/benchmarks)")
+    b.add_argument("--out", default=None, help="write codraft_vs_frozen.md + PNG plots here (e.g. docs/benchmarks)")
     m = sub.add_parser("plan", help="per-rank memory of the training and rollout phases (meta device, no weights)")
     m.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/qwen3-8b-cluster.yaml); defaults if omitted")
     m.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -176,7 +176,7 @@ def paired_lines(res: CompareResult) -> list[str]:
     return lines
 
 
-def write_report(res: CompareResult, out_dir: str | Path, name: str = "rl") -> Path:
+def write_report(res: CompareResult, out_dir: str | Path, name: str = "codraft_vs_frozen") -> Path:
     """``<out_dir>/<name>.md`` with the table, the paired statistics and the per-step curves (PNG beside it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

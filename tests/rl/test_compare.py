@@ -28,7 +28,7 @@ def test_speedups_are_token_throughput_ratios(tmp_path):
     assert "- acceptance length, co-trained - frozen, last half: +0.500 (95% CI +0.500 .. +0.500; sd 0.000; 2/2" in text
     d = res.paired("cotrain", "frozen", "reward", last_half=False)
     assert (d.n, d.wins) == (4, 1) and math.isclose(d.mean, 0.0, abs_tol=1e-12)
-    assert (tmp_path / "docs" / "rl_curves.png").stat().st_size > 1000
+    assert path.name == "codraft_vs_frozen.md" and (tmp_path / "docs" / "codraft_vs_frozen_curves.png").stat().st_size > 1000
 
 
 def test_arm_config_isolates_each_arm(tmp_path):
