@@ -21,8 +21,9 @@
 
 Writes ``<out>/<name>.md`` (the tables, and the notes of ``--notes`` when that file exists) and
 ``<out>/<name>.png`` (held-out greedy accuracy and eval reward per RL step, mean over seeds, per setting). Each
-run's results are kept in ``<runs>/seed<s>/<setting>/heldout.json``; ``--reuse`` loads a run whose saved config
-equals the one it would run instead of running it again (so an interrupted sweep continues where it stopped).
+run's results are kept in ``<runs>/seed<s>/<setting>/heldout.json``; ``--reuse`` loads a run of the same seed whose
+saved config equals the one it would run (output paths aside) instead of running it again, so an interrupted sweep
+continues where it stopped and a setting equal to another is run once.
 """
 
 from __future__ import annotations
@@ -189,9 +190,10 @@ def seed_table(runs: list[HeldOut]) -> str:
 def paired_lines(runs: list[HeldOut]) -> list[str]:
     acc = paired_difference([r.after for r in runs], [r.before for r in runs])
     rew = paired_difference([r.reward_after for r in runs], [r.reward_before for r in runs])
-    return [f"- held-out greedy accuracy, after - before RL, paired over {acc.n} seeds: {acc}".replace("steps", "seeds"),
+    return [f"- held-out greedy accuracy, after - before RL, paired over {acc.n} seeds: "
+            f"{str(acc).replace('steps', 'seeds')}",
             f"- held-out eval reward (one sample per prompt at the rollout temperature), after - before: "
-            f"{rew}".replace("steps", "seeds")]
+            f"{str(rew).replace('steps', 'seeds')}"]
 
 
 def settings_table(settings: dict[str, list[HeldOut]], defs: dict[str, list[str]]) -> str:
@@ -217,9 +219,10 @@ def config_line(cfg: CoDraftConfig) -> str:
     c = cfg
     return (f"Policy {c.model.source} ({c.model.num_hidden_layers} layers, hidden {c.model.hidden_size}), SFT "
             f"{c.sft.steps} steps at lr {c.sft.lr:g}, task `{c.task.name}` ({c.task.min_terms}-{c.task.max_terms} "
-            f"terms, operands 0..{c.task.max_operand}); RL: {c.rl.steps} GRPO steps x {c.rl.prompts_per_step} prompts x "
-            f"{c.rl.group_size} samples, lr {c.rl.lr:g}, temperature {c.rl.temperature}, kl_coef {c.rl.kl_coef}, "
-            f"advantages {'scaled by the group std' if c.rl.scale_advantages else 'mean-centred only'}, "
+            f"terms, operands 0..{c.task.max_operand}); RL: {c.rl.steps} GRPO steps x {c.rl.prompts_per_step} "
+            f"prompts x {c.rl.group_size} samples, lr {c.rl.lr:g}, temperature {c.rl.temperature}, kl_coef "
+            f"{c.rl.kl_coef}, advantages "
+            f"{'scaled by the group std' if c.rl.scale_advantages else 'mean-centred only'}, "
             f"{c.rl.loss_aggregation}-mean loss; draft `{c.draft.mode}`; held-out set: {c.task.eval_prompts} fixed "
             f"prompts, scored every {c.task.eval_every} steps.")
 
@@ -291,14 +294,22 @@ def main(argv=None) -> None:
                       title=f"held-out set, mean over seeds {args.seeds}")
     cmd = (f"python benchmarks/rl_seeds.py --seeds {' '.join(map(str, args.seeds))}"
            + (f" {' '.join(args.overrides)}" if args.overrides else ""))
+    job = " ".join([f"codraft fit --config {Path(args.config).name}", *args.overrides])
     text = ["# Held-out accuracy of the main job's RL, over seeds", "", config_line(load_config(args.config, common)),
-            "", f"## The main job (`codraft fit --config {Path(args.config).name}`{' ' + ' '.join(args.overrides) if args.overrides else ''}), "
-            f"one full run per seed", "", table, "", *paired, "",
+            "", f"## The main job (`{job}`), one full run per seed", "", table, "", *paired, "",
             f"![held-out curves]({png.name})", "",
             f"Eval reward = mean reward of one sample per held-out prompt at the rollout temperature, fixed seeds. "
             f"Held-out greedy accuracy on {base.task.eval_prompts} prompts has a binomial standard error of about "
-            f"{math.sqrt(0.25 / max(base.task.eval_prompts, 1)):.3f} for one score.", ""]
+            f"{math.sqrt(0.25 / max(base.task.eval_prompts, 1)):.3f} for one score. Minutes: wall time of the whole "
+            f"run (warm-ups, RL, evaluations, speed-up measurement) on a 2-core machine shared with other jobs.", ""]
     if stable:
+        same = "recipe" in settings and all(abs(m.after - r.after) < 1e-9 and m.curve == r.curve
+                                            for m, r in zip(main_runs, settings["recipe"]))
+        if "recipe" in settings:
+            verdict = ("ends with the same held-out scores as the full main job at every scored step of every seed: "
+                       "RL does not depend on the draft or on the decode batch" if same else
+                       "differs from the full main job (compare the per-seed values)")
+            text += [f"The `recipe` row below (draft off, the batch decoded at once) {verdict}.", ""]
         text += ["## Settings", "",
                  f"Every setting reruns the RL phase for each seed from that seed's warm-up above (same start policy, "
                  f"same held-out score before RL), with `{' '.join(FAST)}` (RL does not depend on the draft; the "

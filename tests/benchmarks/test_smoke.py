@@ -73,11 +73,24 @@ def test_rollout_smoke(tmp_path):
     assert "## Long tail" in md and (tmp_path / "rollout.png").is_file()
 
 
+def test_rl_seeds_smoke(tmp_path):
+    text = _run("rl_seeds.py", "--seeds", 0, 1, 2, "--out", tmp_path, "--runs", tmp_path / "runs", "--eval-every", 1,
+                "--settings", "recipe", "--setting", "lr x2:rl.lr=1e-4", "model.num_hidden_layers=4", "sft.steps=2",
+                "draft.warmup_steps=2", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
+                "rl.max_new_tokens=8", "task.eval_prompts=4")
+    assert "paired over 3 seeds" in text and "| lr x2 | `rl.lr=1e-4` |" in text
+    md = (tmp_path / "rl_heldout.md").read_text()
+    assert "| mean ± sd [min, max] |" in md and "| recipe | `(as shipped)` |" in md
+    assert (tmp_path / "rl_heldout.png").is_file()
+    assert len(list((tmp_path / "runs").glob("seed*/*/heldout.json"))) == 9  # 3 seeds x (main job + 2 settings)
+
+
 def test_codraft_vs_frozen_smoke(tmp_path):
     text = _run("codraft_vs_frozen.py", "--out", tmp_path, f"run.out_dir={tmp_path / 'run'}", "rl.steps=2",
                 "model.num_hidden_layers=4", *_TINY_RL)
     assert "| no draft |" in text and "| frozen draft |" in text and "| co-trained draft |" in text
-    assert "| co-trained draft |" in (tmp_path / "rl.md").read_text() and (tmp_path / "rl_curves.png").is_file()
+    assert "| co-trained draft |" in (tmp_path / "codraft_vs_frozen.md").read_text()
+    assert (tmp_path / "codraft_vs_frozen_curves.png").is_file()
 
 
 def test_cp_attention_smoke(tmp_path):
