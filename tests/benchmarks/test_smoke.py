@@ -89,7 +89,8 @@ def test_codraft_vs_frozen_smoke(tmp_path):
     text = _run("codraft_vs_frozen.py", "--out", tmp_path, f"run.out_dir={tmp_path / 'run'}", "rl.steps=2",
                 "model.num_hidden_layers=4", *_TINY_RL)
     assert "| no draft |" in text and "| frozen draft |" in text and "| co-trained draft |" in text
-    assert "| co-trained draft |" in (tmp_path / "rl.md").read_text() and (tmp_path / "rl_curves.png").is_file()
+    assert "| co-trained draft |" in (tmp_path / "codraft_vs_frozen.md").read_text()
+    assert (tmp_path / "codraft_vs_frozen_curves.png").is_file()
 
 
 def test_cp_attention_smoke(tmp_path):
