@@ -53,7 +53,7 @@ def share(num_requests: int, parts: int, index: int) -> range:
 
 
 def release_parameters(module: nn.Module) -> None:
-    """Free the storage of every parameter of ``module`` (shapes are kept on the side for :func:`refill`)."""
+    """Free the storage of every parameter of ``module`` (shapes are kept on the side for :func:`_refill`)."""
     for p in module.parameters():
         p._codraft_shape = tuple(p.shape)  # noqa: SLF001 - a plain attribute on our own copy
         p.data = p.data.new_empty(0)
@@ -126,6 +126,14 @@ class RolloutWorker:
         """Whether the engine's weights are its own (vLLM, or copies of pruned / sharded modules) and need syncs."""
         return self.cfg.parallel.engine == "vllm" or not self.training_modules_whole
 
+    @property
+    def _copies(self) -> tuple[nn.Module, ...]:
+        """The engine's own module copies (released between rollout phases): none when it decodes with the
+        training modules themselves."""
+        if self.training_modules_whole:
+            return ()
+        return tuple(m for m in (self.policy, self.draft) if m is not None)
+
     def start(self, module: nn.Module) -> None:
         """Choose the modules and build this rank's engine; call BEFORE the strategy sets ``module`` up (while it
         is whole). Copies are released at once: they are refilled from the training state before each rollout."""
@@ -158,10 +166,8 @@ class RolloutWorker:
         if isinstance(self.engine, VLLMEngine):
             if self.engine.supports_sleep:
                 self.engine.sleep(level=1)
-        if not self.training_modules_whole:  # never the training modules themselves (vLLM over whole modules)
-            for m in (self.policy, self.draft):
-                if m is not None:
-                    release_parameters(m)
+        for m in self._copies:  # never the training modules themselves (vLLM over whole modules)
+            release_parameters(m)
         self._awake = False
 
     def prepare(self) -> float:
@@ -170,10 +176,8 @@ class RolloutWorker:
         if not self.holds_copies:
             return 0.0
         start = time.perf_counter()
-        if not self.training_modules_whole:
-            for m in (self.policy, self.draft):
-                if m is not None:
-                    _refill(m)
+        for m in self._copies:
+            _refill(m)
         if isinstance(self.engine, VLLMEngine) and self.engine.supports_sleep:
             self.engine.wake_up()
         self._phases += 1
@@ -191,9 +195,10 @@ class RolloutWorker:
         if isinstance(self.engine, VLLMEngine):
             policy_state = {n: t.clone() for n, t in policy_items}
             draft_state = {n: t.clone() for n, t in draft_items or ()}
-            for target, state in ((self.policy, policy_state), (self.draft, draft_state)):
-                if target is not None and state:  # keep the copies the final speed-up decodes with current
-                    target.load_state_dict(state, strict=False)
+            if self._copies:  # keep the copies the final speed-up decodes with current (not the training modules)
+                for target, state in ((self.policy, policy_state), (self.draft, draft_state)):
+                    if target is not None and state:
+                        target.load_state_dict(state, strict=False)
             self.engine.update_weights(policy_state, draft_state or None)
             return
         for target, items in ((self.policy, policy_items), (self.draft, draft_items)):

@@ -199,8 +199,9 @@ def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
     ``draft.warmup_steps`` steps on a small pool; returns their final losses (and the warm start's implied
     acceptance)."""
     info: dict[str, float] = {}
+    warm_start = None  # bad keys fail before the SFT runs
     if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
-        warm_start_settings(cfg)  # bad keys fail before the SFT runs
+        warm_start = warm_start_settings(cfg)
     if cfg.sft.steps > 0:
         t0 = time.perf_counter()
         every = max(1, cfg.sft.steps // 5)
@@ -211,8 +212,8 @@ def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
         info["sft_loss"] = losses[-1]
         log(f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
-        report = warm_start_draft(module.policy, tokenizer, task, module.draft, warm_start_settings(cfg),
+    if warm_start is not None:
+        report = warm_start_draft(module.policy, tokenizer, task, module.draft, warm_start,
                                   Path(cfg.draft.warm_start_cache).expanduser(), log=log)
         info["draft_warmstart_acceptance"] = report.val_acceptance
     elif cfg.draft.mode != "none" and cfg.draft.warmup_steps > 0:
