@@ -78,13 +78,6 @@ class CompareResult:
         start = len(x) // 2 if last_half else 0
         return paired_difference(x[start:], y[start:])
 
-    def reward_noise(self) -> float:
-        """Standard error of a per-step mean reward (binomial, from the pooled mean): the noise scale."""
-        c = self.cfg.rl
-        n = c.prompts_per_step * c.group_size
-        p = sum(self.totals(a)["reward_mean"] for a in self.results) / len(self.results)
-        return math.sqrt(max(p * (1 - p), 1e-12) / n)
-
     def table(self, base: Optional[str] = "none") -> str:
         """A markdown table: one row per arm (speed-ups over ``base`` when it ran)."""
         k = self.cfg.draft.num_speculative_tokens
@@ -100,11 +93,6 @@ class CompareResult:
                          f"{t['acceptance_mean']:.2f} | {t['rollout_tps']:.1f} | {ro:.2f}x | {t['e2e_tps']:.1f} | "
                          f"{e2e:.2f}x |")
         return "\n".join(lines)
-
-
-def arm_config(cfg: CoDraftConfig, arm: str, out: Path, init_from: str | None) -> CoDraftConfig:
-    """``cfg`` with ``draft.mode = arm``, its own output directory, no resume, checkpoint only at the end."""
-    return isolated(dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=arm)), out / arm, init_from)
 
 
 def isolated(cfg: CoDraftConfig, out: Path, init_from: str | None) -> CoDraftConfig:

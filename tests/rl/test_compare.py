@@ -1,7 +1,7 @@
 import math
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.compare import CompareResult, arm_config, write_report
+from lightning_codraft.rl.compare import CompareResult, isolated, write_report
 from lightning_codraft.rl.loop import FitResult
 
 
@@ -31,8 +31,8 @@ def test_speedups_are_token_throughput_ratios(tmp_path):
     assert path.name == "codraft_vs_frozen.md" and (tmp_path / "docs" / "codraft_vs_frozen_curves.png").stat().st_size > 1000
 
 
-def test_arm_config_isolates_each_arm(tmp_path):
+def test_isolated_gives_each_arm_its_own_run(tmp_path):
     cfg = load_config(None, ["draft.mode=cotrain", "run.checkpoint_every=3"])
-    a = arm_config(cfg, "frozen", tmp_path, init_from="w")
-    assert a.draft.mode == "frozen" and a.run.out_dir == str(tmp_path / "frozen") and a.run.init_from == "w"
-    assert a.run.resume is False and a.run.checkpoint_every == 0 and cfg.draft.mode == "cotrain"
+    a = isolated(cfg, tmp_path / "frozen", init_from="w")
+    assert a.draft.mode == "cotrain" and a.run.out_dir == str(tmp_path / "frozen") and a.run.init_from == "w"
+    assert a.run.resume is False and a.run.checkpoint_every == 0 and cfg.run.checkpoint_every == 3
