@@ -97,6 +97,10 @@ class TaskConfig:
     """GSM8K only: a JSONL path, ``excerpt`` (bundled 200 problems) or a hub name such as ``openai/gsm8k``."""
     limit: Optional[int] = None
     """GSM8K only: use the first ``limit`` problems."""
+    heldout: Optional[int] = None
+    """GSM8K only: the last ``heldout`` problems are reserved: RL never draws them; the evaluation prompts and the
+    final speed-up measurement come from them (null: ``eval_prompts``). A ``draft.warm_start`` must hold out at
+    least as many (its ``heldout_prompts``), so the draft never trains on them either."""
     min_terms: int = 2
     """Arithmetic only: fewest operands per problem."""
     max_terms: int = 3
@@ -383,6 +387,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"task.style_weights={list(t.style_weights)} needs one weight >= 0 per entry of "
                           f"task.styles={list(t.styles)}, not all 0")
     _positive("task.eval_every", cfg.task.eval_every, 0)
+    if t.heldout is not None:
+        _positive("task.heldout", t.heldout, 0)
     _positive("draft.train_every", cfg.draft.train_every)
     _positive("sft.steps", cfg.sft.steps, 0)
     _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)

@@ -64,7 +64,8 @@ def build_task(cfg) -> ArithmeticTask | GSM8KTask:
                               styles=tuple(cfg.styles), required_style=cfg.required_style,
                               style_weights=None if cfg.style_weights is None else tuple(cfg.style_weights))
     if cfg.name == "gsm8k":
-        return GSM8KTask(source=cfg.source, limit=cfg.limit)
+        return GSM8KTask(source=cfg.source, limit=cfg.limit,
+                         heldout=cfg.eval_prompts if cfg.heldout is None else cfg.heldout)
     raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k')")
 
 

@@ -39,6 +39,7 @@ class SpeedupResult:
         speedup: ``spec_tokens_per_s / plain_tokens_per_s``.
         acceptance_length: mean tokens per verification round of the speculative run.
         plain_s: seconds of the plain run; spec_s: seconds of the speculative run.
+        sequences: requests decoded by each run.
     """
 
     plain_tokens_per_s: float
@@ -47,6 +48,7 @@ class SpeedupResult:
     acceptance_length: float
     plain_s: float
     spec_s: float
+    sequences: int = 0
 
 
 def _timed(engine, prompts, max_new_tokens, temperature, top_p, seed, stop):
@@ -74,4 +76,5 @@ def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[li
         best_s = s if best_s is None or s[1] / s[0] > best_s[1] / best_s[0] else best_s
     ptps, stps = best_p[1] / best_p[0], best_s[1] / best_s[0]
     return SpeedupResult(plain_tokens_per_s=ptps, spec_tokens_per_s=stps, speedup=stps / ptps,
-                         acceptance_length=best_s[2].acceptance_length, plain_s=best_p[0], spec_s=best_s[0])
+                         acceptance_length=best_s[2].acceptance_length, plain_s=best_p[0], spec_s=best_s[0],
+                         sequences=len(prompts))

@@ -117,31 +117,51 @@ def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", l
 
 @dataclass
 class GSM8KTask:
-    """GSM8K as a task: ``sample(n, seed)`` draws problems, ``reward`` verifies the final number.
+    """GSM8K as a task: ``sample(n, seed)`` draws training problems, ``reward`` verifies the final number.
 
     Attributes:
         source: local JSONL path, ``"excerpt"`` or a hub name (see :func:`load_gsm8k`).
         split: hub split.
         limit: use only the first ``limit`` problems.
+        heldout: the last ``heldout`` problems are reserved: :meth:`sample` never draws them and
+            :meth:`heldout_samples` returns them, so evaluation (and a speed-up measured on them) uses problems
+            neither the policy nor the draft trained on.
     """
 
     source: str = "excerpt"
     split: str = "train"
     limit: int | None = None
+    heldout: int = 0
     samples: list[TaskSample] = field(init=False, repr=False)
 
     def __post_init__(self):
         self.samples = load_gsm8k(self.source, self.split, self.limit)
+        if not 0 <= self.heldout < len(self.samples):
+            raise ValueError(f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {self.source!r} "
+                             f"problems (limit={self.limit}) must leave at least one to train on")
+
+    @property
+    def num_train(self) -> int:
+        """Problems :meth:`sample` draws from (the first ``len(samples) - heldout``)."""
+        return len(self.samples) - self.heldout
 
     def sample(self, n: int, seed: int) -> list[TaskSample]:
-        """``n`` problems drawn without replacement (reshuffled once exhausted), a pure function of ``seed``."""
+        """``n`` training problems drawn without replacement (reshuffled once exhausted), a pure function of
+        ``seed``; never one of the held-out tail."""
         rng = random.Random(seed)
         idx = []
         while len(idx) < n:
-            perm = list(range(len(self.samples)))
+            perm = list(range(self.num_train))
             rng.shuffle(perm)
             idx.extend(perm)
         return [self.samples[i] for i in idx[:n]]
+
+    def heldout_samples(self, n: int) -> list[TaskSample]:
+        """The first ``n`` held-out problems (a fixed set: the same ones every call)."""
+        if n > self.heldout:
+            raise ValueError(f"{n} held-out problems asked for, but the task holds out heldout={self.heldout}; "
+                             f"raise task.heldout")
+        return self.samples[self.num_train:self.num_train + n]
 
     def reward(self, prompt: str, completion: str, answer: str) -> float:
         """:func:`gsm8k_reward`."""

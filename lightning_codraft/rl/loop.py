@@ -215,11 +215,19 @@ class CoDraftRun:
         return self.finish()
 
     # ------------------------------------------------------------------ evaluation and the summary
+    def heldout_samples(self, n: int, offset: int = 0) -> list:
+        """``n`` fixed problems no step trains on: the task's reserved tail when it has one (GSM8K ``task.heldout``;
+        at most that many), else draws of a generated task under an evaluation seed (``offset`` picks another
+        draw)."""
+        if getattr(self.task, "heldout", 0):
+            return self.task.heldout_samples(min(n, self.task.heldout))
+        return self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED + offset)
+
     def evaluate(self, n: int, temperature: float = 0.0) -> float:
         """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample
         per prompt with fixed seeds), every rank of the world decoding a share (call on every rank); the same value
         on every rank."""
-        samples = self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED)
+        samples = self.heldout_samples(n)
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
         seeds = [rollout_seed(self.cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
         self.worker.prepare()
@@ -246,7 +254,7 @@ class CoDraftRun:
         if cfg.draft.mode != "none":  # every rank refills its copies (a collective); rank 0 measures
             self.worker.prepare()
             if self.fabric.global_rank == 0:
-                samples = self.task.sample(cfg.rl.prompts_per_step, seed=cfg.run.seed + EVAL_SEED + 1)
+                samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
                 prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
                 result.speedup = measure_speedup(
                     self.worker.policy, self.worker.draft, cfg.draft.num_speculative_tokens, prompts,
@@ -268,9 +276,12 @@ class CoDraftRun:
             lines.append(f"acceptance length (K={cfg.draft.num_speculative_tokens}): {a0:.2f} -> {a1:.2f}")
         if result.speedup is not None:
             s = result.speedup
+            batch = cfg.parallel.engine_batch_size or s.sequences
             lines.append(f"rollout speed-up with the {cfg.draft.mode} draft: {s.speedup:.2f}x "
                          f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
-                         f"acceptance length {s.acceptance_length:.2f})")
+                         f"acceptance length {s.acceptance_length:.2f}; {s.sequences} held-out sequences, batch "
+                         f"{min(batch, s.sequences)}, T={cfg.rl.temperature}, K={cfg.draft.num_speculative_tokens}"
+                         f"{', adaptive' if cfg.draft.adaptive else ''})")
         lines.append(f"outputs: {self.out} (metrics.csv, tb/, curves.png, checkpoints/)")
         summary = "\n".join(lines)
         (self.out / "summary.txt").write_text(summary + "\n")

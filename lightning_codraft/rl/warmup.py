@@ -202,6 +202,11 @@ def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
     warm_start = None  # bad keys fail before the SFT runs
     if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
         warm_start = warm_start_settings(cfg)
+        reserved = getattr(task, "heldout", 0)
+        if reserved > warm_start.heldout_prompts:
+            raise ConfigError(f"draft.warm_start.heldout_prompts={warm_start.heldout_prompts} is below task.heldout="
+                              f"{reserved}: the warm start would train the draft on problems the evaluation and the "
+                              f"speed-up are measured on; raise draft.warm_start.heldout_prompts")
     if cfg.sft.steps > 0:
         t0 = time.perf_counter()
         every = max(1, cfg.sft.steps // 5)

@@ -115,3 +115,22 @@ def test_benchmark_smoke(tmp_path):
     assert "acceptance length" in md and "tokens seen" in md and "entropy" in md
     assert (tmp_path / "draft_warmstart.png").is_file()
     assert "acceptance" in out.stdout
+
+
+def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills():
+    """The recipe's draft.warm_start (and draft vocabulary) equal benchmarks/draft_warmstart.py's defaults, so the
+    benchmark's run is the cache the recipe loads; and both hold out the recipe's evaluation problems."""
+    import importlib.util
+
+    from conftest import REPO
+    from lightning_codraft.config import load_config
+    from lightning_codraft.rl.warmup import warm_start_settings
+
+    spec = importlib.util.spec_from_file_location("draft_warmstart_bench", REPO / "benchmarks" / "draft_warmstart.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args([])
+    cfg = load_config(REPO / "recipes" / "smollm2-135m-cpu.yaml")
+    assert warm_start_settings(cfg) == bench.warm_start_settings(args)
+    assert cfg.draft.draft_vocab_size == args.draft_vocab and cfg.run.seed + 1 == 1  # the benchmark's draft seed
+    assert cfg.task.heldout <= args.heldout and cfg.task.source.endswith("gsm8k/train.jsonl")

@@ -42,3 +42,24 @@ def test_task_sampling_is_a_function_of_the_seed():
     a = t.sample(25, seed=1)
     assert a == t.sample(25, seed=1) and a != t.sample(25, seed=2)
     assert len({x.prompt for x in a[:10]}) == 10  # a full pass before any repeat
+
+
+def test_heldout_problems_are_never_drawn_for_training_and_are_a_fixed_set():
+    t = GSM8KTask(source="excerpt", limit=10, heldout=3)
+    tail = t.samples[7:]
+    drawn = [s for seed in range(20) for s in t.sample(12, seed=seed)]
+    assert {s.prompt for s in drawn} == {s.prompt for s in t.samples[:7]}  # every training problem, no held-out one
+    assert t.heldout_samples(2) == tail[:2] == t.heldout_samples(2)
+    with pytest.raises(ValueError, match="raise task.heldout"):
+        t.heldout_samples(4)
+    with pytest.raises(ValueError, match="at least one to train on"):
+        GSM8KTask(source="excerpt", limit=10, heldout=10)
+
+
+def test_recipe_task_holds_out_its_evaluation_prompts():
+    from lightning_codraft.config import load_config
+    from lightning_codraft.rl.build import build_task
+
+    cfg = load_config(None, ["task.name=gsm8k", "task.eval_prompts=16"])
+    assert build_task(cfg.task).heldout == 16  # null: the evaluation prompts are the held-out set
+    assert build_task(load_config(None, ["task.name=gsm8k", "task.heldout=40"]).task).heldout == 40

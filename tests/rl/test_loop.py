@@ -153,3 +153,12 @@ def test_recipe_warm_start_rejects_unknown_keys(tmp_path):
     cfg = micro_config(tmp_path, "draft.warm_start={prompts: 8}", "rl.steps=1")
     with pytest.raises(ConfigError, match="draft.warm_start: .*prompts.*valid keys: num_prompts"):
         fit(cfg, print_fn=lambda s: None)
+
+
+def test_recipe_warm_start_must_hold_out_the_tasks_heldout_problems(tmp_path):
+    """A warm start whose held-out tail is shorter than the task's would train the draft on the very problems the
+    evaluation and the final speed-up are measured on: a config error before anything runs."""
+    cfg = load_config(None, ["task.name=gsm8k", "task.heldout=40", "draft.warm_start={heldout_prompts: 8}",
+                             f"run.out_dir={tmp_path}", "run.progress=false"])
+    with pytest.raises(ConfigError, match="heldout_prompts=8 is below task.heldout=40"):
+        fit(cfg, print_fn=lambda s: None)
