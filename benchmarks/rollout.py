@@ -57,7 +57,15 @@ from lightning_codraft.rl.warmup import DRAFT_POOL_SEED  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-SMOLLM2_DRAFT = Path("/work/runs/distill/wscache/draft-0d4787dbefcf7648caa730b2")
+
+
+def newest_cached_draft() -> Path | None:
+    """The most recently completed draft of the warm-start cache that the smollm2 recipe and
+    ``benchmarks/draft_warmstart.py`` fill (``<lightning_codraft cache>/draft_warmstart/draft-<key>/``), or None."""
+    from lightning_codraft.models.hf_io import cache_dir
+
+    done = sorted((cache_dir() / "draft_warmstart").glob("draft-*/COMPLETE"), key=lambda f: f.stat().st_mtime)
+    return done[-1].parent if done else None
 K = 4
 ARMS = ("none", "fixed", "adaptive")
 ARM_LABEL = {"none": "no draft", "fixed": "fixed K=4", "adaptive": "adaptive (K<=4)"}
@@ -148,12 +156,12 @@ def smollm2_model(args) -> Model:
     rep = json.loads(report_file.read_text()) if report_file.is_file() else {}
     notes = [f"policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
              f"fp32), chat template via `encode_prompt`",
-             f"draft: `{draft_dir}` (`rl.draft_warmstart` self-distillation warm start, ~30 minutes: "
-             f"{rep.get('prompts', '?')} of the policy's own T=0.8 responses to GSM8K training prompts, "
-             f"{rep.get('generated_tokens', '?')} tokens, {rep.get('fit', {}).get('steps', '?')} fit steps; draft "
-             f"vocabulary {draft.config.draft_vocab_size}; its held-out implied acceptance "
-             f"{rep.get('val_acceptance', float('nan')):.2f}, measured acceptance length 1.29 at K=4, T=0.8 on "
-             f"held-out GSM8K prompts): a WEAK draft, the issue's target is >= 2.0",
+             f"draft: `{draft_dir.name}` (`rl.draft_warmstart` self-distillation warm start of "
+             f"{rep.get('total_s', float('nan')) / 60:.0f} minutes: {rep.get('prompts', '?')} of the policy's own "
+             f"T=0.8 responses to GSM8K training prompts, {rep.get('generated_tokens', '?')} tokens, "
+             f"{rep.get('fit', {}).get('steps', '?')} fit steps, {rep.get('fit', {}).get('tokens_seen', '?')} "
+             f"training tokens seen; draft vocabulary {draft.config.draft_vocab_size}; held-out implied acceptance "
+             f"{rep.get('val_acceptance', float('nan')):.2f}; measured acceptance: docs/benchmarks/draft_warmstart.md)",
              f"prompts: the last {args.heldout} problems of `{args.gsm8k}` (`split_prompts(task, "
              f"WarmStartSettings(heldout_prompts={args.heldout}))[1]`, never trained on), in file order; "
              f"the warm start drew its training prompts from the other {len(task.samples) - args.heldout} problems "
@@ -450,8 +458,9 @@ def main() -> int:
                     "(tiny: its context minus the prompt)")
     ap.add_argument("--long-tail-temperature", type=float, default=0.0, help="SmolLM2's long-tail temperature")
     ap.add_argument("--long-tail-repeats", type=int, default=None, help="default: --repeats")
-    ap.add_argument("--smollm2-draft", default=str(SMOLLM2_DRAFT) if SMOLLM2_DRAFT.is_dir() else None,
-                    help="a draft saved by rl.draft_warmstart (draft-<key>/ with config.json, model.safetensors)")
+    ap.add_argument("--smollm2-draft", default=None,
+                    help="a draft saved by rl.draft_warmstart (draft-<key>/ with config.json, model.safetensors); "
+                         "default: the newest one in the warm-start cache (benchmarks/draft_warmstart.py fills it)")
     ap.add_argument("--heldout", type=int, default=500, help="held-out GSM8K problems (WarmStartSettings default)")
     ap.add_argument("--gsm8k", default=str(GSM8K))
     ap.add_argument("--tiny-overrides", nargs="*", default=[], metavar="key=value",
@@ -465,9 +474,12 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     keys = [k for k in args.models.split(",") if k]
-    if "smollm2" in keys and args.smollm2_draft is None:
-        ap.error(f"no SmolLM2 draft: {SMOLLM2_DRAFT} does not exist; produce one with `python "
-                 "benchmarks/draft_warmstart.py` and pass its draft-<key>/ directory as --smollm2-draft")
+    if "smollm2" in keys and args.smollm2_draft is None and not args.report_only:
+        found = newest_cached_draft()
+        if found is None:
+            ap.error("no SmolLM2 draft in the warm-start cache; produce one with `python benchmarks/draft_warmstart.py`"
+                     " (about an hour) or pass a draft-<key>/ directory as --smollm2-draft")
+        args.smollm2_draft = str(found)
     max_new, repeats = per_model(args.max_new_tokens), per_model(args.repeats)
     rows, notes = [], {}
     out = Path(args.out)

@@ -223,17 +223,18 @@ class CoDraftRun:
             return self.task.heldout_samples(min(n, self.task.heldout))
         return self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED + offset)
 
-    def evaluate(self, n: int, temperature: float = 0.0) -> float:
+    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True) -> float:
         """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample
         per prompt with fixed seeds), every rank of the world decoding a share (call on every rank); the same value
-        on every rank."""
+        on every rank. ``release=False`` leaves the engine's weights filled for a measurement that follows."""
         samples = self.heldout_samples(n)
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
         seeds = [rollout_seed(self.cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
         self.worker.prepare()
         self.worker.policy.eval()
         outs, _, _ = self.worker.generate(prompts, seeds, temperature=temperature, group="world")
-        self.worker.release()
+        if release:
+            self.worker.release()
         return mean_reward(outs, self.tokenizer, samples, self.reward_fn, on_error=self.cfg.task.on_reward_error)
 
     def finish(self, completed: bool = True) -> FitResult:
@@ -249,10 +250,12 @@ class CoDraftRun:
 
     def _summarize(self, result: FitResult) -> None:
         cfg, tok = self.cfg, self.tokenizer
-        if cfg.task.eval_prompts:
-            result.eval_after = self.evaluate(cfg.task.eval_prompts)
-        if cfg.draft.mode != "none":  # every rank refills its copies (a collective); rank 0 measures
-            self.worker.prepare()
+        measure = cfg.draft.mode != "none"
+        if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
+            result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure)
+        if measure:  # every rank refills its copies (a collective); rank 0 measures
+            if not cfg.task.eval_prompts:
+                self.worker.prepare()
             if self.fabric.global_rank == 0:
                 samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
                 prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]

@@ -162,3 +162,23 @@ def test_recipe_warm_start_must_hold_out_the_tasks_heldout_problems(tmp_path):
                              f"run.out_dir={tmp_path}", "run.progress=false"])
     with pytest.raises(ConfigError, match="heldout_prompts=8 is below task.heldout=40"):
         fit(cfg, print_fn=lambda s: None)
+
+
+def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monkeypatch):
+    """finish(): greedy evaluation and the speed-up measurement decode with the same weights, so the engine's copies
+    (on a multi-process or vLLM run, a collective over every stage) are refilled once, not once each."""
+    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.rollouts import RolloutWorker
+
+    calls, inside = [], {"on": False}
+    prepare, finish = RolloutWorker.prepare, CoDraftRun.finish
+    monkeypatch.setattr(RolloutWorker, "prepare", lambda self: (calls.append(inside["on"]), prepare(self))[1])
+
+    def counted_finish(self, completed=True):
+        inside["on"] = True
+        return finish(self, completed)
+
+    monkeypatch.setattr(CoDraftRun, "finish", counted_finish)
+    res = fit(micro_config(tmp_path, "rl.steps=1", "run.plots=false", "run.checkpoint_every=0"),
+              print_fn=lambda s: None)
+    assert res.completed and res.speedup is not None and calls.count(True) == 1
