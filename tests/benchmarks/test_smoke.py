@@ -107,3 +107,14 @@ def test_draft_warmstart_smoke(tmp_path):
     assert "acceptance length" in text and "cache hit" in text
     res = (tmp_path / "draft_warmstart.json").read_text()
     assert '"cache_hit_same": true' in res and (tmp_path / "draft_warmstart.md").is_file()
+
+
+def test_recipe_run_smoke(tmp_path):
+    text = _run("recipe_run.py", "--config", "recipes/tiny-cpu.yaml", "--name", "page", "--out", tmp_path,
+                f"run.out_dir={tmp_path / 'run'}", "model.num_hidden_layers=4", "sft.steps=2", "draft.warmup_steps=2",
+                "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
+                "task.eval_prompts=2", "run.checkpoint_every=0", "run.progress=false")
+    assert "rollout speed-up with the cotrain draft" in text and "held-out sequences, batch" in text
+    md = (tmp_path / "page.md").read_text()
+    assert "| step | reward | acceptance_length |" in md and "\n| 2 | " in md and "best of 3 interleaved" in md
+    assert (tmp_path / "page_curves.png").is_file() and (tmp_path / "page.json").is_file()
