@@ -38,6 +38,7 @@ from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.training.draft_fit import (
     DraftFitConfig,
+    coerce_floats,
     FeatureCache,
     FitResult,
     build_feature_cache,
@@ -92,6 +93,7 @@ class WarmStartSettings:
     def __post_init__(self):
         if isinstance(self.fit, dict):
             self.fit = DraftFitConfig(**self.fit)
+        coerce_floats(self)
         for name in ("num_prompts", "max_new_tokens", "generation_batch", "feature_batch_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"WarmStartSettings.{name}={getattr(self, name)} must be >= 1")

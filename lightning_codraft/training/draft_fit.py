@@ -27,7 +27,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -270,6 +270,7 @@ class DraftFitConfig:
     0.9999)."""
 
     def __post_init__(self):
+        coerce_floats(self)
         for name in ("epochs", "batch_tokens", "lr", "ttt_steps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DraftFitConfig.{name}={getattr(self, name)} must be > 0")
@@ -300,6 +301,15 @@ class FitResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def coerce_floats(obj) -> None:
+    """Store each ``float`` / ``float | None`` field of dataclass ``obj`` given as an int as a float: 3480 and
+    3480.0 are one setting and must give one cache key (keys hash the settings' JSON, where they differ)."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and str(f.type).startswith("float"):
+            setattr(obj, f.name, float(v))
 
 
 def lr_factor(progress: float, config: DraftFitConfig) -> float:

@@ -1,3 +1,4 @@
+from dataclasses import asdict
 import dataclasses
 import json
 import subprocess
@@ -131,6 +132,9 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills():
     spec.loader.exec_module(bench)
     args = bench.parse_args([])
     cfg = load_config(REPO / "recipes" / "smollm2-135m-cpu.yaml")
-    assert warm_start_settings(cfg) == bench.warm_start_settings(args)
+    ours, theirs = warm_start_settings(cfg), bench.warm_start_settings(args)
+    # the cache key hashes the settings' JSON, where 3480 and 3480.0 differ (a recipe writing an int missed the
+    # benchmark's cache): compare that, not only dataclass equality
+    assert json.dumps(asdict(ours), sort_keys=True) == json.dumps(asdict(theirs), sort_keys=True)
     assert cfg.draft.draft_vocab_size == args.draft_vocab and cfg.run.seed + 1 == 1  # the benchmark's draft seed
     assert cfg.task.heldout <= args.heldout and cfg.task.source.endswith("gsm8k/train.jsonl")
