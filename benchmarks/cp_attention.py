@@ -238,6 +238,8 @@ def worker(rank, P, port, args, queue):
                 if rank == 0:
                     queue.put((P, T, method, res))
                     print(f"  cp={P} T={T} {method}: {fmt(res)}", flush=True)
+        if group is not None:  # leave together: a gloo peer torn down while the other still closes aborts it
+            dist.barrier(group=group)
     finally:
         if group is not None:
             dist.destroy_process_group()
