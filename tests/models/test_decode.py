@@ -86,7 +86,9 @@ def test_fused_policy_decode_equals_full_forward(variant, lengths):
 @pytest.mark.parametrize("lengths", [[5, 2, 7], [6]], ids=["ragged-batch", "one-row"])
 def test_module_policy_decode_equals_full_forward(lengths):
     policy = _policy(seed=1, **VARIANTS["qwen3"])
-    _decode_and_compare(policy, ModulePolicyDecoder(policy), lengths, taps=(1, 3))
+    decoder = ModulePolicyDecoder(policy)  # the module-by-module reference path, not the fused one
+    assert isinstance(decoder, PolicyDecoder) and not isinstance(decoder, FusedPolicyDecoder)
+    _decode_and_compare(policy, decoder, lengths, taps=(1, 3))  # asserts logits, taps and cache lengths
 
 
 @pytest.mark.parametrize("batch", [2, 1])
