@@ -60,7 +60,7 @@ def write_page(out: Path, name: str, res: dict) -> str:
         lines.append("| " + " | ".join(_cell(f, row.get(c)) for c, f in TABLE) + " |")
     lines += ["", f"![curves]({name}_curves.png)", ""]
     text = "\n".join(lines)
-    (out / f"{name}.md").write_text(text + res.get("notes", ""))
+    (out / f"{name}.md").write_text(text)
     return text
 
 

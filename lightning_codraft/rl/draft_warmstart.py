@@ -162,6 +162,11 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
     ``heldout_prompts`` problems are held out and ``num_prompts`` of the rest are drawn in a ``seed`` order;
     a generated task (``task.sample(n, seed)`` only) gives ``num_prompts`` training prompts and no held-out ones.
     """
+    reserved = getattr(task, "heldout", 0)
+    if reserved > settings.heldout_prompts:
+        raise ValueError(f"heldout_prompts={settings.heldout_prompts} is below task.heldout={reserved}: the warm "
+                         f"start would train the draft on problems the evaluation and the speed-up are measured on; "
+                         f"raise heldout_prompts")
     samples = getattr(task, "samples", None)
     if samples is None:
         return [s.prompt for s in task.sample(settings.num_prompts, settings.seed)], []

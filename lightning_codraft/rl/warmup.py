@@ -28,7 +28,7 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models.vocab import build_vocab_mapping
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, warm_start_draft
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, sft_batch
 from lightning_codraft.rl.tasks import TaskSample
 from lightning_codraft.rollout.speculative import SpeculativeEngine
@@ -202,11 +202,10 @@ def run_warmups(cfg: CoDraftConfig, module, tokenizer, task, context: int,
     warm_start = None  # bad keys fail before the SFT runs
     if cfg.draft.mode != "none" and cfg.draft.warm_start is not None:
         warm_start = warm_start_settings(cfg)
-        reserved = getattr(task, "heldout", 0)
-        if reserved > warm_start.heldout_prompts:
-            raise ConfigError(f"draft.warm_start.heldout_prompts={warm_start.heldout_prompts} is below task.heldout="
-                              f"{reserved}: the warm start would train the draft on problems the evaluation and the "
-                              f"speed-up are measured on; raise draft.warm_start.heldout_prompts")
+        try:  # its split of the task's problems too (e.g. a held-out tail shorter than the task's)
+            split_prompts(task, warm_start)
+        except ValueError as e:
+            raise ConfigError(f"draft.warm_start.{e}") from None
     if cfg.sft.steps > 0:
         t0 = time.perf_counter()
         every = max(1, cfg.sft.steps // 5)

@@ -1,9 +1,8 @@
-from dataclasses import asdict
 import dataclasses
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import pytest
 import torch
@@ -51,6 +50,9 @@ def test_held_out_prompts_are_disjoint_and_fixed():
     assert split_prompts(task, WarmStartSettings(seed=1, num_prompts=12, heldout_prompts=5))[0] != train
     with pytest.raises(ValueError, match="leaves no training prompt"):
         split_prompts(task, WarmStartSettings(heldout_prompts=20))
+    task.heldout = 6  # a task that reserves more problems than the warm start holds out
+    with pytest.raises(ValueError, match="heldout_prompts=5 is below task.heldout=6"):
+        split_prompts(task, s)
 
 
 def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
