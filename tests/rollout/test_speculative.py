@@ -14,6 +14,7 @@ from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
 from lightning_codraft.rollout import noise, sampler
 from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
+from lightning_codraft.rollout.cost_model import CostModel
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.sampling import coupled_verify, gumbel_argmax
 
@@ -52,10 +53,27 @@ class _Scripted(SpeculationController):
         return self.schedule[(self.calls - 1) % len(self.schedule)]
 
 
+class _PinnedCosts(CostModel):
+    """A cost model that measures nothing: a verify costs the same for every k and a draft step a tenth of it.
+    The real controller then chooses from its acceptance estimates alone, the same way on every machine (with
+    measured times a slow machine may find drafting never pays for a model this small, and never draft)."""
+
+    def round_times(self, B, max_k):
+        return [1.0 + 0.1 * k for k in range(max_k + 1)]
+
+    def needs_calibration(self, B):
+        return False
+
+    def add(self, block, B, S, seconds, anchor=False):
+        pass
+
+
 def _adaptive(mode, k):
-    """The engine's ``adaptive`` argument for a test mode: fixed K, the real controller, or a scripted one that
-    mixes every k in 0..K with runs of k = 0 longer than the resume window (the draft then skips positions)."""
-    return {"fixed": False, "adaptive": True,
+    """The engine's ``adaptive`` argument for a test mode: fixed K, the real controller on pinned costs (its
+    acceptance estimates, backoff and exploration choose k; the timed path is tested with ``adaptive=True``
+    below), or a scripted one that mixes every k in 0..K with runs of k = 0 longer than the resume window (the
+    draft then skips positions)."""
+    return {"fixed": False, "adaptive": SpeculationController(k, costs=_PinnedCosts()),
             "scripted": _Scripted(k, [k, 0, 1] + [0] * 20 + [k, k - 1, 0, 0, k])}[mode]
 
 
@@ -265,8 +283,7 @@ def test_speculative_sampling_is_distributed_as_the_policy(top_k, top_p, mode, s
     round its conditional given the prefix."""
     policy, draft = _sampling_setup()
     k = 2
-    engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k), sampling=sampling,
-                               max_batch_size=8 if mode == "adaptive" else None)  # small batches: drafting pays
+    engine = SpeculativeEngine(policy, draft, k, adaptive=_adaptive(mode, k), sampling=sampling)
     failures, stats, n_bonus = _distribution_failures(engine, k, top_k, top_p)
     assert not failures, failures
     if mode == "fixed":
