@@ -104,16 +104,31 @@ def plain_parameters(module: nn.Module) -> bool:
     return all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters())
 
 
-def policy_decoder(policy: nn.Module, capacity: int) -> PolicyDecoder:
-    """``policy.decoder(capacity)`` when the module has one, else a :class:`ModulePolicyDecoder`."""
-    make = getattr(policy, "decoder", None)
-    return make(capacity) if callable(make) else ModulePolicyDecoder(policy)
+def _make_decoder(module: nn.Module, capacity: int, dtype: torch.dtype | None, fallback, kind: str):
+    """``module.decoder(capacity[, dtype=])`` when the module has one, else ``fallback(module)``; a ``dtype`` other
+    than the parameters' needs a decoder that casts (the fused ones), else a clear error."""
+    make = getattr(module, "decoder", None)
+    if dtype is None or dtype == next(module.parameters()).dtype:
+        return make(capacity) if callable(make) else fallback(module)
+    dec = make(capacity, dtype=dtype) if callable(make) else None
+    if not isinstance(dec, _FusedMath):
+        raise ValueError(f"decoding a {type(module).__name__} in {dtype} needs its fused {kind} decoder (plain-tensor "
+                         f"parameters of a Policy / Eagle3Draft or a subclass); this module decodes through its own "
+                         f"forward, in its parameters' dtype {next(module.parameters()).dtype}: cast the module "
+                         "instead, or decode in that dtype")
+    return dec
 
 
-def draft_decoder(draft: nn.Module, capacity: int) -> DraftDecoder:
-    """``draft.decoder(capacity)`` when the module has one, else a :class:`ModuleDraftDecoder`."""
-    make = getattr(draft, "decoder", None)
-    return make(capacity) if callable(make) else ModuleDraftDecoder(draft)
+def policy_decoder(policy: nn.Module, capacity: int, dtype: torch.dtype | None = None) -> PolicyDecoder:
+    """``policy.decoder(capacity)`` when the module has one, else a :class:`ModulePolicyDecoder`; ``dtype``: decode
+    in this dtype (a cast copy of the weights, taken now; None: the parameters' own)."""
+    return _make_decoder(policy, capacity, dtype, ModulePolicyDecoder, "policy")
+
+
+def draft_decoder(draft: nn.Module, capacity: int, dtype: torch.dtype | None = None) -> DraftDecoder:
+    """``draft.decoder(capacity)`` when the module has one, else a :class:`ModuleDraftDecoder`; ``dtype`` as in
+    :func:`policy_decoder`."""
+    return _make_decoder(draft, capacity, dtype, ModuleDraftDecoder, "draft")
 
 
 def gather_rows(x: Tensor, logit_rows: Tensor | None) -> Tensor:
@@ -198,6 +213,11 @@ def _cat(*tensors: Tensor | None) -> Tensor | None:
     return None if tensors[0] is None else torch.cat(tensors, dim=0)
 
 
+def _caster(dtype: torch.dtype | None):
+    """``t -> t.to(dtype)`` (None passes through; no copy when ``t`` already has that dtype)."""
+    return lambda t: t if t is None or dtype is None else t.to(dtype)
+
+
 @dataclass
 class _Layer:
     """One decoder layer's weights: norms and o/down projections by reference, q/k/v and gate/up concatenated."""
@@ -220,15 +240,17 @@ class _Layer:
     k_norm: Tensor | None = None
 
     @classmethod
-    def pack(cls, ln1: nn.Module, ln2: nn.Module, attn: nn.Module, mlp: nn.Module, eps: float) -> "_Layer":
+    def pack(cls, ln1: nn.Module, ln2: nn.Module, attn: nn.Module, mlp: nn.Module, eps: float,
+             dtype: torch.dtype | None = None) -> "_Layer":
         q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        return cls(ln1=ln1.weight, ln2=ln2.weight, wqkv=torch.cat([q.weight, k.weight, v.weight]),
-                   bqkv=_cat(q.bias, k.bias, v.bias), wo=o.weight, bo=o.bias,
-                   wgu=torch.cat([g.weight, u.weight]), bgu=_cat(g.bias, u.bias), wd=d.weight, bd=d.bias,
+        c = _caster(dtype)
+        return cls(ln1=c(ln1.weight), ln2=c(ln2.weight), wqkv=c(torch.cat([q.weight, k.weight, v.weight])),
+                   bqkv=c(_cat(q.bias, k.bias, v.bias)), wo=c(o.weight), bo=c(o.bias),
+                   wgu=c(torch.cat([g.weight, u.weight])), bgu=c(_cat(g.bias, u.bias)), wd=c(d.weight), bd=c(d.bias),
                    heads=int(attn.num_heads), kv_heads=int(attn.num_kv_heads), head_dim=int(attn.head_dim),
-                   eps=float(eps), q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                   k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None)
+                   eps=float(eps), q_norm=c(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
+                   k_norm=c(attn.k_norm.weight) if hasattr(attn, "k_norm") else None)
 
 
 @dataclass
@@ -250,18 +272,19 @@ class _FusedMath:
         module: the model decoded; its parameters are read at construction (rebuild after a weight update).
         capacity: largest cache capacity the caller will use (RoPE table size).
         rotary: the model's RoPE module, ``rotary(positions, dtype) -> (cos, sin)``.
-        like: a parameter of the model (dtype and device of the tables).
+        like: a (cast) weight of the decoder: the dtype and device of the tables and caches.
     """
 
     def __init__(self, module: nn.Module, capacity: int, rotary, like: Tensor):
         self.module = module
         self.capacity = int(capacity)
+        self.dtype = like.dtype
         positions = torch.arange(self.capacity, device=like.device)
         self.cos, self.sin = rotary(positions, like.dtype)                         # (C, D) each
         self._rotate_half: dict[int, Tensor] = {}
 
     def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return self.module.allocate_kv_cache(batch_size, capacity)
+        return self.module.allocate_kv_cache(batch_size, capacity, dtype=self.dtype)
 
     def _geometry(self, cache: KVCache, num_tokens: int) -> _Geometry:
         capacity = min(cache.capacity, self.capacity)
@@ -336,15 +359,19 @@ class _FusedMath:
 
 class FusedPolicyDecoder(_FusedMath):
     """:class:`PolicyDecoder` of a :class:`~lightning_codraft.models.Policy` (or a subclass): ``(policy,
-    capacity)``, its parameters read now (rebuild after a weight update)."""
+    capacity, dtype=None)``, its parameters read now (rebuild after a weight update); ``dtype`` decodes from a
+    copy of the weights in that dtype (e.g. bfloat16, as rollout engines serve an fp32-trained policy), caches
+    and taps in it too, RMSNorm statistics in fp32 as the module computes them."""
 
-    def __init__(self, policy: nn.Module, capacity: int):
-        backbone, eps = policy.model, float(policy.config.rms_norm_eps)
-        self.embed_weight = backbone.embed_tokens.weight
+    def __init__(self, policy: nn.Module, capacity: int, dtype: torch.dtype | None = None):
+        backbone, eps, c = policy.model, float(policy.config.rms_norm_eps), _caster(dtype)
+        self.embed_weight = c(backbone.embed_tokens.weight)
         super().__init__(policy, capacity, policy.rotary, self.embed_weight)
-        self.layers = [_Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps)
+        self.layers = [_Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps, dtype)
                        for l in backbone.layers]
-        self.eps, self.norm, self.lm_head = eps, backbone.norm.weight, policy.lm_head.weight
+        tied = policy.lm_head.weight is backbone.embed_tokens.weight
+        self.eps, self.norm = eps, c(backbone.norm.weight)
+        self.lm_head = self.embed_weight if tied else c(policy.lm_head.weight)
 
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -369,15 +396,17 @@ class FusedPolicyDecoder(_FusedMath):
 
 class FusedDraftDecoder(_FusedMath):
     """:class:`DraftDecoder` of an :class:`~lightning_codraft.models.Eagle3Draft` (or a subclass): ``(draft,
-    capacity)``, its parameters read now (rebuild after a weight update)."""
+    capacity, dtype=None)``, its parameters read now (rebuild after a weight update); ``dtype`` as in
+    :class:`FusedPolicyDecoder`."""
 
-    def __init__(self, draft: nn.Module, capacity: int):
-        mid, eps = draft.midlayer, float(draft.config.rms_norm_eps)
-        self.fc = draft.fc.weight
+    def __init__(self, draft: nn.Module, capacity: int, dtype: torch.dtype | None = None):
+        mid, eps, c = draft.midlayer, float(draft.config.rms_norm_eps), _caster(dtype)
+        self.fc = c(draft.fc.weight)
         super().__init__(draft, capacity, draft.rotary_emb, self.fc)
-        self.in_ln, self.hidden_ln = mid.input_layernorm.weight, mid.hidden_norm.weight
-        self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps)
-        self.eps, self.norm, self.lm_head = eps, draft.norm.weight, draft.lm_head.weight
+        self.in_ln, self.hidden_ln = c(mid.input_layernorm.weight), c(mid.hidden_norm.weight)
+        self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps,
+                                 dtype)
+        self.eps, self.norm, self.lm_head = eps, c(draft.norm.weight), c(draft.lm_head.weight)
 
     def fuse(self, taps: Taps) -> Tensor:
         return F.linear(torch.cat(taps, dim=-1), self.fc)

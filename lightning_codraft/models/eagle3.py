@@ -279,14 +279,17 @@ class Eagle3Draft(nn.Module):
 
     # ----- decode and vLLM EAGLE-3 checkpoint I/O (models/decode.py, models/eagle3_io.py) -----
 
-    def decoder(self, capacity: int) -> DraftDecoder:
-        """The decode-time step the rollout engine calls, over caches of at most ``capacity`` slots.
+    def decoder(self, capacity: int, dtype: torch.dtype | None = None) -> DraftDecoder:
+        """The decode-time step the rollout engine calls, over caches of at most ``capacity`` slots, in
+        ``dtype`` (None: the parameters' dtype; e.g. bfloat16 decodes from a bf16 copy of the weights).
 
         A :class:`~lightning_codraft.models.decode.FusedDraftDecoder` (the math of :meth:`step` with fewer ops,
         reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
         not plain tensors (DTensor shards) get the module path, :meth:`fuse` and :meth:`step`.
         """
-        return FusedDraftDecoder(self, capacity) if plain_parameters(self) else ModuleDraftDecoder(self)
+        if not plain_parameters(self):
+            return ModuleDraftDecoder(self)
+        return FusedDraftDecoder(self, capacity, dtype)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` in the layout vLLM loads as ``LlamaForCausalLMEagle3``."""

@@ -324,15 +324,18 @@ class Policy(nn.Module):
         return KVCache.allocate(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, capacity,
                                 dtype or w.dtype, device or w.device)
 
-    def decoder(self, capacity: int) -> PolicyDecoder:
-        """The decode-time forward the rollout engine calls, over caches of at most ``capacity`` slots.
+    def decoder(self, capacity: int, dtype: torch.dtype | None = None) -> PolicyDecoder:
+        """The decode-time forward the rollout engine calls, over caches of at most ``capacity`` slots, in
+        ``dtype`` (None: the parameters' dtype; e.g. bfloat16 decodes from a bf16 copy of the weights).
 
         A :class:`~lightning_codraft.models.decode.FusedPolicyDecoder` (the decode path's math with fewer ops,
         reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
         not plain tensors (DTensor shards) get the module path, :meth:`forward` with ``kv_cache``. A subclass
         that changes the decode math overrides this to return ``ModulePolicyDecoder(self)``.
         """
-        return FusedPolicyDecoder(self, capacity) if plain_parameters(self) else ModulePolicyDecoder(self)
+        if not plain_parameters(self):
+            return ModulePolicyDecoder(self)
+        return FusedPolicyDecoder(self, capacity, dtype)
 
     # ----- I/O (HF directories; see models.hf_io) -----
 

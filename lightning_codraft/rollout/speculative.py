@@ -90,6 +90,18 @@ class _Batch:
             self.estimates.select(rows)
 
 
+DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decode_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A decode dtype from its name or itself (None stays None); anything else is a clear error."""
+    if dtype is None or dtype in DECODE_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DECODE_DTYPES:
+        return DECODE_DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} must be None or one of {sorted(DECODE_DTYPES)} (or the torch dtype)")
+
+
 class SpeculativeEngine:
     """Batched speculative decoding with a policy and an (optional) EAGLE-3 draft.
 
@@ -109,14 +121,19 @@ class SpeculativeEngine:
             are a pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch
             size or request order) or "rejection" (speculative rejection sampling: measured 1-3% longer
             acceptance, samples that depend on the speculation lengths). Both sample the policy exactly.
+        dtype: decode in this dtype (``torch.bfloat16`` or ``"bfloat16"``: what rollout engines serve an
+            fp32-trained policy in; float32, float16), from a cast copy of the weights taken at each ``generate``
+            call, KV caches and taps in it too; logits are upcast to fp32 for sampling and log-probs. Speculation
+            stays lossless against plain decoding in the same dtype (the policy sampled is the cast one, so the
+            returned log-probs are the behaviour policy's). None: the modules' own dtype.
 
-    The engine decodes with the modules it is given (no copies); :meth:`update_weights` loads new
-    weights into them in place.
+    The engine decodes with the modules it is given (no copies unless ``dtype`` casts them);
+    :meth:`update_weights` loads new weights into them in place.
     """
 
     def __init__(self, policy: nn.Module, draft: nn.Module | None = None, num_speculative_tokens: int = 3,
                  *, max_batch_size: int | None = None, adaptive: bool | SpeculationController = False,
-                 sampling: str = "coupled"):
+                 sampling: str = "coupled", dtype: torch.dtype | str | None = None):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}: 'coupled' (Gumbel-coupled, "
                              "rollouts independent of the draft and batch) or 'rejection'")
@@ -130,6 +147,7 @@ class SpeculativeEngine:
         self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
         self.max_batch_size = max_batch_size
         self.sampling = sampling
+        self.dtype = decode_dtype(dtype)
         self._check_draft()
         self._draft_to_target: torch.Tensor | None = None
         self._draft_is_identity = False
@@ -206,8 +224,8 @@ class SpeculativeEngine:
         chunk = self.max_batch_size or len(prompts)
         with torch.inference_mode():  # every cache of this call fits max_context + 2(K+1) slots (_generate_batch)
             capacity = self.max_context + 2 * (self.num_speculative_tokens + 1)
-            pdec = policy_decoder(self.policy, capacity)
-            ddec = None if self.draft is None else draft_decoder(self.draft, capacity)
+            pdec = policy_decoder(self.policy, capacity, self.dtype)
+            ddec = None if self.draft is None else draft_decoder(self.draft, capacity, self.dtype)
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput] = []

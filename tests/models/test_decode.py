@@ -2,6 +2,8 @@
 ``Eagle3Draft.step``) and the dense full-sequence forward, values and cache contents, for ragged batches and every
 Llama-family variant; subclasses keep the fused path, wrappers and sharded parameters fall back to the module path."""
 
+import copy
+
 import pytest
 import torch
 
@@ -206,3 +208,48 @@ def test_non_plain_parameters_fall_back_to_the_module_path():
         setattr(owner, name.rsplit(".", 1)[1], torch.nn.Parameter(p.detach().as_subclass(_ShardedLike)))
     assert isinstance(policy.decoder(16), ModulePolicyDecoder)
     assert isinstance(draft.decoder(16), ModuleDraftDecoder)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "llama3-rope-tied"])
+def test_decoders_in_another_dtype_equal_the_decoders_of_a_cast_copy(variant):
+    """``decoder(capacity, dtype=bf16)`` casts the weights it packs: bit for bit what the decoder of a bf16 copy of
+    the module computes (logits, taps, caches; RoPE tables from fp32 frequencies in both), with caches in bf16,
+    while the module keeps its fp32 weights."""
+    policy = _policy(seed=7, **VARIANTS[variant])
+    torch.manual_seed(8)
+    draft = Eagle3Draft.from_policy(policy).eval()
+    _randomize_biases_and_norms(draft, seed=9)
+    cast_policy, cast_draft = copy.deepcopy(policy).to(torch.bfloat16), copy.deepcopy(draft).to(torch.bfloat16)
+    # .to() also rounds the copies' RoPE frequencies to bf16; the casting decoders keep fp32 frequencies (only the
+    # cos / sin tables are cast), so the copies get them back
+    cast_policy.rotary, cast_draft.rotary_emb = policy.rotary, draft.rotary_emb
+    ids = torch.randint(0, policy.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    taps_ids = tuple(int(t) for t in draft.config.taps)
+    results = []
+    with torch.inference_mode():
+        for pdec, ddec in ((policy_decoder(policy, 16, torch.bfloat16), draft_decoder(draft, 16, torch.bfloat16)),
+                           (cast_policy.decoder(16), cast_draft.decoder(16))):
+            pcache, dcache = pdec.allocate_cache(2, 16), ddec.allocate_cache(2, 16)
+            logits, taps = pdec.forward(ids, pcache, taps_ids)
+            hidden, dlogits = ddec.step(ddec.fuse(taps), pdec.embed(ids), dcache)
+            results.append((logits, *taps, hidden, dlogits, *pcache.k, *pcache.v, *dcache.k, *dcache.v))
+    assert all(t.dtype == torch.bfloat16 for t in results[0])
+    for mine, theirs in zip(*results):
+        assert torch.equal(mine, theirs)
+    assert next(policy.parameters()).dtype == torch.float32 and policy_decoder(policy, 16, torch.float32).dtype == \
+        torch.float32
+
+
+def test_a_module_path_decoder_refuses_another_dtype():
+    policy = _policy()
+    wrapped = ModulePolicyDecoder(policy)
+    assert wrapped.module is policy
+
+    class Wrapper(torch.nn.Module):  # a module without a decoder of its own: decoded through its forward
+        def __init__(self):
+            super().__init__()
+            self.inner = policy
+
+    with pytest.raises(ValueError, match="needs its fused policy decoder"):
+        policy_decoder(Wrapper(), 16, torch.bfloat16)
+    assert isinstance(policy_decoder(Wrapper(), 16, torch.float32), ModulePolicyDecoder)  # its own dtype: fine
