@@ -212,6 +212,11 @@ class ParallelConfig:
     """Sequences the embedded engine decodes together (null = all of a step's at once). On CPU a large batch
     makes decoding compute-bound, and verifying K+1 tokens then costs ~K+1 single-token steps, so
     speculative decoding stops paying; small batches keep decoding latency-bound, as on a GPU."""
+    engine_dtype: Optional[str] = None
+    """Dtype the rollout engine decodes in: ``bfloat16`` (what rollout engines serve an fp32-trained policy in;
+    the embedded engine decodes from a bf16 copy taken each step, and the log-probs the loss uses are that
+    behaviour policy's), ``float16`` or ``float32``; null: the training weights' dtype. The vLLM engine serves
+    float32 only."""
 
 
 @dataclass
@@ -312,6 +317,13 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if p.engine_batch_size is not None:
         _positive("parallel.engine_batch_size", p.engine_batch_size)
     _positive("parallel.num_microbatches", p.num_microbatches)
+    if p.engine_dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ConfigError(f"parallel.engine_dtype={p.engine_dtype!r} is not one of ('float32', 'bfloat16', "
+                          "'float16', null)")
+    if p.engine == "vllm" and p.engine_dtype not in (None, "float32"):
+        raise ConfigError(f"parallel.engine_dtype={p.engine_dtype} needs parallel.engine=embedded: the vLLM engine "
+                          "serves float32 here (its weight-sync checks compare the fp32 training weights); set "
+                          "engine_dtype=null with engine=vllm")
     if p.sharding not in (None, "fsdp", "ddp"):
         raise ConfigError(f"parallel.sharding={p.sharding!r} is not one of ('fsdp', 'ddp', null)")
     _positive("parallel.timeout_s", p.timeout_s, 1)

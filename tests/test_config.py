@@ -25,10 +25,17 @@ def test_defaults_and_overrides_round_trip(tmp_path):
     ("rl.group_size=1", r"rl.group_size=1 must be >= 2"),
     ("rl.max_new_tokens=500", r"rl.max_new_tokens=500 leaves no room"),
     ("rl", r"'rl' is not of the form key=value"),
+    ("parallel.engine_dtype=bf16", r"parallel.engine_dtype='bf16' is not one of \('float32', 'bfloat16'"),
 ])
 def test_bad_overrides_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_engine_dtype_needs_the_embedded_engine():
+    assert load_config(None, ["parallel.engine_dtype=bfloat16"]).parallel.engine_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="engine_dtype=bfloat16 needs parallel.engine=embedded"):
+        load_config(None, ["parallel.engine_dtype=bfloat16", "parallel.engine=vllm", "draft.adaptive=false"])
 
 
 def test_unknown_key_in_yaml(tmp_path):

@@ -62,12 +62,13 @@ def _timed(engine, prompts, max_new_tokens, temperature, top_p, seed, stop):
 def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[list[int]], max_new_tokens: int,
                     temperature: float, top_p: float, seed: int, stop_token_ids: Sequence[int],
                     repeats: int = 3, max_batch_size: int | None = None, adaptive: bool = False,
-                    sampling: str = "coupled") -> SpeedupResult:
+                    sampling: str = "coupled", dtype: str | None = None) -> SpeedupResult:
     """Tokens/s of plain vs speculative decoding of ``prompts`` (best of ``repeats``, runs interleaved), both
-    engines decoding ``max_batch_size`` sequences at a time (None: all together)."""
-    plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling)
+    engines decoding ``max_batch_size`` sequences at a time (None: all together) in ``dtype`` (None: the
+    weights')."""
+    plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
     spec = SpeculativeEngine(policy, draft, num_speculative_tokens, max_batch_size=max_batch_size,
-                             adaptive=adaptive, sampling=sampling)
+                             adaptive=adaptive, sampling=sampling, dtype=dtype)
     best_p = best_s = None
     for _ in range(max(1, repeats)):
         p = _timed(plain, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids)

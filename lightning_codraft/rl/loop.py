@@ -263,7 +263,7 @@ class CoDraftRun:
                     self.worker.policy, self.worker.draft, cfg.draft.num_speculative_tokens, prompts,
                     cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p, seed=cfg.run.seed + EVAL_SEED,
                     stop_token_ids=[tok.eos_token_id], max_batch_size=cfg.parallel.engine_batch_size,
-                    adaptive=cfg.draft.adaptive, sampling=cfg.draft.sampling)
+                    adaptive=cfg.draft.adaptive, sampling=cfg.draft.sampling, dtype=cfg.parallel.engine_dtype)
             self.fabric.barrier()
             self.worker.release()
         if self.fabric.global_rank != 0:
@@ -284,7 +284,8 @@ class CoDraftRun:
                          f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
                          f"acceptance length {s.acceptance_length:.2f}; {s.sequences} held-out sequences, batch "
                          f"{min(batch, s.sequences)}, T={cfg.rl.temperature}, K={cfg.draft.num_speculative_tokens}"
-                         f"{', adaptive' if cfg.draft.adaptive else ''})")
+                         f"{', adaptive' if cfg.draft.adaptive else ''}"
+                         f"{', ' + cfg.parallel.engine_dtype if cfg.parallel.engine_dtype else ''})")
         lines.append(f"outputs: {self.out} (metrics.csv, tb/, curves.png, checkpoints/)")
         summary = "\n".join(lines)
         (self.out / "summary.txt").write_text(summary + "\n")

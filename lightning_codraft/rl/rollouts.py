@@ -157,7 +157,7 @@ class RolloutWorker:
             return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir,
                                            max_num_seqs=p.engine_batch_size or 64, draft_sample_method="probabilistic")
         return SpeculativeEngine(self.policy, draft, k, max_batch_size=p.engine_batch_size,
-                                 adaptive=bool(d.adaptive and k), sampling=d.sampling)
+                                 adaptive=bool(d.adaptive and k), sampling=d.sampling, dtype=p.engine_dtype)
 
     def release(self) -> None:
         """The training phase begins: free the engine's copies (or put vLLM to sleep where it can)."""

@@ -183,3 +183,26 @@ def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monke
     res = fit(micro_config(tmp_path, "rl.steps=1", "run.plots=false", "run.checkpoint_every=0"),
               print_fn=lambda s: None)
     assert res.completed and res.speedup is not None and calls.count(True) == 1
+
+
+def test_engine_dtype_reaches_the_rollout_and_speedup_engines(tmp_path, monkeypatch):
+    """parallel.engine_dtype=bfloat16: the step's rollouts and both arms of the final speed-up decode in bf16 (the
+    summary says so); the training weights stay fp32."""
+    import torch
+
+    from lightning_codraft.rollout import SpeculativeEngine
+
+    made, init = [], SpeculativeEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append((self.dtype, self.draft is not None))
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    res = fit(micro_config(tmp_path, "rl.steps=1", "run.plots=false", "run.checkpoint_every=0",
+                           "parallel.engine_dtype=bfloat16"), print_fn=lambda s: None)
+    assert res.completed and res.speedup is not None
+    with_draft = [d for d, has_draft in made if has_draft]
+    assert len(with_draft) >= 2 and set(with_draft) == {torch.bfloat16}   # the worker's engine, the speed-up's
+    assert made.count((torch.bfloat16, False)) >= 1                         # the speed-up's plain arm
+    assert "K=4, adaptive, bfloat16)" in (res.out_dir / "summary.txt").read_text()
