@@ -85,6 +85,8 @@ class Model:
     long_temperature: float
     notes: list[str] = field(default_factory=list)
     adaptive: SpeculativeEngine | None = None
+    dtype: str | None = None
+    """The engines' decode dtype (None: the weights', fp32)."""
 
 
 def tiny_model(args) -> Model:
@@ -173,12 +175,18 @@ def smollm2_model(args) -> Model:
 
 # ---------------------------------------------------------------------------------------------- measuring
 def engines_for(model: Model, B: int) -> dict[str, SpeculativeEngine]:
+    dt = model.dtype
     if model.adaptive is None:  # one adaptive engine per model: its cost model and acceptance carry over, as in RL
-        model.adaptive = SpeculativeEngine(model.policy, model.draft, K, adaptive=True)
+        model.adaptive = SpeculativeEngine(model.policy, model.draft, K, adaptive=True, dtype=dt)
     model.adaptive.max_batch_size = B
-    return {"none": SpeculativeEngine(model.policy, None, 0, max_batch_size=B),
-            "fixed": SpeculativeEngine(model.policy, model.draft, K, max_batch_size=B),
+    return {"none": SpeculativeEngine(model.policy, None, 0, max_batch_size=B, dtype=dt),
+            "fixed": SpeculativeEngine(model.policy, model.draft, K, max_batch_size=B, dtype=dt),
             "adaptive": model.adaptive}
+
+
+def exact_dtype(dtype: str | None) -> bool:
+    """fp32 decoding is shape-invariant enough for token-exact losslessness; bf16 is not (see measure)."""
+    return dtype in (None, "float32")
 
 
 def first_difference(a, b) -> str:
@@ -230,9 +238,14 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
                     mismatches.append(f"{arm} request {i}, repeat {r}: {first_difference(a, b)}")
     lengths = [len(o.token_ids) for o in outs["none"]]
     tokens = sum(lengths)
+    # bf16: a verify forward of 1 + k tokens rounds differently from a one-token step, so a near-tie may break the
+    # other way and the sequence continues differently (sampled from the same bf16 policy); counted, not a failure
+    exact = exact_dtype(model.dtype)
     row = dict(model=model.name, case=case, B=B, T=T, max_new_tokens=max_new, repeats=repeats, inner=inner,
-               tokens=tokens,
-               lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)], mismatches=mismatches)
+               tokens=tokens, dtype=model.dtype or "float32",
+               lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)],
+               mismatches=mismatches if exact else [], divergences=[] if exact else mismatches,
+               compared=2 * repeats * B)
     for arm in ARMS:
         stats = AcceptanceStats.total(o.stats for o in outs[arm])
         rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
@@ -266,8 +279,9 @@ def fmt_row(r: dict) -> str:
         a = r[arm]
         cells.append(f"{a['tok_s_cpu']:>8.1f}{a['speedup_cpu']:>6.2f}x")
     a = r["adaptive"]
+    diverged = f"  diverged {len(r['divergences'])}" if r.get("divergences") else ""
     cells.append(f"{r['fixed']['acc_len']:>6.2f}{a['acc_len']:>6.2f}{a['mean_k']:>6.2f}{a['fwd_per_tok']:>6.2f}"
-                 f"{r['adaptive_vs_best']:>7.2f}{'  MISMATCH' if r['mismatches'] else ''}")
+                 f"{r['adaptive_vs_best']:>7.2f}{'  MISMATCH' if r['mismatches'] else ''}{diverged}")
     return "".join(cells)
 
 
@@ -292,12 +306,13 @@ def goals(rows: list[dict]) -> list[tuple[str, float, float, bool, str]]:
                         _range(r.get("adaptive_vs_best_range"))))
     for r in rows:
         if r["case"] == "long-tail":
-            ok = r["adaptive"]["speedup_cpu"] >= 1.3 if r["model"] == "SmolLM2-135M" else None
+            smol = r["model"].startswith("SmolLM2-135M")
+            ok = r["adaptive"]["speedup_cpu"] >= 1.3 if smol else None
             runs = r.get("cpu_runs")
             rng = None if runs is None else [min(n / a for n, a in zip(runs["none"], runs["adaptive"])),
                                              max(n / a for n, a in zip(runs["none"], runs["adaptive"]))]
             out.append((f"{r['model']}, long tail (B={r['B']}, T={r['T']:g}): adaptive / no draft"
-                        + ("" if r["model"] == "SmolLM2-135M" else " (goal set for SmolLM2 only; shown)"),
+                        + ("" if smol else " (goal set for SmolLM2 only; shown)"),
                         r["adaptive"]["speedup_cpu"], 1.3, ok, _range(rng)))
     return out
 
@@ -332,19 +347,24 @@ def cost_table(rows: list[dict]) -> list[str]:
 
 def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
     grid = [r for r in rows if r["case"] == "grid"]
+    dtypes = sorted({r.get("dtype", "float32") for r in rows})
+    inexact = [r for r in rows if not exact_dtype(r.get("dtype"))]
+    diverged = None if not inexact else (sum(len(r["divergences"]) for r in inexact),
+                                         sum(r.get("compared", 0) for r in inexact))
     tail = [r for r in rows if r["case"] == "long-tail"]
     g = goals(rows)
     load = os.getloadavg()
     lines = ["# Rollout speed: no draft vs fixed K=4 vs adaptive speculation (issue #14)", "",
              f"Command: {args.command.replace('{elapsed}', f'{elapsed / 60:.0f}')}.", "",
              "## Conditions", "",
-             f"- Machine: {platform.machine()} CPU, 2 cores shared with other jobs (during this run: the lead's drift "
-             f"benchmark and another helper's RL experiments, one thread each; "
+             f"- Machine: {platform.machine()} CPU, {os.cpu_count()} cores, possibly shared with other jobs ("
              + ("load: see Findings" if args.report_only else
                 f"load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
              + f"). One torch thread (`torch.set_num_threads("
              f"{args.threads})`).",
-             "- Engine: the embedded `SpeculativeEngine`, fp32, Gumbel-coupled sampling (the default), the same "
+             f"- Engine: the embedded `SpeculativeEngine`, decoding in {', '.join(dtypes)} "
+             "(fp32 weights; bfloat16 = a bf16 copy, as rollout engines serve), Gumbel-coupled sampling (the default), "
+             "the same "
              "`request_seeds` in every arm; B prompts decoded together (`max_batch_size=B`), stop at EOS. Arms: "
              "no draft; fixed K=4; adaptive (`adaptive=True`, k in 0..4 chosen each round; one adaptive engine per "
              "model and process, kept across the cells, as the RL loop keeps it across steps).",
@@ -357,8 +377,11 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              "`time.perf_counter()`. Speed-ups are medians over repeats of the ratio against the no-draft run of "
              "the same repeat (side by side). policy fwd / token counts the prefill.",
              "- Losslessness: every arm's tokens are compared with plain decoding's in every repeat: "
-             + ("**identical in every cell**." if not any(r["mismatches"] for r in rows) else
-                "**MISMATCHES found** (listed below)."),
+             + ("**identical in every cell**" if not any(r["mismatches"] for r in rows) else
+                "**MISMATCHES found** (listed below)") + (" (fp32)." if diverged is None else
+             f"; in bfloat16, where a verify forward of 1 + k tokens rounds differently from a one-token step and a "
+             f"near-tie can break the other way, {diverged[0]} of {diverged[1]} compared sequences continue "
+             f"differently from plain decoding (listed below): the same bf16 policy sampled, not token-identical."),
              ""]
     for name, notes in models_notes.items():
         lines += [f"**{name}**", ""] + [f"- {n}" for n in notes] + [""]
@@ -388,6 +411,9 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
     bad = [m for r in rows for m in r["mismatches"]]
     if bad:
         lines += ["## Mismatches", ""] + [f"- {m}" for m in bad[:50]] + [""]
+    div = [f"{r['model']} {r['case']} B={r['B']} T={r['T']:g}: {m}" for r in inexact for m in r["divergences"]]
+    if div:
+        lines += ["## bf16 divergences from plain decoding", ""] + [f"- {m}" for m in div[:50]] + [""]
     lines += ["![speed-ups](rollout.png)", ""]
     scale = ROOT / "docs" / "benchmarks" / "rollout_scale.md"
     lines += ["## Rollouts at scale", ""]
@@ -467,6 +493,8 @@ def main() -> int:
                     help="tiny-cpu recipe overrides (e.g. sft.steps=2 draft.warmup_steps=2 for a smoke run)")
     ap.add_argument("--work-dir", default="/work/runs/rollout_bench", help="where the tiny run's warm weights live")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the engines' decode dtype (bfloat16: a bf16 copy of the weights, as rollout engines serve)")
     ap.add_argument("--findings", default=None, help="a markdown file whose text goes in the report's Findings")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--report-only", default=None, help="rebuild the report from a rollout.json of an earlier run")
@@ -501,6 +529,8 @@ def main() -> int:
     print(HEADER, flush=True)
     for key in keys:  # the long tail first: with the grid, the longest part of a run
         model = {"tiny": tiny_model, "smollm2": smollm2_model}[key](args)
+        if not exact_dtype(args.dtype):
+            model.dtype, model.name = args.dtype, f"{model.name} {args.dtype}"
         notes[model.name] = model.notes
         n, reps = max_new.get(key, max_new.get("*", 32)), repeats.get(key, repeats.get("*", 3))
         if args.long_tail_batch:

@@ -73,6 +73,18 @@ def test_rollout_smoke(tmp_path):
     assert "## Long tail" in md and (tmp_path / "rollout.png").is_file()
 
 
+def test_rollout_smoke_in_bfloat16(tmp_path):
+    """--dtype bfloat16: every arm decodes a bf16 copy; sequences that diverge from plain bf16 decoding at a near-tie
+    are counted in the report, not failed."""
+    text = _run("rollout.py", "--models", "tiny", "--batch-sizes", "2", "--temperatures", 0, "--max-new-tokens", 8,
+                "--repeats", 1, "--min-cpu-s", 0, "--long-tail-batch", 0, "--out", tmp_path, "--dtype", "bfloat16",
+                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+    assert "tiny bfloat16" in text and "LOSSLESSNESS" not in text
+    md = (tmp_path / "rollout.md").read_text()
+    assert "decoding in bfloat16" in md and "| tiny bfloat16 | 2 | 0 |" in md
+    assert "compared sequences continue differently from plain decoding" in md
+
+
 def test_rl_seeds_smoke(tmp_path):
     text = _run("rl_seeds.py", "--seeds", 0, 1, 2, "--out", tmp_path, "--runs", tmp_path / "runs", "--eval-every", 1,
                 "--settings", "recipe", "--setting", "lr x2:rl.lr=1e-4", "model.num_hidden_layers=4", "sft.steps=2",
