@@ -270,6 +270,7 @@ _CHOICES = {
     ("rl", "loss_aggregation"): ("sequence", "token"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
+    ("parallel", "engine_dtype"): ("float32", "bfloat16", "float16", None),
     ("parallel", "pp_schedule"): ("gpipe", "1f1b"),
     ("parallel", "precision"): ("32-true", "bf16-mixed", "bf16-true"),
 }
@@ -317,9 +318,6 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if p.engine_batch_size is not None:
         _positive("parallel.engine_batch_size", p.engine_batch_size)
     _positive("parallel.num_microbatches", p.num_microbatches)
-    if p.engine_dtype not in (None, "float32", "bfloat16", "float16"):
-        raise ConfigError(f"parallel.engine_dtype={p.engine_dtype!r} is not one of ('float32', 'bfloat16', "
-                          "'float16', null)")
     if p.engine == "vllm" and p.engine_dtype not in (None, "float32"):
         raise ConfigError(f"parallel.engine_dtype={p.engine_dtype} needs parallel.engine=embedded: the vLLM engine "
                           "serves float32 here (its weight-sync checks compare the fp32 training weights); set "
