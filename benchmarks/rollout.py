@@ -517,11 +517,13 @@ def main() -> int:
         for sv in saved:
             rows.extend(sv["rows"])
             notes.update(sv["notes"])
-        args.command = " and ".join(f"`python {' '.join(sv['argv'])}` ({sv['elapsed_s'] / 60:.0f} min)"
-                                    for sv in saved)
+        args.command = " and ".join(  # a saved report of merged runs names the runs it merged
+            " and ".join(f"`python {' '.join(a)}`" for a in sv["merged"]) + f" ({sv['elapsed_s'] / 60:.0f} min)"
+            if "merged" in sv else f"`python {' '.join(sv['argv'])}` ({sv['elapsed_s'] / 60:.0f} min)"
+            for sv in saved)
         (out / "rollout.json").write_text(json.dumps(
             {"rows": rows, "notes": notes, "elapsed_s": sum(sv["elapsed_s"] for sv in saved),
-             "argv": sys.argv, "merged": [sv["argv"] for sv in saved]}, indent=1))
+             "argv": sys.argv, "merged": [a for sv in saved for a in sv.get("merged", [sv["argv"]])]}, indent=1))
         return finish(rows, notes, args, sum(sv["elapsed_s"] for sv in saved), out)
     args.command = f"`python {' '.join(sys.argv)}` ({{elapsed}} min)"
     save = lambda: (out / "rollout.json").write_text(json.dumps(  # noqa: E731
