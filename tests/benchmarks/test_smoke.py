@@ -119,6 +119,12 @@ def test_draft_warmstart_smoke(tmp_path):
     assert "acceptance length" in text and "cache hit" in text
     res = (tmp_path / "draft_warmstart.json").read_text()
     assert '"cache_hit_same": true' in res and (tmp_path / "draft_warmstart.md").is_file()
+    assert "## Against the goal: acceptance >= 2.0" in (tmp_path / "draft_warmstart.md").read_text()
+    again = tmp_path / "again"                   # the page rebuilt from the JSON, an earlier run beside it
+    _run("draft_warmstart.py", "--report-only", tmp_path / "draft_warmstart.json", "--previous",
+         tmp_path / "draft_warmstart.json", "--out-dir", again)
+    md = (again / "draft_warmstart.md").read_text()
+    assert "| this run |" in md and "| draft_warmstart |" in md and (again / "draft_warmstart.png").is_file()
 
 
 def test_recipe_run_smoke(tmp_path):
