@@ -24,7 +24,7 @@ jobs sharing the cores) and wall time.
 A long-tail case: B=16 requests whose answers have very different lengths (large ``max_new_tokens``, stop at EOS),
 so the batch narrows as it runs; reported separately for both models.
 
-Run (about 40 minutes on the shared 2-core machine): ``nohup python benchmarks/rollout.py > run.log &``. Writes
+Run (about 40 minutes on 2 cores: SmolLM2 ~33, tiny ~5; the reported runs: docs/benchmarks/rollout.md): ``nohup python benchmarks/rollout.py > run.log &``. Writes
 ``<out>/rollout.md``, ``rollout.png``, ``rollout.json``. Smoke: ``--models tiny --batch-sizes 1,2 --temperatures 1
 --max-new-tokens 8 --repeats 1 --long-tail-batch 2 --long-tail-tokens 12 --out TMP --work-dir TMP --tiny-overrides
 sft.steps=2 draft.warmup_steps=2``.
@@ -371,7 +371,9 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              f"- Timing: each arm warmed up once per cell (untimed, 8 tokens on 2 prompts; the adaptive engine "
              f"also decodes 2 tokens of the B prompts the first time it meets a batch size, where its cost model "
              f"calibrates), then repeats in which the arms alternate (order rotating); a timed measurement of a "
-             f"short run repeats the call (tables: repeats x calls) so that it lasts ~{args.min_cpu_s:g} s of CPU. "
+             f"short run repeats the call (tables: repeats x calls) so that it lasts "
+             + ("each run's `--min-cpu-s` of CPU (default 0.5 s; see the commands above). " if args.report_only
+                else f"~{args.min_cpu_s:g} s of CPU. ") +
              "tokens/s = generated tokens / median time per call, prefill included; **CPU** = "
              "`time.process_time()` of the process (one thread: other jobs' load moves it far less than wall), wall = "
              "`time.perf_counter()`. Speed-ups are medians over repeats of the ratio against the no-draft run of "
