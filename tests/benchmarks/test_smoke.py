@@ -71,6 +71,12 @@ def test_rollout_smoke(tmp_path):
     md = (tmp_path / "rollout.md").read_text()
     assert "identical in every cell" in md and "## Goals (issue #14)" in md and "| tiny | 2 | 1 |" in md
     assert "## Long tail" in md and (tmp_path / "rollout.png").is_file()
+    findings = tmp_path / "findings.md"                 # the report rebuilt from its JSON, with findings
+    findings.write_text("- a finding")
+    _run("rollout.py", "--report-only", tmp_path / "rollout.json", "--findings", findings, "--out", tmp_path / "again")
+    again = (tmp_path / "again" / "rollout.md").read_text()
+    assert "each run's `--min-cpu-s`" in again and "## Findings\n\n- a finding" in again
+    assert "| tiny | 2 | 1 |" in again and "Command: `python " in again
 
 
 def test_rollout_smoke_in_bfloat16(tmp_path):
