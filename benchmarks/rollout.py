@@ -521,9 +521,8 @@ def main() -> int:
             rows.extend(sv["rows"])
             notes.update(sv["notes"])
         args.command = " and ".join(  # a saved report of merged runs names the runs it merged
-            " and ".join(f"`python {' '.join(a)}`" for a in sv["merged"]) + f" ({sv['elapsed_s'] / 60:.0f} min)"
-            if "merged" in sv else f"`python {' '.join(sv['argv'])}` ({sv['elapsed_s'] / 60:.0f} min)"
-            for sv in saved)
+            " and ".join(f"`python {' '.join(a)}`" for a in sv.get("merged", [sv["argv"]]))
+            + f" ({sv['elapsed_s'] / 60:.0f} min)" for sv in saved)
         (out / "rollout.json").write_text(json.dumps(
             {"rows": rows, "notes": notes, "elapsed_s": sum(sv["elapsed_s"] for sv in saved),
              "argv": sys.argv, "merged": [a for sv in saved for a in sv.get("merged", [sv["argv"]])]}, indent=1))
