@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,14 +117,10 @@ def acceptance_trend(curve: list[dict]) -> tuple[float, float] | None:
     """Least-squares ``acceptance = a + b log2(tokens seen)`` over a run's engine measurements: ``(a, b)``, b the
     gain per doubling of training tokens seen (None with fewer than 2 points)."""
     pts = [(math.log2(c["tokens_seen"]), c["engine_acceptance"]) for c in curve if c["tokens_seen"] > 0]
-    if len(pts) < 2:
+    if len({x for x, _ in pts}) < 2:
         return None
-    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx == 0:
-        return None
-    b = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    return my - b * mx, b
+    b, a = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
+    return float(a), float(b)
 
 
 def goal_section(res: dict, previous: list[dict]) -> list[str]:
@@ -137,7 +134,7 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
              f"<= 60 min — {'reached' if met else 'NOT reached'}: {final:.2f}", ""]
     acc0 = [c["val_accuracy"][0] for c in res["curve"][-3:] if c["val_accuracy"]]
     last_acc = ", ".join(f"{a:.3f}" for a in acc0) or "n/a"
-    rising = "still rising" if len(acc0) > 1 and all(b > a for a, b in zip(acc0, acc0[1:])) else "not rising"
+    rising = len(acc0) > 1 and all(b > a for a, b in zip(acc0, acc0[1:]))
     trend = acceptance_trend(res["curve"])
     if trend is not None:
         a, b = trend
@@ -156,9 +153,9 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
         f"- The policy's entropy at T={res['temperature']}: {res['heldout_entropy']:.3f} nats/token on held-out rows. "
         "It does not cap a perfect draft but makes the target a broad distribution; per-position acceptance at the "
         f"end: {', '.join(f'{r:.2f}' for r in res['curve'][-1]['per_position']) if res['curve'] else 'n/a'}.",
-        f"- Held-out step-0 accuracy at the last reports: {last_acc} ({rising}): "
-        + ("the draft's capacity is not yet the limit." if rising == "still rising" else
-           "a plateau: capacity or data may limit next."),
+        f"- Held-out step-0 accuracy at the last reports: {last_acc} "
+        + ("(still rising): the draft's capacity is not yet the limit." if rising else
+           "(not rising): a plateau: capacity or data may limit next."),
         "",
     ]
     if previous:
