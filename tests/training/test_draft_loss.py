@@ -5,7 +5,7 @@ import torch
 from distributed import run_distributed
 
 from lightning_codraft.models.vocab import build_vocab_mapping
-from lightning_codraft.training.draft_loss import ttt_draft_loss
+from lightning_codraft.training.draft_loss import soft_cross_entropy_sum, ttt_draft_loss
 
 
 def _reference_loss(step_logits, policy_logits, doc_lengths, loss_mask, chosen, decay):
@@ -65,6 +65,43 @@ def test_loss_matches_dense_reference(K, Vd):
     ref.backward()
     for a, b in zip(step_logits, ref_steps):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_sum_matches_log_softmax_value_and_gradient(dtype):
+    g = torch.Generator().manual_seed(7)
+    T, V = 11, 13
+    logits = (torch.randn(T, V, generator=g) * 4).to(dtype).requires_grad_()
+    target = torch.softmax(torch.randn(T, V, generator=g) * 2, -1)
+    weight = (torch.rand(T, generator=g) > 0.3).float() * torch.rand(T, generator=g)
+    target[0] = 0.0  # a weight-0 row may hold anything finite: a filled row past a document's end
+    weight[0] = 0.0
+    out = soft_cross_entropy_sum(logits, target, weight)
+    ref_in = logits.detach().clone().requires_grad_()
+    ref = (weight * -(target * torch.log_softmax(ref_in.float(), -1)).sum(-1)).sum()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.backward()
+    ref.backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.float(), ref_in.grad.float(), rtol=1e-5, atol=1e-6)
+    assert float(logits.grad[0].abs().max()) == 0.0
+
+
+def test_ties_count_the_first_maximal_token_like_argmax():
+    # fp16-cached policy logits and bf16 draft logits tie often; top-1 must be the first maximal id (argmax)
+    V, Vd, T = 8, 8, 6
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    policy_logits = torch.zeros(T, V)
+    policy_logits[:, [2, 5]] = 3.0                      # policy top-1 ties between 2 and 5: argmax says 2
+    step = torch.zeros(T, Vd)
+    step[:, [2, 5]] = 1.0                               # the draft ties the same way: counted a hit
+    d2t, t2d = torch.zeros(Vd, dtype=torch.int64), torch.ones(V, dtype=torch.bool)
+    out = ttt_draft_loss([step.requires_grad_()], policy_logits, cu, torch.ones(T), d2t, t2d)
+    assert out.correct.tolist() == out.total.tolist() == [T - 1.0]
+    step2 = torch.zeros(T, Vd)
+    step2[:, [5, 7]] = 1.0                              # first maximal draft id 5 != policy's 2: no hit
+    out = ttt_draft_loss([step2.requires_grad_()], policy_logits, cu, torch.ones(T), d2t, t2d)
+    assert out.correct.tolist() == [0.0]
 
 
 def test_perfect_draft_has_entropy_loss_and_full_accuracy():
