@@ -22,11 +22,13 @@ The draft, on the last stage when it trains, per unroll step ``k < K`` (``traini
 
     2aD (cos, sin at positions + k) + aH (norm of the detached token embedding) + norm(H) (hidden input)
     + 2aH (the concatenated q/k/v input) + a(2q + 2kv) + 4 heads + norm(H) + aH + 4aI (the layer's MLP)
-    + norm(H) + aH (final norm, lm_head input) + 12 Vd + 8 (fp32 log_softmax, the detached target distribution
-    and the shifted target rows its mask is a view of)
+    + norm(H) + aH (final norm, lm_head input) + loss(Vd)
 
-plus ``3aH`` once (``fc``'s input, the three concatenated taps); at ``a = 4`` a step's output is the next step's
-hidden input, saved by both norms, so ``4H (K - 1)`` comes off.
+where the soft cross-entropy (``soft_cross_entropy_sum``) saves the step's logits ``a Vd``, their ``logsumexp``
+(4) and its row weights and targets, both views: without CP, weights of the shifted ``(T, 2)`` side rows (8) and
+targets of the one softmaxed target tensor (``4 Vd``, once for all steps); under CP, both of the step's shifted
+``(T, Vd + 2)`` rows (``4 (Vd + 2)``). Plus ``3aH`` once (``fc``'s input, the three concatenated taps); at
+``a = 4`` a step's output is the next step's hidden input, saved by both norms, so ``4H (K - 1)`` comes off.
 """
 
 from __future__ import annotations
@@ -65,13 +67,14 @@ def draft_step_saved(c: Eagle3Config, a: int) -> int:
     q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
     return (2 * a * D + a * H + norm_saved(H, a) + 2 * a * H + attention_saved(q, kv, c.num_attention_heads, a)
             + norm_saved(H, a) + a * H + 4 * a * c.intermediate_size + norm_saved(H, a) + a * H
-            + 12 * c.draft_vocab_size + 8)
+            + a * c.draft_vocab_size + 4)
 
 
-def draft_saved(c: Eagle3Config, steps: int, a: int) -> int:
-    """Bytes the draft's K-step unroll and its loss save per token."""
+def draft_saved(c: Eagle3Config, steps: int, a: int, cp: bool = False) -> int:
+    """Bytes the draft's K-step unroll and its loss save per token (``cp``: under context parallelism)."""
     overlap = 4 * c.hidden_size * (steps - 1) if a == 4 else 0
-    return 3 * a * c.hidden_size + steps * draft_step_saved(c, a) - overlap
+    targets = steps * 4 * (c.draft_vocab_size + 2) if cp else steps * 8 + 4 * c.draft_vocab_size
+    return 3 * a * c.hidden_size + steps * draft_step_saved(c, a) + targets - overlap
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,9 @@ class StageShape:
 
 
 def saved_per_token(policy: PolicyConfig, draft: Eagle3Config, stage: StageShape, a: int, ttt_steps: int,
-                    trains_draft: bool, kl: bool) -> int:
+                    trains_draft: bool, kl: bool, cp: bool = False) -> int:
     """Bytes autograd saves per token of one microbatch on one rank of ``stage`` (formulas in the module
-    docstring)."""
+    docstring; ``cp``: context parallelism is on)."""
     total = 2 * a * policy.head_dim + stage.layers * policy_layer_saved(policy, a)
     if stage.first:
         total += 8
@@ -97,7 +100,7 @@ def saved_per_token(policy: PolicyConfig, draft: Eagle3Config, stage: StageShape
         total += norm_saved(policy.hidden_size, a) + a * policy.hidden_size + 4 * policy.vocab_size
         total += RL_LOSS_BYTES + (4 if kl else 0)
         if trains_draft:
-            total += draft_saved(draft, ttt_steps, a)
+            total += draft_saved(draft, ttt_steps, a, cp)
     return total
 
 
@@ -107,7 +110,7 @@ def loss_workspace_per_token(policy: PolicyConfig, draft: Eagle3Config, a: int, 
 
     The logits in the compute dtype (``aV``; under PP the schedule keeps them until the microbatch's backward),
     their fp32 copy for ``log_softmax`` at ``a = 2`` (``4V``); with the draft the detached fp32 policy logits
-    again at ``a = 2`` (``4V``), the packed target rows ``4 (Vd + 2)`` and the K step logits ``K a Vd``.
+    again at ``a = 2`` (``4V``), the restricted target logits ``4 (Vd + 2)`` and the K step logits ``K a Vd``.
     """
     V = policy.vocab_size
     total = a * V + (4 * V if a != 4 else 0)

@@ -131,7 +131,7 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
     F = spec.in_flight(stage)
     s = state_bytes(models, spec, stage, shard_rank)
     per_mb = T * saved_per_token(pol, dcfg, StageShape(stop - start, first, last), a, spec.ttt_steps,
-                                 spec.trains_draft, spec.with_reference)
+                                 spec.trains_draft, spec.with_reference, spec.cp > 1)
     lines = [Line("parameters", "parameters", s.parameters, BOTH), Line("gradients", "gradients", s.gradients, BOTH),
              Line("optimizer", "AdamW state", s.optimizer, BOTH), Line("buffers", "buffers", s.buffers, BOTH),
              Line("reference", "reference policy", s.reference, BOTH)]
