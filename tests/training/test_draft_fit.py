@@ -15,6 +15,7 @@ from lightning_codraft.training.draft_fit import (
     implied_acceptance_length,
     lr_factor,
 )
+from lightning_codraft.training.compiled import compiled_draft
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 
 V, VD = 96, 40
@@ -179,3 +180,32 @@ def test_schedule_and_implied_acceptance():
     assert implied_acceptance_length([]) == 1.0
     with pytest.raises(ValueError, match="ttt_steps=0"):
         DraftFitConfig(ttt_steps=0)
+
+
+@pytest.mark.slow
+def test_compiled_fit_equals_eager_and_leaves_the_module_as_it_was(tmp_path):
+    from torch._dynamo.utils import counters
+
+    policy, docs = _policy(sharpen=4.0), _docs(40, seed=3)
+    probe = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(probe), probe.config.taps, tmp_path / "c")
+    runs = []
+    for compile_ in (False, True):
+        counters.clear()
+        draft = _draft(policy)
+        cfg = DraftFitConfig(epochs=1, batch_tokens=96, lr=3e-3, ttt_steps=2, val_docs=4, eval_every=1000,
+                             compile=compile_)
+        runs.append((fit_draft(draft, policy.embed, cache, cfg), draft, sum(counters["stats"].values())))
+    (eager, d_eager, n_eager), (comp, d_comp, n_comp) = runs
+    assert n_eager == 0 and n_comp > 0  # the compiled run did go through dynamo
+    assert comp.steps == eager.steps > 3
+    np.testing.assert_allclose(comp.losses, eager.losses, rtol=1e-4, atol=1e-5)
+    for a, b in zip(d_eager.parameters(), d_comp.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+    assert not {"qkv", "finish"} & set(vars(d_comp.midlayer)) and "forward" not in vars(d_comp.norm)
+    # an override somebody else set is neither compiled over nor removed
+    mine = d_comp.midlayer.finish
+    d_comp.midlayer.finish = mine
+    with compiled_draft(d_comp):
+        assert d_comp.midlayer.finish is mine and "qkv" in vars(d_comp.midlayer)
+    assert d_comp.midlayer.finish is mine and "qkv" not in vars(d_comp.midlayer)
