@@ -27,7 +27,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_codraft.attention.packing import validate_cu_seqlens
@@ -145,21 +144,17 @@ def ttt_draft_loss(
     validate_cu_seqlens(cu_seqlens, total_tokens=T * world)
 
     device = policy_logits.device
-    d2t = d2t.to(device)
+    target_ids = torch.arange(Vd, device=device) + d2t.to(device)
     with torch.no_grad():
         pl = policy_logits.detach().float()
         top = pl.max(-1).indices  # the first maximal index, as argmax (and 4x faster on CPU)
         counted = loss_mask.to(device=device, dtype=torch.float32) * t2d.to(device)[top].float()
-        # the draft vocabulary's columns: a slice when the map is the identity (the feature cache's compact
-        # logits), a gather otherwise; the softmax of a row does not depend on where it is shifted to
-        identity = not bool(d2t.any())
-        restricted = pl[:, :Vd] if identity else pl.index_select(1, torch.arange(Vd, device=device) + d2t)
-        target_p = torch.softmax(restricted, dim=-1)
+        # the softmax of a row does not depend on where it is shifted to: once, over the draft vocabulary
+        target_p = torch.softmax(pl.index_select(1, target_ids), dim=-1)
         # per row: [row counted | policy top-1 id], shifted with the targets under CP (one halo exchange)
         side = torch.stack([counted, top.float()], dim=1)
         if world > 1:
             side = torch.cat([target_p, side], dim=1)
-    target_ids = torch.arange(Vd, device=device) + d2t
 
     nums, stats = [], []
     for k in range(num_steps):
@@ -175,7 +170,7 @@ def ttt_draft_loss(
         else:
             nums.append(soft_cross_entropy_sum(logits, shifted[:, :Vd], mask))
         with torch.no_grad():
-            hit = (target_ids[logits.detach().max(-1).indices] == target_top).float() * mask
+            hit = (target_ids[logits.max(-1).indices] == target_top).float() * mask
             stats.append(torch.stack([mask.sum(), hit.sum()]))
 
     local_num = torch.stack(nums)
