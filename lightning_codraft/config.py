@@ -215,8 +215,9 @@ class ParallelConfig:
     engine_dtype: Optional[str] = None
     """Dtype the rollout engine decodes in: ``bfloat16`` (what rollout engines serve an fp32-trained policy in;
     the embedded engine decodes from a bf16 copy taken each step, and the log-probs the loss uses are that
-    behaviour policy's), ``float16`` or ``float32``; null: the training weights' dtype. The vLLM engine serves
-    float32 only."""
+    behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast,
+    else float32: an AVX2-only CPU emulates bf16 300x slower); null: the training weights' dtype. The vLLM engine
+    serves float32 only."""
 
 
 @dataclass
@@ -270,7 +271,7 @@ _CHOICES = {
     ("rl", "loss_aggregation"): ("sequence", "token"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
-    ("parallel", "engine_dtype"): ("float32", "bfloat16", "float16", None),
+    ("parallel", "engine_dtype"): ("float32", "bfloat16", "float16", "auto", None),
     ("parallel", "pp_schedule"): ("gpipe", "1f1b"),
     ("parallel", "precision"): ("32-true", "bf16-mixed", "bf16-true"),
 }

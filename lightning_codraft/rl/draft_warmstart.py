@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.models.precision import AUTO, resolve_dtype, resolve_precision
 from lightning_codraft.models.vocab import count_tokens
 from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rollout import SpeculativeEngine
@@ -73,8 +74,10 @@ class WarmStartSettings:
     generation_share: float = 0.45
     """Share of ``time_budget_s`` given to sampling the corpus."""
     generation_dtype: str | None = None
-    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; 3x faster decoding on
-    this machine's CPU); None: the policy as it is. The features and soft targets always come from the policy."""
+    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; 3x faster decoding on a
+    Xeon with AMX, 4x slower on an AVX2-only CPU); ``"auto"``: bf16 where it is fast, else float32
+    (:func:`~lightning_codraft.models.precision.resolve_dtype`); None: the policy as it is. The features and soft
+    targets always come from the policy."""
     rebuild_vocab: bool = True
     """Build the draft vocabulary from the corpus' completion-token counts (and re-initialise the draft from the
     policy for it); False keeps the draft's map and weights."""
@@ -83,8 +86,10 @@ class WarmStartSettings:
     feature_batch_tokens: int = 4096
     """Tokens per policy forward while building the feature cache."""
     feature_precision: str = "32-true"
-    """``"32-true"`` or ``"bf16-mixed"``: the policy's feature pass under bf16 autocast (4x faster on this machine's
-    CPU; taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time)."""
+    """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: 4x faster on a Xeon with AMX;
+    taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
+    (bf16-mixed where bf16 is fast). Every ``"auto"`` here and in ``fit.precision`` is resolved for the policy's
+    device before the cache keys are taken."""
     seed: int = 0
     """Prompt order, sampling and draft initialisation."""
     fit: DraftFitConfig = field(default_factory=DraftFitConfig)
@@ -97,9 +102,11 @@ class WarmStartSettings:
         for name in ("num_prompts", "max_new_tokens", "generation_batch", "feature_batch_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"WarmStartSettings.{name}={getattr(self, name)} must be >= 1")
-        if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'bfloat16', 'float16' or "
-                             "'float32'")
+        if self.generation_dtype not in (None, AUTO, "bfloat16", "float16", "float32"):
+            raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'auto', 'bfloat16', "
+                             "'float16' or 'float32'")
+        if self.feature_precision not in (AUTO, "32-true", "bf16-mixed"):
+            raise ValueError(f"feature_precision={self.feature_precision!r} must be 'auto', '32-true' or 'bf16-mixed'")
         if not 0 < self.generation_share < 1:
             raise ValueError(f"generation_share={self.generation_share} must be in (0, 1)")
         if self.heldout_prompts < 0 or self.temperature <= 0:
@@ -139,6 +146,9 @@ class WarmStartReport:
     """Implied acceptance length ``1 + sum_k prod_{j<=k} acc_j`` of ``val_accuracy``."""
     fit: dict = field(default_factory=dict)
     """:class:`~lightning_codraft.training.draft_fit.FitResult` as a dict."""
+    precision: dict = field(default_factory=dict)
+    """The dtypes the stages ran in (``"auto"`` resolved): ``generation_dtype``, ``feature_precision``,
+    ``fit_precision``."""
 
 
 def state_fingerprint(module: torch.nn.Module) -> str:
@@ -153,6 +163,13 @@ def state_fingerprint(module: torch.nn.Module) -> str:
 
 def _digest(*parts) -> str:
     return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
+
+
+def resolve_settings(settings: WarmStartSettings, device) -> WarmStartSettings:
+    """``settings`` with every ``"auto"`` dtype and precision resolved for ``device``."""
+    fit = dataclasses.replace(settings.fit, precision=resolve_precision(settings.fit.precision, device))
+    return dataclasses.replace(settings, generation_dtype=resolve_dtype(settings.generation_dtype, device),
+                               feature_precision=resolve_precision(settings.feature_precision, device), fit=fit)
 
 
 def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[str]]:
@@ -240,6 +257,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         :class:`WarmStartReport`.
     """
     t_start = time.perf_counter()
+    settings = resolve_settings(settings, next(policy.parameters()).device)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     train_texts, _ = split_prompts(task, settings)
@@ -264,7 +282,11 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         log(f"draft warm start: cache hit {draft_dir} (implied acceptance {saved['val_acceptance']:.2f})")
         return WarmStartReport(**saved)
 
-    report = WarmStartReport(cache_hit=False, draft_dir=str(draft_dir), key=key)
+    report = WarmStartReport(cache_hit=False, draft_dir=str(draft_dir), key=key, precision=dict(
+        generation_dtype=settings.generation_dtype, feature_precision=settings.feature_precision,
+        fit_precision=settings.fit.precision))
+    log(f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
+        f"{settings.feature_precision}, fit {settings.fit.precision}")
     corpus_dir = cache_dir / f"corpus-{corpus_key}"
     t0 = time.perf_counter()
     if (corpus_dir / "samples.json").is_file():

@@ -34,6 +34,7 @@ from lightning.fabric import Fabric
 
 from lightning_codraft.config import CoDraftConfig, to_yaml
 from lightning_codraft.fabric import CoDraftStrategy
+from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.rl.build import (build_draft, build_policy, build_reward, build_task, check_pipeline_split,
                                         encode_prompt, fit_prompts, module_config)
 from lightning_codraft.rl.checkpoints import RunCheckpoints
@@ -280,12 +281,13 @@ class CoDraftRun:
         if result.speedup is not None:
             s = result.speedup
             batch = cfg.parallel.engine_batch_size or s.sequences
+            dtype = resolve_dtype(cfg.parallel.engine_dtype, self.fabric.device)
             lines.append(f"rollout speed-up with the {cfg.draft.mode} draft: {s.speedup:.2f}x "
                          f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
                          f"acceptance length {s.acceptance_length:.2f}; {s.sequences} held-out sequences, batch "
                          f"{min(batch, s.sequences)}, T={cfg.rl.temperature}, K={cfg.draft.num_speculative_tokens}"
                          f"{', adaptive' if cfg.draft.adaptive else ''}"
-                         f"{', ' + cfg.parallel.engine_dtype if cfg.parallel.engine_dtype else ''})")
+                         f"{', ' + dtype if dtype else ''})")
         lines.append(f"outputs: {self.out} (metrics.csv, tb/, curves.png, checkpoints/)")
         summary = "\n".join(lines)
         (self.out / "summary.txt").write_text(summary + "\n")

@@ -46,6 +46,7 @@ from torch import nn
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.models.precision import AUTO, resolve_dtype
 from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController
 from lightning_codraft.rollout.cost_model import clock
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
@@ -93,13 +94,15 @@ class _Batch:
 DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def decode_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A decode dtype from its name or itself (None stays None); anything else is a clear error."""
+def decode_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "cpu") -> torch.dtype | None:
+    """A decode dtype from its name or itself (None stays None; ``"auto"``: bfloat16 where it is fast on
+    ``device``, else float32, see :func:`~lightning_codraft.models.precision.resolve_dtype`); anything else is a
+    clear error."""
     if dtype is None or dtype in DECODE_DTYPES.values():
         return dtype
-    if isinstance(dtype, str) and dtype in DECODE_DTYPES:
-        return DECODE_DTYPES[dtype]
-    raise ValueError(f"dtype={dtype!r} must be None or one of {sorted(DECODE_DTYPES)} (or the torch dtype)")
+    if isinstance(dtype, str) and (dtype in DECODE_DTYPES or dtype == AUTO):
+        return DECODE_DTYPES[resolve_dtype(dtype, device)]
+    raise ValueError(f"dtype={dtype!r} must be None, 'auto' or one of {sorted(DECODE_DTYPES)} (or the torch dtype)")
 
 
 class SpeculativeEngine:
@@ -122,8 +125,8 @@ class SpeculativeEngine:
             size or request order) or "rejection" (speculative rejection sampling: measured 1-3% longer
             acceptance, samples that depend on the speculation lengths). Both sample the policy exactly.
         dtype: decode in this dtype (``torch.bfloat16`` or ``"bfloat16"``: what rollout engines serve an
-            fp32-trained policy in; float32, float16), from a cast copy of the weights taken at each ``generate``
-            call, KV caches and taps in it too; logits are upcast to fp32 for sampling and log-probs. Speculation
+            fp32-trained policy in; float32, float16; ``"auto"``: bf16 where it is fast), from a cast copy of the
+            weights taken at each ``generate`` call, KV caches and taps in it too; logits are upcast to fp32 for sampling and log-probs. Speculation
             stays lossless against plain decoding in the same dtype (the policy sampled is the cast one, so the
             returned log-probs are the behaviour policy's). None: the modules' own dtype.
 
@@ -147,7 +150,7 @@ class SpeculativeEngine:
         self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
         self.max_batch_size = max_batch_size
         self.sampling = sampling
-        self.dtype = decode_dtype(dtype)
+        self.dtype = decode_dtype(dtype, next(policy.parameters()).device)
         self._check_draft()
         self._draft_to_target: torch.Tensor | None = None
         self._draft_is_identity = False

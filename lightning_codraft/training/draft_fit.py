@@ -27,7 +27,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,13 +36,14 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens, shift_left_local
+from lightning_codraft.models.precision import AUTO, resolve_precision
 from lightning_codraft.training.compiled import compiled_draft
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 
 _DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"
-_OUTSIDE, _INSIDE = 1.0, -1.0
-_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}  # extra compact column: argmax outside / inside the draft vocabulary
+_OUTSIDE, _INSIDE = 1.0, -1.0  # extra compact column: argmax outside / inside the draft vocabulary
+_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, AUTO: None}  # AUTO is resolved per device first
 
 
 def implied_acceptance_length(accuracy: Sequence[float]) -> float:
@@ -169,14 +170,14 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         temperature: the policy's mean per-token entropy at this temperature over the target rows is recorded
             in ``meta["entropy"]`` (with ``meta["argmax_coverage"]``, the share of target rows whose top-1 is
             in the draft vocabulary).
-        precision: ``"32-true"``, or ``"bf16-mixed"`` to run the policy under bf16 autocast (4x faster on this
-            machine's CPU; taps and logits then carry bf16 rounding).
+        precision: ``"32-true"``, ``"bf16-mixed"`` to run the policy under bf16 autocast (4x faster on a CPU
+            with AMX; taps and logits then carry bf16 rounding), or ``"auto"``: bf16 where it is fast
+            (:func:`~lightning_codraft.models.precision.resolve_precision`).
         on_progress: called with ``(tokens done, tokens total)`` after every forward.
     """
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {sorted(_PRECISIONS)}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} must be one of {sorted(_DTYPES)}")
+    if precision not in _PRECISIONS or dtype not in _DTYPES:
+        raise ValueError(f"precision={precision!r} must be one of {sorted(_PRECISIONS)} and dtype={dtype!r} one of "
+                         f"{sorted(_DTYPES)}")
     for i, (ids, start) in enumerate(docs):
         if len(ids) < 2 or not 0 <= int(start) <= len(ids) - 2:
             raise ValueError(f"document {i}: {len(ids)} tokens with loss_start={start}; need >= 2 tokens and "
@@ -204,7 +205,7 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in group])
         cu = torch.zeros(len(group) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor([lengths[d] for d in group]).cumsum(0)
-        dev, amp = target_ids.device, _PRECISIONS[precision]
+        dev, amp = target_ids.device, _PRECISIONS[resolve_precision(precision, target_ids.device)]
         pos = position_ids_from_cu_seqlens(cu).long().to(dev)
         with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
             out = policy(ids.to(dev), cu_seqlens=cu.to(dev), position_ids=pos, taps=tuple(taps))
@@ -266,9 +267,9 @@ class DraftFitConfig:
     seed: int = 0
     """Shuffle order of the documents each epoch."""
     precision: str = "32-true"
-    """``"32-true"`` or ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: 2.6x faster
-    per step on this machine's CPU, whose bf16 matmuls run 4.5x faster than fp32; gradients agree to cosine
-    0.9999)."""
+    """``"32-true"``, ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: 2.6x faster
+    per step on a Xeon with AMX, whose bf16 matmuls run 4.5x faster than fp32; gradients agree to cosine 0.9999)
+    or ``"auto"`` (bf16-mixed where bf16 is fast: :func:`~lightning_codraft.models.precision.resolve_precision`)."""
     compile: bool = False
     """``torch.compile(dynamic=True)`` the draft layer's q/k/v and output blocks and its final norm while fitting,
     fusing their elementwise work (measured on a 2-vCPU Xeon, bf16-mixed: 864-908 rows/s against 684; see
@@ -335,12 +336,12 @@ def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, 
         embed: the policy's token embedding, ``(T,)`` ids -> ``(T, H)``.
         batch: see :meth:`FeatureCache.batch`.
         ttt_steps: K unroll steps; decay: step weight ratio.
-        precision: ``"32-true"`` or ``"bf16-mixed"`` (the unroll under bf16 autocast, the loss in fp32).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (the unroll under bf16 autocast, the loss in fp32) or ``"auto"``.
     """
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     with torch.no_grad():
         embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(ttt_steps)]
-    dtype = _PRECISIONS[precision]
+    dtype = _PRECISIONS[resolve_precision(precision, ids.device)]
     with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
         steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])
     step_logits = [lg.float() for lg, _ in steps]
@@ -387,6 +388,7 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
     per_epoch = len(_pack_batches(lengths[train_docs], config.batch_tokens))
     total_steps = max(1, math.ceil(config.epochs * per_epoch))
     params = [p for p in draft.parameters() if p.requires_grad]
+    config = replace(config, precision=resolve_precision(config.precision, params[0].device))
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     rng = np.random.default_rng(config.seed)
     result = FitResult()

@@ -102,6 +102,26 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [3, 3, 4]
 
 
+def test_auto_precision_is_resolved_before_the_cache_keys(tmp_path, monkeypatch):
+    """"auto" dtypes resolve for the policy's device (here: a CPU that emulates bf16 -> fp32) before the keys are
+    taken: the draft is the one the explicit fp32 settings build (a cache hit), and the report says what ran."""
+    from lightning_codraft.models import precision
+
+    monkeypatch.setattr(precision, "bf16_speedup", lambda device_type="cpu": 0.02)
+    tok, policy, draft = _models()
+    auto = _settings(generation_dtype="auto", feature_precision="auto")
+    auto.fit.precision = "auto"
+    lines = []
+    rep = warm_start_draft(policy, tok, FixedTask(), draft, auto, tmp_path, log=lines.append)
+    assert rep.precision == dict(generation_dtype="float32", feature_precision="32-true", fit_precision="32-true")
+    assert any("sampling in float32, features 32-true, fit 32-true" in line for line in lines)
+    explicit = _settings(generation_dtype="float32", feature_precision="32-true")
+    hit = warm_start_draft(policy, tok, FixedTask(), _models()[2], explicit, tmp_path, log=lines.append)
+    assert hit.cache_hit and hit.draft_dir == rep.draft_dir
+    with pytest.raises(ValueError, match="feature_precision='bf16' must be"):
+        WarmStartSettings(feature_precision="bf16")
+
+
 def test_time_budget_bounds_generation_and_fit(tmp_path):
     tok, policy, draft = _models()
     rep = warm_start_draft(policy, tok, FixedTask(), draft, _settings(time_budget_s=1e-3), tmp_path, log=lambda s: None)

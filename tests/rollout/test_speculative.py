@@ -574,5 +574,5 @@ def test_bfloat16_engine_matches_plain_bfloat16_decoding(policy, fitted, tempera
 
 
 def test_engine_dtype_is_validated(policy):
-    with pytest.raises(ValueError, match="dtype='int8' must be None or one of"):
+    with pytest.raises(ValueError, match="dtype='int8' must be None, 'auto' or one of"):
         SpeculativeEngine(policy, None, 0, dtype="int8")

@@ -209,3 +209,26 @@ def test_compiled_fit_equals_eager_and_leaves_the_module_as_it_was(tmp_path):
     with compiled_draft(d_comp):
         assert d_comp.midlayer.finish is mine and "qkv" in vars(d_comp.midlayer)
     assert d_comp.midlayer.finish is mine and "qkv" not in vars(d_comp.midlayer)
+
+
+@pytest.mark.parametrize("speedup, same_as", [(0.02, "32-true"), (4.5, "bf16-mixed")])
+def test_auto_precision_is_the_resolved_one(tmp_path, monkeypatch, speedup, same_as):
+    """precision="auto" runs exactly as the precision it resolves to (fp32 on a CPU that emulates bf16), in the
+    feature pass and in the fit."""
+    from lightning_codraft.models import precision
+
+    monkeypatch.setattr(precision, "bf16_speedup", lambda device_type="cpu": speedup)
+    policy, docs = _policy(sharpen=4.0), _docs(12, seed=2)
+    probe = _draft(policy)
+    caches = [build_feature_cache(policy, docs, _target_ids(probe), probe.config.taps, tmp_path / p, precision=p)
+              for p in ("auto", same_as)]
+    a, b = (c.batch(list(range(12))) for c in caches)
+    assert all(torch.equal(x, y) for x, y in zip(a["taps"], b["taps"]))
+    assert torch.equal(a["compact_logits"], b["compact_logits"])
+    drafts = []
+    for p in ("auto", same_as):
+        drafts.append(_draft(policy))
+        fit_draft(drafts[-1], policy.embed, caches[1], DraftFitConfig(epochs=1, batch_tokens=64, ttt_steps=2,
+                                                                     val_docs=2, precision=p))
+    for (name, x), y in zip(drafts[0].state_dict().items(), drafts[1].state_dict().values()):
+        assert torch.equal(x, y), name
