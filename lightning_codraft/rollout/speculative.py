@@ -126,9 +126,10 @@ class SpeculativeEngine:
             acceptance, samples that depend on the speculation lengths). Both sample the policy exactly.
         dtype: decode in this dtype (``torch.bfloat16`` or ``"bfloat16"``: what rollout engines serve an
             fp32-trained policy in; float32, float16; ``"auto"``: bf16 where it is fast), from a cast copy of the
-            weights taken at each ``generate`` call, KV caches and taps in it too; logits are upcast to fp32 for sampling and log-probs. Speculation
-            stays lossless against plain decoding in the same dtype (the policy sampled is the cast one, so the
-            returned log-probs are the behaviour policy's). None: the modules' own dtype.
+            weights taken at each ``generate`` call, KV caches and taps in it too; logits are upcast to fp32 for
+            sampling and log-probs. Speculation stays lossless against plain decoding in the same dtype (the
+            policy sampled is the cast one, so the returned log-probs are the behaviour policy's). None: the
+            modules' own dtype.
 
     The engine decodes with the modules it is given (no copies unless ``dtype`` casts them);
     :meth:`update_weights` loads new weights into them in place.

@@ -43,7 +43,8 @@ from lightning_codraft.training.draft_loss import ttt_draft_loss
 _DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"
 _OUTSIDE, _INSIDE = 1.0, -1.0  # extra compact column: argmax outside / inside the draft vocabulary
-_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, AUTO: None}  # AUTO is resolved per device first
+_PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}  # autocast dtype; AUTO resolves to one of these
+_PRECISION_NAMES = sorted([*_PRECISIONS, AUTO])
 
 
 def implied_acceptance_length(accuracy: Sequence[float]) -> float:
@@ -170,13 +171,12 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         temperature: the policy's mean per-token entropy at this temperature over the target rows is recorded
             in ``meta["entropy"]`` (with ``meta["argmax_coverage"]``, the share of target rows whose top-1 is
             in the draft vocabulary).
-        precision: ``"32-true"``, ``"bf16-mixed"`` to run the policy under bf16 autocast (4x faster on a CPU
-            with AMX; taps and logits then carry bf16 rounding), or ``"auto"``: bf16 where it is fast
-            (:func:`~lightning_codraft.models.precision.resolve_precision`).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (the policy under bf16 autocast: 4x faster on a CPU with AMX;
+            taps and logits carry bf16 rounding) or ``"auto"`` (bf16 where it is fast, ``resolve_precision``).
         on_progress: called with ``(tokens done, tokens total)`` after every forward.
     """
-    if precision not in _PRECISIONS or dtype not in _DTYPES:
-        raise ValueError(f"precision={precision!r} must be one of {sorted(_PRECISIONS)} and dtype={dtype!r} one of "
+    if precision not in _PRECISION_NAMES or dtype not in _DTYPES:
+        raise ValueError(f"precision={precision!r} must be one of {_PRECISION_NAMES} and dtype={dtype!r} one of "
                          f"{sorted(_DTYPES)}")
     for i, (ids, start) in enumerate(docs):
         if len(ids) < 2 or not 0 <= int(start) <= len(ids) - 2:
@@ -200,12 +200,12 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
     np.save(tmp / "loss_offsets.npy", loss_off)
     np.save(tmp / "loss_start.npy", np.asarray([int(s) for _, s in docs], dtype=np.int64))
     target_ids = target_ids.long().to(next(policy.parameters()).device)
+    dev, amp = target_ids.device, _PRECISIONS[resolve_precision(precision, target_ids.device)]
     entropy_sum, covered = 0.0, 0
     for group in _pack_batches(lengths, batch_tokens):
         ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in group])
         cu = torch.zeros(len(group) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor([lengths[d] for d in group]).cumsum(0)
-        dev, amp = target_ids.device, _PRECISIONS[resolve_precision(precision, target_ids.device)]
         pos = position_ids_from_cu_seqlens(cu).long().to(dev)
         with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
             out = policy(ids.to(dev), cu_seqlens=cu.to(dev), position_ids=pos, taps=tuple(taps))
@@ -283,8 +283,8 @@ class DraftFitConfig:
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio="
                              f"{self.min_lr_ratio} in [0, 1]")
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"DraftFitConfig.precision={self.precision!r} must be one of {sorted(_PRECISIONS)}")
+        if self.precision not in _PRECISION_NAMES:
+            raise ValueError(f"DraftFitConfig.precision={self.precision!r} must be one of {_PRECISION_NAMES}")
         if self.val_docs < 0 or self.eval_every < 1:
             raise ValueError(f"val_docs={self.val_docs} must be >= 0 and eval_every={self.eval_every} >= 1")
 
