@@ -171,6 +171,17 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
     return lines
 
 
+def _calibration_rows(res: dict) -> list[str]:
+    """The report's row on the proposal temperature calibration (none for runs without one)."""
+    cal = res["report"].get("calibration")
+    if not cal:
+        return []
+    before = f"{res['curve'][-1]['engine_acceptance']:.2f} at the last fit report -> " if res["curve"] else ""
+    return [f"| proposal temperature calibration | scale {cal['scale']:g} (logits / scale, folded into lm_head): "
+            f"implied acceptance by overlap {cal['acceptance'][0]:.2f} -> {max(cal['acceptance']):.2f} on "
+            f"{cal['rows']} cache held-out rows; engine {before}{res['final_acceptance']:.2f} at the end |"]
+
+
 def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> str:
     """Write ``draft_warmstart.md`` from a run's results (and earlier runs' results, compared in a table)."""
     s, rep = res["settings"], res["report"]
@@ -209,6 +220,7 @@ def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> st
         f"| policy entropy at T={res['temperature']}, training corpus | {rep['entropy']:.3f} nats/token |",
         f"| draft vocabulary | {res['draft_vocab_size']} tokens, covers {rep['argmax_coverage']:.3f} of the "
         f"policy's top-1 on the corpus |",
+        *_calibration_rows(res),
         f"| held-out step accuracies (cache) | {', '.join(f'{a:.3f}' for a in rep['val_accuracy'])} |",
         f"| cache hit (same policy, fresh draft) | {res['cache_hit_s']:.1f} s, same weights: {res['cache_hit_same']} |",
         "",
@@ -256,7 +268,8 @@ def warm_start_settings(args) -> WarmStartSettings:
                              time_budget_s=args.budget_min * 60 if args.budget_min else None,
                              generation_share=args.gen_share, feature_precision=args.feature_precision,
                              generation_dtype=None if args.gen_dtype == "none" else args.gen_dtype,
-                             generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None)
+                             generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None,
+                             calibrate_temperature=not args.no_calibrate)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -284,6 +297,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--precision", default="auto", help="draft fit: 32-true, bf16-mixed or auto (bf16 where fast)")
+    ap.add_argument("--no-calibrate", action="store_true", help="keep the fitted draft's proposal temperature "
+                    "(default: sharpen it by the scale of highest implied acceptance, folded into lm_head)")
     ap.add_argument("--compile", action="store_true", help="draft fit: torch.compile the draft layer (+30%% rows/s "
                     "measured on a 2-vCPU Xeon; the recipe does not, so its cache key differs)")
     ap.add_argument("--feature-precision", default="auto", help="policy feature pass: 32-true, bf16-mixed or auto")

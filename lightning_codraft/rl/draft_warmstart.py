@@ -37,6 +37,7 @@ from lightning_codraft.models.precision import AUTO, resolve_dtype, resolve_prec
 from lightning_codraft.models.vocab import count_tokens
 from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rollout import SpeculativeEngine
+from lightning_codraft.training.draft_calibration import calibrate_draft_temperature
 from lightning_codraft.training.draft_fit import (
     DraftFitConfig,
     coerce_floats,
@@ -90,6 +91,10 @@ class WarmStartSettings:
     taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
     (bf16-mixed where bf16 is fast). Every ``"auto"`` here and in ``fit.precision`` is resolved for the policy's
     device before the cache keys are taken."""
+    calibrate_temperature: bool = True
+    """After the fit, sharpen the draft's proposals by the scale of highest implied acceptance at ``temperature``
+    on the fit's held-out documents, folded into ``lm_head``
+    (:func:`~lightning_codraft.training.draft_calibration.calibrate_draft_temperature`; lossless, greedy unchanged)."""
     seed: int = 0
     """Prompt order, sampling and draft initialisation."""
     fit: DraftFitConfig = field(default_factory=DraftFitConfig)
@@ -146,6 +151,9 @@ class WarmStartReport:
     """Implied acceptance length ``1 + sum_k prod_{j<=k} acc_j`` of ``val_accuracy``."""
     fit: dict = field(default_factory=dict)
     """:class:`~lightning_codraft.training.draft_fit.FitResult` as a dict."""
+    calibration: dict = field(default_factory=dict)
+    """:class:`~lightning_codraft.training.draft_calibration.TemperatureCalibration` as a dict (empty when not
+    calibrated); ``scale`` is the factor the draft's logits were divided by."""
     precision: dict = field(default_factory=dict)
     """The dtypes the stages ran in (``"auto"`` resolved): ``generation_dtype``, ``feature_precision``,
     ``fit_precision``."""
@@ -352,6 +360,15 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
+    n_val = min(fit.val_docs, cache.num_docs - 1)
+    if settings.calibrate_temperature and n_val > 0:
+        t0 = time.perf_counter()
+        cal = calibrate_draft_temperature(draft, policy.embed, cache, range(cache.num_docs - n_val, cache.num_docs),
+                                          fit, settings.temperature)
+        report.calibration = asdict(cal)
+        report.fit_s += time.perf_counter() - t0
+        log(f"draft warm start: proposal temperature scale {cal.scale:g} (implied acceptance by overlap "
+            f"{cal.acceptance[0]:.2f} -> {max(cal.acceptance):.2f} on {cal.rows} held-out rows)")
 
     shutil.rmtree(draft_dir, ignore_errors=True)
     draft.save_pretrained(draft_dir)

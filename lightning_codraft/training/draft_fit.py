@@ -1,10 +1,9 @@
 """Offline EAGLE-3 draft training on cached policy features (the self-distillation warm start).
 
 The draft's TTT loss (:func:`~lightning_codraft.training.draft_loss.ttt_draft_loss`) needs, per packed row, the
-policy's three taps ``(3, H)`` and the policy's distribution restricted to the draft vocabulary. A frozen
-policy gives the same features every epoch, so they are computed ONCE (:func:`build_feature_cache`) into a
-:class:`FeatureCache` of memory-mapped ``.npy`` files, and every epoch of :func:`fit_draft` costs the draft
-alone.
+policy's three taps ``(3, H)`` and the policy's distribution restricted to the draft vocabulary. A frozen policy
+gives the same features every epoch, so they are computed ONCE (:func:`build_feature_cache`) into a
+:class:`FeatureCache` of memory-mapped ``.npy`` files, and every epoch of :func:`fit_draft` costs the draft alone.
 
 What the cache stores, and why it reproduces the loss: ``ttt_draft_loss`` reads the policy logits of a row
 through (a) the softmax over the draft vocabulary's target ids and (b) whether the full-vocabulary argmax lies
@@ -327,26 +326,27 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * q))
 
 
-def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                     decay: float = 0.8, precision: str = "32-true"):
-    """TTT unroll of ``draft`` on a :meth:`FeatureCache.batch` and its :func:`ttt_draft_loss` output.
-
-    Args:
-        draft: an :class:`~lightning_codraft.models.Eagle3Draft` whose vocabulary is the cache's.
-        embed: the policy's token embedding, ``(T,)`` ids -> ``(T, H)``.
-        batch: see :meth:`FeatureCache.batch`.
-        ttt_steps: K unroll steps; decay: step weight ratio.
-        precision: ``"32-true"``, ``"bf16-mixed"`` (the unroll under bf16 autocast, the loss in fp32) or ``"auto"``.
-    """
+def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
+                 precision: str = "32-true") -> list[Tensor]:
+    """The K = ``ttt_steps`` step logits ``(T, Vd)`` (fp32) of ``draft``'s TTT unroll on a :meth:`FeatureCache.batch`
+    (``precision``: ``"32-true"``, ``"bf16-mixed"``, the unroll under bf16 autocast, or ``"auto"``)."""
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     with torch.no_grad():
         embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(ttt_steps)]
     dtype = _PRECISIONS[resolve_precision(precision, ids.device)]
     with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
         steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])
-    step_logits = [lg.float() for lg, _ in steps]
+    return [lg.float() for lg, _ in steps]
+
+
+def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
+                     decay: float = 0.8, precision: str = "32-true"):
+    """:func:`ttt_draft_loss` of :func:`draft_unroll` (``draft``, ``embed``: the policy's token embedding ``(T,)``
+    ids -> ``(T, H)``, ``batch``, ``ttt_steps``, ``precision``); ``decay``: step weight ratio."""
+    step_logits = draft_unroll(draft, embed, batch, ttt_steps, precision)
     d2t, t2d = compact_vocab(step_logits[0].shape[-1])
-    return ttt_draft_loss(step_logits, batch["compact_logits"], cu, batch["loss_mask"], d2t, t2d, decay=decay)
+    return ttt_draft_loss(step_logits, batch["compact_logits"], batch["cu_seqlens"], batch["loss_mask"], d2t, t2d,
+                          decay=decay)
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Every benchmark script runs end to end with tiny arguments and writes its table, so none can rot unnoticed."""
 
+import json
 import subprocess
 import sys
 
@@ -126,11 +127,21 @@ def test_draft_warmstart_smoke(tmp_path):
     res = (tmp_path / "draft_warmstart.json").read_text()
     assert '"cache_hit_same": true' in res and (tmp_path / "draft_warmstart.md").is_file()
     assert "## Against the goal: acceptance >= 2.0" in (tmp_path / "draft_warmstart.md").read_text()
+    assert "| proposal temperature calibration | scale" in (tmp_path / "draft_warmstart.md").read_text()
     again = tmp_path / "again"                   # the page rebuilt from the JSON, an earlier run beside it
     _run("draft_warmstart.py", "--report-only", tmp_path / "draft_warmstart.json", "--previous",
          tmp_path / "draft_warmstart.json", "--out-dir", again)
     md = (again / "draft_warmstart.md").read_text()
     assert "| this run |" in md and "| draft_warmstart |" in md and (again / "draft_warmstart.png").is_file()
+
+
+def test_draft_calibration_smoke(tmp_path):
+    text = _run("draft_calibration.py", "--smoke", "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache")
+    assert "| 1" in text and "engine acceptance length" in text and "Chosen scale" in text
+    res = json.loads((tmp_path / "draft_calibration.json").read_text())
+    assert res["arms"][0]["scale"] == 1.0 and {a["scale"] for a in res["arms"]} >= {1.0, 0.5}
+    assert len(res["calibration"]["acceptance"]) == len(res["calibration"]["scales"]) >= 7
+    assert (tmp_path / "draft_calibration.md").is_file() and (tmp_path / "draft_calibration.png").is_file()
 
 
 def test_recipe_run_smoke(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rl import draft_warmstart
 from lightning_codraft.rl.draft_warmstart import (
     WarmStartSettings,
     split_prompts,
@@ -100,6 +101,35 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert any("cached responses" in line for line in lines) and not any("features" in line and "tokens (" in line
                                                                             for line in lines)
     assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [3, 3, 4]
+
+
+def test_warm_start_folds_the_calibrated_proposal_temperature(tmp_path, monkeypatch):
+    tok, policy, draft = _models()
+    task, lines = FixedTask(), []
+    plain = _models()[2]
+    off = warm_start_draft(policy, tok, task, plain, _settings(calibrate_temperature=False), tmp_path)
+    assert off.calibration == {}
+    real = draft_warmstart.calibrate_draft_temperature
+
+    def flat_then_calibrate(d, *args, **kw):  # this tiny fit is not underconfident: make it so, then calibrate
+        with torch.no_grad():
+            d.lm_head.weight.mul_(0.25)
+        return real(d, *args, **kw)
+
+    monkeypatch.setattr(draft_warmstart, "calibrate_draft_temperature", flat_then_calibrate)
+    rep = warm_start_draft(policy, tok, task, draft, _settings(), tmp_path, log=lines.append)
+    assert off.draft_dir != rep.draft_dir
+    cal = rep.calibration
+    assert cal["scales"][0] == 1.0 and cal["scale"] < 1.0 and cal["rows"] > 0
+    assert max(cal["acceptance"]) == cal["acceptance"][cal["scales"].index(cal["scale"])] > cal["acceptance"][0]
+    assert any("proposal temperature scale" in line for line in lines)
+    # the same fit, then lm_head divided by the chosen scale (saved so: a cache hit restores it); nothing else
+    monkeypatch.setattr(draft_warmstart, "calibrate_draft_temperature", real)
+    hit = _models()[2]
+    assert warm_start_draft(policy, tok, task, hit, _settings(), tmp_path).cache_hit
+    for k, v in hit.state_dict().items():
+        want = plain.state_dict()[k] * 0.25 / cal["scale"] if k == "lm_head.weight" else plain.state_dict()[k]
+        torch.testing.assert_close(v, want, rtol=1e-6, atol=1e-7, msg=k)
 
 
 def test_auto_precision_is_resolved_before_the_cache_keys(tmp_path, monkeypatch):
