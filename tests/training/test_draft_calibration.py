@@ -4,7 +4,7 @@ import torch
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.training.draft_calibration import calibrate_draft_temperature, draft_overlap
 from lightning_codraft.training.draft_fit import DraftFitConfig, build_feature_cache, fit_draft
-from test_draft_fit import _docs, _draft, _policy, _reference_loss, _target_ids
+from test_draft_fit import _docs, _draft, _policy, _reference_loss, _reference_unroll, _target_ids
 
 T = 0.8
 
@@ -24,18 +24,9 @@ def setup(tmp_path_factory):
 def _direct_overlap(policy, draft, docs, K, scale):
     """Per-step overlap from a fresh policy forward with full logits and the draft's own map, row by row."""
     out = _reference_loss(policy, draft, docs, K)  # counted rows per step, the loss's own bookkeeping
-    ids = torch.cat([torch.tensor(d) for d, _ in docs])
-    lengths = [len(d) for d, _ in docs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(n) for n in lengths])
     with torch.no_grad():
-        pol = policy(ids, cu_seqlens=cu, position_ids=pos, taps=draft.config.taps)
-        embeds = []
-        for k in range(K):
-            shifted = torch.cat([torch.cat([torch.tensor(d[k + 1:]), torch.zeros(k + 1, dtype=torch.long)])[:len(d)]
-                                 for d, _ in docs])
-            embeds.append(policy.embed(shifted))
-        steps = [lg for lg, _ in draft.ttt_forward(list(pol.taps), embeds, cu, pos)]
+        pol, steps, cu, _ = _reference_unroll(policy, draft, docs, K)
+    lengths = [len(d) for d, _ in docs]
     target_ids = _target_ids(draft)
     res = []
     for k in range(K):

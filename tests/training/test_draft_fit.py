@@ -49,9 +49,9 @@ def _target_ids(draft):
     return draft.draft_to_target(torch.arange(VD))
 
 
-def _reference_loss(policy, draft, docs, K):
-    """The draft loss the way co-training computes it: a fresh policy forward, full (T, V) logits, the draft's
-    own vocabulary map, and a loss mask on rows loss_start .. len - 2 of each document."""
+def _reference_unroll(policy, draft, docs, K):
+    """A fresh policy forward (full (T, V) logits, taps) on the packed ``docs`` and the draft's K-step unroll on it:
+    ``(policy output, step logits, cu_seqlens, loss mask on rows loss_start .. len - 2 of each document)``."""
     ids = torch.cat([torch.tensor(d) for d, _ in docs])
     lengths = [len(d) for d, _ in docs]
     cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
@@ -65,6 +65,13 @@ def _reference_loss(policy, draft, docs, K):
                              for d, _ in docs])
         embeds.append(policy.embed(shifted).detach())
     steps = [lg for lg, _ in draft.ttt_forward(list(out.taps), embeds, cu, pos)]
+    return out, steps, cu, mask
+
+
+def _reference_loss(policy, draft, docs, K):
+    """The draft loss the way co-training computes it: a fresh policy forward, full (T, V) logits, the draft's
+    own vocabulary map, and a loss mask on rows loss_start .. len - 2 of each document."""
+    out, steps, cu, mask = _reference_unroll(policy, draft, docs, K)
     return ttt_draft_loss(steps, out.logits, cu, mask.float(), draft.d2t, draft.t2d)
 
 
