@@ -91,21 +91,18 @@ def main(argv=None) -> None:
         draft.lm_head.weight.mul_(folded)  # back to the fit's own logits
     cache = FeatureCache(fdir)
     fit = settings.fit  # the warm-start benchmark's: its held-out documents, unroll length and precision
-    n_val = min(fit.val_docs, cache.num_docs - 1)
-    val = range(cache.num_docs - n_val, cache.num_docs)
     T = wsargs.temperature
+    fitted = draft.lm_head.weight.detach().clone()
 
-    t0 = time.perf_counter()
     base = _arm(policy, draft, held, wsargs, tok, 1.0)
-    cal = calibrate_draft_temperature(draft, policy.embed, cache, val, fit, T)
-    cal_s = time.perf_counter() - t0 - base["seconds"]
+    t0 = time.perf_counter()
+    cal = calibrate_draft_temperature(draft, policy.embed, cache, cache.split(fit.val_docs)[1], fit, T)
+    cal_s = time.perf_counter() - t0
     arms = [base] + ([_arm(policy, draft, held, wsargs, tok, cal.scale)] if cal.scale != 1.0 else [])
     for s in sorted({float(x) for x in args.engine_scales.split(",") if x.strip()} - {1.0, cal.scale}):
         with torch.no_grad():
-            draft.lm_head.weight.mul_(cal.scale / s)
+            draft.lm_head.weight.copy_(fitted / s)
         arms.append(_arm(policy, draft, held, wsargs, tok, s))
-        with torch.no_grad():
-            draft.lm_head.weight.mul_(s / cal.scale)
     if any(a["tokens"] != base["tokens"] for a in arms):
         raise SystemExit("coupled sampling must decode the same tokens in every arm; it did not")
     res = dict(command="python benchmarks/draft_calibration.py " + " ".join(args.argv), smoke=args.smoke,
@@ -135,9 +132,8 @@ def write_report(out: Path, res: dict) -> str:
     for a in arms:
         vs = "—" if a is base or len(a["per_prompt"]) < 2 else str(paired_difference(a["per_prompt"],
                                                                                      base["per_prompt"]))
-        imp = implied.get(a["scale"])
+        imp = f"{implied[a['scale']]:.3f}" if a["scale"] in implied else "—"
         chosen = " (chosen)" if a["scale"] == cal["scale"] else ""
-        imp = "—" if imp is None else f"{imp:.3f}"
         lines.append(f"| {a['scale']:g}{chosen} | {imp} | **{a['acceptance']:.3f}** | "
                      f"{', '.join(f'{r:.2f}' for r in a['per_position'])} | {vs.replace('steps', 'prompts')} |")
     lines += ["", "Implied acceptance of every candidate scale: " + ", ".join(

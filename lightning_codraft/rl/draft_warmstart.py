@@ -360,11 +360,10 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
-    n_val = min(fit.val_docs, cache.num_docs - 1)
-    if settings.calibrate_temperature and n_val > 0:
+    held_out = cache.split(fit.val_docs)[1]  # the documents the fit reported on
+    if settings.calibrate_temperature and held_out:
         t0 = time.perf_counter()
-        cal = calibrate_draft_temperature(draft, policy.embed, cache, range(cache.num_docs - n_val, cache.num_docs),
-                                          fit, settings.temperature)
+        cal = calibrate_draft_temperature(draft, policy.embed, cache, held_out, fit, settings.temperature)
         report.calibration = asdict(cal)
         report.fit_s += time.perf_counter() - t0
         log(f"draft warm start: proposal temperature scale {cal.scale:g} (implied acceptance by overlap "

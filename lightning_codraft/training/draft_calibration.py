@@ -25,7 +25,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_codraft.attention.packing import shift_left_local
 from lightning_codraft.training.draft_fit import (
+    _OUTSIDE,
     DraftFitConfig,
     FeatureCache,
     _pack_batches,
@@ -50,17 +52,6 @@ class TemperatureCalibration:
     """``(S, K)`` mean overlap ``sum_v min(p_v, q_v)`` of each scale and unroll step."""
     rows: int = 0
     """Counted rows of unroll step 0."""
-
-
-def _step_targets(compact: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, shift: int) -> tuple[Tensor, Tensor]:
-    """Rows ``i`` whose step-``shift`` target is row ``i + shift`` of the same document and counted, as in
-    ``ttt_draft_loss``: returns the target logits ``(T - shift, Vd)`` and the row weights ``(T - shift,)``."""
-    T = compact.shape[0]
-    logits, outside = compact[:, :-1].float(), compact[:, -1].float() > 0
-    counted = loss_mask.float() * (~outside).float()
-    doc = torch.bucketize(torch.arange(T, device=compact.device), cu_seqlens[1:].to(compact.device), right=True)
-    same = (doc[:T - shift] == doc[shift:]).float()
-    return logits[shift:], counted[shift:] * same
 
 
 @torch.no_grad()
@@ -88,14 +79,16 @@ def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache,
     draft.eval()
     for group in _pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
         batch = cache.batch([docs[i] for i in group])
-        steps = draft_unroll(draft, embed, batch, K, config.precision)
-        for k, z in enumerate(steps):
-            target, w = _step_targets(batch["compact_logits"], batch["loss_mask"], batch["cu_seqlens"], k + 1)
-            p = torch.softmax(target / temperature, dim=-1)
-            z = z[:target.shape[0]]
+        compact, cu = batch["compact_logits"], batch["cu_seqlens"]
+        # as ttt_draft_loss: a row counts where it is a loss row whose policy top-1 is in the draft vocabulary
+        counted = batch["loss_mask"] * (compact[:, -1] != _OUTSIDE).float()
+        p = torch.softmax(compact[:, :-1].float() / temperature, dim=-1)  # once: step k reads rows k + 1 on
+        T = p.shape[0]
+        for k, z in enumerate(draft_unroll(draft, embed, batch, K, config.precision)):
+            w = shift_left_local(counted, cu, k + 1)[:T - k - 1]  # 0 where row i + k + 1 leaves the document
             for s, scale in enumerate(scales):
-                q = torch.softmax(z / (temperature * scale), dim=-1)
-                num[s, k] += (torch.minimum(p, q).sum(-1) * w).sum().cpu()
+                q = torch.softmax(z[:T - k - 1] / (temperature * scale), dim=-1)
+                num[s, k] += (torch.minimum(p[k + 1:], q).sum(-1) * w).sum().cpu()
             den[k] += w.sum().cpu()
     draft.train(was_training)
     return num / den.clamp(min=1), int(den[0])

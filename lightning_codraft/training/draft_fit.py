@@ -101,6 +101,11 @@ class FeatureCache:
     def draft_vocab_size(self) -> int:
         return int(self.meta["draft_vocab_size"])
 
+    def split(self, val_docs: int) -> tuple[list[int], list[int]]:
+        """``(training, held-out)`` document ids: the last ``val_docs`` (at most all but one) are held out."""
+        n = max(1, self.num_docs - val_docs)
+        return list(range(n)), list(range(n, self.num_docs))
+
     def doc_lengths(self) -> np.ndarray:
         """``(N,)`` token count of each document."""
         return np.diff(self.doc_offsets)
@@ -328,8 +333,8 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
 
 def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
                  precision: str = "32-true") -> list[Tensor]:
-    """The K = ``ttt_steps`` step logits ``(T, Vd)`` (fp32) of ``draft``'s TTT unroll on a :meth:`FeatureCache.batch`
-    (``precision``: ``"32-true"``, ``"bf16-mixed"``, the unroll under bf16 autocast, or ``"auto"``)."""
+    """K = ``ttt_steps`` fp32 step logits ``(T, Vd)`` of ``draft``'s TTT unroll on a :meth:`FeatureCache.batch`, fed
+    the policy's token embedding ``embed``; ``precision``: ``"32-true"``, ``"bf16-mixed"`` (autocast) or ``"auto"``."""
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     with torch.no_grad():
         embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(ttt_steps)]
@@ -341,12 +346,10 @@ def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tens
 
 def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
                      decay: float = 0.8, precision: str = "32-true"):
-    """:func:`ttt_draft_loss` of :func:`draft_unroll` (``draft``, ``embed``: the policy's token embedding ``(T,)``
-    ids -> ``(T, H)``, ``batch``, ``ttt_steps``, ``precision``); ``decay``: step weight ratio."""
-    step_logits = draft_unroll(draft, embed, batch, ttt_steps, precision)
-    d2t, t2d = compact_vocab(step_logits[0].shape[-1])
-    return ttt_draft_loss(step_logits, batch["compact_logits"], batch["cu_seqlens"], batch["loss_mask"], d2t, t2d,
-                          decay=decay)
+    """:func:`ttt_draft_loss` (step weight ratio ``decay``) of :func:`draft_unroll` on the same arguments."""
+    steps = draft_unroll(draft, embed, batch, ttt_steps, precision)
+    return ttt_draft_loss(steps, batch["compact_logits"], batch["cu_seqlens"], batch["loss_mask"],
+                          *compact_vocab(steps[0].shape[-1]), decay=decay)
 
 
 @torch.no_grad()
@@ -364,7 +367,8 @@ def evaluate_draft(draft, embed, cache: FeatureCache, docs: Sequence[int], confi
 def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, config: DraftFitConfig,
               log: Callable[[str], None] | None = None,
               on_eval: Callable[[dict], None] | None = None) -> FitResult:
-    """Train ``draft`` in place on ``cache`` with the TTT loss; report held-out accuracy as it goes.
+    """Train ``draft`` in place on ``cache`` with the TTT loss, reporting accuracy on the documents
+    :meth:`FeatureCache.split` holds out as it goes; returns a :class:`FitResult`.
 
     Args:
         draft: an :class:`~lightning_codraft.models.Eagle3Draft` whose vocabulary map is the one the cache was
@@ -374,16 +378,12 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
         config: see :class:`DraftFitConfig`.
         log: receives one progress line per report.
         on_eval: called with each report dict (see :attr:`FitResult.history`); its time is not counted.
-
-    Returns:
-        :class:`FitResult`.
     """
     if int(draft.config.draft_vocab_size) != cache.draft_vocab_size or list(draft.config.taps) != cache.meta["taps"]:
         raise ValueError(f"the draft (draft_vocab_size={draft.config.draft_vocab_size}, taps={draft.config.taps}) "
                          f"does not match the feature cache (draft_vocab_size={cache.draft_vocab_size}, taps="
                          f"{cache.meta['taps']}); rebuild the cache for this draft")
-    n_val = min(config.val_docs, cache.num_docs - 1)
-    train_docs, val_docs = list(range(cache.num_docs - n_val)), list(range(cache.num_docs - n_val, cache.num_docs))
+    train_docs, val_docs = cache.split(config.val_docs)
     lengths = cache.doc_lengths()
     per_epoch = len(_pack_batches(lengths[train_docs], config.batch_tokens))
     total_steps = max(1, math.ceil(config.epochs * per_epoch))
