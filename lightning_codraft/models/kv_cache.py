@@ -16,6 +16,7 @@ position ``p``. A decode step with ``S`` new tokens per row:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -111,6 +112,42 @@ class KVCache:
         return KVCache(k=[t.index_select(0, rows) for t in self.k], v=[t.index_select(0, rows) for t in self.v],
                        lengths=self.lengths.index_select(0, rows))
 
+    def compact(self, rows: Sequence[int]) -> "KVCache":
+        """Keep ``rows`` (new slot ``i`` holds old row ``rows[i]``) in this cache's own storage, copying only the
+        rows that change slot; a batch that drops a few finished rows then moves a few rows, not the whole cache
+        (:meth:`select` copies every kept row into new tensors).
+
+        Every row that moves must come from past ``len(rows)`` (:func:`hole_filling_order` gives such an order), so
+        no row is overwritten before it is read. Returns views of the first ``len(rows)`` rows; this cache's other
+        rows are dropped and it must not be used after.
+        """
+        rows, B = [int(r) for r in rows], self.batch_size
+        n = len(rows)
+        moves = [(i, r) for i, r in enumerate(rows) if r != i]
+        if n < 1 or len(set(rows)) != n or not all(0 <= r < B for r in rows) or any(r < n for _, r in moves):
+            raise ValueError(f"KVCache.compact: rows {rows} must be distinct rows of this {B}-row cache, each either "
+                             f"in its own slot or moved from past slot {n - 1} (use hole_filling_order)")
+        if moves:
+            dst = torch.tensor([i for i, _ in moves], device=self.lengths.device)
+            src = torch.tensor([r for _, r in moves], device=self.lengths.device)
+            for t in (*self.k, *self.v):
+                t.index_copy_(0, dst, t.index_select(0, src))
+        lengths = self.lengths.index_select(0, torch.tensor(rows, device=self.lengths.device))
+        return KVCache(k=[t[:n] for t in self.k], v=[t[:n] for t in self.v], lengths=lengths)
+
     def reset(self) -> None:
         """Empty every row."""
         self.lengths = torch.zeros_like(self.lengths)
+
+
+def hole_filling_order(live: Sequence[bool]) -> list[int]:
+    """The rows to keep of a batch whose rows ``live[i]`` survive, in an order for :meth:`KVCache.compact` that
+    moves the fewest rows: live rows among the first ``n = sum(live)`` stay in their slots, and each dead slot
+    among those takes a live row from past ``n``.
+
+    Example: ``live = [T, F, T, F, T, T]`` -> ``[0, 5, 2, 4]`` (rows 5 and 4 fill slots 1 and 3).
+    """
+    live = [bool(x) for x in live]
+    n = sum(live)
+    movers = [r for r in range(len(live) - 1, n - 1, -1) if live[r]]
+    return [r if live[r] else movers.pop(0) for r in range(n)]

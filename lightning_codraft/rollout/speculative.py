@@ -45,12 +45,13 @@ import torch
 from torch import nn
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
-from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.models.kv_cache import KVCache, hole_filling_order
 from lightning_codraft.models.precision import AUTO, resolve_dtype
 from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController
 from lightning_codraft.rollout.cost_model import clock
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
+from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, RoundNoise, TokenSampler
 from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
 
@@ -77,11 +78,12 @@ class _Batch:
     out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
 
     def keep(self, rows: list[int]) -> None:
+        """Keep ``rows`` (an order :meth:`KVCache.compact` accepts), slot ``i`` taking row ``rows[i]``."""
         sel = torch.tensor(rows, device=self.pending.device)
         self.active, self.emitted, self.budget = ([xs[i] for i in rows] for xs in (self.active, self.emitted,
                                                                                    self.budget))
-        self.pcache = self.pcache.select(sel)
-        self.dcache = None if self.dcache is None else self.dcache.select(sel)
+        self.pcache = self.pcache.compact(rows)
+        self.dcache = None if self.dcache is None else self.dcache.compact(rows)
         self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
         self.noise, self.out_pos = self.noise.select(sel), self.out_pos[sel]
         if self.h_last is not None:
@@ -233,12 +235,15 @@ class SpeculativeEngine:
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput] = []
-        for start in range(0, len(prompts), chunk):
-            batch = prompts[start:start + chunk]
-            noise = CounterNoise(seed_tensor(seeds[start:start + chunk], device))
+        outputs: list[RolloutOutput | None] = [None] * len(prompts)
+        for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/prefill.py)
+            order = sorted(range(start, min(start + chunk, len(prompts))), key=lambda i: len(prompts[i]))
+            batch = [prompts[i] for i in order]
+            noise = CounterNoise(seed_tensor([seeds[i] for i in order], device))
             try:
                 with torch.inference_mode():
-                    outputs.extend(self._generate_batch(batch, sampler, noise, pdec, ddec))
+                    for i, out in zip(order, self._generate_batch(batch, sampler, noise, pdec, ddec)):
+                        outputs[i] = out
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
                 shown = lens if len(lens) <= 8 else f"{min(lens)}..{max(lens)} over {len(lens)} prompts"
@@ -335,11 +340,11 @@ class SpeculativeEngine:
                    estimates=None if self.controller is None else self.controller.new_batch(batch, key),
                    noise=noise, out_pos=torch.zeros_like(lens))
 
-        # ---- prefill (prompts right-padded; padding slots are beyond each row's length, never attended)
+        # ---- prefill (right-padded per group of similar lengths; padding slots lie beyond each row's length)
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        last_logits, taps = pdec.forward(ids, pcache, taps_ids, logit_rows=lens - 1)
+        last_logits, taps = prefill(pdec, pcache, ids, host_lens, taps_ids)  # rows come sorted by length
         pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
         rows = torch.arange(batch, device=device)
@@ -359,8 +364,8 @@ class SpeculativeEngine:
         done = [finish[i] == "stop" or budget[i] <= 1 for i in range(batch)]
 
         while not all(done):
-            if any(done):  # drop finished rows from the caches and the batch
-                b.keep([i for i, d in enumerate(done) if not d])
+            if any(done):  # drop finished rows from the caches and the batch (moving only a few rows)
+                b.keep(hole_filling_order([not d for d in done]))
                 done = [False] * len(b.active)
             rows = torch.arange(len(b.active), device=device)
             k, t_start = K, clock(device)

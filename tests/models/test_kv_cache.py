@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_codraft.models import KVCache
+from lightning_codraft.models.kv_cache import hole_filling_order
 
 
 def test_write_goes_to_each_rows_next_slots():
@@ -64,3 +65,34 @@ def test_select_rows_copies_or_views():
     assert first.batch_size == 2 and first.lengths.tolist() == [1, 2]
     first.k[1].fill_(7.0)                                   # views: writes land in the cache's first rows
     assert (cache.k[1][:2] == 7).all() and (cache.k[1][2] == 0).all()
+
+
+@pytest.mark.parametrize("live", [[1, 0, 1, 0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 1, 0, 1, 1, 0, 0, 1], [1, 0]])
+def test_compact_in_place_equals_select_and_moves_only_the_hole_fillers(live):
+    live = [bool(x) for x in live]
+    cache = KVCache.allocate(num_layers=2, batch_size=len(live), num_kv_heads=2, head_dim=3, capacity=5)
+    for t in (*cache.k, *cache.v):
+        t.copy_(torch.randn_like(t))
+    cache.lengths = torch.arange(len(live)) + 1
+    rows = hole_filling_order(live)
+    n = sum(live)
+    assert sorted(rows) == [i for i, x in enumerate(live) if x]           # exactly the live rows
+    assert all(r == i for i, r in enumerate(rows) if live[i])              # live rows in the first n slots stay put
+    expected = cache.select(torch.tensor(rows))
+    storage = [t.data_ptr() for t in cache.k]
+    out = cache.compact(rows)
+    assert [t.data_ptr() for t in out.k] == storage                        # the same storage, no new tensors
+    assert out.batch_size == n and torch.equal(out.lengths, expected.lengths)
+    for a, b in zip((*out.k, *out.v), (*expected.k, *expected.v)):
+        assert torch.equal(a, b)
+
+
+def test_compact_refuses_an_order_that_would_overwrite_a_row_before_reading_it():
+    cache = KVCache.allocate(1, 4, 1, 2, capacity=3)
+    with pytest.raises(ValueError, match="hole_filling_order"):
+        cache.compact([1, 0])                     # row 0 moved to slot 1 after slot 0 took row 1
+    with pytest.raises(ValueError, match="distinct"):
+        cache.compact([0, 0])
+    with pytest.raises(ValueError, match="distinct"):
+        cache.compact([0, 7])
+    assert hole_filling_order([True, False, True, False, True, True]) == [0, 5, 2, 4]
