@@ -33,7 +33,7 @@ from lightning_codraft.rl.build import encode_prompt  # noqa: E402
 from lightning_codraft.rl.draft_warmstart import split_prompts, warm_start_draft  # noqa: E402
 from lightning_codraft.rl.stats import paired_difference  # noqa: E402
 from lightning_codraft.training.draft_calibration import calibrate_draft_temperature  # noqa: E402
-from lightning_codraft.training.draft_fit import FeatureCache  # noqa: E402
+from lightning_codraft.training.feature_cache import FeatureCache  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -260,8 +260,9 @@ def warm_start_settings(args) -> WarmStartSettings:
     """The :class:`WarmStartSettings` of the arguments (with the defaults: the smollm2 recipe's ``draft.warm_start``,
     so this benchmark's run fills the cache the recipe reads; a test keeps the two equal)."""
     fit = DraftFitConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
-                         val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed, precision=args.precision,
-                         compile=args.compile, time_budget_s=args.fit_budget_min * 60 if args.fit_budget_min else None)
+                         eval_steps=args.k, val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed,
+                         precision=args.precision, compile=args.compile,
+                         time_budget_s=args.fit_budget_min * 60 if args.fit_budget_min else None)
     return WarmStartSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              generation_batch=args.gen_batch, seed=args.seed, fit=fit,
@@ -287,12 +288,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heldout", type=int, default=500)
     ap.add_argument("--num-prompts", type=int, default=2000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--budget-min", type=float, default=58.0, help="wall-time budget of the whole warm start")
-    ap.add_argument("--gen-share", type=float, default=0.55, help="share of the budget spent sampling the corpus")
+    ap.add_argument("--gen-share", type=float, default=0.4, help="share of the budget spent sampling the corpus")
     ap.add_argument("--gen-budget-min", type=float, default=None)
     ap.add_argument("--draft-vocab", type=int, default=4096)
-    ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--ttt-steps", type=int, default=3, help="unroll depth trained; reports unroll --k")
     ap.add_argument("--epochs", type=float, default=6.0, help="an upper bound: the time budget ends the fit first")
     ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)

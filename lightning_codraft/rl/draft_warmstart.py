@@ -11,7 +11,7 @@ what it can:
    (:func:`~lightning_codraft.models.vocab.build_vocab_mapping`), ``lm_head`` rows re-initialised from the
    policy's.
 3. ``features-<key>/``: the policy's taps and soft targets
-   (:func:`~lightning_codraft.training.draft_fit.build_feature_cache`), computed once.
+   (:func:`~lightning_codraft.training.feature_cache.build_feature_cache`), computed once.
 4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.training.draft_fit.fit_draft`) in vLLM's EAGLE-3
    format, plus ``report.json``. Its key hashes the policy's state dict, the draft config, the training prompts
    and these settings, so a different policy (one changed weight) never loads a stale draft.
@@ -38,15 +38,9 @@ from lightning_codraft.models.vocab import count_tokens
 from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.training.draft_calibration import calibrate_draft_temperature
-from lightning_codraft.training.draft_fit import (
-    DraftFitConfig,
-    coerce_floats,
-    FeatureCache,
-    FitResult,
-    build_feature_cache,
-    fit_draft,
-    implied_acceptance_length,
-)
+from lightning_codraft.training.draft_fit import (DraftFitConfig, FitResult, coerce_floats, fit_draft,
+                                                 implied_acceptance_length)
+from lightning_codraft.training.feature_cache import FeatureCache, build_feature_cache
 
 _COMPLETE = "COMPLETE"
 

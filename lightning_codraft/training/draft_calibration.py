@@ -26,14 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import shift_left_local
-from lightning_codraft.training.draft_fit import (
-    _OUTSIDE,
-    DraftFitConfig,
-    FeatureCache,
-    _pack_batches,
-    draft_unroll,
-    implied_acceptance_length,
-)
+from lightning_codraft.training.draft_fit import DraftFitConfig, draft_unroll, implied_acceptance_length
+from lightning_codraft.training.feature_cache import OUTSIDE, FeatureCache, pack_batches
 
 DEFAULT_SCALES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 
@@ -64,7 +58,7 @@ def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache,
         draft: an :class:`~lightning_codraft.models.Eagle3Draft` of the cache's vocabulary.
         embed: the policy's token embedding, ``(T,)`` ids -> ``(T, H)``.
         cache: the policy's features; ``docs``: the documents to measure on (held out of the fit).
-        config: the fit's ``batch_tokens``, ``ttt_steps`` and ``precision`` are used.
+        config: the fit's ``batch_tokens``, ``precision`` and unroll depth (``eval_steps`` or ``ttt_steps``).
         temperature: the rollouts' sampling temperature (> 0).
         scales: candidate scales (> 0); the draft samples from ``softmax(z / (temperature * scale))``.
 
@@ -73,15 +67,15 @@ def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache,
     """
     if temperature <= 0 or not scales or min(scales) <= 0:
         raise ValueError(f"temperature={temperature} and every scale in {list(scales)} must be > 0")
-    K = config.ttt_steps
+    K = config.eval_steps or config.ttt_steps
     num, den = torch.zeros(len(scales), K), torch.zeros(K)
     was_training = draft.training
     draft.eval()
-    for group in _pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
+    for group in pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
         batch = cache.batch([docs[i] for i in group])
         compact, cu = batch["compact_logits"], batch["cu_seqlens"]
         # as ttt_draft_loss: a row counts where it is a loss row whose policy top-1 is in the draft vocabulary
-        counted = batch["loss_mask"] * (compact[:, -1] != _OUTSIDE).float()
+        counted = batch["loss_mask"] * (compact[:, -1] != OUTSIDE).float()
         p = torch.softmax(compact[:, :-1].float() / temperature, dim=-1)  # once: step k reads rows k + 1 on
         T = p.shape[0]
         for k, z in enumerate(draft_unroll(draft, embed, batch, K, config.precision)):

@@ -7,8 +7,6 @@ import torch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.training.draft_fit import (
     DraftFitConfig,
-    FeatureCache,
-    build_feature_cache,
     draft_batch_loss,
     evaluate_draft,
     fit_draft,
@@ -17,6 +15,7 @@ from lightning_codraft.training.draft_fit import (
 )
 from lightning_codraft.training.compiled import compiled_draft
 from lightning_codraft.training.draft_loss import ttt_draft_loss
+from lightning_codraft.training.feature_cache import FeatureCache, build_feature_cache
 
 V, VD = 96, 40
 
@@ -162,6 +161,22 @@ def test_fit_raises_held_out_accuracy(tmp_path):
     assert np.mean(res.losses[-10:]) < 0.95 * np.mean(res.losses[:10])
     assert res.tokens_seen > 4 * cache.meta["loss_rows"] * 0.5 and reports and "held-out step-0 acc" in reports[-1]
 
+
+
+def test_held_out_reports_unroll_eval_steps_whatever_the_trained_depth(tmp_path):
+    policy = _policy(sharpen=6.0)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, _docs(40, seed=2), _target_ids(draft), draft.config.taps, tmp_path / "c",
+                                batch_tokens=128)
+    cfg = DraftFitConfig(epochs=1, batch_tokens=128, ttt_steps=2, eval_steps=3, val_docs=8, eval_every=1000)
+    res = fit_draft(draft, policy.embed, cache, cfg)
+    acc = res.history[-1]["val_accuracy"]
+    val = cache.split(8)[1]
+    deeper = evaluate_draft(draft, policy.embed, cache, val, DraftFitConfig(batch_tokens=128, ttt_steps=3))
+    assert len(acc) == 3 and acc == pytest.approx(deeper)             # the report unrolls 3 steps, trained 2
+    assert res.history[-1]["val_acceptance"] == pytest.approx(implied_acceptance_length(deeper))
+    with pytest.raises(ValueError, match="eval_steps"):
+        DraftFitConfig(eval_steps=0)
 
 def test_time_budget_stops_and_mismatch_raises(tmp_path):
     policy = _policy()
