@@ -29,31 +29,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import draft_warmstart as ws  # noqa: E402
 from lightning_codraft.models import Eagle3Draft  # noqa: E402
-from lightning_codraft.rl.build import encode_prompt  # noqa: E402
-from lightning_codraft.rl.draft_warmstart import split_prompts, warm_start_draft  # noqa: E402
 from lightning_codraft.rl.stats import paired_difference  # noqa: E402
 from lightning_codraft.training.draft_calibration import calibrate_draft_temperature  # noqa: E402
-from lightning_codraft.training.feature_cache import FeatureCache  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="a tiny smoke warm start first, seconds")
-    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
-    ap.add_argument("--cache-dir", default=None, help="the warm-start benchmark's cache (default: its default)")
-    ap.add_argument("--draft-dir", default=None, help="default: the newest finished draft in the cache")
-    ap.add_argument("--features-dir", default=None, help="default: the cache's only feature cache")
+    ws.add_cached_run_options(ap)
     ap.add_argument("--engine-scales", default="0.5", help="extra scales to measure in the engine (comma list)")
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     return args
-
-
-def _only(paths: list[Path], what: str) -> Path:
-    if len(paths) != 1:
-        raise SystemExit(f"{len(paths)} {what} found ({[p.name for p in paths]}); name one with --{what}-dir")
-    return paths[0]
 
 
 def _arm(policy, draft, held, wsargs, tok, scale: float) -> dict:
@@ -65,31 +51,14 @@ def _arm(policy, draft, held, wsargs, tok, scale: float) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cdir = Path(args.cache_dir) if args.cache_dir else None
-    wsargv = ["--threads", str(args.threads)] + (["--smoke"] if args.smoke else [])
-    wsargs = ws.parse_args(wsargv + (["--cache-dir", str(cdir)] if cdir else []))
-    if cdir is None:
-        from lightning_codraft.models.hf_io import cache_dir
-        cdir = cache_dir() / "draft_warmstart"
-    tok, policy, task = ws._build(wsargs)
-    settings = ws.warm_start_settings(wsargs)
-    if args.smoke:
-        warm_start_draft(policy, tok, task, ws._new_draft(policy, wsargs.draft_vocab), settings, cdir, log=print)
-    held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:wsargs.eval_prompts]]
-    ddir = Path(args.draft_dir) if args.draft_dir else max(
-        (p.parent for p in cdir.glob("draft-*/COMPLETE")), key=lambda p: p.stat().st_mtime, default=None)
-    if ddir is None:
-        raise SystemExit(f"no finished draft in {cdir}: run benchmarks/draft_warmstart.py first")
-    fdir = Path(args.features_dir) if args.features_dir else _only(sorted(cdir.glob("features-*")), "features")
+    out, run = Path(args.out_dir), ws.cached_run(args)
+    wsargs, tok, policy, held, ddir, cache = run.args, run.tok, run.policy, run.held, run.draft_dir, run.cache
+    settings = run.settings
     saved = json.loads((ddir / "report.json").read_text())
     draft = Eagle3Draft.from_pretrained(ddir).eval()
     folded = float(saved.get("calibration", {}).get("scale", 1.0))
     with torch.no_grad():
         draft.lm_head.weight.mul_(folded)  # back to the fit's own logits
-    cache = FeatureCache(fdir)
     fit = settings.fit  # the warm-start benchmark's: its held-out documents, unroll length and precision
     T = wsargs.temperature
     fitted = draft.lm_head.weight.detach().clone()

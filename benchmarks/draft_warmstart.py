@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from lightning_codraft.rl.build import encode_prompt  # noqa: E402
 from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
 from lightning_codraft.training.draft_fit import DraftFitConfig  # noqa: E402
+from lightning_codraft.training.feature_cache import FeatureCache  # noqa: E402
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 GOAL = 2.0  # issue #14: acceptance length at K=4, T=0.8 on held-out prompts after <= 60 minutes
@@ -160,13 +162,16 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
     ]
     if previous:
         lines += ["Runs of this benchmark (same script; settings differ where listed):", "",
-                  "| run | lr / batch tokens | load start / end | sampling tok/s | fit rows/s | prompts answered | "
-                  "rows seen | acceptance |", "|---|---|---|---|---|---|---|---|"]
+                  "| run | lr / batch tokens / unroll trained | sampling batch / share | load start / end | sampling "
+                  "tok/s | fit rows/s | prompts answered | rows seen | warm start (min) | acceptance |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in [("this run", res)] + [(p.get("name", p["command"]), p) for p in previous]:
-            t, f = throughput(r), r["settings"]["fit"]
-            lines.append(f"| {name} | {f['lr']:g} / {f['batch_tokens']} | {r['load_start']} / {r['load_end']} | "
+            t, f, s = throughput(r), r["settings"]["fit"], r["settings"]
+            lines.append(f"| {name} | {f['lr']:g} / {f['batch_tokens']} / {f['ttt_steps']} | "
+                         f"{s['generation_batch']} / {s['generation_share']:g} | {r['load_start']} / {r['load_end']} | "
                          f"{t['gen_tok_s']:.0f} | {t['fit_rows_s']:.0f} | {r['report']['prompts']} | "
-                         f"{r['report']['fit']['tokens_seen']} | **{r['final_acceptance']:.2f}** |")
+                         f"{r['report']['fit']['tokens_seen']} | {r['report']['total_s'] / 60:.1f} | "
+                         f"**{r['final_acceptance']:.2f}**{' (calibrated)' if r['report'].get('calibration') else ''} |")
         lines.append("")
     return lines
 
@@ -322,6 +327,49 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_every, args.eval_prompts, args.eval_max_new_tokens, args.val_docs = 3, 4, 12, 3
         args.gen_budget_min = args.fit_budget_min = args.budget_min = None
     return args
+
+
+def add_cached_run_options(ap: argparse.ArgumentParser) -> None:
+    """The options of :func:`cached_run` (and ``--smoke``, ``--out-dir``, ``--threads``) on a script's parser."""
+    ap.add_argument("--smoke", action="store_true", help="a tiny smoke warm start first, seconds")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--cache-dir", default=None, help="the warm-start benchmark's cache (default: its default)")
+    ap.add_argument("--draft-dir", default=None, help="default: the newest finished draft in the cache")
+    ap.add_argument("--features-dir", default=None, help="default: the cache's only feature cache")
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def cached_run(opts: argparse.Namespace) -> SimpleNamespace:
+    """A finished run of this benchmark, for the scripts that measure its draft further (draft_calibration.py,
+    draft_fit_ablation.py), from their ``threads``, ``smoke``, ``cache_dir``, ``draft_dir`` and ``features_dir``
+    options (``smoke``: the tiny smoke warm start runs first, into ``cache_dir``); sets the torch threads and makes
+    ``opts.out_dir``. Returns its arguments ``args`` (defaults), ``tok``, ``policy``, ``task``, ``settings``, the
+    held-out prompts ``held`` (encoded), the newest finished draft's directory ``draft_dir`` (or the one given)
+    and the run's ``cache`` (:class:`FeatureCache`: the cache directory's only one, or the one given)."""
+    from lightning_codraft.models.hf_io import cache_dir as default_cache_dir
+
+    torch.set_num_threads(opts.threads)
+    Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
+    threads, smoke, cache_dir, draft_dir, features_dir = (opts.threads, opts.smoke, opts.cache_dir, opts.draft_dir,
+                                                          opts.features_dir)
+    args = parse_args(["--threads", str(threads)] + (["--smoke"] if smoke else [])
+                      + (["--cache-dir", str(cache_dir)] if cache_dir else []))
+    cdir = Path(cache_dir) if cache_dir else default_cache_dir() / "draft_warmstart"
+    tok, policy, task = _build(args)
+    settings = warm_start_settings(args)
+    if smoke:
+        warm_start_draft(policy, tok, task, _new_draft(policy, args.draft_vocab), settings, cdir, log=print)
+    held = [encode_prompt(tok, p) for p in split_prompts(task, settings)[1][:args.eval_prompts]]
+    ddir = Path(draft_dir) if draft_dir else max(
+        (p.parent for p in cdir.glob("draft-*/COMPLETE")), key=lambda p: p.stat().st_mtime, default=None)
+    if ddir is None:
+        raise SystemExit(f"no finished draft in {cdir}: run benchmarks/draft_warmstart.py first")
+    found = [Path(features_dir)] if features_dir else sorted(cdir.glob("features-*"))
+    if len(found) != 1:
+        raise SystemExit(f"{len(found)} feature caches in {cdir} ({[p.name for p in found]}); name one with "
+                         "--features-dir")
+    return SimpleNamespace(args=args, tok=tok, policy=policy, task=task, settings=settings, held=held, draft_dir=ddir,
+                           cache=FeatureCache(found[0]))
 
 
 def main(argv=None) -> None:

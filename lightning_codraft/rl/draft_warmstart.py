@@ -224,7 +224,7 @@ def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmS
     return out
 
 
-def _install_vocab(policy, draft, corpus, settings: WarmStartSettings) -> None:
+def install_vocab(policy, draft, corpus, settings: WarmStartSettings) -> None:
     """Draft vocabulary: the most frequent completion tokens of the corpus; the draft re-initialised from the
     policy for it (``lm_head`` rows = the policy's, see :meth:`Eagle3Draft.from_policy`)."""
     c = draft.config
@@ -307,7 +307,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.prompts, report.generated_tokens = len(corpus), sum(len(c) for _, c in corpus)
 
     if settings.rebuild_vocab:
-        _install_vocab(policy, draft, corpus, settings)
+        install_vocab(policy, draft, corpus, settings)
     target_ids = draft.draft_to_target(torch.arange(int(draft.config.draft_vocab_size), device=draft.d2t.device))
     feat_key = _digest(corpus_key, target_ids.tolist(), list(draft.config.taps), settings.feature_dtype,
                        settings.feature_precision)

@@ -92,6 +92,16 @@ class FeatureCache:
         n = max(1, self.num_docs - val_docs)
         return list(range(n)), list(range(n, self.num_docs))
 
+    def corpus(self) -> list[tuple[list[int], list[int]]]:
+        """``(prompt ids, completion ids)`` of every document, split after its row ``loss_start`` (the prompt's
+        last token for a ``prompt + completion`` document: :func:`build_feature_cache`)."""
+        out = []
+        for d in range(self.num_docs):
+            a, b, s = int(self.doc_offsets[d]), int(self.doc_offsets[d + 1]), int(self.loss_start[d])
+            ids = self.ids[a:b].tolist()
+            out.append((ids[:s + 1], ids[s + 1:]))
+        return out
+
     def doc_lengths(self) -> np.ndarray:
         """``(N,)`` token count of each document."""
         return np.diff(self.doc_offsets)

@@ -144,6 +144,15 @@ def test_draft_calibration_smoke(tmp_path):
     assert (tmp_path / "draft_calibration.md").is_file() and (tmp_path / "draft_calibration.png").is_file()
 
 
+
+def test_draft_fit_ablation_smoke(tmp_path):
+    text = _run("draft_fit_ablation.py", "--smoke", "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache")
+    assert "| `ttt_steps=2` |" in text and "| `ttt_steps=1` |" in text and "engine acceptance" in text
+    res = json.loads((tmp_path / "draft_fit_ablation.json").read_text())
+    assert [a["arm"] for a in res["arms"]] == ["ttt_steps=2", "ttt_steps=1"]
+    assert all(len(a["val_accuracy"]) == res["k"] and a["steps"] >= 1 for a in res["arms"])  # reports unroll K
+    assert (tmp_path / "draft_fit_ablation.md").is_file() and (tmp_path / "draft_fit_ablation.png").is_file()
+
 def test_recipe_run_smoke(tmp_path):
     text = _run("recipe_run.py", "--config", "recipes/tiny-cpu.yaml", "--name", "page", "--out", tmp_path,
                 f"run.out_dir={tmp_path / 'run'}", "model.num_hidden_layers=4", "sft.steps=2", "draft.warmup_steps=2",
