@@ -234,7 +234,6 @@ class SpeculativeEngine:
             ddec = None if self.draft is None else draft_decoder(self.draft, capacity, self.dtype)
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
-        outputs: list[RolloutOutput] = []
         outputs: list[RolloutOutput | None] = [None] * len(prompts)
         for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/prefill.py)
             order = sorted(range(start, min(start + chunk, len(prompts))), key=lambda i: len(prompts[i]))
