@@ -104,11 +104,13 @@ class KVCache:
                              f"{self.lengths.tolist()}]")
         self.lengths = lengths.clone()
 
-    def select(self, rows: Tensor | int) -> "KVCache":
-        """A cache of some rows: ``rows`` (B',) indices (copies), or an int n for the first n rows (views of the
-        same storage, with their own ``lengths``: writing through them writes this cache's slots)."""
-        if isinstance(rows, int):
-            return KVCache(k=[t[:rows] for t in self.k], v=[t[:rows] for t in self.v], lengths=self.lengths[:rows])
+    def select(self, rows: Tensor | int | slice) -> "KVCache":
+        """A cache of some rows: ``rows`` (B',) indices (copies), or an int n for the first n rows or a slice of
+        rows (views of the same storage, with their own ``lengths``: writing through them writes this cache's
+        slots)."""
+        if isinstance(rows, (int, slice)):
+            rows = slice(0, rows) if isinstance(rows, int) else rows
+            return KVCache(k=[t[rows] for t in self.k], v=[t[rows] for t in self.v], lengths=self.lengths[rows])
         return KVCache(k=[t.index_select(0, rows) for t in self.k], v=[t.index_select(0, rows) for t in self.v],
                        lengths=self.lengths.index_select(0, rows))
 

@@ -53,8 +53,7 @@ def prefill(pdec: PolicyDecoder, cache: KVCache, ids: Tensor, lengths: Sequence[
     for a, b in prefill_groups(list(lengths), group_tokens):
         width = int(lengths[b - 1])
         rows = torch.tensor([int(n) - 1 for n in lengths[a:b]], device=ids.device)
-        view = KVCache(k=[t[a:b] for t in cache.k], v=[t[a:b] for t in cache.v], lengths=cache.lengths[a:b])
-        lg, tp = pdec.forward(ids[a:b, :width], view, taps, logit_rows=rows)
+        lg, tp = pdec.forward(ids[a:b, :width], cache.select(slice(a, b)), taps, logit_rows=rows)
         logits.append(lg)
         if tp is not None:
             if captured is None:
