@@ -9,6 +9,10 @@ acceptance length they imply) and the embedded engine's acceptance length at K, 
 held-out prompts (coupled sampling: every arm decodes the very same tokens, only the proposals differ), each arm
 against the first per prompt (paired, 95% CI).
 
+First, side by side on the same training batches (``--unroll-batches``, alternating): the cost of one fit step
+(unroll, loss, backward) when only the rows a loss row can reach are unrolled (what the fit does) against
+unrolling every row, prompt rows included; the two losses must agree.
+
 Prints and writes ``draft_fit_ablation.md`` / ``.png`` / ``.json``.
 
 Run: ``python benchmarks/draft_fit_ablation.py`` after ``benchmarks/draft_warmstart.py`` (arms x (budget + ~1.5)
@@ -23,6 +27,9 @@ import json
 import sys
 from pathlib import Path
 
+import time
+
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +40,10 @@ import draft_warmstart as ws  # noqa: E402
 from lightning_codraft.models import Eagle3Draft  # noqa: E402
 from lightning_codraft.rl.draft_warmstart import install_vocab  # noqa: E402
 from lightning_codraft.rl.stats import paired_difference  # noqa: E402
-from lightning_codraft.training.draft_fit import fit_draft  # noqa: E402
+from lightning_codraft.attention.packing import shift_left_local  # noqa: E402
+from lightning_codraft.training.draft_fit import draft_batch_loss, fit_draft  # noqa: E402
+from lightning_codraft.training.draft_loss import ttt_draft_loss  # noqa: E402
+from lightning_codraft.training.feature_cache import compact_vocab, pack_batches  # noqa: E402
 
 DEFAULT_ARMS = ("ttt_steps=4", "ttt_steps=3", "ttt_steps=2")
 
@@ -44,10 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="KEY=VALUE[,KEY=VALUE]",
                     help="DraftFitConfig changes per arm (the first is the reference), e.g. 'ttt_steps=3,lr=0.003'")
     ap.add_argument("--budget-min", type=float, default=5.0, help="fit wall time of every arm")
+    ap.add_argument("--unroll-batches", type=int, default=30, help="batches timed for the suffix-unroll comparison")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.smoke:
-        args.budget_min = 0.02
+        args.budget_min, args.unroll_batches = 0.02, 2
         if args.arms == list(DEFAULT_ARMS):
             args.arms = ["ttt_steps=2", "ttt_steps=1"]
     return args
@@ -67,6 +78,42 @@ def parse_arm(spec: str, fields: set[str]) -> dict:
     return out
 
 
+def _full_unroll_loss(draft, embed, batch, cfg):
+    """The fit's loss with every row unrolled (``cu_seqlens_q=None``), as before the suffix unroll."""
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    with torch.no_grad():
+        embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(cfg.ttt_steps)]
+    steps = [lg for lg, _ in draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])]
+    return ttt_draft_loss(steps, batch["compact_logits"], cu, batch["loss_mask"], *compact_vocab(steps[0].shape[-1]),
+                          decay=cfg.decay)
+
+
+def unroll_timing(draft, embed, cache, cfg, batches: int, seed: int = 0) -> dict:
+    """Seconds per fit step (forward + backward) of the suffix unroll and of the full unroll on the same
+    ``batches`` training batches, alternating which runs first; raises if their losses disagree."""
+    train, _ = cache.split(cfg.val_docs)
+    order = np.random.default_rng(seed).permutation(len(train))
+    groups = pack_batches(cache.doc_lengths()[train][order], cfg.batch_tokens)[:batches]
+    times, rows, tokens = {"suffix": 0.0, "full": 0.0}, 0, 0
+    for i, group in enumerate(groups):
+        batch = cache.batch([train[order[j]] for j in group])
+        losses = {}
+        for arm in (("suffix", "full") if i % 2 == 0 else ("full", "suffix")):
+            t0 = time.perf_counter()
+            out = (draft_batch_loss(draft, embed, batch, cfg.ttt_steps, cfg.decay) if arm == "suffix"
+                   else _full_unroll_loss(draft, embed, batch, cfg))
+            out.loss.backward()
+            times[arm] += time.perf_counter() - t0
+            draft.zero_grad(set_to_none=True)
+            losses[arm] = float(out.loss)
+        if abs(losses["suffix"] - losses["full"]) > 1e-4 * max(1.0, abs(losses["full"])):
+            raise SystemExit(f"suffix and full unroll losses differ: {losses}")
+        rows += int(out.total[0])
+        tokens += int(batch["input_ids"].shape[0])
+    return dict(batches=len(groups), loss_rows=rows, tokens=tokens, suffix_s=times["suffix"], full_s=times["full"],
+                speedup=times["full"] / max(times["suffix"], 1e-9))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     run = ws.cached_run(args)
@@ -75,6 +122,12 @@ def main(argv=None) -> None:
     names = {f.name for f in dataclasses.fields(settings.fit)}
     base = dataclasses.replace(settings.fit, time_budget_s=args.budget_min * 60, eval_every=10**9,
                                eval_steps=wsargs.k)
+    probe = Eagle3Draft(template.config)
+    install_vocab(policy, probe, cache.corpus(), settings)
+    timing = unroll_timing(probe, policy.embed, cache, base, args.unroll_batches)
+    rates = [timing["loss_rows"] / timing[k] for k in ("suffix_s", "full_s")]
+    print(f"suffix unroll: {rates[0]:.0f} rows/s against {rates[1]:.0f} unrolling every row "
+          f"({timing['speedup']:.2f}x)", flush=True)
     arms = []
     for spec in args.arms:
         cfg = dataclasses.replace(base, **parse_arm(spec, names))
@@ -98,7 +151,7 @@ def main(argv=None) -> None:
     res = dict(command="python benchmarks/draft_fit_ablation.py " + " ".join(args.argv), smoke=args.smoke,
                features_dir=str(cache.path), budget_min=args.budget_min, k=wsargs.k, temperature=wsargs.temperature,
                eval_prompts=len(run.held), eval_max_new_tokens=wsargs.eval_max_new_tokens,
-               base=dataclasses.asdict(base),
+               base=dataclasses.asdict(base), unroll_timing=timing,
                arms=[{k: v for k, v in a.items() if k != "tokens"} for a in arms])
     (out / "draft_fit_ablation.json").write_text(json.dumps(res, indent=1) + "\n")
     print(write_report(out, res))
@@ -114,8 +167,14 @@ def write_report(out: Path, res: dict) -> str:
              f"the schedule decays within the budget). Held-out step accuracies unroll K={res['k']} steps whatever "
              f"depth is trained. Engine: K={res['k']}, T={res['temperature']}, coupled sampling, "
              f"{res['eval_prompts']} held-out GSM8K prompts, at most {res['eval_max_new_tokens']} new tokens (every "
-             "arm decodes the same tokens).", "",
-             "| arm | fit steps | rows seen | rows/s | held-out step accuracies | implied acceptance | engine "
+             "arm decodes the same tokens).", ""]
+    t = res.get("unroll_timing")
+    if t:
+        lines += [f"One fit step (unroll, loss, backward) on the same {t['batches']} training batches ({t['tokens']} "
+                  f"tokens, {t['loss_rows']} loss rows), alternating: unrolling only the rows a loss row can reach "
+                  f"**{t['loss_rows'] / t['suffix_s']:.0f} rows/s**, every row (prompt rows included) "
+                  f"{t['loss_rows'] / t['full_s']:.0f} rows/s: **{t['speedup']:.2f}x**, the same loss.", ""]
+    lines += ["| arm | fit steps | rows seen | rows/s | held-out step accuracies | implied acceptance | engine "
              "acceptance | vs first arm, per prompt (95% CI) |", "|---|---|---|---|---|---|---|---|"]
     for a in arms:
         vs = "—" if a is first else str(paired_difference(a["per_prompt"], first["per_prompt"])).replace(

@@ -135,3 +135,52 @@ def shift_left_local(x: Tensor, cu_seqlens: Tensor, shift: int, fill: float | in
     y = x[src]
     mask = ok.view(-1, *([1] * (x.dim() - 1)))
     return torch.where(mask, y, torch.as_tensor(fill, dtype=x.dtype, device=x.device))
+
+
+def masked_suffix(cu_seqlens: Tensor, mask: Tensor, reach: int) -> Tensor:
+    """Per document, the rows from ``reach`` rows before its first ``mask`` row to its end, as a prefix sum.
+
+    A causal model whose row ``i`` feeds outputs at rows ``i + 1 .. i + reach`` (a TTT unroll of ``reach`` steps)
+    needs no row that ends more than ``reach`` rows before the first row that counts: only those rows' keys.
+
+    Args:
+        cu_seqlens: ``(N + 1,)`` prefix sum of document lengths.
+        mask: ``(T,)`` bool / float, the rows that count.
+        reach: how many rows past itself a row's output reaches (>= 0).
+
+    Returns:
+        ``(N + 1,)`` int32 prefix sum of the suffix lengths (0 for a document without a ``mask`` row): the
+        ``cu_seqlens_q`` of :func:`~lightning_codraft.attention.codraft.codraft_attention`.
+    """
+    if reach < 0:
+        raise ValueError(f"reach must be >= 0, got {reach}")
+    cu = cu_seqlens.to(torch.int64).cpu()
+    T = int(cu[-1])
+    if tuple(mask.shape) != (T,):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T},) = cu_seqlens[-1] rows")
+    hit = mask.detach().cpu() != 0
+    # first masked row of each document (its end when none): the minimum of masked row ids per document
+    rows = torch.where(hit, torch.arange(T), T)
+    doc = document_ids_from_cu_seqlens(cu).cpu().long()
+    first = torch.full((len(cu) - 1,), T, dtype=torch.int64).scatter_reduce(0, doc, rows, "amin")
+    start = torch.clamp(first - reach, min=cu[:-1])
+    lengths = torch.where(first < cu[1:], cu[1:] - start, 0)
+    out = torch.zeros(len(cu), dtype=torch.int32)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out
+
+
+def suffix_rows(cu_seqlens: Tensor, cu_seqlens_q: Tensor, total_tokens: int | None = None) -> Tensor:
+    """``(Tq,)`` int64 packed row ids of the last ``cu_seqlens_q[d + 1] - cu_seqlens_q[d]`` rows of each document
+    ``d`` of ``cu_seqlens`` (:func:`masked_suffix`), in order; raises ``ValueError`` unless ``cu_seqlens_q`` starts
+    at 0, ends at ``total_tokens`` (when given) and gives each document a suffix length in [0, its length]."""
+    cu, cq = cu_seqlens.to(torch.int64), cu_seqlens_q.to(torch.int64).to(cu_seqlens.device)
+    lq = cq[1:] - cq[:-1]
+    if (cu.shape != cq.shape or int(cq[0]) != 0 or bool((lq < 0).any()) or bool((lq > cu[1:] - cu[:-1]).any())
+            or (total_tokens is not None and int(cq[-1]) != total_tokens)):
+        rows = "" if total_tokens is None else f", end at the {total_tokens} query rows"
+        raise ValueError(f"cu_seqlens_q {cq.tolist()} must start at 0{rows} and give each document of cu_seqlens "
+                         f"{cu.tolist()} a suffix length in [0, its length]")
+    # row r of document d's suffix -> end_d - lq_d + (r - cq[d])
+    offset = torch.repeat_interleave(cu[1:] - lq - cq[:-1], lq)
+    return torch.arange(int(cq[-1]), device=cu.device) + offset

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.codraft import codraft_attention
-from lightning_codraft.attention.packing import validate_cu_seqlens
+from lightning_codraft.attention.packing import suffix_rows, validate_cu_seqlens
 from lightning_codraft.models import eagle3_io
 from lightning_codraft.models.config import Eagle3Config
 from lightning_codraft.models.decode import DraftDecoder, FusedDraftDecoder, ModuleDraftDecoder, plain_parameters
@@ -196,7 +196,8 @@ class Eagle3Draft(nn.Module):
         return self.rotary_emb(position_ids, like.dtype)
 
     def ttt_forward(self, taps: Sequence[Tensor], token_embeds: Sequence[Tensor], cu_seqlens: Tensor,
-                    position_ids: Tensor, cp_group=None) -> list[tuple[Tensor, Tensor]]:
+                    position_ids: Tensor, cp_group=None, cu_seqlens_q: Tensor | None = None
+                    ) -> list[tuple[Tensor, Tensor]]:
         """Training-time-test unroll of K steps on a packed batch.
 
         Args:
@@ -206,9 +207,14 @@ class Eagle3Draft(nn.Module):
             cu_seqlens: ``(N + 1,)`` GLOBAL int32 prefix sum of document lengths.
             position_ids: ``(T,)`` int64 position of each row inside its document.
             cp_group: context-parallel group (None: the tensors hold the whole batch).
+            cu_seqlens_q: without CP only: unroll just the last ``cu_seqlens_q[d + 1] - cu_seqlens_q[d]`` rows of
+                each document (``Tq`` rows, :func:`~lightning_codraft.attention.packing.masked_suffix` of the loss
+                rows with ``reach = K``); the other rows give only their step-0 keys. Their outputs equal the
+                full unroll's at those rows. None: every row.
 
         Returns:
-            K pairs ``(logits (T, Vd), hidden (T, H))``; ``hidden`` is the pre-norm output fed to step k+1.
+            K pairs ``(logits (T, Vd), hidden (T, H))`` (``Tq`` rows with ``cu_seqlens_q``); ``hidden`` is the
+            pre-norm output fed to step k+1.
         """
         K = len(token_embeds)
         if K < 1:
@@ -224,21 +230,29 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected ({T},)")
         world = dist.get_world_size(cp_group) if cp_group is not None else 1
         validate_cu_seqlens(cu_seqlens, total_tokens=T * world)
+        if cu_seqlens_q is not None and world > 1:
+            raise ValueError("ttt_forward: cu_seqlens_q (unroll a suffix of each document) is not supported under "
+                             "context parallelism; pass cu_seqlens_q=None")
+        rows = None if cu_seqlens_q is None else suffix_rows(cu_seqlens, cu_seqlens_q).to(position_ids.device)
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
         hidden = self.fuse(taps)
+        positions = pick(position_ids)
         k0 = v0 = None
         branch_k: list[Tensor] = []
         branch_v: list[Tensor] = []
         outputs = []
         for k in range(K):
-            cos, sin = self._rope(position_ids + k, hidden)
-            q, key, value = self.midlayer.qkv(hidden, token_embeds[k], cos, sin)
-            if k == 0:
-                k0, v0 = key, value
+            if k == 0:  # keys and values of every row; queries (and all that follows) of the unrolled rows only
+                cos, sin = self._rope(position_ids, hidden)
+                q, k0, v0 = self.midlayer.qkv(hidden, token_embeds[0], cos, sin)
+                q, hidden = pick(q), pick(hidden)
             else:
+                cos, sin = self._rope(positions + k, hidden)
+                q, key, value = self.midlayer.qkv(hidden, pick(token_embeds[k]), cos, sin)
                 branch_k.append(key)
                 branch_v.append(value)
             attn = codraft_attention(q, k0, v0, cu_seqlens, branch_k=tuple(branch_k), branch_v=tuple(branch_v),
-                                     group=cp_group)
+                                     group=cp_group, cu_seqlens_q=cu_seqlens_q)
             hidden = self.midlayer.finish(attn, hidden)
             outputs.append((self.lm_head(self.norm(hidden)), hidden))
         return outputs

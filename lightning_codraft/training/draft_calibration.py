@@ -72,13 +72,13 @@ def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache,
     was_training = draft.training
     draft.eval()
     for group in pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
-        batch = cache.batch([docs[i] for i in group])
-        compact, cu = batch["compact_logits"], batch["cu_seqlens"]
+        steps, rows = draft_unroll(draft, embed, cache.batch([docs[i] for i in group]), K, config.precision)
+        compact, cu = rows["compact_logits"], rows["cu_seqlens"]
         # as ttt_draft_loss: a row counts where it is a loss row whose policy top-1 is in the draft vocabulary
-        counted = batch["loss_mask"] * (compact[:, -1] != OUTSIDE).float()
+        counted = rows["loss_mask"] * (compact[:, -1] != OUTSIDE).float()
         p = torch.softmax(compact[:, :-1].float() / temperature, dim=-1)  # once: step k reads rows k + 1 on
         T = p.shape[0]
-        for k, z in enumerate(draft_unroll(draft, embed, batch, K, config.precision)):
+        for k, z in enumerate(steps):
             w = shift_left_local(counted, cu, k + 1)[:T - k - 1]  # 0 where row i + k + 1 leaves the document
             for s, scale in enumerate(scales):
                 q = torch.softmax(z[:T - k - 1] / (temperature * scale), dim=-1)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_codraft.attention.packing import shift_left_local
+from lightning_codraft.attention.packing import masked_suffix, shift_left_local, suffix_rows
 from lightning_codraft.models.precision import resolve_precision
 from lightning_codraft.training.compiled import compiled_draft
 from lightning_codraft.training.draft_loss import ttt_draft_loss
@@ -60,6 +60,10 @@ class DraftFitConfig:
     """Unroll depth of the held-out reports (the engine's K); None: ``ttt_steps``."""
     decay: float = 0.8
     """Unroll step k weighs ``decay ** k`` (EAGLE-3's 0.8)."""
+    target_temperature: float = 1.0
+    """The loss compares the policy's and the draft's distributions at this temperature (the soft cross-entropy
+    of ``softmax(policy / t)`` and ``softmax(draft / t)``; the draft's logits keep the policy's scale). 1.0:
+    EAGLE-3's soft targets; the rollouts' temperature (e.g. 0.8) weighs the tokens sampling actually draws."""
     val_docs: int = 32
     """Documents held out of training (the cache's last ones) to measure accuracy as training goes."""
     eval_every: int = 50
@@ -80,7 +84,7 @@ class DraftFitConfig:
 
     def __post_init__(self):
         coerce_floats(self)
-        for name in ("epochs", "batch_tokens", "lr", "ttt_steps"):
+        for name in ("epochs", "batch_tokens", "lr", "ttt_steps", "target_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DraftFitConfig.{name}={getattr(self, name)} must be > 0")
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
@@ -133,23 +137,44 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
 
 
 def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                 precision: str = "32-true") -> list[Tensor]:
-    """K = ``ttt_steps`` fp32 step logits ``(T, Vd)`` of ``draft``'s TTT unroll on a :meth:`FeatureCache.batch`, fed
-    the policy's token embedding ``embed``; ``precision``: ``"32-true"``, ``"bf16-mixed"`` (autocast) or ``"auto"``."""
+                 precision: str = "32-true") -> tuple[list[Tensor], dict[str, Tensor]]:
+    """``draft``'s TTT unroll of K = ``ttt_steps`` steps on a :meth:`FeatureCache.batch`, fed the policy's token
+    embedding ``embed``; ``precision``: ``"32-true"``, ``"bf16-mixed"`` (autocast) or ``"auto"``.
+
+    Only the rows a loss row can reach are unrolled: per document, from K rows before its first loss row
+    (:func:`~lightning_codraft.attention.packing.masked_suffix`); the prompt rows before them give only their
+    step-0 keys (the rollout prompts are ~40% of GSM8K documents). The loss and accuracies equal the full unroll's.
+
+    Returns:
+        ``(steps, rows)``: K fp32 step logits ``(Tq, Vd)`` of the unrolled rows, and those rows' ``cu_seqlens``,
+        ``compact_logits`` and ``loss_mask`` (documents without a loss row dropped), what
+        :func:`ttt_draft_loss` reads.
+    """
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    cu_q = masked_suffix(cu, batch["loss_mask"], ttt_steps)
+    if int(cu_q[-1]) == 0:  # no loss row at all: unroll everything (the loss is 0, its accuracies count nothing)
+        cu_q = cu
+    picked = suffix_rows(cu, cu_q)
     with torch.no_grad():
         embeds = [embed(shift_left_local(ids, cu, k + 1)).detach() for k in range(ttt_steps)]
     dtype = PRECISIONS[resolve_precision(precision, ids.device)]
     with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
-        steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"])
-    return [lg.float() for lg, _ in steps]
+        steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"], cu_seqlens_q=cu_q)
+    rows = {"cu_seqlens": torch.unique_consecutive(cu_q), "compact_logits": batch["compact_logits"][picked],
+            "loss_mask": batch["loss_mask"][picked]}
+    return [lg.float() for lg, _ in steps], rows
 
 
 def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                     decay: float = 0.8, precision: str = "32-true"):
-    """:func:`ttt_draft_loss` (step weight ratio ``decay``) of :func:`draft_unroll` on the same arguments."""
-    steps = draft_unroll(draft, embed, batch, ttt_steps, precision)
-    return ttt_draft_loss(steps, batch["compact_logits"], batch["cu_seqlens"], batch["loss_mask"],
+                     decay: float = 0.8, precision: str = "32-true", target_temperature: float = 1.0):
+    """:func:`ttt_draft_loss` (step weight ratio ``decay``) of :func:`draft_unroll` on the same arguments, both
+    distributions taken at ``target_temperature`` (:attr:`DraftFitConfig.target_temperature`)."""
+    steps, rows = draft_unroll(draft, embed, batch, ttt_steps, precision)
+    compact = rows["compact_logits"]
+    if target_temperature != 1.0:  # the last column is the argmax-outside flag, not a logit
+        steps = [z / target_temperature for z in steps]
+        compact = torch.cat([compact[:, :-1] / target_temperature, compact[:, -1:]], dim=1)
+    return ttt_draft_loss(steps, compact, rows["cu_seqlens"], rows["loss_mask"],
                           *compact_vocab(steps[0].shape[-1]), decay=decay)
 
 
@@ -226,7 +251,8 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
                 for g in opt.param_groups:
                     g["lr"] = config.lr * lr_factor(progress, config)
                 batch = cache.batch([train_docs[order[i]] for i in group])
-                out = draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision)
+                out = draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision,
+                                       config.target_temperature)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 if config.grad_clip > 0:

@@ -151,6 +151,7 @@ def test_draft_fit_ablation_smoke(tmp_path):
     res = json.loads((tmp_path / "draft_fit_ablation.json").read_text())
     assert [a["arm"] for a in res["arms"]] == ["ttt_steps=2", "ttt_steps=1"]
     assert all(len(a["val_accuracy"]) == res["k"] and a["steps"] >= 1 for a in res["arms"])  # reports unroll K
+    assert res["unroll_timing"]["batches"] == 2 and "every row (prompt rows included)" in text
     assert (tmp_path / "draft_fit_ablation.md").is_file() and (tmp_path / "draft_fit_ablation.png").is_file()
 
 def test_recipe_run_smoke(tmp_path):

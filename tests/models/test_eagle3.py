@@ -112,6 +112,45 @@ def test_ttt_forward_matches_dense_reference(K):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("K", [1, 3])
+def test_ttt_forward_on_a_suffix_of_each_document_equals_the_full_unroll_there(K):
+    """``cu_seqlens_q``: only the last rows of each document are unrolled (the prompt rows before give their step-0
+    keys): outputs, and gradients of a loss on those rows, equal the dense reference's at those rows."""
+    _, draft = _draft(Vd=40, seed=K)
+    cfg = draft.config
+    lengths, suffix = [9, 4, 12, 5], [3, 0, 12, 1]  # a document left out entirely, one unrolled whole
+    T, H = sum(lengths), cfg.hidden_size
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q = torch.tensor([0, *torch.tensor(suffix).cumsum(0).tolist()], dtype=torch.int32)
+    rows = torch.cat([torch.arange(int(cu[d + 1]) - n, int(cu[d + 1])) for d, n in enumerate(suffix)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    g = torch.Generator().manual_seed(20 + K)
+    taps = [torch.randn(T, H, generator=g).requires_grad_() for _ in range(3)]
+    embeds = [torch.randn(T, H, generator=g).requires_grad_() for _ in range(K)]
+    outs = draft.ttt_forward(taps, embeds, cu, pos, cu_seqlens_q=cu_q)
+    params = {n: p.detach().clone().requires_grad_() for n, p in draft.named_parameters()}
+    r_taps = [t.detach().clone().requires_grad_() for t in taps]
+    r_embeds = [e.detach().clone().requires_grad_() for e in embeds]
+    ref = _reference_ttt(params, cfg, r_taps, r_embeds, lengths, pos)
+    loss, ref_loss = 0.0, 0.0
+    for (lg, hd), (rlg, rhd) in zip(outs, ref):
+        assert lg.shape == (len(rows), cfg.draft_vocab_size)
+        torch.testing.assert_close(lg, rlg[rows], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hd, rhd[rows], atol=1e-5, rtol=1e-5)
+        wl, wh = torch.randn(lg.shape, generator=g), torch.randn(hd.shape, generator=g)
+        loss = loss + (lg * wl).sum() + (hd * wh).sum()
+        ref_loss = ref_loss + (rlg[rows] * wl).sum() + (rhd[rows] * wh).sum()
+    loss.backward()
+    ref_loss.backward()
+    for n, p in draft.named_parameters():
+        torch.testing.assert_close(p.grad, params[n].grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    for a, b in zip(taps + embeds, r_taps + r_embeds):  # prompt rows still get gradients through their keys
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+    assert float(taps[0].grad[:6].abs().sum()) > 0  # rows 0..5 of document 0 are keys only
+    with pytest.raises(ValueError, match="suffix length"):
+        draft.ttt_forward(taps, embeds, cu, pos, cu_seqlens_q=torch.tensor([0, 10, 10, 22, 23], dtype=torch.int32))
+
+
 def test_step_with_cache_matches_ttt_step0_and_chunked_decode():
     _, draft = _draft(Vd=None)
     H, T = draft.config.hidden_size, 7

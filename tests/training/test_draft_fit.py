@@ -8,6 +8,7 @@ from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.training.draft_fit import (
     DraftFitConfig,
     draft_batch_loss,
+    draft_unroll,
     evaluate_draft,
     fit_draft,
     implied_acceptance_length,
@@ -90,6 +91,48 @@ def test_cached_loss_equals_full_logit_loss(tmp_path, K):
     assert got.correct.tolist() == ref.correct.tolist() and got.total.tolist() == ref.total.tolist()
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_unroll_skips_prompt_rows_without_changing_loss_or_gradients(tmp_path):
+    """Long prompts: the fit unrolls only the rows a loss row can reach (from K rows before each completion), yet
+    its loss, accuracies and gradients are the full unroll's (the reference unrolls every row)."""
+    g = torch.Generator().manual_seed(5)
+    docs = []
+    for n, p in [(30, 22), (18, 3), (26, 17), (12, 10)]:
+        docs.append((torch.randint(0, V, (n,), generator=g).tolist(), p - 1))
+    policy = _policy(sharpen=4.0)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c", dtype="float32")
+    batch = cache.batch(list(range(len(docs))))
+    K = 3
+    steps, rows = draft_unroll(draft, policy.embed, batch, K)
+    assert steps[0].shape[0] == rows["loss_mask"].shape[0] == (30 - 18) + 18 + (26 - 13) + (12 - 6)
+    got = draft_batch_loss(draft, policy.embed, batch, K)
+    ref = _reference_loss(policy, draft, docs, K)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    assert got.correct.tolist() == ref.correct.tolist() and got.total.tolist() == ref.total.tolist()
+    grads = torch.autograd.grad(got.loss, list(draft.parameters()))
+    for a, b in zip(grads, torch.autograd.grad(ref.loss, list(draft.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_target_temperature_matches_both_distributions_at_that_temperature(tmp_path):
+    policy, docs = _policy(sharpen=4.0), _docs(6, seed=3)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c", dtype="float32")
+    batch = cache.batch(list(range(len(docs))))
+    out, steps, cu, mask = _reference_unroll(policy, draft, docs, 2)
+    ref = ttt_draft_loss([z / 0.8 for z in steps], out.logits / 0.8, cu, mask.float(), draft.d2t, draft.t2d)
+    got = draft_batch_loss(draft, policy.embed, batch, 2, target_temperature=0.8)
+    plain = draft_batch_loss(draft, policy.embed, batch, 2)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    assert abs(float(got.loss) - float(plain.loss)) > 1e-2  # not the T = 1 loss
+    assert got.correct.tolist() == plain.correct.tolist() == ref.correct.tolist()  # top-1 does not move
+    for a, b in zip(torch.autograd.grad(got.loss, list(draft.parameters())),
+                    torch.autograd.grad(ref.loss, list(draft.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="target_temperature=0.0 must be > 0"):
+        DraftFitConfig(target_temperature=0.0)
 
 
 def test_bf16_mixed_loss_and_gradients_track_fp32(tmp_path):
