@@ -105,7 +105,7 @@ def unroll_timing(draft, embed, cache, cfg, batches: int, seed: int = 0) -> dict
             out.loss.backward()
             times[arm] += time.perf_counter() - t0
             draft.zero_grad(set_to_none=True)
-            losses[arm] = float(out.loss)
+            losses[arm] = float(out.loss.detach())
         if abs(losses["suffix"] - losses["full"]) > 1e-4 * max(1.0, abs(losses["full"])):
             raise SystemExit(f"suffix and full unroll losses differ: {losses}")
         rows += int(out.total[0])

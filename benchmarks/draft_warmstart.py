@@ -162,12 +162,14 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
     ]
     if previous:
         lines += ["Runs of this benchmark (same script; settings differ where listed):", "",
-                  "| run | lr / batch tokens / unroll trained | sampling batch / share | load start / end | sampling "
+                  "| run | lr / batch tokens / unroll trained / target T / rows unrolled | sampling batch / share | load start / end | sampling "
                   "tok/s | fit rows/s | prompts answered | rows seen | warm start (min) | acceptance |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in [("this run", res)] + [(p.get("name", p["command"]), p) for p in previous]:
             t, f, s = throughput(r), r["settings"]["fit"], r["settings"]
-            lines.append(f"| {name} | {f['lr']:g} / {f['batch_tokens']} / {f['ttt_steps']} | "
+            unrolled = "reachable" if r.get("fit_unroll") else "all"
+            lines.append(f"| {name} | {f['lr']:g} / {f['batch_tokens']} / {f['ttt_steps']} / "
+                         f"{f.get('target_temperature', 1.0):g} / {unrolled} | "
                          f"{s['generation_batch']} / {s['generation_share']:g} | {r['load_start']} / {r['load_end']} | "
                          f"{t['gen_tok_s']:.0f} | {t['fit_rows_s']:.0f} | {r['report']['prompts']} | "
                          f"{r['report']['fit']['tokens_seen']} | {r['report']['total_s'] / 60:.1f} | "
@@ -195,7 +197,7 @@ def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> st
         "",
         f"Command: `{res['command']}`" + (" (smoke run: tiny random policy)" if res["smoke"] else ""),
         "",
-        f"Conditions: {res['machine']}; {res['threads']} threads; load average at start / end "
+        f"Conditions: {res['machine']}{'; ' + res['cpu'] if res.get('cpu') else ''}; {res['threads']} threads; load average at start / end "
         f"{res['load_start']} / {res['load_end']} ({_load_note(res)}). Acceptance by the "
         f"embedded engine, K={res['k']}, T={res['temperature']}, {res['eval_prompts']} held-out GSM8K prompts "
         f"(the last {s['heldout_prompts']} problems of the training file are never trained on), at most "
@@ -261,12 +263,24 @@ def plot(out: Path, res: dict) -> None:
     plt.close(fig)
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its widest vector / matrix extensions (``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    ext = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} ({', '.join(ext[:2]) or 'no AVX2'})"
+
+
 def warm_start_settings(args) -> WarmStartSettings:
     """The :class:`WarmStartSettings` of the arguments (with the defaults: the smollm2 recipe's ``draft.warm_start``,
     so this benchmark's run fills the cache the recipe reads; a test keeps the two equal)."""
     fit = DraftFitConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, ttt_steps=args.ttt_steps,
                          eval_steps=args.k, val_docs=args.val_docs, eval_every=args.eval_every, seed=args.seed,
-                         precision=args.precision, compile=args.compile,
+                         precision=args.precision, compile=args.compile, target_temperature=args.target_temperature,
                          time_budget_s=args.fit_budget_min * 60 if args.fit_budget_min else None)
     return WarmStartSettings(num_prompts=args.num_prompts, heldout_prompts=args.heldout,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -302,6 +316,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--epochs", type=float, default=6.0, help="an upper bound: the time budget ends the fit first")
     ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--target-temperature", type=float, default=1.0,
+                    help="draft fit: compare policy and draft distributions at this temperature (1.0: EAGLE-3's)")
     ap.add_argument("--precision", default="auto", help="draft fit: 32-true, bf16-mixed or auto (bf16 where fast)")
     ap.add_argument("--no-calibrate", action="store_true", help="keep the fitted draft's proposal temperature "
                     "(default: sharpen it by the scale of highest implied acceptance, folded into lm_head)")
@@ -421,7 +437,7 @@ def main(argv=None) -> None:
                temperature=args.temperature, eval_prompts=len(held), eval_max_new_tokens=args.eval_max_new_tokens,
                settings=asdict(settings), report=asdict(report), curve=curve, final_acceptance=stats.acceptance_length,
                heldout_entropy=entropy, heldout_rows=rows, draft_vocab_size=args.draft_vocab,
-               cache_hit_s=hit_s, cache_hit_same=same)
+               cache_hit_s=hit_s, cache_hit_same=same, fit_unroll="loss-reachable rows", cpu=cpu_model())
     (out / "draft_warmstart.json").write_text(json.dumps(res, indent=1) + "\n")
     print(write_report(out, res, previous))
     plot(out, res)
