@@ -162,18 +162,21 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
     ]
     if previous:
         lines += ["Runs of this benchmark (same script; settings differ where listed):", "",
-                  "| run | lr / batch tokens / unroll trained / target T / rows unrolled | sampling batch / share | load start / end | sampling "
+                  "| run | lr / batch tokens / unroll trained / target T / rows unrolled / features | sampling batch / "
+                  "share | load start / end | sampling "
                   "tok/s | fit rows/s | prompts answered | rows seen | warm start (min) | acceptance |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in [("this run", res)] + [(p.get("name", p["command"]), p) for p in previous]:
             t, f, s = throughput(r), r["settings"]["fit"], r["settings"]
             unrolled = "reachable" if r.get("fit_unroll") else "all"
+            features = "kept" if s.get("capture_features") else "2nd pass"
             lines.append(f"| {name} | {f['lr']:g} / {f['batch_tokens']} / {f['ttt_steps']} / "
-                         f"{f.get('target_temperature', 1.0):g} / {unrolled} | "
+                         f"{f.get('target_temperature', 1.0):g} / {unrolled} / {features} | "
                          f"{s['generation_batch']} / {s['generation_share']:g} | {r['load_start']} / {r['load_end']} | "
                          f"{t['gen_tok_s']:.0f} | {t['fit_rows_s']:.0f} | {r['report']['prompts']} | "
                          f"{r['report']['fit']['tokens_seen']} | {r['report']['total_s'] / 60:.1f} | "
-                         f"**{r['final_acceptance']:.2f}**{' (calibrated)' if r['report'].get('calibration') else ''} |")
+                         f"**{r['final_acceptance']:.2f}**"
+                         f"{' (calibrated)' if r['report'].get('calibration') else ''} |")
         lines.append("")
     return lines
 
@@ -197,7 +200,8 @@ def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> st
         "",
         f"Command: `{res['command']}`" + (" (smoke run: tiny random policy)" if res["smoke"] else ""),
         "",
-        f"Conditions: {res['machine']}{'; ' + res['cpu'] if res.get('cpu') else ''}; {res['threads']} threads; load average at start / end "
+        f"Conditions: {res['machine']}{'; ' + res['cpu'] if res.get('cpu') else ''}; {res['threads']} threads; "
+        "load average at start / end "
         f"{res['load_start']} / {res['load_end']} ({_load_note(res)}). Acceptance by the "
         f"embedded engine, K={res['k']}, T={res['temperature']}, {res['eval_prompts']} held-out GSM8K prompts "
         f"(the last {s['heldout_prompts']} problems of the training file are never trained on), at most "
@@ -216,10 +220,12 @@ def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> st
         "",
         "| quantity | value |",
         "|---|---|",
-        f"| acceptance length, K={res['k']}, T={res['temperature']}, held-out (end) | **{res['final_acceptance']:.2f}** "
+        f"| acceptance length, K={res['k']}, T={res['temperature']}, held-out (end) | "
+        f"**{res['final_acceptance']:.2f}** "
         f"(previous recipe: {PREVIOUS}) |",
         f"| warm-start wall time | {rep['total_s'] / 60:.1f} min (generation {rep['generation_s'] / 60:.1f}, features "
-        f"{rep['features_s'] / 60:.1f}, fit {rep['fit_s'] / 60:.1f}) |",
+        f"{rep['features_s'] / 60:.1f}{' kept from the sampling forwards' if s.get('capture_features') else ''}, "
+        f"fit {rep['fit_s'] / 60:.1f}) |",
         f"| self-distillation corpus | {rep['prompts']} training prompts, {rep['generated_tokens']} response tokens |",
         f"| training tokens seen (target rows x epochs) | {rep['fit']['tokens_seen']} in {rep['fit']['steps']} steps |",
         f"| policy entropy at T={res['temperature']}, held-out rows | {res['heldout_entropy']:.3f} nats/token "
@@ -289,7 +295,8 @@ def warm_start_settings(args) -> WarmStartSettings:
                              generation_share=args.gen_share, feature_precision=args.feature_precision,
                              generation_dtype=None if args.gen_dtype == "none" else args.gen_dtype,
                              generation_budget_s=args.gen_budget_min * 60 if args.gen_budget_min else None,
-                             calibrate_temperature=not args.no_calibrate)
+                             calibrate_temperature=not args.no_calibrate,
+                             capture_features=not args.feature_pass)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -313,7 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gen-budget-min", type=float, default=None)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt-steps", type=int, default=3, help="unroll depth trained; reports unroll --k")
-    ap.add_argument("--epochs", type=float, default=6.0, help="an upper bound: the time budget ends the fit first")
+    ap.add_argument("--epochs", type=float, default=12.0, help="an upper bound: the time budget ends the fit first")
     ap.add_argument("--fit-budget-min", type=float, default=None)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--target-temperature", type=float, default=1.0,
@@ -323,6 +330,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(default: sharpen it by the scale of highest implied acceptance, folded into lm_head)")
     ap.add_argument("--compile", action="store_true", help="draft fit: torch.compile the draft layer (+30%% rows/s "
                     "measured on a 2-vCPU Xeon; the recipe does not, so its cache key differs)")
+    ap.add_argument("--feature-pass", action="store_true", help="compute the features by a second policy pass "
+                    "over the corpus instead of keeping them from the sampling forwards")
     ap.add_argument("--feature-precision", default="auto", help="policy feature pass: 32-true, bf16-mixed or auto")
     ap.add_argument("--gen-dtype", default="auto", help="dtype of the policy copy that samples the corpus: "
                     "bfloat16, float32, auto (bf16 where its matmuls are fast) or none (the policy itself)")

@@ -10,8 +10,9 @@ what it can:
 2. the draft vocabulary: the ``Vd`` most frequent completion tokens of the corpus
    (:func:`~lightning_codraft.models.vocab.build_vocab_mapping`), ``lm_head`` rows re-initialised from the
    policy's.
-3. ``features-<key>/``: the policy's taps and soft targets
-   (:func:`~lightning_codraft.training.feature_cache.build_feature_cache`), computed once.
+3. ``features-<key>/``: the policy's taps and soft targets, kept from the sampling forwards of stage 1 when it
+   ran (:class:`~lightning_codraft.training.feature_capture.FeatureRecorder`: no second pass over the corpus),
+   else computed once by :func:`~lightning_codraft.training.feature_cache.build_feature_cache`.
 4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.training.draft_fit.fit_draft`) in vLLM's EAGLE-3
    format, plus ``report.json``. Its key hashes the policy's state dict, the draft config, the training prompts
    and these settings, so a different policy (one changed weight) never loads a stale draft.
@@ -41,6 +42,7 @@ from lightning_codraft.training.draft_calibration import calibrate_draft_tempera
 from lightning_codraft.training.draft_fit import (DraftFitConfig, FitResult, coerce_floats, fit_draft,
                                                  implied_acceptance_length)
 from lightning_codraft.training.feature_cache import FeatureCache, build_feature_cache
+from lightning_codraft.training.feature_capture import FeatureRecorder
 
 _COMPLETE = "COMPLETE"
 
@@ -80,6 +82,11 @@ class WarmStartSettings:
     """Storage dtype of the cached taps and logits (``"float16"`` or ``"float32"``)."""
     feature_batch_tokens: int = 4096
     """Tokens per policy forward while building the feature cache."""
+    capture_features: bool = True
+    """Keep the policy's taps and soft targets from the forwards that sample the corpus (when it is sampled in
+    this run) instead of a second pass over it: the same features up to the rounding of the decode's shapes, in
+    the sampling dtype (``generation_dtype``; ``feature_precision`` then applies only to a corpus loaded from
+    the cache), at the cost of keeping them in memory while sampling (~4.6 KB a token at H = 576)."""
     feature_precision: str = "32-true"
     """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: 4x faster on a Xeon with AMX;
     taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
@@ -200,10 +207,11 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
 
 
 def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
-                    log: Callable[[str], None] = print,
-                    budget_s: float | None = None) -> list[tuple[list[int], list[int]]]:
+                    log: Callable[[str], None] = print, budget_s: float | None = None,
+                    recorder: FeatureRecorder | None = None) -> list[tuple[list[int], list[int]]]:
     """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft; the
-    first batch always runs, a later one only when it should end within ``budget_s`` seconds."""
+    first batch always runs, a later one only when it should end within ``budget_s`` seconds. ``recorder`` sees
+    the sampling forwards, response ``j`` as request ``j``."""
     if settings.generation_dtype is not None:
         policy = copy.deepcopy(policy).to(getattr(torch, settings.generation_dtype))
     engine = SpeculativeEngine(policy, None, 0)
@@ -213,10 +221,12 @@ def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmS
             break  # the next batch (about as long as the last) would end past the budget
         t1 = time.perf_counter()
         chunk = prompts[c:c + bs]
+        if recorder is not None:
+            recorder.request_offset = c
         res = engine.generate(chunk, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                               top_p=settings.top_p, seed=settings.seed * 1_000_003 + c,
-                              stop_token_ids=[tokenizer.eos_token_id])
-        out.extend((p, list(r.token_ids)) for p, r in zip(chunk, res) if r.token_ids)
+                              stop_token_ids=[tokenizer.eos_token_id], observer=recorder)
+        out.extend((p, list(r.token_ids)) for p, r in zip(chunk, res))  # the engine emits >= 1 token a request
         last, dt = time.perf_counter() - t1, time.perf_counter() - t0
         n = sum(len(x) for _, x in out)
         log(f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
@@ -290,14 +300,17 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     log(f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
         f"{settings.feature_precision}, fit {settings.fit.precision}")
     corpus_dir = cache_dir / f"corpus-{corpus_key}"
-    t0 = time.perf_counter()
+    t0, recorder = time.perf_counter(), None
     if (corpus_dir / "samples.json").is_file():
         corpus = [(p, c) for p, c in json.loads((corpus_dir / "samples.json").read_text())]
         log(f"draft warm start: {len(corpus)} cached responses from {corpus_dir}")
     else:
         budgets = [b for b in (settings.generation_budget_s, settings.time_budget_s and
                                 settings.time_budget_s * settings.generation_share) if b]
-        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None)
+        if settings.capture_features:
+            recorder = FeatureRecorder(policy, draft.config.taps, settings.temperature, settings.feature_dtype)
+        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
+                                 recorder)
         if not corpus:
             raise ValueError("the policy produced no response token for any training prompt")
         corpus_dir.mkdir(exist_ok=True)
@@ -313,10 +326,15 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
                        settings.feature_precision)
     feat_dir = cache_dir / f"features-{feat_key}"
     t0 = time.perf_counter()
+    docs = [(p + c, len(p) - 1) for p, c in corpus]
     if (feat_dir / "meta.json").is_file():
         cache = FeatureCache(feat_dir)
+    elif recorder is not None:
+        cache = recorder.write(docs, list(range(len(docs))), target_ids, feat_dir)
+        log(f"  warm start: features of {len(docs)} documents kept from the sampling forwards "
+            f"({time.perf_counter() - t0:.0f}s)")
+        recorder = None  # the kept features now live in the cache files
     else:
-        docs = [(p + c, len(p) - 1) for p, c in corpus]
         every = max(1, report.generated_tokens // 10)
         state = {"next": every}
 

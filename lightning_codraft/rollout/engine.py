@@ -161,6 +161,31 @@ class RolloutEngine(Protocol):
         ...
 
 
+class ForwardObserver(Protocol):
+    """Sees the policy's forwards of a ``SpeculativeEngine.generate`` call (e.g. to keep the policy's features of
+    the sampled sequences instead of recomputing them: ``training/feature_capture.py``).
+
+    Requests are indices into the call's ``prompts``; positions are token positions in ``prompt + output``.
+    Tensors are the engine's own (its decode dtype and device) and valid during the call only: copy what you keep.
+    """
+
+    taps: Sequence[int]
+    """The policy tap ids to receive (tap ``l``: hidden state entering layer ``l``; ``L``: last layer's output)."""
+
+    def prefill(self, requests: list[int], lengths: list[int], taps: tuple[torch.Tensor, ...],
+                last_logits: torch.Tensor) -> None:
+        """The prompts' forward: ``taps`` each ``(B, S, H)`` (row i valid up to ``lengths[i]``), ``last_logits``
+        ``(B, V)`` at each prompt's last position."""
+        ...
+
+    def decode(self, requests: list[int], start: list[int], counts: list[int], taps: tuple[torch.Tensor, ...],
+               logits: torch.Tensor) -> None:
+        """One decode (verify) forward: row i fed positions ``start[i] .. start[i] + counts[i] - 1`` of its
+        sequence (its emitted tokens; positions past the request's final length, after a stop token, may occur
+        and are not part of it); ``taps`` each ``(B, S, H)`` and ``logits`` ``(B, S, V)`` at those positions."""
+        ...
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_context: int) -> None:
     """Raise ValueError naming the first bad request: empty, out-of-vocabulary id, or no room to generate."""
     if len(prompts) == 0:

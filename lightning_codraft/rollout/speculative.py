@@ -38,74 +38,22 @@ differently, and that flips a sample only when two noisy scores are that close.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
-from lightning_codraft.models.kv_cache import KVCache, hole_filling_order
-from lightning_codraft.models.precision import AUTO, resolve_dtype
-from lightning_codraft.rollout.adaptive import AcceptanceEstimates, SpeculationController
+from lightning_codraft.models.kv_cache import hole_filling_order
+from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.batch import LiveRows, Taps, decode_dtype
 from lightning_codraft.rollout.cost_model import clock
-from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
+from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
+                                              validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, RoundNoise, TokenSampler
 from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
-
-Taps = tuple[torch.Tensor, ...]
-
-
-@dataclass
-class _Batch:
-    """The live rows of one ``generate`` chunk and everything indexed by them."""
-
-    active: list[int]             # original index of each live row
-    emitted: list[int]            # tokens emitted so far per row
-    budget: list[int]             # tokens each row may emit
-    pcache: KVCache
-    dcache: KVCache | None
-    pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
-    length: torch.Tensor          # (B,) tokens in the policy cache
-    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by _resume)
-    h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while backlog is non-empty)
-    dl_last: torch.Tensor | None  # (B, Vd) its logits
-    backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
-    estimates: AcceptanceEstimates | None
-    noise: CounterNoise           # the rows' counter-based noise (their seeds)
-    out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep ``rows`` (an order :meth:`KVCache.compact` accepts), slot ``i`` taking row ``rows[i]``."""
-        sel = torch.tensor(rows, device=self.pending.device)
-        self.active, self.emitted, self.budget = ([xs[i] for i in rows] for xs in (self.active, self.emitted,
-                                                                                   self.budget))
-        self.pcache = self.pcache.compact(rows)
-        self.dcache = None if self.dcache is None else self.dcache.compact(rows)
-        self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
-        self.noise, self.out_pos = self.noise.select(sel), self.out_pos[sel]
-        if self.h_last is not None:
-            self.h_last, self.dl_last = self.h_last[sel], self.dl_last[sel]
-        self.backlog = [(tuple(t[sel] for t in taps), nxt[sel]) for taps, nxt in self.backlog]
-        if self.estimates is not None:
-            self.estimates.select(rows)
-
-
-DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def decode_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "cpu") -> torch.dtype | None:
-    """A decode dtype from its name or itself (None stays None; ``"auto"``: bfloat16 where it is fast on
-    ``device``, else float32, see :func:`~lightning_codraft.models.precision.resolve_dtype`); anything else is a
-    clear error."""
-    if dtype is None or dtype in DECODE_DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and (dtype in DECODE_DTYPES or dtype == AUTO):
-        return DECODE_DTYPES[resolve_dtype(dtype, device)]
-    raise ValueError(f"dtype={dtype!r} must be None, 'auto' or one of {sorted(DECODE_DTYPES)} (or the torch dtype)")
-
 
 class SpeculativeEngine:
     """Batched speculative decoding with a policy and an (optional) EAGLE-3 draft.
@@ -205,7 +153,8 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 request_seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+                 request_seeds: Sequence[int] | None = None, observer: ForwardObserver | None = None
+                 ) -> list[RolloutOutput]:
         """Generate one continuation per prompt.
 
         Args:
@@ -218,6 +167,8 @@ class SpeculativeEngine:
             request_seeds: B seeds in ``[0, 2**63)``, exclusive with ``seed``: request i's samples depend only on
                 ``request_seeds[i]``, its prompt and the weights (the noise at its output position t is a hash
                 of (seed, t)).
+            observer: sees every policy forward with the taps it asks for (:class:`ForwardObserver`); outputs are
+                unchanged.
 
         Returns:
             B :class:`RolloutOutput` in prompt order.
@@ -241,7 +192,7 @@ class SpeculativeEngine:
             noise = CounterNoise(seed_tensor([seeds[i] for i in order], device))
             try:
                 with torch.inference_mode():
-                    for i, out in zip(order, self._generate_batch(batch, sampler, noise, pdec, ddec)):
+                    for i, out in zip(order, self._generate_batch(batch, sampler, noise, pdec, ddec, observer, order)):
                         outputs[i] = out
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
@@ -270,7 +221,7 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ decoding
     @staticmethod
-    def _propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, k: int, sampler: TokenSampler, rn: RoundNoise
+    def _propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, k: int, sampler: TokenSampler, rn: RoundNoise
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chain-draft k tokens from the step-0 output ``b.h_last`` (B, H), ``b.dl_last`` (B, Vd).
 
@@ -293,7 +244,7 @@ class SpeculativeEngine:
         return torch.stack(ids, dim=1), sampler.target_probs(probs) if probs else None
 
     @staticmethod
-    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch, taps: Taps, next_ids: torch.Tensor,
+    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, taps: Taps, next_ids: torch.Tensor,
                   last: torch.Tensor, new_lengths: torch.Tensor) -> None:
         """Draft forward at verified positions with the policy's taps; its output at index ``last`` becomes
         ``b.h_last`` / ``b.dl_last``.
@@ -304,7 +255,7 @@ class SpeculativeEngine:
         b.h_last, b.dl_last = ddec.step(ddec.fuse(taps), pdec.embed(next_ids), b.dcache, logit_rows=last)
         b.dcache.lengths = new_lengths - b.doff
 
-    def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: _Batch) -> None:
+    def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows) -> None:
         """Catch the draft up on the deferred k = 0 rounds: all of them, or with more than ``resume_window`` the
         last ``resume_window``, written right after the draft's cached positions (the skipped ones are left out:
         the draft keeps the prompt and the recent tokens, its slots lag the policy's positions by ``b.doff``)."""
@@ -319,10 +270,18 @@ class SpeculativeEngine:
         b.backlog = []
 
     def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,
-                        pdec: PolicyDecoder, ddec: DraftDecoder | None) -> list[RolloutOutput]:
+                        pdec: PolicyDecoder, ddec: DraftDecoder | None, observer: ForwardObserver | None = None,
+                        requests: list[int] | None = None) -> list[RolloutOutput]:
+        """Decode one chunk (prompts sorted by length); ``requests[i]``: row i's index in the call (the
+        observer's)."""
         device, K, batch, params = self._device(), self.num_speculative_tokens, len(prompts), sampler.params
         use_draft = self.draft is not None and K > 0
         taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
+        fwd_taps, seen = taps_ids, ()  # the taps each policy forward captures: the draft's and the observer's
+        if observer is not None:
+            seen = tuple(int(t) for t in observer.taps)
+            fwd_taps = tuple(dict.fromkeys((taps_ids or ()) + seen))
+            requests = list(range(len(prompts))) if requests is None else requests
         host_lens = [len(p) for p in prompts]
         lens = torch.tensor(host_lens, device=device)
         budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
@@ -333,7 +292,7 @@ class SpeculativeEngine:
         pcache = pdec.allocate_cache(batch, capacity)
         stops = set(params.stop_token_ids)
         key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
-        b = _Batch(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
+        b = LiveRows(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
                    dcache=ddec.allocate_cache(batch, capacity) if use_draft else None, pending=lens,
                    length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
                    estimates=None if self.controller is None else self.controller.new_batch(batch, key),
@@ -343,7 +302,10 @@ class SpeculativeEngine:
         ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        last_logits, taps = prefill(pdec, pcache, ids, host_lens, taps_ids)  # rows come sorted by length
+        last_logits, taps = prefill(pdec, pcache, ids, host_lens, fwd_taps)  # rows come sorted by length
+        if observer is not None:
+            observer.prefill(list(requests), host_lens, _pick(taps, fwd_taps, seen), last_logits)
+            taps = _pick(taps, fwd_taps, taps_ids)
         pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
         rows = torch.arange(batch, device=device)
@@ -391,7 +353,7 @@ class SpeculativeEngine:
                 draft_ids, q = b.pending.new_zeros(len(b.active), 0), None
                 verify_ids = b.pending[:, None]
             t1 = clock(device)
-            logits, taps = pdec.forward(verify_ids, b.pcache, taps_ids)
+            logits, taps = pdec.forward(verify_ids, b.pcache, fwd_taps)
             lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, k+1, V)
             accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
             new_ids = torch.cat([draft_ids, torch.zeros_like(b.pending[:, None])], dim=1)
@@ -400,6 +362,10 @@ class SpeculativeEngine:
             new_length = b.length + 1 + accepted
             b.pcache.lengths = new_length
             host_accepted = accepted.tolist()
+            if observer is not None:
+                observer.decode([requests[r] for r in b.active], b.length.tolist(), [a + 1 for a in host_accepted],
+                                _pick(taps, fwd_taps, seen), logits)
+                taps = _pick(taps, fwd_taps, taps_ids)
             t2 = clock(device)
             t_draft, t_policy = t1 - t0, t2 - t1 + t_noise
             if use_draft and k:
@@ -436,3 +402,10 @@ class SpeculativeEngine:
                                              clock(device) - t_start - t_draft - t_policy - t_catch)
         return [RolloutOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], stats=stats[i])
                 for i in range(batch)]
+
+
+def _pick(captured: Taps | None, ids: Sequence[int] | None, want: Sequence[int] | None) -> Taps | None:
+    """The taps of ids ``want`` out of ``captured``, the taps of ``ids`` (None when either is None)."""
+    if captured is None or want is None:
+        return None
+    return tuple(captured[list(ids).index(t)] for t in want)

@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens
 from lightning_codraft.models.precision import AUTO, resolve_precision
 
-_DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
+STORAGE_DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"
 OUTSIDE, INSIDE = 1.0, -1.0  # extra compact column: argmax outside / inside the draft vocabulary
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}  # autocast dtype; AUTO resolves to one of these
@@ -146,10 +146,96 @@ def compact_vocab(draft_vocab_size: int) -> tuple[Tensor, Tensor]:
 def compact_logits(policy_logits: Tensor, target_ids: Tensor) -> Tensor:
     """``(T, V)`` policy logits -> ``(T, Vd + 1)`` compact logits (module docstring) for target ids ``(Vd,)``."""
     restricted = policy_logits.float()[:, target_ids]
+    outside = policy_logits.float().max(-1, keepdim=True).values > restricted.max(-1, keepdim=True).values
+    return compact_restricted(restricted, outside[:, 0])
+
+
+def compact_restricted(restricted: Tensor, outside: Tensor) -> Tensor:
+    """``(T, Vd)`` logits on the draft vocabulary and ``(T,)`` bool "the full-vocabulary argmax lies outside it"
+    -> ``(T, Vd + 1)`` compact logits (module docstring)."""
     rmax = restricted.max(-1, keepdim=True).values
-    outside = policy_logits.float().max(-1, keepdim=True).values > rmax
-    extra = torch.where(outside, OUTSIDE, INSIDE).to(restricted.dtype)
+    extra = torch.where(outside[:, None], OUTSIDE, INSIDE).to(restricted.dtype)
     return torch.cat([restricted - rmax, extra], dim=-1)
+
+
+class CacheWriter:
+    """Writes a :class:`FeatureCache` directory: memory-mapped files sized from the documents, filled by groups
+    of consecutive documents (:meth:`write`), ``meta.json`` last (:meth:`finish`), then moved into place.
+
+    Args:
+        path: the cache directory (replaced when :meth:`finish` runs; written under ``<path>.tmp`` until then).
+        docs: ``(token_ids, loss_start)`` per document (:func:`build_feature_cache`).
+        hidden_size: H, the taps' width.
+        draft_vocab_size: Vd.
+        dtype: ``"float16"`` or ``"float32"`` storage of taps and logits.
+    """
+
+    def __init__(self, path: str | os.PathLike, docs: Sequence[tuple[Sequence[int], int]], hidden_size: int,
+                 draft_vocab_size: int, dtype: str = "float16"):
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"dtype={dtype!r} must be one of {sorted(STORAGE_DTYPES)}")
+        for i, (ids, start) in enumerate(docs):
+            if len(ids) < 2 or not 0 <= int(start) <= len(ids) - 2:
+                raise ValueError(f"document {i}: {len(ids)} tokens with loss_start={start}; need >= 2 tokens and "
+                                 f"0 <= loss_start <= len - 2")
+        np_dtype = STORAGE_DTYPES[dtype][0]
+        self.path, self.dtype = Path(path), dtype
+        self.hidden_size, self.draft_vocab_size = int(hidden_size), int(draft_vocab_size)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.lengths = [len(ids) for ids, _ in docs]
+        self.loss_start = np.asarray([int(s) for _, s in docs], dtype=np.int64)
+        self.doc_off = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        n_loss = np.asarray(self.lengths, dtype=np.int64) - 1 - self.loss_start
+        self.loss_off = np.concatenate([[0], np.cumsum(n_loss)]).astype(np.int64)
+        mm = lambda name, shape, dt: np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+",  # noqa: E731
+                                                               dtype=dt, shape=shape)
+        tokens = int(self.doc_off[-1])
+        self.ids, self.taps = mm("ids", (tokens,), np.int32), mm("taps", (tokens, 3, hidden_size), np_dtype)
+        self.targets = mm("targets", (int(self.loss_off[-1]), draft_vocab_size + 1), np_dtype)
+        np.save(self.tmp / "doc_offsets.npy", self.doc_off)
+        np.save(self.tmp / "loss_offsets.npy", self.loss_off)
+        np.save(self.tmp / "loss_start.npy", self.loss_start)
+        self.entropy_sum, self.covered = 0.0, 0
+
+    def write(self, first: int, last: int, ids: Tensor, taps: Tensor, compact: Tensor, entropy_sum: float) -> None:
+        """Documents ``first .. last`` (inclusive): ``ids`` ``(n,)``, ``taps`` ``(n, 3, H)`` over their tokens,
+        ``compact`` ``(n_loss, Vd + 1)`` over their loss rows, ``entropy_sum`` the sum of the policy's per-row
+        entropies over those loss rows."""
+        np_dtype = STORAGE_DTYPES[self.dtype][0]
+        a, b = int(self.doc_off[first]), int(self.doc_off[last + 1])
+        la, lb = int(self.loss_off[first]), int(self.loss_off[last + 1])
+        if ids.shape[0] != b - a or taps.shape != (b - a, 3, self.hidden_size) or compact.shape[0] != lb - la:
+            raise ValueError(f"documents {first}..{last}: got {tuple(ids.shape)} ids, {tuple(taps.shape)} taps and "
+                             f"{tuple(compact.shape)} targets for {b - a} tokens and {lb - la} loss rows")
+        self.ids[a:b] = ids.cpu().numpy().astype(np.int32)
+        self.taps[a:b] = taps.float().cpu().numpy().astype(np_dtype)
+        self.targets[la:lb] = compact.float().cpu().numpy().astype(np_dtype)
+        self.entropy_sum += float(entropy_sum)
+        self.covered += int((compact[:, -1] == INSIDE).sum())
+
+    def finish(self, taps: Sequence[int], temperature: float, **extra) -> FeatureCache:
+        """Write ``meta.json`` (``extra`` keys included), move the directory into place and open it."""
+        for arr in (self.ids, self.taps, self.targets):
+            arr.flush()
+        del self.ids, self.taps, self.targets
+        total_loss = max(int(self.loss_off[-1]), 1)
+        meta = dict(version=1, num_docs=len(self.lengths), tokens=int(self.doc_off[-1]),
+                    loss_rows=int(self.loss_off[-1]), hidden_size=self.hidden_size,
+                    draft_vocab_size=self.draft_vocab_size, taps=[int(t) for t in taps], dtype=self.dtype,
+                    temperature=float(temperature), entropy=self.entropy_sum / total_loss,
+                    argmax_coverage=self.covered / total_loss, **extra)
+        (self.tmp / _META).write_text(json.dumps(meta, indent=1) + "\n")
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.tmp.rename(self.path)
+        return FeatureCache(self.path)
+
+
+def row_entropy(logits: Tensor, temperature: float) -> Tensor:
+    """``(..., V)`` logits -> ``(...,)`` entropy (nats) of ``softmax(logits / temperature)``, in fp32."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 @torch.no_grad()
@@ -175,33 +261,12 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
             taps and logits carry bf16 rounding) or ``"auto"`` (bf16 where it is fast, ``resolve_precision``).
         on_progress: called with ``(tokens done, tokens total)`` after every forward.
     """
-    if precision not in PRECISION_NAMES or dtype not in _DTYPES:
-        raise ValueError(f"precision={precision!r} must be one of {PRECISION_NAMES} and dtype={dtype!r} one of "
-                         f"{sorted(_DTYPES)}")
-    for i, (ids, start) in enumerate(docs):
-        if len(ids) < 2 or not 0 <= int(start) <= len(ids) - 2:
-            raise ValueError(f"document {i}: {len(ids)} tokens with loss_start={start}; need >= 2 tokens and "
-                             f"0 <= loss_start <= len - 2")
-    np_dtype = _DTYPES[dtype][0]
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    lengths = [len(ids) for ids, _ in docs]
-    n_loss = [n - 1 - int(s) for n, (_, s) in zip(lengths, docs)]
-    doc_off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    loss_off = np.concatenate([[0], np.cumsum(n_loss)]).astype(np.int64)
-    H, Vd = int(policy.config.hidden_size), int(target_ids.numel())
-    mm = lambda name, shape, dt: np.lib.format.open_memmap(tmp / f"{name}.npy", mode="w+", dtype=dt,  # noqa: E731
-                                                           shape=shape)
-    out_ids, out_taps = mm("ids", (int(doc_off[-1]),), np.int32), mm("taps", (int(doc_off[-1]), 3, H), np_dtype)
-    out_targets = mm("targets", (int(loss_off[-1]), Vd + 1), np_dtype)
-    np.save(tmp / "doc_offsets.npy", doc_off)
-    np.save(tmp / "loss_offsets.npy", loss_off)
-    np.save(tmp / "loss_start.npy", np.asarray([int(s) for _, s in docs], dtype=np.int64))
+    if precision not in PRECISION_NAMES:
+        raise ValueError(f"precision={precision!r} must be one of {PRECISION_NAMES}")
+    writer = CacheWriter(path, docs, int(policy.config.hidden_size), int(target_ids.numel()), dtype)
+    lengths = writer.lengths
     target_ids = target_ids.long().to(next(policy.parameters()).device)
     dev, amp = target_ids.device, PRECISIONS[resolve_precision(precision, target_ids.device)]
-    entropy_sum, covered = 0.0, 0
     for group in pack_batches(lengths, batch_tokens):
         ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in group])
         cu = torch.zeros(len(group) + 1, dtype=torch.int32)
@@ -212,24 +277,8 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         starts = cu.tolist()
         rows = torch.cat([torch.arange(starts[j] + int(docs[d][1]), starts[j + 1] - 1) for j, d in enumerate(group)])
         logits = out.logits[rows.to(dev)].float()
-        compact = compact_logits(logits, target_ids)
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        entropy_sum += float(-(logp.exp() * logp).sum())
-        covered += int((compact[:, -1] == INSIDE).sum())
-        a, b = int(doc_off[group[0]]), int(doc_off[group[-1] + 1])
-        out_ids[a:b] = ids.numpy().astype(np.int32)
-        out_taps[a:b] = torch.stack(out.taps, dim=1).float().cpu().numpy().astype(np_dtype)
-        out_targets[int(loss_off[group[0]]):int(loss_off[group[-1] + 1])] = compact.cpu().numpy().astype(np_dtype)
+        writer.write(group[0], group[-1], ids, torch.stack(out.taps, dim=1), compact_logits(logits, target_ids),
+                     float(row_entropy(logits, temperature).sum()))
         if on_progress is not None:
-            on_progress(b, int(doc_off[-1]))
-    for arr in (out_ids, out_taps, out_targets):
-        arr.flush()
-    del out_ids, out_taps, out_targets
-    total_loss = max(int(loss_off[-1]), 1)
-    meta = dict(version=1, num_docs=len(docs), tokens=int(doc_off[-1]), loss_rows=int(loss_off[-1]), hidden_size=H,
-                draft_vocab_size=Vd, taps=[int(t) for t in taps], dtype=dtype, temperature=float(temperature),
-                entropy=entropy_sum / total_loss, argmax_coverage=covered / total_loss)
-    (tmp / _META).write_text(json.dumps(meta, indent=1) + "\n")
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return FeatureCache(path)
+            on_progress(int(writer.doc_off[group[-1] + 1]), int(writer.doc_off[-1]))
+    return writer.finish(taps, temperature)

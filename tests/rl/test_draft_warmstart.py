@@ -4,6 +4,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from lightning_codraft.rl.draft_warmstart import (
 )
 from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, TaskSample
 from lightning_codraft.training.draft_fit import DraftFitConfig
+from lightning_codraft.training.feature_cache import FeatureCache
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -101,6 +103,24 @@ def test_warm_start_trains_caches_and_keys_on_the_policy(tmp_path):
     assert any("cached responses" in line for line in lines) and not any("features" in line and "tokens (" in line
                                                                             for line in lines)
     assert [len(list(tmp_path.glob(g))) for g in ("corpus-*", "features-*", "draft-*")] == [3, 3, 4]
+
+
+def test_features_kept_from_sampling_equal_the_feature_pass(tmp_path):
+    """By default the features come from the forwards that sampled the corpus (no second pass); they equal the
+    feature pass's (capture_features=False) on the same corpus, except each document's never-fed last token."""
+    caches, lines = [], []
+    for capture in (True, False):
+        tok, policy, draft = _models()
+        warm_start_draft(policy, tok, FixedTask(), draft, _settings(capture_features=capture, feature_dtype="float32"),
+                         tmp_path / str(capture), log=lines.append)
+        caches.append(FeatureCache(next((tmp_path / str(capture)).glob("features-*"))))
+    got, ref = caches
+    assert got.meta.get("source") == "sampling" and "source" not in ref.meta
+    assert any("kept from the sampling forwards" in line for line in lines)
+    np.testing.assert_array_equal(got.ids, ref.ids)
+    fed = np.setdiff1d(np.arange(len(got.ids)), np.asarray(got.doc_offsets[1:]) - 1)
+    np.testing.assert_allclose(got.taps[fed], ref.taps[fed], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got.targets, ref.targets, rtol=1e-4, atol=1e-4)
 
 
 def test_warm_start_folds_the_calibrated_proposal_temperature(tmp_path, monkeypatch):

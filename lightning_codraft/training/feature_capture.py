@@ -1,0 +1,176 @@
+"""The draft's features kept while the policy samples its corpus, instead of a second pass over it.
+
+A self-distillation corpus is sampled by the policy itself (rl/draft_warmstart.py), and every forward of that
+sampling already computes what the draft's feature cache stores (training/feature_cache.py): the taps of each
+fed token and the policy's distribution of the token after it. :class:`FeatureRecorder` watches the engine's
+forwards (it is a ``rollout.engine.ForwardObserver``: ``SpeculativeEngine.generate(..., observer=)``) and
+keeps, per request and position,
+
+* the draft's three taps of every fed position (the prompt's from the prefill, each emitted token's from the
+  decode forward that feeds it);
+* at each loss position (the prompt's last one and every fed output position): the last layer's output ``h``
+  (tap ``L``, fp32), the full-vocabulary argmax and the entropy at ``temperature`` of the engine's logits.
+
+The draft vocabulary is chosen from the corpus AFTER sampling, so the soft targets cannot be written as the
+tokens come; :meth:`FeatureRecorder.write` builds them then from ``h``: ``lm_head[target_ids](norm(h))`` is the
+policy's logits restricted to the draft vocabulary (the policy's head, in its own dtype), and the argmax tells
+whether the full-vocabulary top-1 lies outside it. The result is a :class:`FeatureCache` equal to
+:func:`~lightning_codraft.training.feature_cache.build_feature_cache` over the same documents up to the rounding
+of the decode's shapes (tested), except the taps of each document's LAST token, which no forward feeds and
+which are stored as zeros: the draft's row there is no loss row and, attention being causal, no loss row
+reads it, so the loss and its gradients are unchanged (tested).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from lightning_codraft.training.feature_cache import (STORAGE_DTYPES, CacheWriter, FeatureCache, compact_restricted,
+                                                      row_entropy)
+
+
+class FeatureRecorder:
+    """Keeps the features of the sequences an engine samples (a ``rollout.engine.ForwardObserver``).
+
+    Args:
+        policy: the :class:`~lightning_codraft.models.Policy` whose head builds the soft targets (the sampling
+            engine may decode a cast copy of it).
+        draft_taps: the draft's three policy tap ids.
+        temperature: the per-token entropy recorded is that of ``softmax(logits / temperature)``.
+        dtype: ``"float16"`` (default) or ``"float32"`` storage of the taps while sampling and in the cache.
+
+    Attributes:
+        request_offset: added to every request index the engine reports: set it to the first prompt's index
+            in the corpus before each ``generate`` call of a chunked corpus.
+    """
+
+    def __init__(self, policy, draft_taps: Sequence[int], temperature: float = 1.0, dtype: str = "float16"):
+        if len(draft_taps) != 3 or dtype not in STORAGE_DTYPES:
+            raise ValueError(f"draft_taps={tuple(draft_taps)} must be 3 tap ids and dtype={dtype!r} one of "
+                             f"{sorted(STORAGE_DTYPES)}")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0")
+        self.policy, self.temperature, self.dtype = policy, float(temperature), dtype
+        self.draft_taps = tuple(int(t) for t in draft_taps)
+        self.taps = self.draft_taps + (int(policy.config.num_hidden_layers),)  # tap L: the head's input
+        self.request_offset = 0
+        self._taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request, position, (n, 3, H) taps)
+        self._heads: list[tuple[np.ndarray, np.ndarray, Tensor, Tensor, Tensor]] = []  # (req, pos, h, argmax, ent)
+
+    # ------------------------------------------------------------------ ForwardObserver
+    def prefill(self, requests: list[int], lengths: list[int], taps: tuple[Tensor, ...], last_logits: Tensor) -> None:
+        lens = torch.as_tensor(lengths, device=taps[0].device)
+        valid = torch.arange(taps[0].shape[1], device=lens.device)[None, :] < lens[:, None]  # (B, S)
+        self._keep_taps(requests, torch.zeros_like(lens), valid, taps)
+        last = lens - 1
+        rows = torch.arange(len(requests), device=lens.device)
+        self._keep_heads(requests, last, taps[3][rows, last], last_logits)
+
+    def decode(self, requests: list[int], start: list[int], counts: list[int], taps: tuple[Tensor, ...],
+               logits: Tensor) -> None:
+        S = logits.shape[1]
+        cnt = torch.as_tensor(counts, device=logits.device)
+        valid = torch.arange(S, device=logits.device)[None, :] < cnt[:, None]
+        first = torch.as_tensor(start, device=logits.device)
+        self._keep_taps(requests, first, valid, taps)
+        pos = (first[:, None] + torch.arange(S, device=logits.device)[None, :])[valid]
+        req = torch.as_tensor(requests, device=logits.device)[:, None].expand(-1, S)[valid]
+        self._keep_heads(req.tolist(), pos, taps[3][valid], logits[valid])
+
+    # ------------------------------------------------------------------ keeping
+    def _keep_taps(self, requests: list[int], first: Tensor, valid: Tensor, taps: tuple[Tensor, ...]) -> None:
+        B, S = valid.shape
+        pos = (first[:, None] + torch.arange(S, device=valid.device)[None, :])[valid]
+        req = torch.as_tensor(requests, device=valid.device)[:, None].expand(-1, S)[valid]
+        stacked = torch.stack([t[valid] for t in taps[:3]], dim=1)  # (n, 3, H)
+        self._taps.append((req.cpu().numpy() + self.request_offset, pos.cpu().numpy(),
+                           stacked.float().cpu().numpy().astype(STORAGE_DTYPES[self.dtype][0])))
+
+    def _keep_heads(self, requests, pos: Tensor, hidden: Tensor, logits: Tensor) -> None:
+        req = np.asarray(requests, dtype=np.int64) + self.request_offset
+        self._heads.append((req, pos.cpu().numpy(), hidden.float().cpu(), logits.argmax(-1).cpu(),
+                            row_entropy(logits, self.temperature).double().cpu()))
+
+    # ------------------------------------------------------------------ writing
+    @torch.no_grad()
+    def write(self, docs: Sequence[tuple[Sequence[int], int]], requests: Sequence[int], target_ids: Tensor,
+              path: str | os.PathLike, docs_per_write: int = 64) -> FeatureCache:
+        """The recorded features of ``docs`` as a feature cache.
+
+        Args:
+            docs: ``(prompt + completion ids, len(prompt) - 1)`` per document, as
+                :func:`~lightning_codraft.training.feature_cache.build_feature_cache` takes them.
+            requests: the request index (``request_offset`` included) each document was sampled as.
+            target_ids: ``(Vd,)`` target id of each draft id.
+            path: the cache directory (replaced when it exists).
+            docs_per_write: documents assembled at once.
+
+        Raises:
+            ValueError: a document's loss position was never seen (its request was not recorded, or the
+                document is not what the request produced).
+        """
+        if len(docs) != len(requests):
+            raise ValueError(f"{len(docs)} documents but {len(requests)} request indices")
+        H = int(self.policy.config.hidden_size)
+        writer = CacheWriter(path, docs, H, int(target_ids.numel()), self.dtype)
+        doc_of = {int(r): d for d, r in enumerate(requests)}
+        if len(doc_of) != len(requests):
+            raise ValueError("request indices repeat: each document must be a distinct request")
+        t_rows, t_vals = self._destinations(self._taps, doc_of, writer.doc_off, np.zeros(len(docs), np.int64),
+                                            np.asarray(writer.lengths, np.int64) - 1)
+        h_rows, h_vals = self._destinations(self._heads, doc_of, writer.loss_off, writer.loss_start,
+                                            np.asarray(writer.lengths, np.int64) - 1)
+        for what, rows, want in (("loss rows", h_rows, int(writer.loss_off[-1])),
+                                 ("fed positions", t_rows, int(writer.doc_off[-1]) - len(docs))):
+            if len(rows) != want or len(np.unique(rows)) != len(rows):
+                raise ValueError(f"the recorded forwards cover {len(np.unique(rows))} of the documents' {want} "
+                                 f"{what}: record the generate calls that sampled them (with request_offset set to "
+                                 "each call's first request index)")
+        taps_all = np.concatenate([x[2] for x in self._taps]) if self._taps else np.zeros((0, 3, H))
+        hidden = torch.cat([x[2] for x in self._heads])
+        argmax = torch.cat([x[3] for x in self._heads])
+        entropy = torch.cat([x[4] for x in self._heads])
+        t_order, h_order = np.argsort(t_rows, kind="stable"), np.argsort(h_rows, kind="stable")
+        t_sorted, h_sorted = t_rows[t_order], h_rows[h_order]
+        param = self.policy.lm_head.weight
+        targets = target_ids.long().to(param.device)
+        inside = torch.zeros(param.shape[0], dtype=torch.bool)
+        inside[targets.cpu()] = True
+        for first in range(0, len(docs), docs_per_write):
+            last = min(first + docs_per_write, len(docs)) - 1
+            a, b = int(writer.doc_off[first]), int(writer.doc_off[last + 1])
+            i, j = np.searchsorted(t_sorted, [a, b])
+            taps = np.zeros((b - a, 3, H), dtype=taps_all.dtype)
+            taps[t_sorted[i:j] - a] = taps_all[t_vals[t_order[i:j]]]
+            la, lb = int(writer.loss_off[first]), int(writer.loss_off[last + 1])
+            i, j = np.searchsorted(h_sorted, [la, lb])
+            sel = torch.from_numpy(h_vals[h_order[i:j]])
+            h = hidden[sel].to(device=param.device, dtype=param.dtype)
+            restricted = F.linear(self.policy.model.norm(h), param[targets]).float()
+            compact = compact_restricted(restricted, ~inside[argmax[sel]].to(restricted.device))
+            ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in range(first, last + 1)])
+            writer.write(first, last, ids, torch.from_numpy(taps), compact, float(entropy[sel].sum()))
+        return writer.finish(self.draft_taps, self.temperature, source="sampling")
+
+    @staticmethod
+    def _destinations(records, doc_of: dict[int, int], offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Row in the cache (``offsets[doc] + pos - lo[doc]``) and index in the concatenated records of every
+        recorded position ``lo[doc] <= pos < hi[doc]`` of a kept document."""
+        if not records:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        req = np.concatenate([r[0] for r in records])
+        pos = np.concatenate([r[1] for r in records]).astype(np.int64)
+        table = np.full(max(max(doc_of, default=0), int(req.max(initial=0))) + 1, -1, dtype=np.int64)
+        table[list(doc_of)] = list(doc_of.values())
+        doc = table[req]
+        keep = doc >= 0
+        keep[keep] &= (pos[keep] >= lo[doc[keep]]) & (pos[keep] < hi[doc[keep]])
+        idx = np.nonzero(keep)[0]
+        return offsets[doc[idx]] + pos[idx] - lo[doc[idx]], idx
