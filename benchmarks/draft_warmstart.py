@@ -362,6 +362,8 @@ def add_cached_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-dir", default=None, help="default: the newest finished draft in the cache")
     ap.add_argument("--features-dir", default=None, help="default: the cache's only feature cache")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-prompts", type=int, default=None,
+                    help="held-out prompts the engine measures on (default: the warm-start benchmark's, first ones)")
 
 
 def cached_run(opts: argparse.Namespace) -> SimpleNamespace:
@@ -378,7 +380,8 @@ def cached_run(opts: argparse.Namespace) -> SimpleNamespace:
     threads, smoke, cache_dir, draft_dir, features_dir = (opts.threads, opts.smoke, opts.cache_dir, opts.draft_dir,
                                                           opts.features_dir)
     args = parse_args(["--threads", str(threads)] + (["--smoke"] if smoke else [])
-                      + (["--cache-dir", str(cache_dir)] if cache_dir else []))
+                      + (["--cache-dir", str(cache_dir)] if cache_dir else [])
+                      + (["--eval-prompts", str(opts.eval_prompts)] if opts.eval_prompts else []))
     cdir = Path(cache_dir) if cache_dir else default_cache_dir() / "draft_warmstart"
     tok, policy, task = _build(args)
     settings = warm_start_settings(args)

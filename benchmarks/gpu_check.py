@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_codraft.attention import BACKENDS, varlen_attention  # noqa: E402
 from lightning_codraft.attention.local_cuda import available_cuda_backend, input_problem  # noqa: E402
-from lightning_codraft.attention.packing import pack_documents  # noqa: E402
 from lightning_codraft.batch import RLBatch  # noqa: E402
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
 from lightning_codraft.rollout import SpeculativeEngine  # noqa: E402

@@ -157,8 +157,8 @@ def smollm2_model(args) -> Model:
                          f"--long-tail-tokens {args.long_tail_tokens}; raise --heldout")
     report_file = draft_dir / "report.json"
     rep = json.loads(report_file.read_text()) if report_file.is_file() else {}
-    notes = [f"policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
-             f"fp32), chat template via `encode_prompt`",
+    notes = ["policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
+             "fp32), chat template via `encode_prompt`",
              f"draft: `{draft_dir.name}` (`rl.draft_warmstart` self-distillation warm start of "
              f"{rep.get('total_s', float('nan')) / 60:.0f} minutes: {rep.get('prompts', '?')} of the policy's own "
              f"T=0.8 responses to GSM8K training prompts, {rep.get('generated_tokens', '?')} tokens, "
@@ -382,10 +382,10 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              "`request_seeds` in every arm; B prompts decoded together (`max_batch_size=B`), stop at EOS. Arms: "
              "no draft; fixed K=4; adaptive (`adaptive=True`, k in 0..4 chosen each round; one adaptive engine per "
              "model and process, kept across the cells, as the RL loop keeps it across steps).",
-             f"- Timing: each arm warmed up once per cell (untimed, 8 tokens on 2 prompts; the adaptive engine "
-             f"also decodes 2 tokens of the B prompts the first time it meets a batch size, where its cost model "
-             f"calibrates), then repeats in which the arms alternate (order rotating); a timed measurement of a "
-             f"short run repeats the call (tables: repeats x calls) so that it lasts "
+             "- Timing: each arm warmed up once per cell (untimed, 8 tokens on 2 prompts; the adaptive engine "
+             "also decodes 2 tokens of the B prompts the first time it meets a batch size, where its cost model "
+             "calibrates), then repeats in which the arms alternate (order rotating); a timed measurement of a "
+             "short run repeats the call (tables: repeats x calls) so that it lasts "
              + ("each run's `--min-cpu-s` of CPU (default 0.5 s; see the commands above). " if args.report_only
                 else f"~{args.min_cpu_s:g} s of CPU. ") +
              "tokens/s = generated tokens / median time per call, prefill included; **CPU** = "

@@ -114,7 +114,7 @@ def draft_warmup(module, batches: Sequence[RLBatch], steps: int, lr: float,
         return []
     if not batches:
         raise ValueError("draft_warmup needs at least one batch")
-    draft, policy = module.draft, module.policy
+    draft = module.draft
     params = list(draft.parameters())  # all of them: a draft frozen for RL (draft.mode=frozen) is warm-started too
     flags = [p.requires_grad for p in params]
     try:

@@ -1,5 +1,4 @@
 import pytest
-import torch
 from torch import nn
 
 from lightning_codraft.parallel.strategy_core import CoDraftCore, check_codraft_module

@@ -147,7 +147,7 @@ def _pp_memory_worker(rank, world_size, batch):
     out = {}
     for tied in (False, True):
         core = CoDraftCore(pp=2)
-        dims = core.setup_mesh(world_size, "cpu")
+        core.setup_mesh(world_size, "cpu")
         module = CoDraftModule(*_pp_models(tied), num_microbatches=2)
         before = [weakref.ref(p) for p in module.parameters()]
         module = core.prepare_module(module)
