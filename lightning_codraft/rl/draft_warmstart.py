@@ -86,7 +86,8 @@ class WarmStartSettings:
     """Keep the policy's taps and soft targets from the forwards that sample the corpus (when it is sampled in
     this run) instead of a second pass over it: the same features up to the rounding of the decode's shapes, in
     the sampling dtype (``generation_dtype``; ``feature_precision`` then applies only to a corpus loaded from
-    the cache), at the cost of keeping them in memory while sampling (~4.6 KB a token at H = 576)."""
+    the cache), at the cost of spilling them to disk under the cache directory while sampling (~4.6 KB a token at
+    H = 576; removed once the feature cache is written)."""
     feature_precision: str = "32-true"
     """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: 4x faster on a Xeon with AMX;
     taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
@@ -308,10 +309,18 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         budgets = [b for b in (settings.generation_budget_s, settings.time_budget_s and
                                 settings.time_budget_s * settings.generation_share) if b]
         if settings.capture_features:
-            recorder = FeatureRecorder(policy, draft.config.taps, settings.temperature, settings.feature_dtype)
-        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
-                                 recorder)
+            recorder = FeatureRecorder(policy, draft.config.taps, settings.temperature, settings.feature_dtype,
+                                       spill_dir=cache_dir / f"capture-{corpus_key}.tmp")
+        try:
+            corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
+                                     recorder)
+        except BaseException:
+            if recorder is not None:
+                recorder.close()
+            raise
         if not corpus:
+            if recorder is not None:
+                recorder.close()
             raise ValueError("the policy produced no response token for any training prompt")
         corpus_dir.mkdir(exist_ok=True)
         (corpus_dir / "samples.tmp").write_text(json.dumps(corpus))
@@ -329,11 +338,13 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     docs = [(p + c, len(p) - 1) for p, c in corpus]
     if (feat_dir / "meta.json").is_file():
         cache = FeatureCache(feat_dir)
+        if recorder is not None:
+            recorder.close()
     elif recorder is not None:
-        cache = recorder.write(docs, list(range(len(docs))), target_ids, feat_dir)
+        with recorder:  # its spilled records are removed once the cache is written
+            cache = recorder.write(docs, list(range(len(docs))), target_ids, feat_dir)
         log(f"  warm start: features of {len(docs)} documents kept from the sampling forwards "
             f"({time.perf_counter() - t0:.0f}s)")
-        recorder = None  # the kept features now live in the cache files
     else:
         every = max(1, report.generated_tokens // 10)
         state = {"next": every}

@@ -11,6 +11,9 @@ keeps, per request and position,
 * at each loss position (the prompt's last one and every fed output position): the last layer's output ``h``
   (tap ``L``, fp32), the full-vocabulary argmax and the entropy at ``temperature`` of the engine's logits.
 
+The wide records (taps, ``h``) are appended to files in a spill directory as they come, so a corpus of any size
+costs disk rather than memory; the cache is assembled from them, memory-mapped, by groups of documents.
+
 The draft vocabulary is chosen from the corpus AFTER sampling, so the soft targets cannot be written as the
 tokens come; :meth:`FeatureRecorder.write` builds them then from ``h``: ``lm_head[target_ids](norm(h))`` is the
 policy's logits restricted to the draft vocabulary (the policy's head, in its own dtype), and the argmax tells
@@ -24,6 +27,9 @@ reads it, so the loss and its gradients are unchanged (tested).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -44,13 +50,17 @@ class FeatureRecorder:
         draft_taps: the draft's three policy tap ids.
         temperature: the per-token entropy recorded is that of ``softmax(logits / temperature)``.
         dtype: ``"float16"`` (default) or ``"float32"`` storage of the taps while sampling and in the cache.
+        spill_dir: where the wide records go as they come (taps ``3 H`` values a fed token, last-layer output
+            ``H`` fp32 values a loss row: ~4.6 KB a token at H = 576), so a corpus of any size costs disk, not
+            memory; created if missing, removed by :meth:`close`. None: a fresh temporary directory.
 
     Attributes:
         request_offset: added to every request index the engine reports: set it to the first prompt's index
             in the corpus before each ``generate`` call of a chunked corpus.
     """
 
-    def __init__(self, policy, draft_taps: Sequence[int], temperature: float = 1.0, dtype: str = "float16"):
+    def __init__(self, policy, draft_taps: Sequence[int], temperature: float = 1.0, dtype: str = "float16",
+                 spill_dir: str | os.PathLike | None = None):
         if len(draft_taps) != 3 or dtype not in STORAGE_DTYPES:
             raise ValueError(f"draft_taps={tuple(draft_taps)} must be 3 tap ids and dtype={dtype!r} one of "
                              f"{sorted(STORAGE_DTYPES)}")
@@ -60,8 +70,23 @@ class FeatureRecorder:
         self.draft_taps = tuple(int(t) for t in draft_taps)
         self.taps = self.draft_taps + (int(policy.config.num_hidden_layers),)  # tap L: the head's input
         self.request_offset = 0
-        self._taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request, position, (n, 3, H) taps)
-        self._heads: list[tuple[np.ndarray, np.ndarray, Tensor, Tensor, Tensor]] = []  # (req, pos, h, argmax, ent)
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(tempfile.mkdtemp(prefix="codraft-capture-"))
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        self._files = {name: open(self.spill_dir / f"{name}.bin", "wb") for name in ("taps", "hidden")}
+        self._taps: list[tuple[np.ndarray, np.ndarray]] = []  # (request, position) of each taps record
+        self._heads: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # (req, pos, argmax, entropy)
+
+    def close(self) -> None:
+        """Remove the spilled records (the recorder cannot write a cache afterwards)."""
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+    def __enter__(self) -> "FeatureRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ ForwardObserver
     def prefill(self, requests: list[int], lengths: list[int], taps: tuple[Tensor, ...], last_logits: Tensor) -> None:
@@ -89,13 +114,14 @@ class FeatureRecorder:
         pos = (first[:, None] + torch.arange(S, device=valid.device)[None, :])[valid]
         req = torch.as_tensor(requests, device=valid.device)[:, None].expand(-1, S)[valid]
         stacked = torch.stack([t[valid] for t in taps[:3]], dim=1)  # (n, 3, H)
-        self._taps.append((req.cpu().numpy() + self.request_offset, pos.cpu().numpy(),
-                           stacked.float().cpu().numpy().astype(STORAGE_DTYPES[self.dtype][0])))
+        self._files["taps"].write(stacked.float().cpu().numpy().astype(STORAGE_DTYPES[self.dtype][0]).tobytes())
+        self._taps.append((req.cpu().numpy() + self.request_offset, pos.cpu().numpy()))
 
     def _keep_heads(self, requests, pos: Tensor, hidden: Tensor, logits: Tensor) -> None:
         req = np.asarray(requests, dtype=np.int64) + self.request_offset
-        self._heads.append((req, pos.cpu().numpy(), hidden.float().cpu(), logits.argmax(-1).cpu(),
-                            row_entropy(logits, self.temperature).double().cpu()))
+        self._files["hidden"].write(hidden.float().cpu().numpy().tobytes())
+        self._heads.append((req, pos.cpu().numpy(), logits.argmax(-1).cpu().numpy(),
+                            row_entropy(logits, self.temperature).double().cpu().numpy()))
 
     # ------------------------------------------------------------------ writing
     @torch.no_grad()
@@ -132,10 +158,9 @@ class FeatureRecorder:
                 raise ValueError(f"the recorded forwards cover {len(np.unique(rows))} of the documents' {want} "
                                  f"{what}: record the generate calls that sampled them (with request_offset set to "
                                  "each call's first request index)")
-        taps_all = np.concatenate([x[2] for x in self._taps]) if self._taps else np.zeros((0, 3, H))
-        hidden = torch.cat([x[2] for x in self._heads])
-        argmax = torch.cat([x[3] for x in self._heads])
-        entropy = torch.cat([x[4] for x in self._heads])
+        taps_all, hidden = self._spilled("taps", (3, H), STORAGE_DTYPES[self.dtype][0]), self._spilled("hidden", (H,))
+        argmax = torch.from_numpy(np.concatenate([x[2] for x in self._heads]))
+        entropy = np.concatenate([x[3] for x in self._heads])
         t_order, h_order = np.argsort(t_rows, kind="stable"), np.argsort(h_rows, kind="stable")
         t_sorted, h_sorted = t_rows[t_order], h_rows[h_order]
         param = self.policy.lm_head.weight
@@ -150,13 +175,21 @@ class FeatureRecorder:
             taps[t_sorted[i:j] - a] = taps_all[t_vals[t_order[i:j]]]
             la, lb = int(writer.loss_off[first]), int(writer.loss_off[last + 1])
             i, j = np.searchsorted(h_sorted, [la, lb])
-            sel = torch.from_numpy(h_vals[h_order[i:j]])
-            h = hidden[sel].to(device=param.device, dtype=param.dtype)
+            rows = h_vals[h_order[i:j]]
+            sel = torch.from_numpy(rows)
+            h = torch.from_numpy(np.asarray(hidden[rows])).to(device=param.device, dtype=param.dtype)
             restricted = F.linear(self.policy.model.norm(h), param[targets]).float()
             compact = compact_restricted(restricted, ~inside[argmax[sel]].to(restricted.device))
             ids = torch.cat([torch.as_tensor(docs[d][0], dtype=torch.int64) for d in range(first, last + 1)])
-            writer.write(first, last, ids, torch.from_numpy(taps), compact, float(entropy[sel].sum()))
+            writer.write(first, last, ids, torch.from_numpy(taps), compact, float(entropy[rows].sum()))
         return writer.finish(self.draft_taps, self.temperature, source="sampling")
+
+    def _spilled(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """The records spilled to ``<name>.bin``, memory-mapped ``(n, *shape)``."""
+        self._files[name].flush()
+        path = self.spill_dir / f"{name}.bin"
+        n = path.stat().st_size // (np.dtype(dtype).itemsize * int(np.prod(shape)))
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n, *shape)) if n else np.zeros((0, *shape), dtype)
 
     @staticmethod
     def _destinations(records, doc_of: dict[int, int], offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray

@@ -44,7 +44,8 @@ def test_recorded_features_equal_a_second_pass(tmp_path, speculative):
     targets, the same taps except each document's last (never fed: zeros), the same entropy and coverage."""
     policy, draft = _models()
     engine = SpeculativeEngine(policy, draft if speculative else None, 3 if speculative else 0, max_batch_size=3)
-    recorder = FeatureRecorder(policy, draft.config.taps, temperature=0.8, dtype="float32")
+    recorder = FeatureRecorder(policy, draft.config.taps, temperature=0.8, dtype="float32",
+                               spill_dir=tmp_path / "spill")
     prompts = _prompts(7)
     docs = _sample(engine, recorder, prompts, chunk=4, temperature=1.0)
     lengths = [len(d) for d, _ in docs]
@@ -64,16 +65,25 @@ def test_recorded_features_equal_a_second_pass(tmp_path, speculative):
     assert got.meta["entropy"] == pytest.approx(ref.meta["entropy"], rel=1e-5)
     assert got.meta["argmax_coverage"] == ref.meta["argmax_coverage"]
     assert 0 < got.meta["argmax_coverage"] < 1  # both sides of the outside flag are exercised
+    # the wide records went to disk as they came: taps of every fed position, fp32 last-layer outputs of loss rows
+    H, fed_rows, loss_rows = policy.config.hidden_size, len(got.ids) - len(docs), len(got.targets)
+    assert (tmp_path / "spill" / "taps.bin").stat().st_size >= fed_rows * 3 * H * 4
+    assert (tmp_path / "spill" / "hidden.bin").stat().st_size >= loss_rows * H * 4
+    recorder.close()
+    assert not (tmp_path / "spill").exists()
+    np.testing.assert_array_equal(got.ids, ref.ids)  # the cache does not depend on the spilled records
 
 
 def test_recorded_cache_gives_the_same_loss_and_gradients(tmp_path):
     """The zero taps of each document's last token change nothing: the draft loss, accuracies and gradients on
     the recorded cache equal those on the feature pass's cache."""
     policy, draft = _models()
-    recorder = FeatureRecorder(policy, draft.config.taps, dtype="float32")
-    docs = _sample(SpeculativeEngine(policy, None, 0), recorder, _prompts(6, seed=1), chunk=6, temperature=1.0)
     target_ids = draft.draft_to_target(torch.arange(VD))
-    caches = [recorder.write(docs, list(range(len(docs))), target_ids, tmp_path / "captured"),
+    with FeatureRecorder(policy, draft.config.taps, dtype="float32") as recorder:
+        docs = _sample(SpeculativeEngine(policy, None, 0), recorder, _prompts(6, seed=1), chunk=6, temperature=1.0)
+        captured = recorder.write(docs, list(range(len(docs))), target_ids, tmp_path / "captured")
+    assert not recorder.spill_dir.exists()  # a temporary spill directory, removed on exit
+    caches = [captured,
               build_feature_cache(policy, docs, target_ids, draft.config.taps, tmp_path / "ref", dtype="float32")]
     results = []
     for cache in caches:
@@ -90,7 +100,7 @@ def test_recorder_names_what_it_did_not_see(tmp_path):
     """Documents whose forwards were not recorded (a call without the observer, a wrong request offset) are a
     clear error, never a cache with zero targets."""
     policy, draft = _models()
-    recorder = FeatureRecorder(policy, draft.config.taps)
+    recorder = FeatureRecorder(policy, draft.config.taps, spill_dir=tmp_path / "spill")
     engine = SpeculativeEngine(policy, None, 0)
     prompts = _prompts(4, seed=2)
     docs = _sample(engine, recorder, prompts[:2], chunk=2, temperature=1.0)
@@ -113,7 +123,7 @@ def test_observer_leaves_outputs_unchanged():
     prompts = _prompts(5, seed=4)
     for temperature in (0.0, 1.0):
         plain = engine.generate(prompts, max_new_tokens=10, temperature=temperature, seed=2)
-        seen = engine.generate(prompts, max_new_tokens=10, temperature=temperature, seed=2,
-                               observer=FeatureRecorder(policy, draft.config.taps))
+        with FeatureRecorder(policy, draft.config.taps) as recorder:
+            seen = engine.generate(prompts, max_new_tokens=10, temperature=temperature, seed=2, observer=recorder)
         assert [o.token_ids for o in plain] == [o.token_ids for o in seen]
         assert [o.logprobs for o in plain] == [o.logprobs for o in seen]
