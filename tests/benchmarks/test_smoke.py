@@ -1,6 +1,7 @@
 """Every benchmark script runs end to end with tiny arguments and writes its table, so none can rot unnoticed."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,9 +10,16 @@ import pytest
 from conftest import REPO
 
 
+# what an in-process Fabric run of an earlier test may leave in this process's environment (its rendezvous port is
+# still bound here): a benchmark started as a fresh process must pick its own
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+            "GROUP_RANK")
+
+
 def _run(script, *args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *map(str, args)], capture_output=True,
-                         text=True, timeout=timeout, cwd=REPO)
+                         text=True, timeout=timeout, cwd=REPO, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
