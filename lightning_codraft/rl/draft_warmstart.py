@@ -314,14 +314,12 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         try:
             corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
                                      recorder)
+            if not corpus:
+                raise ValueError("the policy produced no response token for any training prompt")
         except BaseException:
             if recorder is not None:
                 recorder.close()
             raise
-        if not corpus:
-            if recorder is not None:
-                recorder.close()
-            raise ValueError("the policy produced no response token for any training prompt")
         corpus_dir.mkdir(exist_ok=True)
         (corpus_dir / "samples.tmp").write_text(json.dumps(corpus))
         (corpus_dir / "samples.tmp").rename(corpus_dir / "samples.json")

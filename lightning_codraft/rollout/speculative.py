@@ -362,12 +362,10 @@ class SpeculativeEngine:
             new_length = b.length + 1 + accepted
             b.pcache.lengths = new_length
             host_accepted = accepted.tolist()
-            if observer is not None:
-                observer.decode([requests[r] for r in b.active], b.length.tolist(), [a + 1 for a in host_accepted],
-                                _pick(taps, fwd_taps, seen), logits)
-                taps = _pick(taps, fwd_taps, taps_ids)
             t2 = clock(device)
             t_draft, t_policy = t1 - t0, t2 - t1 + t_noise
+            observed = (b.active, b.length, _pick(taps, fwd_taps, seen)) if observer is not None else None
+            taps = _pick(taps, fwd_taps, taps_ids)
             if use_draft and k:
                 span = max(host_accepted) + 1
                 self._catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted,
@@ -400,6 +398,10 @@ class SpeculativeEngine:
                 self.controller.observe(b.estimates, k, host_accepted)
                 self.controller.record_round(len(b.active), k, t_policy, t_draft,
                                              clock(device) - t_start - t_draft - t_policy - t_catch)
+            if observed is not None:  # after the round's clocks: the observer's time is not the engine's
+                active, fed_from, seen_taps = observed
+                observer.decode([requests[r] for r in active], fed_from.tolist(), [a + 1 for a in host_accepted],
+                                seen_taps, logits)
         return [RolloutOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], stats=stats[i])
                 for i in range(batch)]
 

@@ -91,37 +91,43 @@ class FeatureRecorder:
     # ------------------------------------------------------------------ ForwardObserver
     def prefill(self, requests: list[int], lengths: list[int], taps: tuple[Tensor, ...], last_logits: Tensor) -> None:
         lens = torch.as_tensor(lengths, device=taps[0].device)
-        valid = torch.arange(taps[0].shape[1], device=lens.device)[None, :] < lens[:, None]  # (B, S)
-        self._keep_taps(requests, torch.zeros_like(lens), valid, taps)
+        valid = self._valid(lens, taps[0].shape[1])
+        self._keep_taps(*self._positions(requests, torch.zeros_like(lens), valid), taps, valid)
         last = lens - 1
         rows = torch.arange(len(requests), device=lens.device)
-        self._keep_heads(requests, last, taps[3][rows, last], last_logits)
+        self._keep_heads(torch.as_tensor(requests), last, taps[3][rows, last], last_logits)
 
     def decode(self, requests: list[int], start: list[int], counts: list[int], taps: tuple[Tensor, ...],
                logits: Tensor) -> None:
-        S = logits.shape[1]
-        cnt = torch.as_tensor(counts, device=logits.device)
-        valid = torch.arange(S, device=logits.device)[None, :] < cnt[:, None]
-        first = torch.as_tensor(start, device=logits.device)
-        self._keep_taps(requests, first, valid, taps)
-        pos = (first[:, None] + torch.arange(S, device=logits.device)[None, :])[valid]
-        req = torch.as_tensor(requests, device=logits.device)[:, None].expand(-1, S)[valid]
-        self._keep_heads(req.tolist(), pos, taps[3][valid], logits[valid])
+        valid = self._valid(torch.as_tensor(counts, device=logits.device), logits.shape[1])
+        req, pos = self._positions(requests, torch.as_tensor(start, device=logits.device), valid)
+        self._keep_taps(req, pos, taps, valid)
+        self._keep_heads(req, pos, taps[3][valid], logits[valid])
 
     # ------------------------------------------------------------------ keeping
-    def _keep_taps(self, requests: list[int], first: Tensor, valid: Tensor, taps: tuple[Tensor, ...]) -> None:
-        B, S = valid.shape
+    @staticmethod
+    def _valid(counts: Tensor, width: int) -> Tensor:
+        """``(B, width)`` bool: row i's first ``counts[i]`` positions."""
+        return torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+
+    @staticmethod
+    def _positions(requests: list[int], first: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """``(n,)`` request and ``(n,)`` position of each valid entry of ``valid`` ``(B, S)``, row i's entries at
+        positions ``first[i] + 0 .. S - 1``."""
+        S = valid.shape[1]
         pos = (first[:, None] + torch.arange(S, device=valid.device)[None, :])[valid]
-        req = torch.as_tensor(requests, device=valid.device)[:, None].expand(-1, S)[valid]
+        return torch.as_tensor(requests, device=valid.device)[:, None].expand(-1, S)[valid], pos
+
+    def _keep_taps(self, req: Tensor, pos: Tensor, taps: tuple[Tensor, ...], valid: Tensor) -> None:
         stacked = torch.stack([t[valid] for t in taps[:3]], dim=1)  # (n, 3, H)
         self._files["taps"].write(stacked.float().cpu().numpy().astype(STORAGE_DTYPES[self.dtype][0]).tobytes())
         self._taps.append((req.cpu().numpy() + self.request_offset, pos.cpu().numpy()))
 
-    def _keep_heads(self, requests, pos: Tensor, hidden: Tensor, logits: Tensor) -> None:
-        req = np.asarray(requests, dtype=np.int64) + self.request_offset
+    def _keep_heads(self, req: Tensor, pos: Tensor, hidden: Tensor, logits: Tensor) -> None:
         self._files["hidden"].write(hidden.float().cpu().numpy().tobytes())
-        self._heads.append((req, pos.cpu().numpy(), logits.argmax(-1).cpu().numpy(),
-                            row_entropy(logits, self.temperature).double().cpu().numpy()))
+        entropy = row_entropy(logits, self.temperature).double()
+        self._heads.append((req.cpu().numpy().astype(np.int64) + self.request_offset, pos.cpu().numpy(),
+                            logits.argmax(-1).cpu().numpy(), entropy.cpu().numpy()))
 
     # ------------------------------------------------------------------ writing
     @torch.no_grad()
@@ -148,10 +154,9 @@ class FeatureRecorder:
         doc_of = {int(r): d for d, r in enumerate(requests)}
         if len(doc_of) != len(requests):
             raise ValueError("request indices repeat: each document must be a distinct request")
-        t_rows, t_vals = self._destinations(self._taps, doc_of, writer.doc_off, np.zeros(len(docs), np.int64),
-                                            np.asarray(writer.lengths, np.int64) - 1)
-        h_rows, h_vals = self._destinations(self._heads, doc_of, writer.loss_off, writer.loss_start,
-                                            np.asarray(writer.lengths, np.int64) - 1)
+        fed_end = np.asarray(writer.lengths, np.int64) - 1  # the last token is never fed
+        t_rows, t_vals = self._destinations(self._taps, doc_of, writer.doc_off, np.zeros(len(docs), np.int64), fed_end)
+        h_rows, h_vals = self._destinations(self._heads, doc_of, writer.loss_off, writer.loss_start, fed_end)
         for what, rows, want in (("loss rows", h_rows, int(writer.loss_off[-1])),
                                  ("fed positions", t_rows, int(writer.doc_off[-1]) - len(docs))):
             if len(rows) != want or len(np.unique(rows)) != len(rows):
