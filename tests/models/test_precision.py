@@ -51,6 +51,29 @@ def test_probe_gives_up_on_a_slow_kernel():
     assert precision._best_time(slow, reps=3, give_up_s=1.0) >= 0.02 and len(calls) == 3
 
 
+def test_probe_does_not_count_a_first_call_setup():
+    """A kernel that pays a one-off setup on its first call (bf16 on a Zen 4 EPYC: 12 ms, then 0.2 ms) is timed by
+    its later calls: counting the setup made bf16 look 20x slower than fp32 there when it is 3x faster."""
+    calls = {"ref": 0, "cand": 0}
+
+    def reference():
+        calls["ref"] += 1
+        time.sleep(0.006)
+
+    def candidate():
+        calls["cand"] += 1
+        time.sleep(0.08 if calls["cand"] == 1 else 0.002)
+
+    assert precision._speedup(reference, candidate) > 2.0
+
+    def emulated():  # slow on every call: the probe stops early and reports it slower
+        calls["cand"] += 1
+        time.sleep(0.05)
+
+    calls["cand"] = 0
+    assert precision._speedup(reference, emulated) < 0.2 and calls["cand"] == 2
+
+
 def test_engine_dtype_auto(bf16_is):
     from lightning_codraft.models import Policy, PolicyConfig
     from lightning_codraft.rollout import SpeculativeEngine
