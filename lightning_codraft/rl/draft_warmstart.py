@@ -381,6 +381,11 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
+    unused = (settings.time_budget_s - (time.perf_counter() - t_start - outside[0])) if settings.time_budget_s else 0.0
+    if result.ended_by == "epochs" and unused > 60:
+        log(f"draft warm start: the fit ran its {fit.epochs:g} epochs ({result.planned_steps} steps) with "
+            f"{unused / 60:.1f} min of the budget left: a larger corpus (generation_share) or more epochs would use "
+            f"it")
     held_out = cache.split(fit.val_docs)[1]  # the documents the fit reported on
     if settings.calibrate_temperature and held_out:
         t0 = time.perf_counter()

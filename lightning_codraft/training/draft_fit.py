@@ -110,6 +110,10 @@ class FitResult:
     """Target rows (draft-loss rows of step 0) trained on, counting repeats across epochs."""
     train_seconds: float = 0.0
     """Training and held-out report time (``on_eval`` callbacks excluded)."""
+    planned_steps: int = 0
+    """Optimizer steps of ``epochs`` passes over the training documents."""
+    ended_by: str = ""
+    """``"epochs"`` (the planned steps ran out) or ``"budget"`` (``time_budget_s`` ended the fit first)."""
     losses: list[float] = field(default_factory=list)
     """Draft loss of every step."""
     history: list[dict] = field(default_factory=list)
@@ -275,5 +279,6 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
                 if stop:
                     break
     draft.eval()
-    result.steps, result.train_seconds = step, clock
+    result.steps, result.train_seconds, result.planned_steps = step, clock, total_steps
+    result.ended_by = "epochs" if step >= total_steps else "budget"
     return result

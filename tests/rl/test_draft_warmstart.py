@@ -177,7 +177,12 @@ def test_time_budget_bounds_generation_and_fit(tmp_path):
     tok, policy, draft = _models()
     rep = warm_start_draft(policy, tok, FixedTask(), draft, _settings(time_budget_s=1e-3), tmp_path, log=lambda s: None)
     assert rep.prompts == 5  # one generation batch, then the budget is spent
-    assert rep.fit["steps"] == 1 and len(rep.fit["history"]) == 1
+    assert rep.fit["steps"] == 1 and len(rep.fit["history"]) == 1 and rep.fit["ended_by"] == "budget"
+    lines = []  # a budget the corpus cannot fill: the fit ends at its epochs and the warm start says so
+    rep = warm_start_draft(policy, tok, FixedTask(), draft, _settings(time_budget_s=3600.0), tmp_path / "long",
+                           log=lines.append)
+    assert rep.fit["ended_by"] == "epochs" and rep.fit["steps"] == rep.fit["planned_steps"]
+    assert any("ran its 2 epochs" in s and "of the budget left" in s for s in lines), lines
 
 
 def test_benchmark_smoke(tmp_path):

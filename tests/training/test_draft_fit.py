@@ -221,6 +221,7 @@ def test_held_out_reports_unroll_eval_steps_whatever_the_trained_depth(tmp_path)
     with pytest.raises(ValueError, match="eval_steps"):
         DraftFitConfig(eval_steps=0)
 
+
 def test_time_budget_stops_and_mismatch_raises(tmp_path):
     policy = _policy()
     draft = _draft(policy)
@@ -230,6 +231,10 @@ def test_time_budget_stops_and_mismatch_raises(tmp_path):
     res = fit_draft(draft, policy.embed, cache, DraftFitConfig(epochs=5, batch_tokens=30, time_budget_s=1e-9,
                                                                 val_docs=2), on_eval=evals.append)
     assert res.steps == 1 and len(evals) == 1 and evals[0]["step"] == 1
+    assert res.ended_by == "budget" and res.planned_steps > 1
+    done = fit_draft(draft, policy.embed, cache, DraftFitConfig(epochs=1, batch_tokens=30, time_budget_s=600.0,
+                                                                 val_docs=2))
+    assert done.ended_by == "epochs" and done.steps == done.planned_steps
     torch.manual_seed(0)
     other = Eagle3Draft.from_policy(policy, draft_vocab_size=VD + 1, token_counts=torch.rand(V))
     with pytest.raises(ValueError, match="does not match the feature cache"):
