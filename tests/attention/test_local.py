@@ -46,6 +46,24 @@ def test_varlen_bf16_close_to_fp32():
     assert q.grad.dtype == torch.bfloat16 and torch.isfinite(k.grad.float()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lq,lk,causal", CASES[:3])
+def test_cpu_half_inputs_are_computed_in_fp32(dtype, lq, lk, causal):
+    """The CPU backend computes bf16 / fp16 blocks in fp32 (faster on CPU, see attention/local.py): the results
+    are the fp32 kernel's on the upcast inputs, rounded once to the inputs' dtype."""
+    q, k, v, cq, ck = _inputs(lq, lk, dtype=dtype)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, lse = varlen_attention(q, k, v, cq, ck, causal=causal, softmax_scale=0.3, backend="cpu")
+    ref, ref_lse = varlen_attention(q32, k32, v32, cq, ck, causal=causal, softmax_scale=0.3, backend="cpu")
+    assert out.dtype == dtype and torch.equal(out, ref.to(dtype)) and torch.equal(lse, ref_lse)
+    go = torch.randn(out.shape).to(dtype)
+    grads = torch.autograd.grad((out.float() * go.float()).sum(), (q, k, v))
+    refs = torch.autograd.grad((ref * go.float()).sum(), (q32, k32, v32))
+    for g, r in zip(grads, refs):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), r, atol=2e-2, rtol=2e-2)  # the saved out is rounded: close, not equal
+
+
 def test_varlen_blind_rows_are_zero_and_minus_inf():
     q, k, v, cq, ck = _inputs([6], [2])  # bottom-right causal: the first 4 queries see nothing
     out, lse = varlen_attention(q, k, v, cq, ck, causal=True)
