@@ -12,8 +12,8 @@ Backends (``backend=None`` picks the first that fits, see :func:`select_backend`
 
 - ``"cpu"``: CPU tensors, any float dtype. ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   backward, one call per document, computed in fp32 for bf16 / fp16 inputs (results in the inputs' dtype): on a
-  Zen 4 EPYC the bf16 kernels made a bf16-mixed draft fit 16-19% slower than fp32 ones (1037-1121 against
-  1238-1300 rows/s, SmolLM2 features, side by side).
+  Zen 4 EPYC the fp32 kernels ran a bf16-mixed draft fit 2-19% faster than the bf16 ones (mean +13% over four
+  side-by-side pairs on SmolLM2 features).
 - ``"torch_flash"``: CUDA fp16/bf16, head dim <= 256, sm80+. PyTorch's own FlashAttention-2 varlen ops
   ``aten._flash_attention_forward`` / ``_flash_attention_backward``; no extra package.
 - ``"flash_attn"``: CUDA fp16/bf16, head dim <= 256, flash-attn >= 2.6 installed. Its
