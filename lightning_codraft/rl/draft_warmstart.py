@@ -365,6 +365,10 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
 
     outside = [0.0]  # seconds spent in on_eval (the caller's measurements are not warm-start time)
 
+    def elapsed() -> float:
+        """Warm-start seconds so far, ``on_eval`` time excluded."""
+        return time.perf_counter() - t_start - outside[0]
+
     def eval_hook(entry: dict) -> None:
         if on_eval is not None:
             t = time.perf_counter()
@@ -373,7 +377,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
 
     fit = settings.fit
     if settings.time_budget_s:
-        left = settings.time_budget_s - (time.perf_counter() - t_start) - 10.0  # 10 s for saving the draft
+        left = settings.time_budget_s - elapsed() - 10.0  # 10 s for saving the draft
         fit = dataclasses.replace(fit, time_budget_s=max(1e-3, min(left, fit.time_budget_s or left)))
     t0 = time.perf_counter()
     result: FitResult = fit_draft(draft, policy.embed, cache, fit, log=log, on_eval=eval_hook)
@@ -381,7 +385,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
-    unused = (settings.time_budget_s - (time.perf_counter() - t_start - outside[0])) if settings.time_budget_s else 0.0
+    unused = settings.time_budget_s - elapsed() if settings.time_budget_s else 0.0
     if result.ended_by == "epochs" and unused > 60:
         log(f"draft warm start: the fit ran its {fit.epochs:g} epochs ({result.planned_steps} steps) with "
             f"{unused / 60:.1f} min of the budget left: a larger corpus (generation_share) or more epochs would use "
@@ -397,7 +401,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
 
     shutil.rmtree(draft_dir, ignore_errors=True)
     draft.save_pretrained(draft_dir)
-    report.total_s = time.perf_counter() - t_start - outside[0]
+    report.total_s = elapsed()
     (draft_dir / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
     (draft_dir / _COMPLETE).write_text(key)
     log(f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "

@@ -112,16 +112,19 @@ class FitResult:
     """Training and held-out report time (``on_eval`` callbacks excluded)."""
     planned_steps: int = 0
     """Optimizer steps of ``epochs`` passes over the training documents."""
-    ended_by: str = ""
-    """``"epochs"`` (the planned steps ran out) or ``"budget"`` (``time_budget_s`` ended the fit first)."""
     losses: list[float] = field(default_factory=list)
     """Draft loss of every step."""
     history: list[dict] = field(default_factory=list)
     """One dict per report: ``step``, ``seconds``, ``tokens_seen``, ``loss``, ``val_accuracy`` (K,),
     ``val_acceptance`` (implied acceptance length on the held-out documents)."""
 
+    @property
+    def ended_by(self) -> str:
+        """``"epochs"`` (the planned steps ran out) or ``"budget"`` (``time_budget_s`` ended the fit first)."""
+        return "epochs" if self.steps >= self.planned_steps else "budget"
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "ended_by": self.ended_by}
 
 
 def coerce_floats(obj) -> None:
@@ -280,5 +283,4 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
                     break
     draft.eval()
     result.steps, result.train_seconds, result.planned_steps = step, clock, total_steps
-    result.ended_by = "epochs" if step >= total_steps else "budget"
     return result
