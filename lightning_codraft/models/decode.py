@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_codraft.attention.cached import decode_attention
 from lightning_codraft.models.kv_cache import KVCache
 
 Taps = tuple[Tensor, ...]
@@ -317,7 +318,9 @@ class _FusedMath:
         """x: (B, S, h, D) -> RoPE-rotated ``x * cos + rotate_half(x) * sin`` (half-split layout).
 
         ``rotate_half(x) = x @ R`` with R the signed permutation ``cat(-x2, x1)``: one exact matmul (each output
-        is a single ±x term) instead of two slices, a negation and a concatenation.
+        is a single ±x term) instead of two slices, a negation and a concatenation; as one 2-D matmul over the
+        flattened rows (``x`` is a slice of the fused qkv: a batched ``x @ R`` would copy ``R`` once per row and
+        head, ~25 MB a layer at batch 256).
         """
         R = self._rotate_half.get(x.shape[-1])
         if R is None or R.dtype != x.dtype:
@@ -326,7 +329,7 @@ class _FusedMath:
             R[torch.arange(half, 2 * half), torch.arange(half)] = -1.0
             R[torch.arange(half), torch.arange(half, 2 * half)] = 1.0
             self._rotate_half[x.shape[-1]] = R
-        return torch.addcmul(x * geo.cos, x @ R, geo.sin)
+        return torch.addcmul(x * geo.cos, (x.reshape(-1, x.shape[-1]) @ R).view(x.shape), geo.sin)
 
     def _attention(self, layer: _Layer, x: Tensor, k_cache: Tensor, v_cache: Tensor, geo: _Geometry) -> Tensor:
         """x: (B, S, H_in) normed attention input -> (B, S, H) o_proj output; writes the new keys/values."""
@@ -347,8 +350,7 @@ class _FusedMath:
         else:
             k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
             v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L],
-                                             attn_mask=geo.mask, enable_gqa=kv_heads != heads)
+        out = decode_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L], geo.mask)
         return F.linear(out.transpose(1, 2).reshape(B, S, heads * layer.head_dim), layer.wo, layer.bo)
 
     @staticmethod

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from lightning_codraft.attention.cached import cached_attention
+from lightning_codraft.attention import cached as cached_mod
+from lightning_codraft.attention.cached import cached_attention, decode_attention
 
 
 def reference(q, k_cache, v_cache, q_pos):
@@ -56,3 +57,45 @@ def test_errors():
         cached_attention(q, k, k, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="H a multiple of Hkv"):
         cached_attention(torch.randn(1, 2, 3, 8), k, k, torch.tensor([[0, 1]]))
+
+
+def _sdpa_reference(q, k, v, mask):
+    """(B, H, S, D) attention with each key head repeated for its query heads, in float64."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores + mask.double()
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("B,S,masked", [(1, 1, False), (1, 5, True), (4, 1, True), (4, 5, True), (3, 17, True),
+                                        (2, 16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_the_definition_on_both_paths(B, S, masked, dtype):
+    torch.manual_seed(B * 100 + S)
+    H, Hkv, L, D = 6, 2, 23, 8
+    q, k, v = (torch.randn(B, h, n, D).to(dtype) for h, n in ((H, S), (Hkv, L), (Hkv, L)))
+    mask = None
+    if masked:
+        visible = torch.rand(B, 1, S, L) < 0.7
+        visible[..., 0] = True
+        mask = torch.zeros(B, 1, S, L).masked_fill(~visible, float("-inf")).to(dtype)
+    out = decode_attention(q, k, v, mask)
+    assert out.shape == (B, H, S, D) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(out.double(), _sdpa_reference(q, k, v, mask), atol=tol)
+
+
+def test_decode_attention_takes_the_grouped_path_for_few_queries(monkeypatch):
+    """Decode / verify steps over several rows (and half-precision steps) must not reach the CPU flash kernel."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(cached_mod.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k = v = torch.randn(4, 1, 9, 8)
+    decode_attention(torch.randn(4, 2, cached_mod.GROUPED_MAX_QUERIES, 8), k, v)
+    decode_attention(torch.randn(1, 2, 3, 8).bfloat16(), k[:1].bfloat16(), v[:1].bfloat16())
+    assert calls == []
+    decode_attention(torch.randn(4, 2, cached_mod.GROUPED_MAX_QUERIES + 1, 8), k, v)   # prefill: SDPA
+    decode_attention(torch.randn(1, 2, 3, 8), k[:1], v[:1])                          # one fp32 row: SDPA
+    assert calls == [1, 1]

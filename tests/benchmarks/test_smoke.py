@@ -136,6 +136,8 @@ def test_draft_warmstart_smoke(tmp_path):
     assert '"cache_hit_same": true' in res and (tmp_path / "draft_warmstart.md").is_file()
     assert "## Against the goal: acceptance >= 2.0" in (tmp_path / "draft_warmstart.md").read_text()
     assert "| proposal temperature calibration | scale" in (tmp_path / "draft_warmstart.md").read_text()
+    assert "with rejection sampling (per position" in (tmp_path / "draft_warmstart.md").read_text()
+    assert '"final_acceptance_rejection"' in res
     again = tmp_path / "again"                   # the page rebuilt from the JSON, an earlier run beside it
     _run("draft_warmstart.py", "--report-only", tmp_path / "draft_warmstart.json", "--previous",
          tmp_path / "draft_warmstart.json", "--out-dir", again)
