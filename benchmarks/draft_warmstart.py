@@ -179,7 +179,8 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
         lines += ["Runs of this benchmark (same script; settings differ where listed):", "",
                   "| run | lr / batch tokens / unroll trained / target T / rows unrolled / features | sampling batch / "
                   "share | load start / end | sampling "
-                  "tok/s | fit rows/s | prompts answered | rows seen | warm start (min) | acceptance (coupled / rejection) |",
+                  "tok/s | fit rows/s | prompts answered | rows seen | warm start (min) | acceptance "
+                  "(coupled / rejection) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in [("this run", res)] + [(p.get("name", p["command"]), p) for p in previous]:
             t, f, s = throughput(r), r["settings"]["fit"], r["settings"]
@@ -191,7 +192,8 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
                          f"{t['gen_tok_s']:.0f} | {t['fit_rows_s']:.0f} | {r['report']['prompts']} | "
                          f"{r['report']['fit']['tokens_seen']} | {r['report']['total_s'] / 60:.1f} | "
                          f"**{r['final_acceptance']:.2f}**"
-                         + (f" / **{r['final_acceptance_rejection']:.2f}**" if "final_acceptance_rejection" in r else "")
+                         + (f" / **{r['final_acceptance_rejection']:.2f}**"
+                            if "final_acceptance_rejection" in r else "")
                          + f"{' (calibrated)' if r['report'].get('calibration') else ''} |")
         lines.append("")
     return lines

@@ -73,7 +73,8 @@ class SpeculativeEngine:
         sampling: how tokens are drawn at temperature > 0: "coupled" (Gumbel-coupled verification: the rollouts
             are a pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch
             size or request order) or "rejection" (speculative rejection sampling: measured 1-3% longer
-            acceptance, samples that depend on the speculation lengths). Both sample the policy exactly.
+            acceptance on the tiny model, 7% with the SmolLM2 warm-start draft; samples that depend on the speculation
+            lengths). Both sample the policy exactly.
         dtype: decode in this dtype (``torch.bfloat16`` or ``"bfloat16"``: what rollout engines serve an
             fp32-trained policy in; float32, float16; ``"auto"``: bf16 where it is fast), from a cast copy of the
             weights taken at each ``generate`` call, KV caches and taps in it too; logits are upcast to fp32 for

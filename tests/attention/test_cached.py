@@ -91,7 +91,8 @@ def test_decode_attention_takes_the_grouped_path_for_few_queries(monkeypatch):
     """Decode / verify steps over several rows (and half-precision steps) must not reach the CPU flash kernel."""
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(cached_mod.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(cached_mod.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     k = v = torch.randn(4, 1, 9, 8)
     decode_attention(torch.randn(4, 2, cached_mod.GROUPED_MAX_QUERIES, 8), k, v)
     decode_attention(torch.randn(1, 2, 3, 8).bfloat16(), k[:1].bfloat16(), v[:1].bfloat16())
