@@ -155,10 +155,11 @@ def goal_section(res: dict, previous: list[dict]) -> list[str]:
         a, b = trend
         lines.append(f"- Acceptance against training tokens seen (target rows x epochs): {b:+.3f} per doubling "
                      f"(least squares over the {len(res['curve'])} engine measurements above).")
-        if not met and b > 0 and (GOAL - a) / b > 60:
+        doublings = (GOAL - a) / b if b > 0 else math.inf   # log2 of the rows the goal needs on the trend
+        if not met and b > 0 and doublings > 60:
             lines.append(f"  On that trend {GOAL} is out of reach (more than 2^60 rows).")
         elif not met and b > 0:
-            need = 2 ** ((GOAL - a) / b)
+            need = 2 ** doublings
             more_min = max(need - fit["tokens_seen"], 0) / th["fit_rows_s"] / 60
             lines.append(f"  On that trend {GOAL} needs ~{need / 1e6:.1f}M rows seen ({fit['tokens_seen'] / 1e6:.2f}M "
                          f"were), i.e. ~{more_min:.0f} more minutes of fit at this run's {th['fit_rows_s']:.0f} "
