@@ -239,6 +239,12 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
                     mismatches.append(f"{arm} request {i}, repeat {r}: {first_difference(a, b)}")
     lengths = [len(o.token_ids) for o in outs["none"]]
     tokens = sum(lengths)
+    # in bf16 an arm's sequences may continue differently and end earlier or later: its times are scaled to the
+    # plain arm's token count (time per generated token), so that every tokens/s and ratio compares like with like
+    arm_tokens = {arm: sum(len(o.token_ids) for o in outs[arm]) for arm in ARMS}
+    raw_cpu, raw_wall = cpu, wall
+    cpu = {arm: [c * tokens / arm_tokens[arm] for c in cpu[arm]] for arm in ARMS}
+    wall = {arm: [w * tokens / arm_tokens[arm] for w in wall[arm]] for arm in ARMS}
     # bf16: a verify forward of 1 + k tokens rounds differently from a one-token step, so a near-tie may break the
     # other way and the sequence continues differently (sampled from the same bf16 policy); counted, not a failure
     exact = exact_dtype(model.dtype)
@@ -251,20 +257,21 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
         stats = AcceptanceStats.total(o.stats for o in outs[arm])
         rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
         row[arm] = dict(
-            cpu_s=statistics.median(cpu[arm]) / inner, wall_s=statistics.median(wall[arm]) / inner,
+            tokens=arm_tokens[arm],
+            cpu_s=statistics.median(raw_cpu[arm]) / inner, wall_s=statistics.median(raw_wall[arm]) / inner,
             tok_s_cpu=inner * tokens / statistics.median(cpu[arm]),
             tok_s_wall=inner * tokens / statistics.median(wall[arm]),
-            fwd_per_tok=(stats.policy_forwards + B) / tokens, acc_len=stats.acceptance_length,
+            fwd_per_tok=(stats.policy_forwards + B) / arm_tokens[arm], acc_len=stats.acceptance_length,
             mean_k=stats.mean_k, plain_rounds=stats.plain_rounds, rounds=rounds,
-            wall_per_round=statistics.median(wall[arm]) / inner / max(rounds, 1),
-            cpu_per_round=statistics.median(cpu[arm]) / inner / max(rounds, 1),
+            wall_per_round=statistics.median(raw_wall[arm]) / inner / max(rounds, 1),
+            cpu_per_round=statistics.median(raw_cpu[arm]) / inner / max(rounds, 1),
             per_position=stats.per_position_rate(),
             speedup_cpu=statistics.median(c0 / c for c0, c in zip(cpu["none"], cpu[arm])),
             speedup_wall=statistics.median(w0 / w for w0, w in zip(wall["none"], wall[arm])))
     # adaptive against the better of no draft and fixed K=4, paired per repeat
     paired = [min(n, f) / a for n, f, a in zip(cpu["none"], cpu["fixed"], cpu["adaptive"])]
     row["adaptive_vs_best"], row["adaptive_vs_best_range"] = statistics.median(paired), [min(paired), max(paired)]
-    row["cpu_runs"] = {arm: [c / inner for c in cpu[arm]] for arm in ARMS}  # per repeat, per call
+    row["cpu_runs"] = {arm: [c / inner for c in cpu[arm]] for arm in ARMS}  # per repeat, per call (scaled)
     row["adaptive_vs_best_wall"] = statistics.median(
         min(n, f) / a for n, f, a in zip(wall["none"], wall["fixed"], wall["adaptive"]))
     costs = model.adaptive.controller.costs  # the controller's predictions, to compare with the measured rounds
@@ -332,15 +339,15 @@ def goals(rows: list[dict]) -> list[tuple[str, float, float, bool, str]]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | B | T | max new | repeats x calls | tokens (min/med/max per request) | arm | tokens/s CPU | "
+    lines = ["| model | B | T | max new | repeats x calls | tokens (plain: min/med/max per request) | arm | tokens/s CPU | "
              "tokens/s wall | speed-up CPU | speed-up wall | policy fwd / token | acceptance length | mean k | "
              "plain rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for arm in ARMS:
             a = r[arm]
             lines.append(f"| {r['model']} | {r['B']} | {r['T']:g} | {r['max_new_tokens']} | "
-                         f"{r['repeats']} x {r.get('inner', 1)} | {r['tokens']} "
-                         f"({'/'.join(map(str, r['lengths']))}) | {ARM_LABEL[arm]} | {a['tok_s_cpu']:.1f} | "
+                         f"{r['repeats']} x {r.get('inner', 1)} | {a.get('tokens', r['tokens'])} "
+                         f"{'(' + '/'.join(map(str, r['lengths'])) + ')' if arm == 'none' else ''} | {ARM_LABEL[arm]} | {a['tok_s_cpu']:.1f} | "
                          f"{a['tok_s_wall']:.1f} | {a['speedup_cpu']:.2f}x | {a['speedup_wall']:.2f}x | "
                          f"{a['fwd_per_tok']:.3f} | {a['acc_len']:.2f} | "
                          f"{a['mean_k'] if arm != 'none' else 0:.2f} | {a['plain_rounds'] if arm != 'none' else '-'} |")
@@ -388,7 +395,9 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              "short run repeats the call (tables: repeats x calls) so that it lasts "
              + ("each run's `--min-cpu-s` of CPU (default 0.5 s; see the commands above). " if args.report_only
                 else f"~{args.min_cpu_s:g} s of CPU. ") +
-             "tokens/s = generated tokens / median time per call, prefill included; **CPU** = "
+             "tokens/s = the arm's own generated tokens / median time per call, prefill included (in bfloat16 "
+             "an arm's sequences may continue differently and end at another length: the tokens column shows each "
+             "arm's, and every ratio compares time per generated token); **CPU** = "
              "`time.process_time()` of the process (one thread: other jobs' load moves it far less than wall), wall = "
              "`time.perf_counter()`. Speed-ups are medians over repeats of the ratio against the no-draft run of "
              "the same repeat (side by side). policy fwd / token counts the prefill.",

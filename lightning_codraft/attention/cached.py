@@ -17,6 +17,26 @@ GROUPED_MAX_QUERIES = 16
 """Steps of at most this many new tokens per row take the grouped-matmul path on CPU (decode and verify)."""
 
 
+ATTEND_ALL_SLACK = 64
+"""On CPU a step attends to every slot of a cache holding at most ``max(ATTEND_ALL_SLACK, top // 4)`` slots more
+than it needs (:func:`attended_slots`)."""
+
+
+def attended_slots(top: int, capacity: int, device: torch.device) -> int:
+    """How many cache slots a step whose queries see slots ``[0, top)`` attends to (the rest masked).
+
+    On CPU the batched matmuls copy a slice ``k[:, :, :top]`` of a longer cache (its batch stride is not
+    compact) in every layer, which costs more than attending to a few masked slots: at batch 12 and 420 slots in
+    bf16 a layer's attention takes 1.2 ms on the slice and 0.5 ms over 452 slots (docs/design/decoding.md). So
+    a cache that is at most ``max(ATTEND_ALL_SLACK, top // 4)`` slots longer (``KVCache.reserve`` grows it in
+    blocks) is attended whole; elsewhere, and on accelerators (strided batched matmuls read a slice in place),
+    just ``top``.
+    """
+    if device.type == "cpu" and capacity - top <= max(ATTEND_ALL_SLACK, top // 4):
+        return capacity
+    return top
+
+
 def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``softmax(q k^T * scale + mask) v`` by two batched matmuls, the ``H / Hkv`` query heads that share a key
     head stacked as rows of one matrix; softmax in fp32 at least."""
@@ -84,7 +104,7 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor,
     if int(q_pos.max()) >= C or int(q_pos.min()) < 0:
         raise ValueError(f"cached_attention: positions in [{int(q_pos.min())}, {int(q_pos.max())}] do not fit "
                          f"the cache capacity {C}")
-    L = int(q_pos.max()) + 1                                   # slots anyone can see
+    L = attended_slots(int(q_pos.max()) + 1, C, q.device)     # slots anyone can see (or the whole cache)
     k, v = k_cache[:, :, :L], v_cache[:, :, :L]
     visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos[:, :, None]       # (B, S, L)
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))

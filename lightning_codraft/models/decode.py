@@ -21,7 +21,9 @@ fused decoders read the weights at construction (build one per ``generate`` call
   compute per step) and rotate q and k together;
 - build the attention mask, cache slots and positions once per forward, shared by all layers;
 - check capacity once per forward instead of in every layer;
-- compute logits only at the rows the caller needs (``logit_rows``).
+- compute logits only at the rows the caller needs (``logit_rows``);
+- on CPU, multiply by weights packed once for oneDNN (models/packed_linear.py) and attend to a whole cache
+  grown in blocks rather than copy a slice of it (``attention.cached.attended_slots``).
 
 Caches are :class:`~lightning_codraft.models.kv_cache.KVCache` objects (same layout, same ``lengths``
 semantics) whatever the implementation. Fused values equal the module path up to floating-point reassociation
@@ -37,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_codraft.attention.cached import decode_attention
+from lightning_codraft.attention.cached import attended_slots, decode_attention
 from lightning_codraft.models.kv_cache import KVCache
+from lightning_codraft.models.packed_linear import PackedLinear
 
 Taps = tuple[Tensor, ...]
 
@@ -225,14 +228,10 @@ class _Layer:
 
     ln1: Tensor
     ln2: Tensor
-    wqkv: Tensor
-    bqkv: Tensor | None
-    wo: Tensor
-    bo: Tensor | None
-    wgu: Tensor
-    bgu: Tensor | None
-    wd: Tensor
-    bd: Tensor | None
+    qkv: PackedLinear
+    o: PackedLinear
+    gu: PackedLinear
+    down: PackedLinear
     heads: int
     kv_heads: int
     head_dim: int
@@ -246,9 +245,11 @@ class _Layer:
         q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         c = _caster(dtype)
-        return cls(ln1=c(ln1.weight), ln2=c(ln2.weight), wqkv=c(torch.cat([q.weight, k.weight, v.weight])),
-                   bqkv=c(_cat(q.bias, k.bias, v.bias)), wo=c(o.weight), bo=c(o.bias),
-                   wgu=c(torch.cat([g.weight, u.weight])), bgu=c(_cat(g.bias, u.bias)), wd=c(d.weight), bd=c(d.bias),
+        return cls(ln1=c(ln1.weight), ln2=c(ln2.weight),
+                   qkv=PackedLinear(c(torch.cat([q.weight, k.weight, v.weight])), c(_cat(q.bias, k.bias, v.bias))),
+                   o=PackedLinear(c(o.weight), c(o.bias)),
+                   gu=PackedLinear(c(torch.cat([g.weight, u.weight])), c(_cat(g.bias, u.bias))),
+                   down=PackedLinear(c(d.weight), c(d.bias)),
                    heads=int(attn.num_heads), kv_heads=int(attn.num_kv_heads), head_dim=int(attn.head_dim),
                    eps=float(eps), q_norm=c(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
                    k_norm=c(attn.k_norm.weight) if hasattr(attn, "k_norm") else None)
@@ -263,7 +264,8 @@ class _Geometry:
     cos: Tensor         # (B, S, 1, D)
     sin: Tensor         # (B, S, 1, D)
     visible: int        # slots any query can see: max position + 1
-    mask: Tensor | None  # (B, 1, S, visible) additive 0 / -inf, None when every query sees every visible slot
+    width: int          # slots attended (attention.cached.attended_slots): ``visible`` or the whole cache
+    mask: Tensor | None  # (B, 1, S, width) additive 0 / -inf, None when every query sees every attended slot
 
 
 class _FusedMath:
@@ -298,21 +300,23 @@ class _FusedMath:
                              f"needs {top} slots but capacity is {capacity}; allocate a larger cache")
         offsets = torch.arange(num_tokens, device=start.device)
         cos, sin = self.cos, self.sin
+        width = attended_slots(top, cache.capacity, start.device)
+        slot_ids = torch.arange(width, device=start.device)
         if first is not None:  # one row: its slots are the contiguous range [first, top)
             mask = None
-            if num_tokens > 1:
-                visible = torch.arange(top, device=start.device)[None, :] <= (offsets + first)[:, None]  # (S, L)
+            if num_tokens > 1 or width > top:
+                visible = slot_ids[None, :] <= (offsets + first)[:, None]                            # (S, W)
                 mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
                 mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
             return _Geometry(rows=None, slots=first, cos=cos[first:top][None, :, None],
-                             sin=sin[first:top][None, :, None], visible=top, mask=mask)
+                             sin=sin[first:top][None, :, None], visible=top, width=width, mask=mask)
         slots = start[:, None] + offsets                        # (B, S)
         rows = torch.arange(batch, device=start.device)[:, None].expand(batch, num_tokens)
-        visible = torch.arange(top, device=start.device)[None, None, :] <= slots[:, :, None]  # (B, S, L)
+        visible = slot_ids[None, None, :] <= slots[:, :, None]  # (B, S, W)
         mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
         mask = mask.masked_fill_(~visible, float("-inf"))[:, None]
         return _Geometry(rows=rows, slots=slots, cos=cos[slots][:, :, None], sin=sin[slots][:, :, None],
-                         visible=top, mask=mask)
+                         visible=top, width=width, mask=mask)
 
     def _rotate(self, x: Tensor, geo: _Geometry) -> Tensor:
         """x: (B, S, h, D) -> RoPE-rotated ``x * cos + rotate_half(x) * sin`` (half-split layout).
@@ -335,7 +339,7 @@ class _FusedMath:
         """x: (B, S, H_in) normed attention input -> (B, S, H) o_proj output; writes the new keys/values."""
         B, S = x.shape[:2]
         heads, kv_heads = layer.heads, layer.kv_heads
-        qkv = F.linear(x, layer.wqkv, layer.bqkv).view(B, S, heads + 2 * kv_heads, layer.head_dim)
+        qkv = layer.qkv(x).view(B, S, heads + 2 * kv_heads, layer.head_dim)
         if layer.q_norm is None:
             qk = self._rotate(qkv[:, :, :heads + kv_heads], geo)
             q, k = qk[:, :, :heads], qk[:, :, heads:]
@@ -350,13 +354,14 @@ class _FusedMath:
         else:
             k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
             v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
-        out = decode_attention(q.transpose(1, 2), k_cache[:, :, :L], v_cache[:, :, :L], geo.mask)
-        return F.linear(out.transpose(1, 2).reshape(B, S, heads * layer.head_dim), layer.wo, layer.bo)
+        W = geo.width
+        out = decode_attention(q.transpose(1, 2), k_cache[:, :, :W], v_cache[:, :, :W], geo.mask)
+        return layer.o(out.transpose(1, 2).reshape(B, S, heads * layer.head_dim))
 
     @staticmethod
     def _mlp(layer: _Layer, x: Tensor) -> Tensor:
-        gate, up = F.linear(_rms(x, layer.ln2, layer.eps), layer.wgu, layer.bgu).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.wd, layer.bd)
+        gate, up = layer.gu(_rms(x, layer.ln2, layer.eps)).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
 
 class FusedPolicyDecoder(_FusedMath):
@@ -373,7 +378,7 @@ class FusedPolicyDecoder(_FusedMath):
                        for l in backbone.layers]
         tied = policy.lm_head.weight is backbone.embed_tokens.weight
         self.eps, self.norm = eps, c(backbone.norm.weight)
-        self.lm_head = self.embed_weight if tied else c(policy.lm_head.weight)
+        self.lm_head = PackedLinear(self.embed_weight if tied else c(policy.lm_head.weight))
 
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -392,7 +397,7 @@ class FusedPolicyDecoder(_FusedMath):
         if taps and len(self.layers) in taps:
             captured[len(self.layers)] = x
         cache.lengths = cache.lengths + S
-        logits = F.linear(_rms(gather_rows(x, logit_rows), self.norm, self.eps), self.lm_head)
+        logits = self.lm_head(_rms(gather_rows(x, logit_rows), self.norm, self.eps))
         return logits, (None if taps is None else tuple(captured[t] for t in taps))
 
 
@@ -403,15 +408,15 @@ class FusedDraftDecoder(_FusedMath):
 
     def __init__(self, draft: nn.Module, capacity: int, dtype: torch.dtype | None = None):
         mid, eps, c = draft.midlayer, float(draft.config.rms_norm_eps), _caster(dtype)
-        self.fc = c(draft.fc.weight)
-        super().__init__(draft, capacity, draft.rotary_emb, self.fc)
+        self.fc = PackedLinear(c(draft.fc.weight))
+        super().__init__(draft, capacity, draft.rotary_emb, self.fc.weight)
         self.in_ln, self.hidden_ln = c(mid.input_layernorm.weight), c(mid.hidden_norm.weight)
         self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps,
                                  dtype)
-        self.eps, self.norm, self.lm_head = eps, c(draft.norm.weight), c(draft.lm_head.weight)
+        self.eps, self.norm, self.lm_head = eps, c(draft.norm.weight), PackedLinear(c(draft.lm_head.weight))
 
     def fuse(self, taps: Taps) -> Tensor:
-        return F.linear(torch.cat(taps, dim=-1), self.fc)
+        return self.fc(torch.cat(taps, dim=-1))
 
     def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
              logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -422,4 +427,4 @@ class FusedDraftDecoder(_FusedMath):
         h = gather_rows(h, logit_rows)
         out = self._mlp(self.layer, h) + h
         cache.lengths = cache.lengths + S
-        return out, F.linear(_rms(out, self.norm, self.eps), self.lm_head)
+        return out, self.lm_head(_rms(out, self.norm, self.eps))

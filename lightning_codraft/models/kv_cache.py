@@ -11,6 +11,9 @@ position ``p``. A decode step with ``S`` new tokens per row:
    new length (right-padded prefill) are stale and are overwritten by the next step before they become visible.
 
 ``truncate(lengths)`` rolls rows back (rejected speculative tokens) without touching the tensors.
+``reserve(slots)`` grows the tensors in blocks as rows lengthen: a cache that holds only a block more than its
+longest row can be attended whole, which on CPU avoids copying a slice of it in every layer (see
+docs/design/rollout.md, "decode attention").
 """
 
 from __future__ import annotations
@@ -85,6 +88,28 @@ class KVCache:
         rows = torch.arange(B, device=slots.device)[:, None].expand(B, S)
         self.k[layer][rows, :, slots] = k_new.to(self.k[layer].dtype)
         self.v[layer][rows, :, slots] = v_new.to(self.v[layer].dtype)
+
+    def reserve(self, slots: int, block: int = 32) -> None:
+        """Hold at least ``slots`` slots per row: if the tensors are shorter, replace them (every layer) by
+        tensors of ``slots`` rounded up to a multiple of ``block``, with the old slots copied and the new ones zero.
+
+        Call it on the cache that owns the storage: views from :meth:`select` keep the old tensors.
+
+        Args:
+            slots: slots needed (``>= 1``), e.g. the longest row plus the tokens about to be written.
+            block: growth granularity (``>= 1``): a growth copies the whole cache, so it should be rare.
+        """
+        if slots < 1 or block < 1:
+            raise ValueError(f"KVCache.reserve: slots={slots} and block={block} must be >= 1")
+        old = self.capacity
+        if slots <= old:
+            return
+        new = -(-slots // block) * block
+        for tensors in (self.k, self.v):
+            for i, t in enumerate(tensors):
+                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                grown[:, :, :old] = t
+                tensors[i] = grown
 
     def advance(self, num_new: Tensor | int) -> None:
         """Grow every row by ``num_new`` (an int or ``(B,)``) slots after all layers have written."""

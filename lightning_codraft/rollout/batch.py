@@ -38,6 +38,13 @@ class LiveRows:
     noise: CounterNoise           # the rows' counter-based noise (their seeds)
     out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
 
+    def reserve(self, slots: int) -> None:
+        """Grow both caches to hold ``slots`` slots a row (:meth:`KVCache.reserve`; the draft's slots never
+        exceed the policy's)."""
+        self.pcache.reserve(slots)
+        if self.dcache is not None:
+            self.dcache.reserve(slots)
+
     def keep(self, rows: list[int]) -> None:
         """Keep ``rows`` (an order :meth:`KVCache.compact` accepts), slot ``i`` taking row ``rows[i]``."""
         sel = torch.tensor(rows, device=self.pending.device)

@@ -288,13 +288,15 @@ class SpeculativeEngine:
         budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
         max_len = max(host_lens)
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
-        # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots
-        capacity = max(max(n + b for n, b in zip(host_lens, budget)) + 2 * (K + 1), max_len)
-        pcache = pdec.allocate_cache(batch, capacity)
+        # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots. The caches
+        # start at the prompts' size and grow in blocks as rows lengthen (KVCache.reserve), so that on CPU the
+        # attention reads each whole cache instead of copying a slice of it (attention.cached.attended_slots)
+        spare = 2 * (K + 1)
+        pcache = pdec.allocate_cache(batch, max_len + spare)
         stops = set(params.stop_token_ids)
         key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
         b = LiveRows(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
-                   dcache=ddec.allocate_cache(batch, capacity) if use_draft else None, pending=lens,
+                   dcache=ddec.allocate_cache(batch, max_len + spare) if use_draft else None, pending=lens,
                    length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
                    estimates=None if self.controller is None else self.controller.new_batch(batch, key),
                    noise=noise, out_pos=torch.zeros_like(lens))
@@ -331,6 +333,7 @@ class SpeculativeEngine:
                 done = [False] * len(b.active)
             rows = torch.arange(len(b.active), device=device)
             k, t_start = K, clock(device)
+            b.reserve(int(b.length.max()) + spare)
             if self.controller is not None:
                 if self.controller.needs_calibration(len(b.active)):
                     self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, sampler)

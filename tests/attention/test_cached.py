@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_codraft.attention import cached as cached_mod
-from lightning_codraft.attention.cached import cached_attention, decode_attention
+from lightning_codraft.attention.cached import attended_slots, cached_attention, decode_attention
 
 
 def reference(q, k_cache, v_cache, q_pos):
@@ -100,3 +100,12 @@ def test_decode_attention_takes_the_grouped_path_for_few_queries(monkeypatch):
     decode_attention(torch.randn(4, 2, cached_mod.GROUPED_MAX_QUERIES + 1, 8), k, v)   # prefill: SDPA
     decode_attention(torch.randn(1, 2, 3, 8), k[:1], v[:1])                          # one fp32 row: SDPA
     assert calls == [1, 1]
+
+
+def test_a_cache_with_little_slack_is_attended_whole_on_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attended_slots(300, 320, cpu) == 320                       # within a block: no slice to copy
+    assert attended_slots(300, 300 + 300 // 4, cpu) == 375           # a quarter of the rows' length
+    assert attended_slots(300, 400, cpu) == 300                       # too much slack: attend the slice
+    assert attended_slots(10, 74, cpu) == 74 and attended_slots(10, 75, cpu) == 10
+    assert attended_slots(300, 320, cuda) == 300                      # strided batched matmuls read slices in place

@@ -253,3 +253,38 @@ def test_a_module_path_decoder_refuses_another_dtype():
     with pytest.raises(ValueError, match="needs its fused policy decoder"):
         policy_decoder(Wrapper(), 16, torch.bfloat16)
     assert isinstance(policy_decoder(Wrapper(), 16, torch.float32), ModulePolicyDecoder)  # its own dtype: fine
+
+
+@pytest.mark.parametrize("capacity,attends_all", [(24, True), (200, False)], ids=["small-slack", "large-slack"])
+@pytest.mark.parametrize("lengths", [[5, 2, 7], [6]], ids=["ragged-batch", "one-row"])
+def test_fused_decode_attends_the_whole_cache_only_when_its_slack_is_small(monkeypatch, lengths, capacity,
+                                                                           attends_all):
+    """A cache at most a block longer than its rows is attended whole (no copy of a slice on CPU), masked: slots
+    past each row's length full of garbage change nothing."""
+    import lightning_codraft.models.decode as decode
+
+    widths = []
+    real = decode.decode_attention
+
+    def spy(q, k, v, mask=None, scale=None):
+        widths.append((k.shape[2], k.is_contiguous()))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(decode, "decode_attention", spy)
+    policy = _policy(seed=1)
+    decoder = policy.decoder(capacity)
+    allocate = decoder.allocate_cache
+
+    def garbage_cache(batch, _capacity):
+        cache = allocate(batch, capacity)
+        for t in cache.k + cache.v:
+            t.normal_(0.0, 100.0)                                   # every slot: stale until written
+        return cache
+
+    decoder.allocate_cache = garbage_cache
+    _decode_and_compare(policy, decoder, lengths, taps=(0, 2))
+    assert widths
+    if attends_all:
+        assert all(w == (capacity, True) for w in widths)
+    else:
+        assert all(w < capacity for w, _ in widths)

@@ -96,3 +96,22 @@ def test_compact_refuses_an_order_that_would_overwrite_a_row_before_reading_it()
     with pytest.raises(ValueError, match="distinct"):
         cache.compact([0, 7])
     assert hole_filling_order([True, False, True, False, True, True]) == [0, 5, 2, 4]
+
+
+def test_reserve_grows_in_blocks_and_keeps_every_slot():
+    cache = KVCache.allocate(2, 3, 2, 4, 5)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.lengths = torch.tensor([5, 2, 4])
+    cache.reserve(5)                                               # fits: nothing changes
+    assert cache.capacity == 5 and all(a is b or torch.equal(a, b) for a, b in zip(cache.k + cache.v, before))
+    cache.reserve(6, block=4)
+    assert cache.capacity == 8 and cache.lengths.tolist() == [5, 2, 4]
+    for t, old in zip(cache.k + cache.v, before):
+        assert t.shape == (3, 2, 8, 4) and t.is_contiguous()
+        assert torch.equal(t[:, :, :5], old) and not t[:, :, 5:].any()
+    cache.reserve(9, block=32)
+    assert cache.capacity == 32
+    with pytest.raises(ValueError, match="must be >= 1"):
+        cache.reserve(0)

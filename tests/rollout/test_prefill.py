@@ -20,6 +20,20 @@ def test_groups_cover_the_rows_within_the_padded_budget():
         prefill_groups([3, 2], 8)
 
 
+def test_groups_close_before_rows_that_would_make_them_mostly_padding():
+    lengths = [62, 70, 79, 82, 85, 85, 86, 91, 97, 98, 100, 108, 110, 118, 145, 168]   # GSM8K long-tail prompts
+    groups = prefill_groups(lengths, group_tokens=4096)
+    assert groups == [(0, 8), (8, 14), (14, 16)]
+    padded = sum((b - a) * lengths[b - 1] for a, b in groups)
+    assert padded == 1772 < 16 * 168                                   # one group: 2688 positions
+    for a, b in groups:                                                # each group within its padding limit
+        assert (b - a) * lengths[b - 1] - sum(lengths[a:b]) <= 0.125 * (b - a) * lengths[b - 1]
+    assert prefill_groups(lengths, 4096, max_padding=0.99) == [(0, 16)]
+    assert prefill_groups([1, 100], 4096) == [(0, 2)]                 # a group under min_group_tokens never closes
+    with pytest.raises(ValueError, match="max_padding"):
+        prefill_groups(lengths, 4096, max_padding=1.0)
+
+
 @pytest.mark.parametrize("taps", [None, (0, 1, 2)])
 def test_grouped_prefill_equals_one_padded_forward(taps):
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts, reference_filter
 
-from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.models import Eagle3Draft, KVCache
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
 from lightning_codraft.rollout import noise, sampler
 from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
@@ -95,9 +95,31 @@ def test_plain_greedy_matches_full_recompute(policy):
         assert o.finish_reason == "length" and len(o.logprobs) == 12
 
 
+@pytest.mark.parametrize("k", [0, 4])
+def test_caches_grow_in_blocks_and_stay_exact(policy, fitted, monkeypatch, k):
+    """Long generations: the caches start at the prompts' size and grow block by block (each growth copies
+    them), and the tokens still equal the dense recompute's."""
+    grown = []
+    reserve = KVCache.reserve
+
+    def spy(self, slots, block=32):
+        before = self.capacity
+        reserve(self, slots, block)
+        if self.capacity > before:
+            grown.append(self.capacity)
+
+    monkeypatch.setattr(KVCache, "reserve", spy)
+    draft, fit_set = fitted
+    prompts = fit_set[:2] + random_prompts(2, policy.config.vocab_size, seed=11)
+    outs = SpeculativeEngine(policy, draft if k else None, k, max_batch_size=2).generate(prompts, 100, temperature=0.0)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _dense_greedy(policy, p, 100)
+    assert len(set(grown)) >= 3                                          # several growths really happened
+
+
 @pytest.mark.parametrize("mode", ["fixed", "adaptive", "scripted"])
 def test_one_row_batches_equal_plain_greedy(policy, fitted, mode):
-    """engine_batch_size 1 (the RL recipes' setting): one-row caches take the slice-copy path."""
+    """engine_batch_size 1 (the RL recipes' setting): one-row caches take their own geometry path."""
     draft, fit_set = fitted
     prompts = fit_set[:4] + random_prompts(4, policy.config.vocab_size, seed=9)
     plain = SpeculativeEngine(policy, None, 0).generate(prompts, 40, temperature=0.0)

@@ -1,0 +1,55 @@
+"""models/packed_linear.py: the oneDNN-packed decode linear equals ``F.linear`` (bf16 bit for bit), gives each row
+the same result whatever the number of rows (what token-exact speculative verification needs), and falls back to
+``F.linear`` where it cannot serve (gradients, another input dtype)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_codraft.models.packed_linear import PackedLinear, packing_available
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear(dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    lin = PackedLinear(w, b)
+    assert lin.packed is not None
+    for shape in ((1, 40), (5, 40), (3, 7, 40)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        y, ref = lin(x), F.linear(x, w, b)
+        assert y.shape == ref.shape and y.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(y, ref)
+        else:
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 6, 40, generator=g).to(dtype)[:, ::2]          # a strided input
+    torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_result_does_not_depend_on_how_many_rows_the_call_holds(dtype):
+    g = torch.Generator().manual_seed(1)
+    lin = PackedLinear(torch.randn(384, 192, generator=g).to(dtype))
+    x = torch.randn(80, 192, generator=g).to(dtype)
+    one_by_one = torch.cat([lin(x[i:i + 1]) for i in range(16)])
+    for rows in (16, 80):
+        assert torch.equal(lin(x[:rows])[:16], one_by_one)
+
+
+def test_gradients_and_other_dtypes_take_f_linear():
+    w = torch.randn(8, 4, requires_grad=True)
+    lin = PackedLinear(w)
+    x = torch.randn(3, 4, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, w.detach().sum(0).expand(3, 4))
+    torch.testing.assert_close(w.grad, x.detach().sum(0).expand(8, 4))
+    x64 = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(PackedLinear(w.detach().double())(x64), F.linear(x64, w.detach().double()))
+    assert PackedLinear(w.detach(), pack=False).packed is None
