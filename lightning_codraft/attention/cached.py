@@ -22,17 +22,20 @@ ATTEND_ALL_SLACK = 64
 than it needs (:func:`attended_slots`)."""
 
 
-def attended_slots(top: int, capacity: int, device: torch.device) -> int:
-    """How many cache slots a step whose queries see slots ``[0, top)`` attends to (the rest masked).
+def attended_slots(top: int, capacity: int, queries: int, device: torch.device) -> int:
+    """How many cache slots a step of ``queries`` new tokens a row, whose queries see slots ``[0, top)``, attends
+    to (the rest masked).
 
-    On CPU the batched matmuls copy a slice ``k[:, :, :top]`` of a longer cache (its batch stride is not
-    compact) in every layer, which costs more than attending to a few masked slots: at batch 12 and 420 slots in
-    bf16 a layer's attention takes 1.2 ms on the slice and 0.5 ms over 452 slots (docs/design/decoding.md). So
-    a cache that is at most ``max(ATTEND_ALL_SLACK, top // 4)`` slots longer (``KVCache.reserve`` grows it in
-    blocks) is attended whole; elsewhere, and on accelerators (strided batched matmuls read a slice in place),
-    just ``top``.
+    On CPU the batched matmuls of :func:`_grouped_attention` copy a slice ``k[:, :, :top]`` of a longer cache (its
+    batch stride is not compact) in every layer, which costs more than attending to a few masked slots: at batch
+    12 and 420 slots in bf16 a layer's attention takes 1.2 ms on the slice and 0.5 ms over 452 slots
+    (docs/design/decoding.md). So a decode or verify step (at most :data:`GROUPED_MAX_QUERIES` queries) over a
+    cache at most ``max(ATTEND_ALL_SLACK, top // 4)`` slots longer (``KVCache.reserve`` grows it in blocks)
+    attends to the whole cache; its result does not depend on how many masked slots it spans. Prefill (SDPA,
+    whose blocked softmax rounds differently over another width), steps over a much longer cache, and steps on
+    accelerators (strided batched matmuls read a slice in place) attend to ``top`` slots.
     """
-    if device.type == "cpu" and capacity - top <= max(ATTEND_ALL_SLACK, top // 4):
+    if device.type == "cpu" and queries <= GROUPED_MAX_QUERIES and capacity - top <= max(ATTEND_ALL_SLACK, top // 4):
         return capacity
     return top
 
@@ -104,7 +107,7 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor,
     if int(q_pos.max()) >= C or int(q_pos.min()) < 0:
         raise ValueError(f"cached_attention: positions in [{int(q_pos.min())}, {int(q_pos.max())}] do not fit "
                          f"the cache capacity {C}")
-    L = attended_slots(int(q_pos.max()) + 1, C, q.device)     # slots anyone can see (or the whole cache)
+    L = attended_slots(int(q_pos.max()) + 1, C, S, q.device)  # slots anyone can see (or the whole cache)
     k, v = k_cache[:, :, :L], v_cache[:, :, :L]
     visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos[:, :, None]       # (B, S, L)
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))

@@ -300,7 +300,7 @@ class _FusedMath:
                              f"needs {top} slots but capacity is {capacity}; allocate a larger cache")
         offsets = torch.arange(num_tokens, device=start.device)
         cos, sin = self.cos, self.sin
-        width = attended_slots(top, cache.capacity, start.device)
+        width = attended_slots(top, cache.capacity, num_tokens, start.device)
         slot_ids = torch.arange(width, device=start.device)
         if first is not None:  # one row: its slots are the contiguous range [first, top)
             mask = None

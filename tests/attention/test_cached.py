@@ -104,8 +104,25 @@ def test_decode_attention_takes_the_grouped_path_for_few_queries(monkeypatch):
 
 def test_a_cache_with_little_slack_is_attended_whole_on_cpu_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert attended_slots(300, 320, cpu) == 320                       # within a block: no slice to copy
-    assert attended_slots(300, 300 + 300 // 4, cpu) == 375           # a quarter of the rows' length
-    assert attended_slots(300, 400, cpu) == 300                       # too much slack: attend the slice
-    assert attended_slots(10, 74, cpu) == 74 and attended_slots(10, 75, cpu) == 10
-    assert attended_slots(300, 320, cuda) == 300                      # strided batched matmuls read slices in place
+    assert attended_slots(300, 320, 1, cpu) == 320                    # within a block: no slice to copy
+    assert attended_slots(300, 300 + 300 // 4, 5, cpu) == 375         # a quarter of the rows' length
+    assert attended_slots(300, 400, 1, cpu) == 300                    # too much slack: attend the slice
+    assert attended_slots(10, 74, 16, cpu) == 74 and attended_slots(10, 75, 1, cpu) == 10
+    assert attended_slots(300, 320, 17, cpu) == 300                   # prefill (SDPA): its own width
+    assert attended_slots(300, 320, 1, cuda) == 300                   # strided batched matmuls read slices in place
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_masked_slots_past_the_visible_ones_change_no_bit(queries):
+    """The grouped path's result does not depend on how many masked slots it spans (so a verify step over a
+    cache grown for a wider batch equals the plain step over its own): bf16, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    B, L = 4, 130
+    q = torch.randn(B, 9, queries, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(B, 3, 400, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    outs = []
+    for width in (130, 131, 160, 192, 400):
+        visible = torch.arange(width)[None, :] <= (L - queries + torch.arange(queries))[:, None]
+        mask = torch.zeros(1, 1, queries, width, dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))
+        outs.append(decode_attention(q, k[:, :, :width].contiguous(), v[:, :, :width].contiguous(), mask))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])

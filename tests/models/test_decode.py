@@ -288,3 +288,26 @@ def test_fused_decode_attends_the_whole_cache_only_when_its_slack_is_small(monke
         assert all(w == (capacity, True) for w in widths)
     else:
         assert all(w < capacity for w, _ in widths)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_logits_do_not_depend_on_the_caches_capacity(dtype):
+    """Prefill, verify and decode steps over caches of other capacities (as engines with another K or batch
+    allocate them) give bitwise the same logits: what keeps bf16 speculative decoding token-identical to plain."""
+    policy = _policy(seed=4)
+    g = torch.Generator().manual_seed(2)
+    lengths = [150, 97, 120]
+    ids = torch.randint(0, policy.config.vocab_size, (3, max(lengths) + 6), generator=g)
+    results = []
+    with torch.inference_mode():
+        decoder = policy.decoder(256, dtype)
+        for capacity in (max(lengths) + 6, max(lengths) + 40, 250):
+            cache = decoder.allocate_cache(3, capacity)
+            first, _ = decoder.forward(ids[:, :max(lengths)], cache, logit_rows=torch.tensor(lengths) - 1)
+            cache.lengths = torch.tensor(lengths)
+            verify, _ = decoder.forward(ids[:, :5], cache)
+            cache.lengths = torch.tensor(lengths) + 1
+            step, _ = decoder.forward(ids[:, 5:6], cache)
+            results.append((first, verify[:, :2], step))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

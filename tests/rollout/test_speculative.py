@@ -569,27 +569,26 @@ def test_failure_names_the_failing_requests(policy):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_bfloat16_engine_matches_plain_bfloat16_decoding(policy, fitted, temperature):
     """``dtype="bfloat16"`` decodes from a bf16 copy of the weights (the module stays fp32). Speculative decoding,
-    fixed and adaptive, then samples the bf16 policy: the same first token and log-prob as plain bf16 decoding
-    (the same prefill), the same tokens and log-probs (up to bf16 rounding) until a near-tie is broken
-    differently, and the same whole sequences for most requests. Exact equality, as in fp32, is not possible: a
-    verify forward of 1 + k tokens per row rounds differently from a one-token step (bf16 matmuls are not
-    shape-invariant), measured up to 0.064 nats (2.6%) per token here. This tiny random policy is chaotic in bf16 (its
-    plain bf16 and fp32 greedy outputs agree on 6 of 16 prompts), so near-ties are common; a real model has few."""
+    fixed and adaptive, then gives exactly plain bf16 decoding's tokens and log-probs: on CPU a verify forward of
+    1 + k tokens a row computes each row's logits bit for bit as k + 1 one-token steps do (packed linear weights
+    give a row the same result whatever the number of rows; the grouped attention's result does not depend on the
+    masked slots it spans; prefill attends to its own width whatever the cache's capacity). This tiny random
+    policy is chaotic in bf16 (its plain bf16 and fp32 greedy outputs agree on few prompts), so any rounding
+    difference between a verify and a plain step would show. (Another ``max_batch_size`` groups the prompts'
+    prefill differently, and the CPU flash kernel's rounding depends on the padded width: the same bf16 policy
+    sampled, not the same tokens.)"""
     draft, fit_set = fitted
     prompts = random_prompts(8, policy.config.vocab_size, seed=21) + fit_set[:8]
     kw = dict(temperature=temperature, seed=5)
-    plain = SpeculativeEngine(policy, None, 0, dtype="bfloat16").generate(prompts, 24, **kw)
-    fp32 = SpeculativeEngine(policy, None, 0).generate(prompts, 24, **kw)
-    assert [o.logprobs[0] for o in plain] != [o.logprobs[0] for o in fp32]  # it does decode in another dtype
+    plain = SpeculativeEngine(policy, None, 0, dtype="bfloat16").generate(prompts, 40, **kw)
+    fp32 = SpeculativeEngine(policy, None, 0).generate(prompts, 40, **kw)
+    assert sum(o.token_ids != r.token_ids for o, r in zip(plain, fp32)) >= 4  # it does decode in another dtype
     for engine in (SpeculativeEngine(policy, draft, 4, dtype=torch.bfloat16),
+                   SpeculativeEngine(policy, draft, 3, dtype="bfloat16"),
                    SpeculativeEngine(policy, draft, 4, dtype="bfloat16", adaptive=_adaptive("adaptive", 4))):
-        outs = engine.generate(prompts, 24, **kw)
-        assert sum(o.token_ids == r.token_ids for o, r in zip(outs, plain)) >= 12
+        outs = engine.generate(prompts, 40, **kw)
         for o, r in zip(outs, plain):
-            assert o.token_ids[0] == r.token_ids[0] and o.logprobs[0] == r.logprobs[0]
-            n = next((t for t, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b), len(o.token_ids))
-            torch.testing.assert_close(torch.tensor(o.logprobs[:n]), torch.tensor(r.logprobs[:n]), atol=5e-2,
-                                       rtol=5e-2)
+            assert o.token_ids == r.token_ids and o.logprobs == r.logprobs
         if temperature == 0.0:  # the draft still works in bf16: accepted on the prompts it was fitted to
             assert AcceptanceStats.total(o.stats for o in outs[8:]).acceptance_length > 1.5
     assert next(policy.parameters()).dtype == torch.float32
