@@ -339,15 +339,16 @@ def goals(rows: list[dict]) -> list[tuple[str, float, float, bool, str]]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | B | T | max new | repeats x calls | tokens (plain: min/med/max per request) | arm | tokens/s CPU | "
-             "tokens/s wall | speed-up CPU | speed-up wall | policy fwd / token | acceptance length | mean k | "
+    lines = ["| model | B | T | max new | repeats x calls | tokens (plain: min/med/max per request) | arm | "
+             "tokens/s CPU | tokens/s wall | speed-up CPU | speed-up wall | policy fwd / token | acceptance length | mean k | "
              "plain rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for arm in ARMS:
             a = r[arm]
+            spread = f"({'/'.join(map(str, r['lengths']))})" if arm == "none" else ""
             lines.append(f"| {r['model']} | {r['B']} | {r['T']:g} | {r['max_new_tokens']} | "
-                         f"{r['repeats']} x {r.get('inner', 1)} | {a.get('tokens', r['tokens'])} "
-                         f"{'(' + '/'.join(map(str, r['lengths'])) + ')' if arm == 'none' else ''} | {ARM_LABEL[arm]} | {a['tok_s_cpu']:.1f} | "
+                         f"{r['repeats']} x {r.get('inner', 1)} | {a.get('tokens', r['tokens'])} {spread} | "
+                         f"{ARM_LABEL[arm]} | {a['tok_s_cpu']:.1f} | "
                          f"{a['tok_s_wall']:.1f} | {a['speedup_cpu']:.2f}x | {a['speedup_wall']:.2f}x | "
                          f"{a['fwd_per_tok']:.3f} | {a['acc_len']:.2f} | "
                          f"{a['mean_k'] if arm != 'none' else 0:.2f} | {a['plain_rounds'] if arm != 'none' else '-'} |")

@@ -35,7 +35,8 @@ def attended_slots(top: int, capacity: int, queries: int, device: torch.device) 
     whose blocked softmax rounds differently over another width), steps over a much longer cache, and steps on
     accelerators (strided batched matmuls read a slice in place) attend to ``top`` slots.
     """
-    if device.type == "cpu" and queries <= GROUPED_MAX_QUERIES and capacity - top <= max(ATTEND_ALL_SLACK, top // 4):
+    slack = capacity - top
+    if device.type == "cpu" and queries <= GROUPED_MAX_QUERIES and slack <= max(ATTEND_ALL_SLACK, top // 4):
         return capacity
     return top
 
