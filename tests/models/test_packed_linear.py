@@ -34,13 +34,18 @@ def test_packed_equals_f_linear(dtype, bias):
 
 @needs_packing
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_rows_result_does_not_depend_on_how_many_rows_the_call_holds(dtype):
-    g = torch.Generator().manual_seed(1)
-    lin = PackedLinear(torch.randn(384, 192, generator=g).to(dtype))
-    x = torch.randn(80, 192, generator=g).to(dtype)
-    one_by_one = torch.cat([lin(x[i:i + 1]) for i in range(16)])
-    for rows in (16, 80):
-        assert torch.equal(lin(x[:rows])[:16], one_by_one)
+@pytest.mark.parametrize("shape", [(384, 192), (576, 1536)], ids=["small", "smollm2-down"])
+def test_a_rows_result_does_not_depend_on_how_many_rows_the_call_holds(dtype, shape):
+    """Also for one row: oneDNN's one-row bf16 kernel over 1536 inputs rounds some outputs differently (6 of
+    34560 here without the two-row padding)."""
+    g = torch.Generator().manual_seed(0)
+    lin = PackedLinear((torch.randn(*shape, generator=g) * 0.05).to(dtype))
+    for _ in range(20):
+        x = (torch.randn(96, shape[1], generator=g) * torch.rand(96, 1, generator=g) * 2).to(dtype)
+        ref = lin(x)
+        for rows in (1, 2, 3, 5, 16, 80):
+            assert torch.equal(lin(x[:rows]), ref[:rows])
+        assert torch.equal(lin(x[3:4].view(1, 1, -1)), ref[3:4].view(1, 1, -1))
 
 
 def test_gradients_and_other_dtypes_take_f_linear():
