@@ -405,9 +405,10 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
              "- Losslessness: every arm's tokens are compared with plain decoding's in every repeat: "
              + ("**identical in every cell**" if not any(r["mismatches"] for r in rows) else
                 "**MISMATCHES found** (listed below)") + (" (fp32)." if diverged is None else
-             f"; in bfloat16, where a verify forward of 1 + k tokens rounds differently from a one-token step and a "
-             f"near-tie can break the other way, {diverged[0]} of {diverged[1]} compared sequences continue "
-             f"differently from plain decoding (listed below): the same bf16 policy sampled, not token-identical."),
+             f"; in bfloat16 {diverged[0]} of {diverged[1]} compared sequences continue differently from plain "
+             f"decoding (listed below; on CPU a verify forward of 1 + k tokens computes the logits of k + 1 "
+             f"one-token steps bit for bit, docs/design/decoding.md, so any divergence is a kernel that is not "
+             f"row-invariant: the same bf16 policy sampled, not token-identical)."),
              ""]
     for name, notes in models_notes.items():
         lines += [f"**{name}**", ""] + [f"- {n}" for n in notes] + [""]
