@@ -23,7 +23,9 @@ Each round the engine asks :meth:`SpeculationController.choose` for ``k`` in ``0
 
 The batch shares one k: the verify forward is padded to ``1 + k`` tokens per row, so a row verifying fewer
 positions saves no time; a request whose draft keeps failing adds ~1 token per round to ``sum_b E_b(k)`` whatever
-k is, so a batch of such requests stops drafting (k = 0), and the engine then also skips the draft's catch-up.
+k is, so a batch of such requests stops drafting (k = 0). While k = 0 the engine skips the draft's catch-up (and,
+until a batch's first drafting round, the draft's pass over the prompts) and pays it when drafting resumes; the
+choice counts that one-time cost spread over the rounds the batch has left.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class AdaptiveConfig:
     """While k = 0 the draft's catch-up is deferred; when drafting resumes after more plain rounds than this, the
     draft catches up on the last ``resume_window`` positions only (it keeps what it had cached before, e.g. the
     prompt, and skips the positions between)."""
+    resume_horizon: int = 64
+    """A deferred catch-up (the prompts before a batch's first drafting round, the plain rounds since drafting
+    stopped) is charged to the round that resumes drafting spread over the rounds the batch has left, at most this
+    many: at a width where drafting gains little per round, a catch-up over the whole batch's prompts is not paid
+    for one round of it."""
 
     def __post_init__(self) -> None:
         for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay", "failed_rate"):
@@ -88,7 +95,7 @@ class AdaptiveConfig:
         for name in ("global_prior_weight", "request_prior_weight", "position_prior_weight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be > 0")
-        for name, low in (("cost_history", 8), ("resume_window", 1), ("explore_every", 2)):
+        for name, low in (("cost_history", 8), ("resume_window", 1), ("resume_horizon", 1), ("explore_every", 2)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be >= {low}")
         first, longest = self.probe_backoff
@@ -250,15 +257,22 @@ class SpeculationController:
             self._checked_size, self._near_calibration = batch_size, not self.costs.needs_calibration(batch_size)
         return not self._near_calibration
 
-    def choose(self, estimates: AcceptanceEstimates, remaining: Sequence[int]) -> int:
+    def choose(self, estimates: AcceptanceEstimates, remaining: Sequence[int], catch_up_span: int = 0) -> int:
         """k in ``0..K`` maximising expected tokens per second for this batch (``remaining``: ``(B,)``), or 0
-        while drafting waits out its backoff after it stopped paying."""
+        while drafting waits out its backoff after it stopped paying. ``catch_up_span``: positions per row the
+        draft must catch up on before it proposes (deferred prompts and plain rounds): that one-time cost is
+        spread over the rounds the batch has left (at most ``resume_horizon``)."""
         st = estimates.shared
         if st.hold > 0:
             st.hold -= 1
             return 0
-        times = self.costs.round_times(len(remaining), self.max_k)
+        B = len(remaining)
+        times = self.costs.round_times(B, self.max_k)
         tokens = expected_tokens(estimates.rates(), remaining)
+        if catch_up_span > 0:
+            once, longest = self.costs.catch_up(B, catch_up_span), max(remaining)
+            for k in range(1, self.max_k + 1):
+                times[k] += once / max(1.0, min(self.config.resume_horizon, longest * B / tokens[k]))
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:

@@ -31,12 +31,20 @@ class LiveRows:
     pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
     length: torch.Tensor          # (B,) tokens in the policy cache
     doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by _resume)
-    h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while backlog is non-empty)
+    h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while a catch-up is deferred)
     dl_last: torch.Tensor | None  # (B, Vd) its logits
     backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
     estimates: AcceptanceEstimates | None
     noise: CounterNoise           # the rows' counter-based noise (their seeds)
     out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
+    prompt: tuple[Taps, torch.Tensor, torch.Tensor] | None = None
+    """The prompts' draft catch-up, deferred until the first drafting round (adaptive engines: a batch that never
+    drafts never runs its draft over the prompts): taps ``(B, P, H)`` each, next ids ``(B, P)``, lengths ``(B,)``."""
+
+    def catch_up_span(self, window: int) -> int:
+        """Positions a row's draft still has to catch up on before it can propose (0: none): the deferred prompt's
+        padded width plus the deferred rounds (at most ``window`` of them)."""
+        return (0 if self.prompt is None else self.prompt[1].shape[1]) + min(len(self.backlog), window)
 
     def reserve(self, slots: int) -> None:
         """Grow both caches to hold ``slots`` slots a row (:meth:`KVCache.reserve`; the draft's slots never
@@ -57,6 +65,9 @@ class LiveRows:
         if self.h_last is not None:
             self.h_last, self.dl_last = self.h_last[sel], self.dl_last[sel]
         self.backlog = [(tuple(t[sel] for t in taps), nxt[sel]) for taps, nxt in self.backlog]
+        if self.prompt is not None:
+            taps, nxt, lens = self.prompt
+            self.prompt = (tuple(t[sel] for t in taps), nxt[sel], lens[sel])
         if self.estimates is not None:
             self.estimates.select(rows)
 

@@ -26,10 +26,10 @@ import torch
 from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
-    coupled_verify,
     filter_logits,
     greedy_verify,
     gumbel_argmax,
+    lazy_coupled_verify,
     rejection_sample,
 )
 
@@ -79,17 +79,23 @@ class TokenSampler:
         return gumbel_argmax(logprobs, noise.gumbel(positions[:, None], TOKEN, self._vocab(logprobs.device))[:, 0])
 
     def start_round(self, noise: CounterNoise, positions: torch.Tensor, k: int) -> RoundNoise:
-        """Draw a round's noise in one go: k proposals and k + 1 verified positions from ``positions`` (B,)."""
+        """A round's noise: k proposals and k + 1 verified positions from ``positions`` (B,). Rejection sampling's
+        is drawn now; coupled sampling's TOKEN noise when a proposal or a verified position needs it (the
+        proposals over the draft vocabulary only, each verified position only for the rows that reach it)."""
         out = RoundNoise(noise, positions)
-        if self.greedy:
+        if self.greedy or self.mode == "coupled" or not k:
             return out
-        at = positions[:, None] + torch.arange(k + 1, device=positions.device)   # (B, k+1)
-        if self.mode == "coupled":
-            out.token = noise.gumbel(at, TOKEN, self._vocab(positions.device))
-        elif k:
-            out.draft = noise.gumbel(at[:, :k], DRAFT, self._draft_vocab(positions.device))
-            out.accept = noise.uniform(at[:, :k], ACCEPT)[..., 0]
+        at = positions[:, None] + torch.arange(k, device=positions.device)   # (B, k)
+        out.draft = noise.gumbel(at, DRAFT, self._draft_vocab(positions.device))
+        out.accept = noise.uniform(at, ACCEPT)[..., 0]
         return out
+
+    def token_noise(self, rn: RoundNoise, j: int, ids: torch.Tensor, rows: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """(n, N) coupled TOKEN noise of the round's position j (output position ``rn.positions + j``) over token
+        ids ``ids`` (N,), for rows ``rows`` (n,) or every row; an id's noise does not depend on the other ids drawn."""
+        noise, at = (rn.noise, rn.positions) if rows is None else (rn.noise.select(rows), rn.positions[rows])
+        return noise.gumbel((at + j)[:, None], TOKEN, ids)[:, 0]
 
     def _draft_vocab(self, device: torch.device) -> torch.Tensor:
         return self.index if self.index is not None else self._vocab(device)
@@ -112,7 +118,7 @@ class TokenSampler:
             logits = logits / self.params.temperature
         logits = filter_logits(logits, self.params.top_k, self.params.top_p)
         if self.mode == "coupled":  # each draft id scored with the noise of its target id
-            g = rn.token[:, j] if self.index is None else rn.token[:, j].index_select(-1, self.index)
+            g = self.token_noise(rn, j, self._draft_vocab(logits.device))
             return self._target_ids(gumbel_argmax(logits, g)), None
         return self._target_ids(gumbel_argmax(logits, rn.draft[:, j])), torch.softmax(logits, dim=-1)
 
@@ -142,7 +148,8 @@ class TokenSampler:
         if self.greedy:
             return greedy_verify(torch.argmax(logprobs, dim=-1), draft_ids)
         if self.mode == "coupled":
-            return coupled_verify(logprobs, rn.token, draft_ids)
+            vocab = self._vocab(logprobs.device)
+            return lazy_coupled_verify(logprobs, lambda rows, j: self.token_noise(rn, j, vocab, rows), draft_ids)
         batch, k = draft_ids.shape
         if draft_probs is None:  # no draft: an empty proposal, the next token comes from p_0
             draft_probs = logprobs.new_zeros(batch, 0, logprobs.shape[-1])
@@ -159,9 +166,8 @@ class RoundNoise:
     noise: CounterNoise
     """The batch's noise."""
     positions: torch.Tensor
-    """(B,) output position of each row's first verified token."""
-    token: torch.Tensor | None = None
-    """(B, k+1, V) Gumbel TOKEN noise of the verified positions (coupled sampling)."""
+    """(B,) output position of each row's first verified token (coupled sampling draws its TOKEN noise from
+    these as it needs it: :meth:`TokenSampler.token_noise`)."""
     draft: torch.Tensor | None = None
     """(B, k, Vd) Gumbel DRAFT noise of the proposals over the draft vocabulary (rejection sampling)."""
     accept: torch.Tensor | None = None

@@ -155,6 +155,37 @@ def coupled_verify(target_logprobs: torch.Tensor, gumbel: torch.Tensor, draft_id
     return greedy_verify(gumbel_argmax(target_logprobs, gumbel), draft_ids)
 
 
+def lazy_coupled_verify(target_logprobs: torch.Tensor, gumbel_at: Callable[[torch.Tensor, int], torch.Tensor],
+                        draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`coupled_verify` drawing the noise of a position only for the rows that reach it.
+
+    Position j's sample decides a row's outcome only while the row's proposals 1..j all equalled the policy's
+    samples, so the noise (a ``V``-wide draw per row and position, the costliest part of sampled verification at a
+    large vocabulary) is drawn position by position for those rows alone; the samples that are drawn are the ones
+    :func:`coupled_verify` draws, so both return the same tokens.
+
+    Args:
+        target_logprobs: (B, K+1, V) filtered policy log-probabilities at the K+1 verified positions.
+        gumbel_at: ``(rows, j) -> (n, V)`` the Gumbel noise of position j for the ``n`` rows ``rows`` (int64).
+        draft_ids: (B, K) drafted tokens (target vocabulary).
+
+    Returns:
+        num_accepted: (B,) int64 in [0, K]; next_ids: (B,) the policy's sample after the accepted prefix.
+    """
+    batch, k_plus_1, _ = target_logprobs.shape
+    samples = torch.full((batch, k_plus_1), -1, dtype=torch.long, device=target_logprobs.device)  # -1: not drawn
+    rows = torch.arange(batch, device=target_logprobs.device)
+    for j in range(k_plus_1):
+        y = gumbel_argmax(target_logprobs[rows, j], gumbel_at(rows, j))
+        samples[rows, j] = y
+        if j + 1 == k_plus_1:
+            break
+        rows = rows[draft_ids[rows, j] == y]   # a row reaches position j + 1 only if proposal j + 1 was its sample
+        if rows.numel() == 0:
+            break
+    return greedy_verify(samples, draft_ids)   # an undrawn position (-1) equals no proposal
+
+
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,

@@ -19,7 +19,8 @@ adaptive controller, rollout/adaptive.py):
    taps (not the draft's own guesses) and the now-known next tokens; its output at ``L_b + a_b`` is
    the next round's step-0 proposal. After a k = 0 round the catch-up is deferred (the round's taps are
    kept) and done in one forward when drafting resumes; past ``AdaptiveConfig.resume_window`` deferred
-   positions only the last ones are caught up, so a draft that does not pay costs nothing while unused.
+   positions only the last ones are caught up, so a draft that does not pay costs nothing while unused. An
+   adaptive engine defers the draft's pass over the prompts the same way, to the batch's first drafting round.
 
 The forwards run through the models' decoders (``Policy.decoder`` / ``Eagle3Draft.decoder``, models/decode.py:
 the modules' math with fewer ops per layer; modules without a ``decoder`` are called through their own
@@ -257,9 +258,17 @@ class SpeculativeEngine:
         b.dcache.lengths = new_lengths - b.doff
 
     def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows) -> None:
-        """Catch the draft up on the deferred k = 0 rounds: all of them, or with more than ``resume_window`` the
-        last ``resume_window``, written right after the draft's cached positions (the skipped ones are left out:
-        the draft keeps the prompt and the recent tokens, its slots lag the policy's positions by ``b.doff``)."""
+        """Catch the draft up on what was deferred: the prompts (a batch's first drafting round) and the k = 0 rounds
+        since it last drafted: all of them, or with more than ``resume_window`` the last ``resume_window``, written
+        right after the draft's cached positions (the skipped ones are left out: the draft keeps the prompt and the
+        recent tokens, its slots lag the policy's positions by ``b.doff``)."""
+        if b.prompt is not None:
+            taps, nxt, lens = b.prompt
+            b.prompt = None
+            b.h_last, b.dl_last = ddec.step(ddec.fuse(taps), pdec.embed(nxt), b.dcache, logit_rows=lens - 1)
+            b.dcache.lengths = lens
+        if not b.backlog:
+            return
         taps = tuple(torch.cat([e[0][i] for e in b.backlog], dim=1) for i in range(3))
         nxt = torch.cat([e[1] for e in b.backlog], dim=1)
         window = self.controller.config.resume_window
@@ -318,7 +327,10 @@ class SpeculativeEngine:
         if use_draft:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
             next_ids[rows, lens - 1] = b.pending
-            self._catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
+            if self.controller is None:
+                self._catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
+            else:  # deferred to the first drafting round (_resume): a batch that never drafts skips it
+                b.prompt = (taps, next_ids, lens)
         del taps
 
         tokens: list[list[int]] = [[t] for t in b.pending.tolist()]
@@ -338,16 +350,17 @@ class SpeculativeEngine:
                 if self.controller.needs_calibration(len(b.active)):
                     self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, sampler)
                     t_start = clock(device)
-                k = self.controller.choose(b.estimates, [n - e for n, e in zip(b.budget, b.emitted)])
+                span = b.catch_up_span(self.controller.config.resume_window)
+                k = self.controller.choose(b.estimates, [n - e for n, e in zip(b.budget, b.emitted)],
+                                           catch_up_span=span)
             t_draft = t_policy = t_catch = 0.0
-            if k and b.backlog:
+            if k and (b.backlog or b.prompt is not None):
                 t0 = clock(device)
-                span = min(len(b.backlog), self.controller.config.resume_window)
                 self._resume(pdec, ddec, b)
                 t_catch = clock(device) - t0
                 self.controller.costs.add("catch_up", len(b.active), span, t_catch)
             t_noise = clock(device)
-            rn = sampler.start_round(b.noise, b.out_pos, k)  # (B, k+1, V) noise when coupled: timed with the verify
+            rn = sampler.start_round(b.noise, b.out_pos, k)  # rejection's noise now (timed with the verify)
             t0 = clock(device)
             t_noise = t0 - t_noise
             if k:

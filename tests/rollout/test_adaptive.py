@@ -38,13 +38,15 @@ def test_expected_tokens_equals_enumeration():
         assert got[k] == pytest.approx(ref, rel=1e-12)
 
 
-def _costs(policy_per_token: float, policy_base: float = 1e-3, draft_step: float = 5e-5) -> CostModel:
-    """A cost model fitted on exact synthetic times: P = base + per_token B S, D = draft_step, C = 1e-6 B S."""
+def _costs(policy_per_token: float, policy_base: float = 1e-3, draft_step: float = 5e-5,
+           catch_up_per_token: float = 1e-6) -> CostModel:
+    """A cost model fitted on exact synthetic times: P = base + per_token B S, D = draft_step, C = catch_up_per_token
+    B S."""
     costs = CostModel()
     for B in (1, 4, 16, 64):
         for S in range(1, K + 2):
             costs.add("policy", B, S, policy_base + policy_per_token * B * S, anchor=True)
-            costs.add("catch_up", B, S, 1e-6 * B * S, anchor=True)
+            costs.add("catch_up", B, S, catch_up_per_token * B * S, anchor=True)
         costs.add("draft", B, 1, draft_step, anchor=True)
     costs.sizes = [1, 4, 16, 64]
     return costs
@@ -118,6 +120,18 @@ def test_expensive_verify_shortens_the_proposal():
             ctl.observe(est, K, accepted)
         picks.append(ctl.choose(est, np.full(64, 100)))
     assert picks[0] == K and 0 < picks[1] < K
+
+
+def test_a_deferred_catch_up_is_paid_only_where_the_rounds_left_repay_it():
+    """A draft that must first catch up on 200 deferred positions a row (the prompts, or plain rounds) resumes when
+    the batch has many rounds left to spread that cost over, not for its last rounds; without the deferred catch-up
+    those last rounds would draft."""
+    ctl = _controller(_costs(policy_per_token=1e-5, catch_up_per_token=2e-6))
+    est = ctl.new_batch(16, ("greedy",))
+    _observe_rounds(ctl, est, K, [3] * 16, 20)
+    many, few = np.full(16, 200), np.full(16, 3)
+    assert ctl.choose(est, few) > 0 and ctl.choose(est, many, catch_up_span=200) > 0
+    assert ctl.choose(est, few, catch_up_span=200) == 0
 
 
 def test_nothing_left_to_emit_means_no_proposal():

@@ -22,23 +22,25 @@ def test_coupled_draft_proposes_with_the_noise_of_its_target_ids():
     sampler, logits, noise, pos = _setup("coupled")
     lp = sampling_logprobs(logits, 0.8)
     rn = sampler.start_round(noise, pos, 1)
+    token = noise.gumbel(pos[:, None] + torch.arange(2), 0, torch.arange(V))   # (B, 2, V) TOKEN noise
     d, q = sampler.propose(logits[:, 0, INDEX], rn, 0)   # the policy restricted to the draft vocabulary
-    y = gumbel_argmax(lp[:, 0], rn.token[:, 0])          # the policy's own sample at the proposed position
+    y = gumbel_argmax(lp[:, 0], token[:, 0])             # the policy's own sample at the proposed position
     inside = torch.isin(y, INDEX)
     assert q is None and torch.isin(d, INDEX).all()
     assert torch.equal(d[inside], y[inside])
     assert 0.3 < float(inside.double().mean()) < 0.95
     accepted, nxt = sampler.verify(lp, d[:, None], None, rn)
     assert torch.equal(accepted, inside.long())
-    assert torch.equal(nxt, torch.where(inside, gumbel_argmax(lp[:, 1], rn.token[:, 1]), y))
-    assert torch.equal(rn.token, noise.gumbel(pos[:, None] + torch.arange(2), 0, torch.arange(V)))
+    assert torch.equal(nxt, torch.where(inside, gumbel_argmax(lp[:, 1], token[:, 1]), y))
+    rows = torch.arange(0, B, 3)
+    assert torch.equal(sampler.token_noise(rn, 1, INDEX, rows), token[rows, 1][:, INDEX])
 
 
 def test_rejection_draft_distribution_in_target_ids():
     sampler, logits, noise, pos = _setup("rejection")
     rn = sampler.start_round(noise, pos, 1)
     d, q = sampler.propose(logits[:, 0, INDEX], rn, 0)
-    assert torch.isin(d, INDEX).all() and rn.token is None
+    assert torch.isin(d, INDEX).all() and rn.draft is not None and rn.accept is not None
     assert torch.allclose(q, torch.softmax(logits[:, 0, INDEX] / 0.8, -1))
     q_target = sampler.target_probs([q])
     assert q_target.shape == (B, 1, V)
@@ -51,7 +53,7 @@ def test_rejection_draft_distribution_in_target_ids():
 def test_greedy_uses_no_noise():
     sampler, logits, noise, pos = _setup("coupled", temperature=0.0)
     rn = sampler.start_round(noise, pos, 1)
-    assert rn.token is None and rn.draft is None and rn.accept is None
+    assert rn.draft is None and rn.accept is None
     d, _ = sampler.propose(logits[:, 0, INDEX], rn, 0)
     assert torch.equal(d, INDEX[logits[:, 0, INDEX].argmax(-1)])
     assert torch.equal(sampler.first(logits[:, 0], noise, pos), logits[:, 0].argmax(-1))

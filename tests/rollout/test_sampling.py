@@ -17,6 +17,7 @@ from lightning_codraft.rollout.sampling import (
     filter_logits,
     greedy_verify,
     gumbel_argmax,
+    lazy_coupled_verify,
     rejection_sample,
     sampling_logprobs,
 )
@@ -225,3 +226,29 @@ def test_coupled_identical_distributions_accept_everything():
     accepted, nxt = coupled_verify(p.log().expand(1000, K + 1, V), noise, draft)
     assert accepted.tolist() == [K] * 1000
     assert torch.equal(nxt, gumbel_argmax(p[K].log(), noise[:, K]))
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_lazy_coupled_verify_equals_coupled_verify_and_draws_only_reached_positions(k):
+    """The lazy rule returns coupled_verify's accepted counts and tokens, and asks for a position's noise only for
+    the rows whose proposals all matched before it (row b reaches position j iff accepted_b >= j)."""
+    g = torch.Generator().manual_seed(k)
+    B, Vs = 600, 6
+    logp = torch.log_softmax(2.0 * torch.randn(B, k + 1, Vs, generator=g), -1)
+    noise = _gumbel((B, k + 1, Vs), g)
+    near = torch.log_softmax(logp + 0.3 * torch.randn(B, k + 1, Vs, generator=g), -1)   # a draft close to p
+    draft = gumbel_argmax(near[:, :k], noise[:, :k])
+    asked = []
+
+    def gumbel_at(rows, j):
+        asked.append((j, rows.clone()))
+        return noise[rows, j]
+
+    accepted, nxt = lazy_coupled_verify(logp, gumbel_at, draft)
+    ref_accepted, ref_nxt = coupled_verify(logp, noise, draft)
+    assert torch.equal(accepted, ref_accepted) and torch.equal(nxt, ref_nxt)
+    if k:
+        assert 0 < int((accepted == 0).sum()) and 0 < int((accepted == k).sum())   # both outcomes occur
+    for j, rows in asked:
+        assert torch.equal(rows, torch.nonzero(accepted >= j)[:, 0])
+    assert sum(len(r) for _, r in asked) == int((accepted + 1).sum())

@@ -16,7 +16,7 @@ from lightning_codraft.rollout import noise, sampler
 from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
 from lightning_codraft.rollout.cost_model import CostModel
 from lightning_codraft.rollout.noise import request_seed
-from lightning_codraft.rollout.sampling import coupled_verify, gumbel_argmax
+from lightning_codraft.rollout.sampling import gumbel_argmax, lazy_coupled_verify
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,7 @@ class _Scripted(SpeculationController):
     def needs_calibration(self, batch_size):
         return False
 
-    def choose(self, estimates, remaining):
+    def choose(self, estimates, remaining, catch_up_span=0):
         self.calls += 1
         return self.schedule[(self.calls - 1) % len(self.schedule)]
 
@@ -339,15 +339,16 @@ def _mutant_rejection_sample(mutation):
 
 
 def _mutant_coupled_verify(mutation):
-    """``coupled_verify`` with one deliberate error."""
+    """``lazy_coupled_verify`` (what the sampler calls) with one deliberate error."""
 
-    def verify(logprobs, gumbel, draft_ids):
-        accepted, nxt = coupled_verify(logprobs, gumbel, draft_ids)
+    def verify(logprobs, gumbel_at, draft_ids):
+        accepted, nxt = lazy_coupled_verify(logprobs, gumbel_at, draft_ids)
         k = draft_ids.shape[1]
         if mutation == "emit_draft_at_mismatch" and k:       # right: the policy's own sample
             nxt = torch.where(accepted < k, draft_ids.gather(1, accepted.clamp_max(k - 1)[:, None])[:, 0], nxt)
         if mutation == "bonus_from_p_k_minus_1" and k:       # right: scored with p_k
-            nxt = torch.where(accepted == k, gumbel_argmax(logprobs[:, k - 1], gumbel[:, k]), nxt)
+            every = torch.arange(len(draft_ids))
+            nxt = torch.where(accepted == k, gumbel_argmax(logprobs[:, k - 1], gumbel_at(every, k)), nxt)
         return accepted, nxt
 
     return verify
@@ -372,7 +373,7 @@ def test_the_distribution_test_catches_a_wrong_rule(monkeypatch, sampling, mutat
     elif sampling == "rejection":
         monkeypatch.setattr(sampler, "rejection_sample", _mutant_rejection_sample(mutation))
     else:
-        monkeypatch.setattr(sampler, "coupled_verify", _mutant_coupled_verify(mutation))
+        monkeypatch.setattr(sampler, "lazy_coupled_verify", _mutant_coupled_verify(mutation))
     failures, _, _ = _distribution_failures(SpeculativeEngine(policy, draft, 2, sampling=sampling), 2, 0, 1.0)
     assert bool(failures) == (mutation != "none"), failures
 
@@ -417,6 +418,32 @@ def test_draft_resume_after_plain_rounds_keeps_acceptance(policy, fitted):
         fit_set[:8], 24, temperature=0.0)]
     total = AcceptanceStats.total(o.stats for o in outs)
     # 18 plain rounds, window 8: the draft skips 10 positions of context and still gets 3 of 4 tokens per round
+    assert total.draft_steps > 8 and total.acceptance_length > 0.7 * 4, total.as_dict()
+
+
+def test_adaptive_engine_runs_the_draft_over_the_prompts_only_when_it_drafts(policy, fitted, monkeypatch):
+    """An adaptive engine defers the draft's pass over the prompts to the batch's first drafting round: a batch that
+    never drafts never runs the draft; one that starts drafting after plain rounds catches up on its prompts then
+    (acceptance as high as from the start) and stays exact."""
+    draft, fit_set = fitted
+    steps = []
+    original = Eagle3Draft.decoder
+
+    def counting_decoder(self, *args, **kwargs):
+        dec = original(self, *args, **kwargs)
+        step = dec.step
+        dec.step = lambda *a, **kw: steps.append(a[0].shape[:2]) or step(*a, **kw)
+        return dec
+
+    monkeypatch.setattr(Eagle3Draft, "decoder", counting_decoder)
+    plain = SpeculativeEngine(policy, None, 0).generate(fit_set[:8], 24, temperature=0.0)
+    never = SpeculativeEngine(policy, draft, 3, adaptive=_Scripted(3, [0])).generate(fit_set[:8], 24, temperature=0.0)
+    assert [o.token_ids for o in never] == [o.token_ids for o in plain] and steps == []
+    late = SpeculativeEngine(policy, draft, 3, adaptive=_Scripted(3, [0] * 4 + [3] * 30, resume_window=8))
+    outs = late.generate(fit_set[:8], 24, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert steps[0] == (8, max(len(p) for p in fit_set[:8])) and steps[1] == (8, 4)   # prompts, then 4 plain rounds
+    total = AcceptanceStats.total(o.stats for o in outs)
     assert total.draft_steps > 8 and total.acceptance_length > 0.7 * 4, total.as_dict()
 
 
