@@ -154,12 +154,13 @@ class CostModel:
     def rest(self, B: int) -> float:
         return self.rest_fit.predict(B)
 
-    def round_times(self, B: int, max_k: int) -> list[float]:
-        """Predicted seconds of a round of B rows drafting k = 0..K tokens (index k)."""
+    def round_times(self, B: int, max_k: int, drafted: int = 0) -> list[float]:
+        """Predicted seconds of a round of B rows verifying k = 0..K proposals (index k), ``drafted`` of them already
+        drawn (their drafting counts in every k, also in a round that then verifies fewer)."""
         base, step = self.rest(B), self.draft_step(B)
-        times = [self.policy(B, 1) + base]
+        times = [self.policy(B, 1) + base + drafted * step]
         for k in range(1, max_k + 1):
-            times.append(self.policy(B, 1 + k) + base + k * step + self.catch_up(B, 1 + k))
+            times.append(self.policy(B, 1 + k) + base + max(k, drafted) * step + self.catch_up(B, 1 + k))
         return [max(t, 1e-9) for t in times]
 
     def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:

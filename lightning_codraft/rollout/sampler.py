@@ -20,6 +20,7 @@ sampling.py holds the rules (module docstring); this module only feeds them the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -100,27 +101,35 @@ class TokenSampler:
     def _draft_vocab(self, device: torch.device) -> torch.Tensor:
         return self.index if self.index is not None else self._vocab(device)
 
-    def propose(self, draft_logits: torch.Tensor, rn: RoundNoise, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, draft_logits: torch.Tensor, rn: RoundNoise, j: int, confidence: bool = False) -> Proposal:
         """The round's j-th draft token per row.
 
         Args:
             draft_logits: (B, Vd) the draft's raw logits.
             rn: the round's noise (:meth:`start_round`).
+            confidence: also return each proposal's probability under the distribution it was drawn from (the
+                draft's softmax; tempered and filtered when sampling): what the adaptive controller predicts its
+                acceptance from.
 
         Returns:
-            ids: (B,) target-vocabulary ids; q: (B, Vd) the filtered draft distribution (rejection sampling only,
-            else None).
+            :class:`Proposal`: ids (B,) target-vocabulary ids; q (B, Vd) the filtered draft distribution (rejection
+            sampling only, else None); confidence (B,) fp32 (None unless asked).
         """
         if self.greedy:
-            return self._target_ids(torch.argmax(draft_logits, dim=-1)), None
+            d = torch.argmax(draft_logits, dim=-1)
+            conf = torch.softmax(draft_logits.float(), dim=-1).gather(1, d[:, None])[:, 0] if confidence else None
+            return Proposal(self._target_ids(d), None, conf)
         logits = draft_logits.float()
         if self.params.temperature != 1.0:  # x / 1.0 == x exactly: skip the op
             logits = logits / self.params.temperature
         logits = filter_logits(logits, self.params.top_k, self.params.top_p)
         if self.mode == "coupled":  # each draft id scored with the noise of its target id
-            g = self.token_noise(rn, j, self._draft_vocab(logits.device))
-            return self._target_ids(gumbel_argmax(logits, g)), None
-        return self._target_ids(gumbel_argmax(logits, rn.draft[:, j])), torch.softmax(logits, dim=-1)
+            d = gumbel_argmax(logits, self.token_noise(rn, j, self._draft_vocab(logits.device)))
+            q = torch.softmax(logits, dim=-1) if confidence else None
+            return Proposal(self._target_ids(d), None, None if q is None else q.gather(1, d[:, None])[:, 0])
+        d = gumbel_argmax(logits, rn.draft[:, j])
+        q = torch.softmax(logits, dim=-1)
+        return Proposal(self._target_ids(d), q, q.gather(1, d[:, None])[:, 0] if confidence else None)
 
     def _target_ids(self, d: torch.Tensor) -> torch.Tensor:
         return d if self.index is None else self.index[d]
@@ -153,10 +162,21 @@ class TokenSampler:
         batch, k = draft_ids.shape
         if draft_probs is None:  # no draft: an empty proposal, the next token comes from p_0
             draft_probs = logprobs.new_zeros(batch, 0, logprobs.shape[-1])
-        uniforms = rn.accept if k else logprobs.new_zeros(batch, 0)
+        uniforms = rn.accept[:, :k] if k else logprobs.new_zeros(batch, 0)   # a round may verify fewer than drawn
         ids = self._vocab(logprobs.device)
         return rejection_sample(logprobs.exp(), draft_probs, draft_ids, uniforms,
                                 lambda accepted: rn.noise.gumbel((rn.positions + accepted)[:, None], TOKEN, ids)[:, 0])
+
+
+class Proposal(NamedTuple):
+    """One draft token per row (:meth:`TokenSampler.propose`)."""
+
+    ids: torch.Tensor
+    """(B,) int64 target-vocabulary ids."""
+    q: torch.Tensor | None
+    """(B, Vd) the filtered draft distribution the ids were drawn from (rejection sampling only)."""
+    confidence: torch.Tensor | None = None
+    """(B,) fp32 each proposal's probability under that distribution (when asked)."""
 
 
 @dataclass

@@ -7,7 +7,9 @@ adaptive controller, rollout/adaptive.py):
 1. **Draft** k tokens by chaining the EAGLE-3 draft: the step-0 proposal comes from the draft's
    output at position ``L_b - 1`` (input ``fuse(taps_{L_b-1})`` and ``emb(x_{L_b})``, computed at the
    end of the previous round); steps 1..k-1 feed the draft its own output hidden state and the
-   token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards.
+   token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards. An adaptive engine
+   measures the draft's confidence in each proposal and may stop the chain after any of them, verifying
+   fewer (0..k) where the controller predicts that more would not pay (rollout/drafting.py, confidence.py).
 2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_k]`` (positions ``L_b .. L_b+k``),
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
    sampling: Gumbel-coupled verification (default: accept the longest prefix equal to the policy's own
@@ -39,6 +41,7 @@ differently, and that flips a sample only when two noisy scores are that close.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Mapping, Sequence
 
 import torch
@@ -49,11 +52,12 @@ from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, Taps, decode_dtype
 from lightning_codraft.rollout.cost_model import clock
+from lightning_codraft.rollout.drafting import catch_up, propose, resume
 from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
                                               validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.prefill import prefill
-from lightning_codraft.rollout.sampler import SAMPLING_MODES, RoundNoise, TokenSampler
+from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
 
 class SpeculativeEngine:
@@ -222,63 +226,6 @@ class SpeculativeEngine:
             self._check_draft()
 
     # ------------------------------------------------------------------ decoding
-    @staticmethod
-    def _propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, k: int, sampler: TokenSampler, rn: RoundNoise
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chain-draft k tokens from the step-0 output ``b.h_last`` (B, H), ``b.dl_last`` (B, Vd).
-
-        Returns:
-            draft_ids: (B, k) target-vocabulary ids; draft_probs: (B, k, V) target-space q (rejection sampling
-            only, else None).
-        """
-        ids, probs = [], []
-        hidden, logits, dcache = b.h_last, b.dl_last, b.dcache
-        start = dcache.lengths  # a decoder step replaces the lengths tensor, never mutates it
-        for j in range(k):
-            d, q = sampler.propose(logits, rn, j)
-            ids.append(d)
-            if q is not None:
-                probs.append(q)
-            if j + 1 < k:
-                hidden, logits = ddec.step(hidden[:, None], pdec.embed(d[:, None]), dcache)
-                hidden, logits = hidden[:, 0], logits[:, 0]
-        dcache.lengths = start
-        return torch.stack(ids, dim=1), sampler.target_probs(probs) if probs else None
-
-    @staticmethod
-    def _catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, taps: Taps, next_ids: torch.Tensor,
-                  last: torch.Tensor, new_lengths: torch.Tensor) -> None:
-        """Draft forward at verified positions with the policy's taps; its output at index ``last`` becomes
-        ``b.h_last`` / ``b.dl_last``.
-
-        taps: 3 tensors (B, S, H); next_ids: (B, S) token following each position; last: (B,) index to read.
-        The draft cache keeps the keys of the verified positions and ends at policy length ``new_lengths``.
-        """
-        b.h_last, b.dl_last = ddec.step(ddec.fuse(taps), pdec.embed(next_ids), b.dcache, logit_rows=last)
-        b.dcache.lengths = new_lengths - b.doff
-
-    def _resume(self, pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows) -> None:
-        """Catch the draft up on what was deferred: the prompts (a batch's first drafting round) and the k = 0 rounds
-        since it last drafted: all of them, or with more than ``resume_window`` the last ``resume_window``, written
-        right after the draft's cached positions (the skipped ones are left out: the draft keeps the prompt and the
-        recent tokens, its slots lag the policy's positions by ``b.doff``)."""
-        if b.prompt is not None:
-            taps, nxt, lens = b.prompt
-            b.prompt = None
-            b.h_last, b.dl_last = ddec.step(ddec.fuse(taps), pdec.embed(nxt), b.dcache, logit_rows=lens - 1)
-            b.dcache.lengths = lens
-        if not b.backlog:
-            return
-        taps = tuple(torch.cat([e[0][i] for e in b.backlog], dim=1) for i in range(3))
-        nxt = torch.cat([e[1] for e in b.backlog], dim=1)
-        window = self.controller.config.resume_window
-        if nxt.shape[1] > window:
-            b.doff = b.doff + (nxt.shape[1] - window)
-            taps, nxt = tuple(t[:, -window:] for t in taps), nxt[:, -window:]
-        last = torch.full_like(b.length, nxt.shape[1] - 1)
-        self._catch_up(pdec, ddec, b, taps, nxt, last, b.length)
-        b.backlog = []
-
     def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,
                         pdec: PolicyDecoder, ddec: DraftDecoder | None, observer: ForwardObserver | None = None,
                         requests: list[int] | None = None) -> list[RolloutOutput]:
@@ -328,8 +275,8 @@ class SpeculativeEngine:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
             next_ids[rows, lens - 1] = b.pending
             if self.controller is None:
-                self._catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
-            else:  # deferred to the first drafting round (_resume): a batch that never drafts skips it
+                catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
+            else:  # deferred to the first drafting round (resume): a batch that never drafts skips it
                 b.prompt = (taps, next_ids, lens)
         del taps
 
@@ -351,24 +298,28 @@ class SpeculativeEngine:
                     self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, sampler)
                     t_start = clock(device)
                 span = b.catch_up_span(self.controller.config.resume_window)
-                k = self.controller.choose(b.estimates, [n - e for n, e in zip(b.budget, b.emitted)],
-                                           catch_up_span=span)
+                remaining = [n - e for n, e in zip(b.budget, b.emitted)]
+                k = self.controller.choose(b.estimates, remaining, catch_up_span=span)
             t_draft = t_policy = t_catch = 0.0
             if k and (b.backlog or b.prompt is not None):
                 t0 = clock(device)
-                self._resume(pdec, ddec, b)
+                resume(pdec, ddec, b, self.controller.config.resume_window)
                 t_catch = clock(device) - t0
                 self.controller.costs.add("catch_up", len(b.active), span, t_catch)
             t_noise = clock(device)
             rn = sampler.start_round(b.noise, b.out_pos, k)  # rejection's noise now (timed with the verify)
             t0 = clock(device)
             t_noise = t0 - t_noise
+            drafted, confidences = k, None
             if k:
-                draft_ids, q = self._propose(pdec, ddec, b, k, sampler, rn)
-                verify_ids = torch.cat([b.pending[:, None], draft_ids], dim=1)
+                stop = None  # adaptive: after each proposal the controller weighs verifying against drafting on
+                if self.controller is not None and self.controller.config.use_confidence:
+                    stop = partial(self.controller.verify_length, b.estimates, remaining, max_k=k)
+                draft_ids, q, confidences = propose(pdec, ddec, b, k, sampler, rn, stop)
+                k, drafted = draft_ids.shape[1], len(confidences) if stop is not None else k
             else:
                 draft_ids, q = b.pending.new_zeros(len(b.active), 0), None
-                verify_ids = b.pending[:, None]
+            verify_ids = torch.cat([b.pending[:, None], draft_ids], dim=1)
             t1 = clock(device)
             logits, taps = pdec.forward(verify_ids, b.pcache, fwd_taps)
             lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, k+1, V)
@@ -385,8 +336,7 @@ class SpeculativeEngine:
             taps = _pick(taps, fwd_taps, taps_ids)
             if use_draft and k:
                 span = max(host_accepted) + 1
-                self._catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted,
-                               new_length)
+                catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted, new_length)
                 dt = clock(device) - t2
                 t_catch += dt
                 if self.controller is not None:
@@ -412,9 +362,9 @@ class SpeculativeEngine:
                 stats[r].record_round(k, a)
             b.length, b.pending, b.out_pos = new_length, bonus, b.out_pos + 1 + accepted
             if self.controller is not None:
-                self.controller.observe(b.estimates, k, host_accepted)
+                self.controller.observe(b.estimates, k, host_accepted, confidences)
                 self.controller.record_round(len(b.active), k, t_policy, t_draft,
-                                             clock(device) - t_start - t_draft - t_policy - t_catch)
+                                             clock(device) - t_start - t_draft - t_policy - t_catch, drafted)
             if observed is not None:  # after the round's clocks: the observer's time is not the engine's
                 active, fed_from, seen_taps = observed
                 observer.decode([requests[r] for r in active], fed_from.tolist(), [a + 1 for a in host_accepted],

@@ -134,6 +134,23 @@ def test_a_deferred_catch_up_is_paid_only_where_the_rounds_left_repay_it():
     assert ctl.choose(est, few, catch_up_span=200) == 0
 
 
+def test_the_chain_stops_where_the_drafts_confidence_says_verifying_more_does_not_pay():
+    """After each proposal the controller weighs verifying what was drawn against drafting on, predicting each drawn
+    proposal's acceptance from its confidence: confident proposals are drafted to K, a batch of hesitant first
+    proposals verifies none (a plain round), a confident first and hesitant second verifies one."""
+    ctl = _controller(_costs(policy_per_token=2e-5))
+    est = ctl.new_batch(16, ("greedy",))
+    _observe_rounds(ctl, est, K, [2] * 16, 20)
+    left = np.full(16, 100)
+    sure, unsure = [0.995] * 16, [0.02] * 16
+    assert ctl.choose(est, left) > 0
+    assert ctl.verify_length(est, left, [sure], K) is None                  # draw another
+    assert ctl.verify_length(est, left, [sure] * K, K) == K                 # all drawn: verify them all
+    assert ctl.verify_length(est, left, [unsure], K) == 0
+    assert ctl.verify_length(est, left, [sure, unsure], K) == 1
+    assert ctl.verify_length(est, np.full(16, 1), [sure], K) == 0           # nothing left to emit after the step
+
+
 def test_nothing_left_to_emit_means_no_proposal():
     ctl = _controller(_costs(policy_per_token=1e-7))
     est = ctl.new_batch(3, ("greedy",))
@@ -182,6 +199,38 @@ def test_only_a_rejected_draft_waits_before_drafting_again():
     while (k := rejected.choose(est, [100, 100])) > 0:      # every proposal rejected
         rejected.observe(est, k, [0, 0])
     assert est.shared.hold > 0
+
+
+@pytest.mark.parametrize("per_token,rows,waits", [(1e-6, 1, False), (3e-5, 16, True)])
+def test_a_draft_waits_only_if_it_was_accepted_too_rarely_to_pay_at_this_batch_size(per_token, rows, waits):
+    """A first proposal accepted every fourth round: where a verify costs about a plain step (batch 1 on a CPU)
+    that pays, and drafting that stops (here: one token left) may resume at once; where a verify costs ~1 + k
+    steps it does not, and drafting stops and waits out a backoff."""
+    ctl = _controller(_costs(policy_per_token=per_token))
+    est = ctl.new_batch(rows, ("greedy",))
+    held = False
+    for i in range(40):
+        k = ctl.choose(est, [100] * rows)
+        held |= est.shared.hold > 0
+        ctl.observe(est, k, [1 if k and i % 4 == 0 else 0] * rows)
+    ctl.choose(est, [1] * rows)                              # nothing left to draft for: drafting stops
+    assert (held or est.shared.hold > 0) == waits
+
+
+def test_a_wait_ends_once_the_batch_has_halved():
+    """A wait set at 16 rows (every proposal rejected, verify dear) holds while the batch is wider than 8 rows and
+    ends once it has narrowed to 8 (the long tail of a batch, where a verify costs less)."""
+    ctl = _controller(_costs(policy_per_token=3e-5))
+    est = ctl.new_batch(16, ("greedy",))
+    while (k := ctl.choose(est, [100] * 16)) > 0:
+        ctl.observe(est, k, [0] * 16)
+    assert est.shared.hold > 1 and est.shared.hold_batch == 16
+    est.select(list(range(9)))
+    held = est.shared.hold
+    assert ctl.choose(est, [100] * 9) == 0 and est.shared.hold == held - 1
+    est.select(list(range(8)))
+    ctl.choose(est, [100] * 8)
+    assert est.shared.hold == 0
 
 
 def test_requests_are_weighed_by_their_own_record():

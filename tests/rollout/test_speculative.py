@@ -42,7 +42,8 @@ class _Scripted(SpeculationController):
     """Draws each round's k from a fixed cycle (any k sequence must leave the output exact); no timing."""
 
     def __init__(self, max_k, schedule, resume_window=8):
-        super().__init__(max_k, AdaptiveConfig(resume_window=resume_window))  # shorter than the runs of k = 0
+        # resume_window shorter than the runs of k = 0; every round verifies the scheduled k (no confidence stop)
+        super().__init__(max_k, AdaptiveConfig(resume_window=resume_window, use_confidence=False))
         self.schedule, self.calls = list(schedule), 0
 
     def needs_calibration(self, batch_size):
@@ -58,8 +59,8 @@ class _PinnedCosts(CostModel):
     The real controller then chooses from its acceptance estimates alone, the same way on every machine (with
     measured times a slow machine may find drafting never pays for a model this small, and never draft)."""
 
-    def round_times(self, B, max_k):
-        return [1.0 + 0.1 * k for k in range(max_k + 1)]
+    def round_times(self, B, max_k, drafted=0):
+        return [1.0 + 0.1 * max(k, drafted) for k in range(max_k + 1)]
 
     def needs_calibration(self, B):
         return False
@@ -445,6 +446,27 @@ def test_adaptive_engine_runs_the_draft_over_the_prompts_only_when_it_drafts(pol
     assert steps[0] == (8, max(len(p) for p in fit_set[:8])) and steps[1] == (8, 4)   # prompts, then 4 plain rounds
     total = AcceptanceStats.total(o.stats for o in outs)
     assert total.draft_steps > 8 and total.acceptance_length > 0.7 * 4, total.as_dict()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_drafts_confidence_stops_the_chain_and_the_output_stays_exact(policy, fitted, temperature):
+    """With the adaptive controller (confidence stop on, the default) rounds verify fewer proposals than the k
+    chosen where the draft hesitates (random prompts) and all of them where it is sure (its fit set); the tokens are
+    plain decoding's either way."""
+    draft, fit_set = fitted
+    prompts = random_prompts(8, policy.config.vocab_size, seed=5) + fit_set[:8]
+    ctl = SpeculationController(4, costs=_PinnedCosts())
+    rounds = []
+    choose, observe = ctl.choose, ctl.observe
+    ctl.choose = lambda *a, **kw: rounds.append([choose(*a, **kw)]) or rounds[-1][0]
+    ctl.observe = lambda est, k, acc, conf=None: rounds[-1].append(k) or observe(est, k, acc, conf)
+    kw = dict(temperature=temperature, seed=3)
+    outs = SpeculativeEngine(policy, draft, 4, adaptive=ctl, max_batch_size=8).generate(prompts, 30, **kw)
+    plain = SpeculativeEngine(policy, None, 0, max_batch_size=8).generate(prompts, 30, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stopped = sum(1 for chosen, verified in rounds if verified < chosen)
+    full = sum(1 for chosen, verified in rounds if verified == chosen > 0)
+    assert stopped > 0 and full > 0, rounds
 
 
 def test_seed_reproducible(policy, fitted):
