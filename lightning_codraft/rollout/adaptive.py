@@ -98,9 +98,12 @@ class AdaptiveConfig:
     """Stop a round's proposal chain by the draft's confidence in each proposal: after every proposal the controller
     weighs, with acceptance predicted from the proposals' confidences (rollout/confidence.py), verifying the ones
     drawn so far against drafting more (:meth:`SpeculationController.verify_length`); the round verifies between 0
-    and the k it chose. False: every round verifies the k it chose."""
+    and the k it chose. Greedy and coupled sampling only, whose tokens do not depend on the proposals: rejection
+    sampling corrects proposals drawn from the draft's distribution, and keeping the sure ones while dropping the
+    unsure ones would bias it. False: every round verifies the k it chose."""
     confidence_prior_weight: float = 8.0
-    """Pseudo-proposals per confidence bin at the bin's own confidence (an unseen bin takes the draft at its word)."""
+    """Pseudo-proposals per confidence bin at the engine-wide acceptance rate (until a bin has counts of its own it
+    predicts what the controller would without confidences)."""
     resume_horizon: int = 64
     """A deferred catch-up (the prompts before a batch's first drafting round, the plain rounds since drafting
     stopped) is charged to the round that resumes drafting spread over the rounds the batch has left, at most this
@@ -324,7 +327,7 @@ class SpeculationController:
         already taken counted in every k: verify the best k if it is at most n, else draft on.
         """
         n, B, st = len(confidences), len(remaining), estimates.shared
-        table = st.confidence.rates()
+        table = st.confidence.rates(estimates.global_rate())
         rates = estimates.rates()
         pick = ConfidenceCalibration.bin
         rows = [[table[pick(confidences[j][b])] if j < n else rates[b][j] for j in range(max_k)] for b in range(B)]

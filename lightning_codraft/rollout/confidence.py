@@ -5,8 +5,11 @@ tempered and filtered when sampling: :meth:`TokenSampler.propose(confidence=True
 <lightning_codraft.rollout.sampler.TokenSampler.propose>`). A draft fitted to its policy is roughly calibrated:
 proposals it is sure of are accepted almost always, the ones it hesitates over rarely. :class:`ConfidenceCalibration`
 keeps, per confidence bin, decayed counts of proposals verified (every position a row reached: all proposals before
-it accepted) and accepted, shrunk towards the bin's own confidence, so the adaptive controller (rollout/adaptive.py)
-can stop a proposal chain once the next proposals are unlikely to pay for their verify.
+it accepted) and accepted, shrunk towards the caller's prior (the engine-wide acceptance rate: a new engine predicts
+as if it knew no confidence, and every bin keeps being verified until its own counts speak), so the adaptive
+controller (rollout/adaptive.py) can stop a proposal chain once the next proposals are unlikely to pay for their
+verify. How far confidence is from acceptance depends on the rule: greedy, a fitted draft is close to calibrated;
+sampled with Gumbel coupling, a proposal the draft gives 7% is still accepted a third of the time.
 """
 
 from __future__ import annotations
@@ -17,32 +20,32 @@ from typing import Sequence
 EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 """Upper edges of the confidence bins (the last bin is [0.98, 1]): finer near 1, where most accepted proposals lie."""
 
-_MIDS = tuple((lo + hi) / 2 for lo, hi in zip((0.0,) + EDGES, EDGES + (1.0,)))
 
 
 class ConfidenceCalibration:
     """Decayed per-bin counts of verified and accepted proposals by the draft's confidence.
 
     Args:
-        prior_weight: pseudo-proposals per bin at the bin's own confidence (an unseen bin trusts the draft).
+        prior_weight: pseudo-proposals per bin at the prior rate passed to :meth:`rates`.
     """
 
     def __init__(self, prior_weight: float):
         if prior_weight <= 0:
             raise ValueError(f"prior_weight={prior_weight} must be > 0")
         self.prior_weight = float(prior_weight)
-        self.acc = [0.0] * len(_MIDS)
-        self.tried = [0.0] * len(_MIDS)
+        self.acc = [0.0] * (len(EDGES) + 1)
+        self.tried = [0.0] * (len(EDGES) + 1)
 
     @staticmethod
     def bin(confidence: float) -> int:
         """The bin of a confidence in [0, 1]."""
         return bisect.bisect_right(EDGES, confidence)
 
-    def rates(self) -> list[float]:
-        """Per bin: the acceptance rate of a proposal that bin's confidence, given it was reached."""
+    def rates(self, prior: float) -> list[float]:
+        """Per bin: the acceptance rate of a proposal of that bin's confidence, given it was reached, shrunk towards
+        ``prior``."""
         w = self.prior_weight
-        return [(a + w * m) / (t + w) for a, t, m in zip(self.acc, self.tried, _MIDS)]
+        return [(a + w * prior) / (t + w) for a, t in zip(self.acc, self.tried)]
 
     def decay(self, factor: float) -> None:
         """Fade every count by ``factor`` (old evidence counts less as the draft and the policy change)."""

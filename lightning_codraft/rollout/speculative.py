@@ -312,8 +312,11 @@ class SpeculativeEngine:
             t_noise = t0 - t_noise
             drafted, confidences = k, None
             if k:
-                stop = None  # adaptive: after each proposal the controller weighs verifying against drafting on
-                if self.controller is not None and self.controller.config.use_confidence:
+                # adaptive: after each proposal the controller weighs verifying against drafting on. Rejection
+                # sampling corrects proposals drawn from q; a length chosen after seeing them would not be (a sure
+                # proposal kept, an unsure one dropped), so there every round verifies the k chosen before drafting
+                stop, ctl = None, self.controller
+                if ctl is not None and ctl.config.use_confidence and not sampler.uses_draft_probs:
                     stop = partial(self.controller.verify_length, b.estimates, remaining, max_k=k)
                 draft_ids, q, confidences = propose(pdec, ddec, b, k, sampler, rn, stop)
                 k, drafted = draft_ids.shape[1], len(confidences) if stop is not None else k

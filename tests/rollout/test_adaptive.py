@@ -136,13 +136,16 @@ def test_a_deferred_catch_up_is_paid_only_where_the_rounds_left_repay_it():
 
 def test_the_chain_stops_where_the_drafts_confidence_says_verifying_more_does_not_pay():
     """After each proposal the controller weighs verifying what was drawn against drafting on, predicting each drawn
-    proposal's acceptance from its confidence: confident proposals are drafted to K, a batch of hesitant first
-    proposals verifies none (a plain round), a confident first and hesitant second verifies one."""
+    proposal's acceptance from its confidence, as measured: confident proposals are drafted to K, a batch of
+    hesitant first proposals verifies none (a plain round), a confident first and hesitant second verifies one."""
     ctl = _controller(_costs(policy_per_token=2e-5))
     est = ctl.new_batch(16, ("greedy",))
-    _observe_rounds(ctl, est, K, [2] * 16, 20)
     left = np.full(16, 100)
     sure, unsure = [0.995] * 16, [0.02] * 16
+    for _ in range(30):    # measured: sure proposals are accepted, hesitant ones are not
+        ctl.observe(est, K, [2] * 16, [sure, sure, unsure, unsure])
+    table = est.shared.confidence.rates(est.global_rate())
+    assert table[-1] > 0.9 and table[0] < 0.1
     assert ctl.choose(est, left) > 0
     assert ctl.verify_length(est, left, [sure], K) is None                  # draw another
     assert ctl.verify_length(est, left, [sure] * K, K) == K                 # all drawn: verify them all

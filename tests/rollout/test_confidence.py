@@ -1,5 +1,5 @@
-"""ConfidenceCalibration (rollout/confidence.py): bins, a prior that trusts the draft, and counts of the positions a
-row reached only (a proposal after a rejected one was never tested, so it is no evidence)."""
+"""ConfidenceCalibration (rollout/confidence.py): bins, the caller's prior rate for unseen bins, and counts of the
+positions a row reached only (a proposal after a rejected one was never tested, so it is no evidence)."""
 
 import pytest
 
@@ -12,10 +12,8 @@ def test_bins_cover_zero_to_one_finer_near_one():
     assert [ConfidenceCalibration.bin(c) for c in (0.04, 0.06, 0.55, 0.85)] == [0, 1, 6, 9]
 
 
-def test_an_unseen_bin_trusts_the_draft():
-    rates = ConfidenceCalibration(prior_weight=8).rates()
-    assert rates == sorted(rates) and rates[0] < 0.05 and rates[-1] > 0.98
-    assert rates[ConfidenceCalibration.bin(0.55)] == pytest.approx(0.55)
+def test_an_unseen_bin_predicts_the_prior():
+    assert ConfidenceCalibration(prior_weight=8).rates(0.4) == [0.4] * (len(EDGES) + 1)
 
 
 def test_only_reached_positions_count():
@@ -35,6 +33,8 @@ def test_evidence_moves_the_rate_away_from_the_prior():
     cal = ConfidenceCalibration(prior_weight=8)
     for _ in range(200):        # an overconfident draft: proposals at 0.95-0.98 accepted a third of the time
         cal.observe([[0.96, 0.96, 0.96]], accepted=[1, 0, 0], verified=1)
-    assert cal.rates()[ConfidenceCalibration.bin(0.96)] == pytest.approx(1 / 3, abs=0.03)
+    rates = cal.rates(0.9)
+    assert rates[ConfidenceCalibration.bin(0.96)] == pytest.approx(1 / 3, abs=0.03)
+    assert rates[ConfidenceCalibration.bin(0.5)] == 0.9                                   # no evidence there
     with pytest.raises(ValueError, match="prior_weight"):
         ConfidenceCalibration(prior_weight=0)

@@ -448,25 +448,40 @@ def test_adaptive_engine_runs_the_draft_over_the_prompts_only_when_it_drafts(pol
     assert total.draft_steps > 8 and total.acceptance_length > 0.7 * 4, total.as_dict()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_drafts_confidence_stops_the_chain_and_the_output_stays_exact(policy, fitted, temperature):
-    """With the adaptive controller (confidence stop on, the default) rounds verify fewer proposals than the k
-    chosen where the draft hesitates (random prompts) and all of them where it is sure (its fit set); the tokens are
-    plain decoding's either way."""
-    draft, fit_set = fitted
-    prompts = random_prompts(8, policy.config.vocab_size, seed=5) + fit_set[:8]
-    ctl = SpeculationController(4, costs=_PinnedCosts())
+def _recording(ctl):
+    """``ctl`` with its choices recorded: a list of ``[k chosen, k verified]`` per round."""
     rounds = []
     choose, observe = ctl.choose, ctl.observe
     ctl.choose = lambda *a, **kw: rounds.append([choose(*a, **kw)]) or rounds[-1][0]
     ctl.observe = lambda est, k, acc, conf=None: rounds[-1].append(k) or observe(est, k, acc, conf)
-    kw = dict(temperature=temperature, seed=3)
-    outs = SpeculativeEngine(policy, draft, 4, adaptive=ctl, max_batch_size=8).generate(prompts, 30, **kw)
-    plain = SpeculativeEngine(policy, None, 0, max_batch_size=8).generate(prompts, 30, **kw)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    stopped = sum(1 for chosen, verified in rounds if verified < chosen)
-    full = sum(1 for chosen, verified in rounds if verified == chosen > 0)
-    assert stopped > 0 and full > 0, rounds
+    return rounds
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_the_drafts_confidence_stops_the_chain_where_the_tokens_do_not_depend_on_it(policy, fitted, sampling):
+    """Greedy, once the controller has measured that the draft's hesitant proposals fail and its sure ones pass, some
+    rounds verify fewer proposals than the k chosen (random prompts' hesitant proposals) and others all of them
+    (its fit set), and the tokens are plain decoding's. Under rejection sampling a length chosen after seeing the
+    proposals would bias the samples, so there every round verifies the k it chose."""
+    draft, fit_set = fitted
+    prompts = random_prompts(8, policy.config.vocab_size, seed=5) + fit_set[:8]
+    ctl = SpeculationController(4, costs=_PinnedCosts())
+    for key in (("greedy",), ("rejection", 1.0, 0, 1.0)):
+        primed = ctl.new_batch(16, key)
+        for _ in range(30):
+            ctl.observe(primed, 4, [2] * 16, [[0.99] * 16, [0.99] * 16, [0.01] * 16, [0.01] * 16])
+    rounds = _recording(ctl)
+    kw = dict(temperature=0.0 if sampling == "coupled" else 1.0, seed=3)
+    engine = SpeculativeEngine(policy, draft, 4, adaptive=ctl, sampling=sampling)
+    outs = engine.generate(prompts, 40, **kw)
+    plain = SpeculativeEngine(policy, None, 0, sampling=sampling).generate(prompts, 40, **kw)
+    if sampling == "coupled":
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        stopped = sum(1 for chosen, verified in rounds if verified < chosen)
+        full = sum(1 for chosen, verified in rounds if verified == chosen > 0)
+        assert stopped > 0 and full > 0, rounds
+    else:
+        assert all(verified == chosen for chosen, verified in rounds) and any(c for c, _ in rounds), rounds
 
 
 def test_seed_reproducible(policy, fitted):
