@@ -87,9 +87,11 @@ class AdaptiveConfig:
     """Every this many drafting rounds one verifies a token more than the choice (one fewer at K), so the times
     and acceptance of the neighbouring lengths stay measured and a wrong early estimate cannot stick."""
     failed_rate: float = 0.5
-    """A drafting run counts as failed (see probe_backoff) when its proposals were accepted less often than this or
-    than the rate at which one proposal a round breaks even at the batch size (from the cost model), whichever is
-    lower: at batch 1 on a CPU a verify costs about a plain step and a draft accepted 30% of the time still pays."""
+    """Drafting that stops counts as failed (see probe_backoff) when the rows' acceptance rates (each request's
+    decayed record shrunk towards the engine-wide rate: what the choice used) average below this or below the rate
+    at which one proposal a round breaks even at the batch size (from the cost model), whichever is lower: at batch
+    1 on a CPU a verify costs about a plain step and a draft accepted 30% of the time still pays, and a single
+    unlucky probe does not make a useful draft wait."""
     resume_window: int = 32
     """While k = 0 the draft's catch-up is deferred; when drafting resumes after more plain rounds than this, the
     draft catches up on the last ``resume_window`` positions only (it keeps what it had cached before, e.g. the
@@ -166,8 +168,6 @@ class _Setting:
     hold: int = 0       # rounds left in the current wait
     hold_batch: int = 0  # the batch size when it began (it ends once the batch has halved)
     run: int = 0        # consecutive drafting rounds up to the previous one
-    run_acc: float = 0.0    # draft tokens accepted / verified in that run
-    run_tried: float = 0.0
     drafting_rounds: int = 0  # for explore_every
     confidence: ConfidenceCalibration | None = None  # acceptance by the draft's confidence (use_confidence)
 
@@ -231,8 +231,6 @@ class AcceptanceEstimates:
             self.tried[b] = self.tried[b] * d + verified
             sh.acc += a
             sh.tried += verified
-            sh.run_acc += a
-            sh.run_tried += verified
             for j in range(verified):
                 pos_expected[j] += alpha[b]
             for j in range(a):
@@ -304,9 +302,9 @@ class SpeculationController:
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:
-            if st.run_acc < needed * st.run_tried:   # accepted too rarely to pay: wait, longer each time
+            alpha = estimates.request_rates()
+            if sum(alpha) < needed * len(alpha):   # accepted too rarely to pay: wait, longer each time
                 st.hold, st.hold_batch, st.backoff = st.backoff, B, min(2 * st.backoff, longest)
-            st.run_acc = st.run_tried = 0.0
         st.run = st.run + 1 if k > 0 else 0
         if st.run >= first:                # drafting lasted: the next failure waits the least again
             st.backoff = first
