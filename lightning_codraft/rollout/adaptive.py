@@ -28,8 +28,9 @@ k is, so a batch of such requests stops drafting (k = 0). While k = 0 the engine
 until a batch's first drafting round, the draft's pass over the prompts) and pays it when drafting resumes; the
 choice counts that one-time cost spread over the rounds the batch has left.
 
-The k chosen is the most a round verifies: the engine draws the proposals one by one and, after each, asks
-:meth:`SpeculationController.verify_length` whether to verify what it has or draft on, with each drawn proposal's
+With ``AdaptiveConfig.use_confidence`` (opt-in) the k chosen is the most a round verifies: the engine draws the
+proposals one by one and, after each, asks :meth:`SpeculationController.verify_length` whether to verify what it
+has or draft on, with each drawn proposal's
 acceptance predicted from the draft's confidence in it (rollout/confidence.py, calibrated as the engine runs). The
 draft is well calibrated when greedy (SmolLM2, 58-minute draft, 16 held-out GSM8K prompts at batch 16: proposals
 of confidence 0.3 / 0.5 / 0.7 / 0.85 / >= 0.99 accepted 27 / 41 / 63 / 77 / 99% of the time); at T = 1 under
@@ -96,13 +97,16 @@ class AdaptiveConfig:
     """While k = 0 the draft's catch-up is deferred; when drafting resumes after more plain rounds than this, the
     draft catches up on the last ``resume_window`` positions only (it keeps what it had cached before, e.g. the
     prompt, and skips the positions between)."""
-    use_confidence: bool = True
+    use_confidence: bool = False
     """Stop a round's proposal chain by the draft's confidence in each proposal: after every proposal the controller
     weighs, with acceptance predicted from the proposals' confidences (rollout/confidence.py), verifying the ones
     drawn so far against drafting more (:meth:`SpeculationController.verify_length`); the round verifies between 0
     and the k it chose. Greedy and coupled sampling only, whose tokens do not depend on the proposals: rejection
     sampling corrects proposals drawn from the draft's distribution, and keeping the sure ones while dropping the
-    unsure ones would bias it. False: every round verifies the k it chose."""
+    unsure ones would bias it. Off by default: on a CPU it measured no gain (SmolLM2 bf16, batch 1 and 4, T 0 and
+    1: within 3% of the same controller without it, side by side) and its per-proposal bookkeeping cost ~3% at
+    batch 64 on the tiny model (docs/design/decoding.md); it is meant for verifies that are compute-bound at the
+    batch size, where a hesitant proposal costs a full row."""
     confidence_prior_weight: float = 8.0
     """Pseudo-proposals per confidence bin at the engine-wide acceptance rate (until a bin has counts of its own it
     predicts what the controller would without confidences)."""

@@ -457,30 +457,33 @@ def _recording(ctl):
     return rounds
 
 
-@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
-def test_the_drafts_confidence_stops_the_chain_where_the_tokens_do_not_depend_on_it(policy, fitted, sampling):
+@pytest.mark.parametrize("sampling,temperature", [("coupled", 0.0), ("coupled", 1.0), ("rejection", 1.0)])
+def test_the_drafts_confidence_stops_the_chain_where_the_tokens_do_not_depend_on_it(policy, fitted, sampling,
+                                                                                     temperature):
     """Greedy, once the controller has measured that the draft's hesitant proposals fail and its sure ones pass, some
     rounds verify fewer proposals than the k chosen (random prompts' hesitant proposals) and others all of them
     (its fit set), and the tokens are plain decoding's. Under rejection sampling a length chosen after seeing the
-    proposals would bias the samples, so there every round verifies the k it chose."""
+    proposals would bias the samples, so there every round verifies the k it chose. Coupled at T=1 the tokens are
+    plain decoding's too (the policy's own samples, whatever is verified)."""
     draft, fit_set = fitted
     prompts = random_prompts(8, policy.config.vocab_size, seed=5) + fit_set[:8]
-    ctl = SpeculationController(4, costs=_PinnedCosts())
-    for key in (("greedy",), ("rejection", 1.0, 0, 1.0)):
+    ctl = SpeculationController(4, AdaptiveConfig(use_confidence=True), costs=_PinnedCosts())
+    for key in (("greedy",), ("coupled", 1.0, 0, 1.0), ("rejection", 1.0, 0, 1.0)):
         primed = ctl.new_batch(16, key)
         for _ in range(30):
             ctl.observe(primed, 4, [2] * 16, [[0.99] * 16, [0.99] * 16, [0.01] * 16, [0.01] * 16])
     rounds = _recording(ctl)
-    kw = dict(temperature=0.0 if sampling == "coupled" else 1.0, seed=3)
+    kw = dict(temperature=temperature, seed=3)
     engine = SpeculativeEngine(policy, draft, 4, adaptive=ctl, sampling=sampling)
     outs = engine.generate(prompts, 40, **kw)
     plain = SpeculativeEngine(policy, None, 0, sampling=sampling).generate(prompts, 40, **kw)
     if sampling == "coupled":
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    if temperature == 0.0:
         stopped = sum(1 for chosen, verified in rounds if verified < chosen)
         full = sum(1 for chosen, verified in rounds if verified == chosen > 0)
         assert stopped > 0 and full > 0, rounds
-    else:
+    if sampling == "rejection":
         assert all(verified == chosen for chosen, verified in rounds) and any(c for c, _ in rounds), rounds
 
 
