@@ -86,6 +86,16 @@ def test_rollout_smoke(tmp_path):
     again = (tmp_path / "again" / "rollout.md").read_text()
     assert "each run's `--min-cpu-s`" in again and "## Findings\n\n- a finding" in again
     assert "| tiny | 2 | 1 |" in again and "Command: `python " in again
+    # the long tail's bound from the same run's speed-ups (and the same warm weights)
+    text = _run("long_tail_bound.py", "--model", "tiny", "--speedups", tmp_path / "rollout.json", "--long-tail-batch",
+                2, "--repeats", 1, "--ks", "1,2", "--block-rounds", 2, "--out", tmp_path / "bound",
+                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+    assert "Bound on the whole batch" in text and "blocks at the full width (B=2, fixed k" in text
+    res = json.loads((tmp_path / "bound" / "long_tail_bound.json").read_text())
+    best = res["best"].values()
+    assert min(best) >= 1.0 and 1.0 <= res["bound"] <= max(best) + 1e-9   # no width gains more than its best cell
+    assert 0 < sum(res["profile"]["by_width_s"].values()) <= res["profile"]["total_s"]
+    assert [b["k"] for b in res["blocks"]] == [0, 1, 2] and (tmp_path / "bound" / "long_tail_bound.png").is_file()
 
 
 def test_rollout_smoke_in_bfloat16(tmp_path):
