@@ -39,23 +39,30 @@ import torch
 import rollout as rb  # benchmarks/rollout.py: the same models, prompts and long-tail settings
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.cost_model import CostModel
 
 ROOT = rb.ROOT
+
+
+class BookedCosts(CostModel):
+    """A cost model that also keeps every measured draft catch-up as ``(rows, seconds)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.catch_ups: list[tuple[int, float]] = []
+
+    def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:
+        if block == "catch_up":
+            self.catch_ups.append((B, seconds))
+        super().add(block, B, S, seconds, anchor)
 
 
 class FixedK(SpeculationController):
     """A controller that verifies the same k every round and books every round's timed blocks."""
 
     def __init__(self, k: int, max_k: int):
-        super().__init__(max_k)
-        self.k, self.rounds, self.catch_ups = k, [], []
-        add = self.costs.add
-
-        def booked(name, B, S, t):
-            if name == "catch_up":
-                self.catch_ups.append((B, t))
-            add(name, B, S, t)
-        self.costs.add = booked
+        super().__init__(max_k, costs=BookedCosts())
+        self.k, self.rounds = k, []
 
     def choose(self, estimates, remaining, catch_up_span=0) -> int:
         return self.k
@@ -112,9 +119,9 @@ def profile(model, prompts, T: float, max_new: int, repeats: int) -> dict:
             by[B] = by.get(B, 0.0) + p + d + r
         runs.append((total, by))
     total = statistics.median(t for t, _ in runs)
-    widths = sorted({B for _, by in runs for B in by})
-    by = {B: statistics.median(by.get(B, 0.0) for _, by in runs) for B in widths}
-    return {"total_s": total, "by_width_s": by, "lengths": sorted(len(o.token_ids) for o in outs)}
+    widths = sorted({B for _, run_by in runs for B in run_by})
+    by_width = {B: statistics.median(run_by.get(B, 0.0) for _, run_by in runs) for B in widths}
+    return {"total_s": total, "by_width_s": by_width, "lengths": sorted(len(o.token_ids) for o in outs)}
 
 
 def round_blocks(model, prompts, T: float, ks: list[int], rounds: int) -> list[dict]:
@@ -126,14 +133,14 @@ def round_blocks(model, prompts, T: float, ks: list[int], rounds: int) -> list[d
         eng = SpeculativeEngine(model.policy, model.draft, rb.K, adaptive=ctl, dtype=model.dtype)
         eng.generate(prompts, 4, **kw)
         ctl.rounds.clear()
-        ctl.catch_ups.clear()
+        ctl.costs.catch_ups.clear()
         eng.generate(prompts, 1 + (k + 1) * rounds, **kw)
         full = [x for x in ctl.rounds if x[0] == B][1:]  # the first round pays the prompts' catch-up
         if not full:
             raise ValueError(f"no round at the full width {B} after the first (k={k}): rows ended too soon; "
                              f"raise --block-rounds")
         med = lambda i: statistics.median(x[i] for x in full)  # noqa: E731
-        catch = [t for b, t in ctl.catch_ups if b == B][1:]
+        catch = [t for b, t in ctl.costs.catch_ups if b == B][1:]
         out.append({"k": k, "rounds": len(full), "policy_s": med(1), "draft_s": med(2), "rest_s": med(3),
                     "catch_up_s": statistics.median(catch) if catch else 0.0})
         out[-1]["round_s"] = out[-1]["policy_s"] + out[-1]["draft_s"] + out[-1]["rest_s"] + out[-1]["catch_up_s"]

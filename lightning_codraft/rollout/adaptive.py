@@ -175,7 +175,7 @@ class _Setting:
     hold_batch: int = 0  # the batch size when it began (it ends once the batch has halved)
     run: int = 0        # consecutive drafting rounds up to the previous one
     drafting_rounds: int = 0  # for explore_every
-    confidence: ConfidenceCalibration | None = None  # acceptance by the draft's confidence (use_confidence)
+    confidence: ConfidenceCalibration | None = None  # acceptance by the draft's confidence (use_confidence only)
 
 
 class AcceptanceEstimates:
@@ -275,9 +275,10 @@ class SpeculationController:
     def new_batch(self, num_requests: int, sampling_key: tuple) -> AcceptanceEstimates:
         """Estimates for a new batch of requests decoded with the given sampling setting."""
         if sampling_key not in self._settings:
-            self._settings[sampling_key] = _Setting(0.0, 0.0, [0.0] * self.max_k, [0.0] * self.max_k,
-                                                    self.config.probe_backoff[0], confidence=ConfidenceCalibration(
-                                                        self.config.confidence_prior_weight))
+            c = self.config
+            self._settings[sampling_key] = _Setting(
+                0.0, 0.0, [0.0] * self.max_k, [0.0] * self.max_k, c.probe_backoff[0],
+                confidence=ConfidenceCalibration(c.confidence_prior_weight) if c.use_confidence else None)
         return AcceptanceEstimates(num_requests, self._settings[sampling_key], self.config)
 
     def needs_calibration(self, batch_size: int) -> bool:
@@ -299,7 +300,6 @@ class SpeculationController:
             return 0
         st.hold = 0
         times = self.costs.round_times(B, self.max_k)
-        needed = min(self.config.failed_rate, max(0.0, times[1] / times[0] - 1.0))   # break-even rate of k = 1
         tokens = expected_tokens(estimates.rates(), remaining)
         if catch_up_span > 0:
             once, longest = self.costs.catch_up(B, catch_up_span), max(remaining)
@@ -308,6 +308,7 @@ class SpeculationController:
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:
+            needed = min(self.config.failed_rate, max(0.0, times[1] / times[0] - 1.0))   # break-even rate of k = 1
             alpha = estimates.request_rates()
             if sum(alpha) < needed * len(alpha):   # accepted too rarely to pay: wait, longer each time
                 st.hold, st.hold_batch, st.backoff = st.backoff, B, min(2 * st.backoff, longest)
@@ -331,6 +332,8 @@ class SpeculationController:
         already taken counted in every k: verify the best k if it is at most n, else draft on.
         """
         n, B, st = len(confidences), len(remaining), estimates.shared
+        if st.confidence is None:
+            raise RuntimeError("verify_length needs a controller built with AdaptiveConfig(use_confidence=True)")
         table = st.confidence.rates(estimates.global_rate())
         rates = estimates.rates()
         pick = ConfidenceCalibration.bin

@@ -21,7 +21,6 @@ EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 """Upper edges of the confidence bins (the last bin is [0.98, 1]): finer near 1, where most accepted proposals lie."""
 
 
-
 class ConfidenceCalibration:
     """Decayed per-bin counts of verified and accepted proposals by the draft's confidence.
 

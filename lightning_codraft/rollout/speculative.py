@@ -317,7 +317,7 @@ class SpeculativeEngine:
                 # proposal kept, an unsure one dropped), so there every round verifies the k chosen before drafting
                 stop, ctl = None, self.controller
                 if ctl is not None and ctl.config.use_confidence and not sampler.uses_draft_probs:
-                    stop = partial(self.controller.verify_length, b.estimates, remaining, max_k=k)
+                    stop = partial(ctl.verify_length, b.estimates, remaining, max_k=k)
                 draft_ids, q, confidences = propose(pdec, ddec, b, k, sampler, rn, stop)
                 k, drafted = draft_ids.shape[1], len(confidences) if stop is not None else k
             else:

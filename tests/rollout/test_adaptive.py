@@ -138,7 +138,7 @@ def test_the_chain_stops_where_the_drafts_confidence_says_verifying_more_does_no
     """After each proposal the controller weighs verifying what was drawn against drafting on, predicting each drawn
     proposal's acceptance from its confidence, as measured: confident proposals are drafted to K, a batch of
     hesitant first proposals verifies none (a plain round), a confident first and hesitant second verifies one."""
-    ctl = _controller(_costs(policy_per_token=2e-5))
+    ctl = _controller(_costs(policy_per_token=2e-5), use_confidence=True)
     est = ctl.new_batch(16, ("greedy",))
     left = np.full(16, 100)
     sure, unsure = [0.995] * 16, [0.02] * 16
