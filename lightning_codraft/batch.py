@@ -31,9 +31,29 @@ from lightning_codraft.attention.zigzag import zigzag_shard
 
 #: Per-row tensors of a batch, in field order (the optional ones may be None).
 ROW_FIELDS = ("input_ids", "target_ids", "position_ids", "valid", "loss_mask", "old_logprobs", "advantages",
-              "draft_mask", "ref_logprobs", "ref_greedy")
+              "draft_mask", "ref_logprobs", "ref_greedy", "loss_weight")
 _REQUIRED = ("input_ids", "target_ids", "position_ids", "cu_seqlens", "valid", "loss_mask", "old_logprobs",
              "advantages")
+
+
+@dataclass(frozen=True)
+class StepNorm:
+    """What one optimizer step's objective divides by, global over every microbatch and every dp x cp rank.
+
+    Computed once per step, before the microbatch loop (``training/normalize.py``), so that every microbatch's loss is
+    its share of ONE global objective and the shares add up to the same value and gradient on any layout.
+
+    Attributes:
+        tokens: scored completion tokens of the step (``loss_mask`` rows).
+        samples: samples of the step with at least one scored token.
+        rl: the RL loss's denominator (tokens, samples, or samples x ``max_new_tokens``, by the aggregation).
+        draft: ``(K,)`` rows the draft loss scores at each unroll step (loss rows ``k + 1`` ahead in the document).
+    """
+
+    tokens: float
+    samples: float
+    rl: float
+    draft: Tensor
 
 
 @dataclass
@@ -53,6 +73,10 @@ class RLBatch:
         ref_logprobs: ``(T,)`` float32 reference-policy log-probs for the KL term, or None.
         ref_greedy: ``(T,)`` int64 the reference policy's most likely next token at every row (for the greedy
             agreement of the drift metrics), or None.
+        loss_weight: ``(T,)`` float32 weight of each row in the step's RL objective, already divided by the step's
+            global denominator (``norm.rl``): the objective is ``sum_t loss_weight_t * loss_t`` over every
+            microbatch and rank. None until ``training.normalize.normalize_step`` (or the caller) sets it.
+        norm: the step's global :class:`StepNorm` (set with ``loss_weight``), or None.
         cp_rank: the CP rank whose zigzag shard the rows are (0 for a whole batch).
         cp_size: the CP size the rows are sharded over (1: the rows are the whole batch).
     """
@@ -68,6 +92,8 @@ class RLBatch:
     draft_mask: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     ref_greedy: Optional[Tensor] = None
+    loss_weight: Optional[Tensor] = None
+    norm: Optional[StepNorm] = None
     cp_rank: int = 0
     cp_size: int = 1
 
@@ -124,7 +150,7 @@ class RLBatch:
         unknown = [k for k in d if k not in (*ROW_FIELDS, "cu_seqlens")]
         if missing or unknown:
             raise KeyError(f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs, "
-                           f"ref_greedy); "
+                           f"ref_greedy, loss_weight); "
                            f"missing {missing}, unknown {unknown}")
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)
 
@@ -199,7 +225,7 @@ class RLBatch:
             raise ValueError(f"RLBatch.{op}() needs the whole batch, but this one is CP rank {self.cp_rank}'s shard "
                              f"of cp_size={self.cp_size}; {op} first, then shard")
 
-    def _with_rows(self, rows: dict[str, Tensor], cu_seqlens: Tensor, **meta: int) -> "RLBatch":
+    def _with_rows(self, rows: dict[str, Tensor], cu_seqlens: Tensor, **meta: Any) -> "RLBatch":
         return dataclasses.replace(self, **rows, cu_seqlens=cu_seqlens, **meta)
 
     def split(self, num_microbatches: int) -> list["RLBatch"]:
@@ -276,4 +302,5 @@ class RLBatch:
     def to(self, device: torch.device | str) -> "RLBatch":
         """The batch with every tensor on ``device`` (``cu_seqlens`` too)."""
         rows = {k: v.to(device) for k, v in self.row_tensors().items()}
-        return self._with_rows(rows, self.cu_seqlens.to(device))
+        norm = self.norm and dataclasses.replace(self.norm, draft=self.norm.draft.to(device))
+        return self._with_rows(rows, self.cu_seqlens.to(device), norm=norm)

@@ -165,15 +165,18 @@ class RLConfig:
     kl_coef: float = 0.0
     """KL penalty to the start policy (the policy when RL begins, after the warm-ups)."""
     track_drift: bool = True
-    """Keep the start policy as a frozen reference even when ``kl_coef == 0`` and log, per step, how far the
-    policy has drifted from it on the step's rollouts: ``kl`` (k3 estimate of KL(policy || start)) and
-    ``greedy_agreement``. Costs a reference forward per step and the reference's memory (sharded like the policy;
-    ``codraft plan`` counts it); false drops both when ``kl_coef == 0``."""
+    """Keep the start policy as a frozen reference even when ``kl_coef == 0`` and log, per step, the drift from it
+    on the step's rollouts: ``kl`` (k3 estimate of KL(policy || start)) and ``greedy_agreement``. Costs a reference
+    forward per step and its memory (``codraft plan`` counts it); false drops both when ``kl_coef == 0``."""
     scale_advantages: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False = mean-centred only."""
+    """Divide group-centred rewards by the group std (GRPO); False = mean-centred only (Dr. GRPO)."""
+    std: str = "population"
+    """The group std of ``scale_advantages``: ``population`` (divide by G) or ``sample`` (G - 1: TRL, verl)."""
     loss_aggregation: str = "sequence"
-    """``sequence``: every sample weighs the same (GRPO: token mean per sample, then mean over samples);
-    ``token``: every completion token weighs the same (DAPO)."""
+    """Over the whole step (any microbatching or mesh): ``sequence`` every sample weighs the same (GRPO), ``token``
+    every completion token (DAPO), ``constant`` token sums / (samples x max_new_tokens) (Dr. GRPO). docs/rl.md."""
+    dual_clip: Optional[float] = None
+    """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): caps a negative-advantage token's loss at -A c; null = off."""
 
 
 @dataclass
@@ -268,7 +271,8 @@ _CHOICES = {
     ("draft", "sampling"): ("coupled", "rejection"),
     ("task", "name"): ("arithmetic", "gsm8k"),
     ("task", "on_reward_error"): ("warn", "raise"),
-    ("rl", "loss_aggregation"): ("sequence", "token"),
+    ("rl", "loss_aggregation"): ("sequence", "token", "constant"),
+    ("rl", "std"): ("population", "sample"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
     ("parallel", "engine_dtype"): ("float32", "bfloat16", "float16", "auto", None),
@@ -362,6 +366,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"rl.top_p={r.top_p} must be in (0, 1]")
     if r.grad_clip is not None and r.grad_clip <= 0:
         raise ConfigError(f"rl.grad_clip={r.grad_clip} must be > 0 (or null for no clipping)")
+    if r.dual_clip is not None and r.dual_clip <= 1:
+        raise ConfigError(f"rl.dual_clip={r.dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3) or null")
     if r.prompts_per_step % p.dp:
         raise ConfigError(f"rl.prompts_per_step={r.prompts_per_step} must be divisible by parallel.dp={p.dp}")
     m = cfg.model
@@ -397,13 +403,11 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                                         or sum(t.style_weights) <= 0):
         raise ConfigError(f"task.style_weights={list(t.style_weights)} needs one weight >= 0 per entry of "
                           f"task.styles={list(t.styles)}, not all 0")
-    _positive("task.eval_every", cfg.task.eval_every, 0)
-    if t.heldout is not None:
-        _positive("task.heldout", t.heldout, 0)
-    _positive("draft.train_every", cfg.draft.train_every)
-    _positive("sft.steps", cfg.sft.steps, 0)
-    _positive("run.checkpoint_every", cfg.run.checkpoint_every, 0)
-    _positive("run.max_nonfinite_steps", cfg.run.max_nonfinite_steps)
+    for name, v, low in (("task.eval_every", t.eval_every, 0), ("task.heldout", t.heldout or 0, 0),
+                         ("draft.train_every", d.train_every, 1), ("sft.steps", cfg.sft.steps, 0),
+                         ("run.checkpoint_every", cfg.run.checkpoint_every, 0),
+                         ("run.max_nonfinite_steps", cfg.run.max_nonfinite_steps, 1)):
+        _positive(name, v, low)
     return cfg
 
 

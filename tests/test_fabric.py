@@ -110,8 +110,8 @@ def _fabric_worker(rank, world_size, layouts):
     return results
 
 
-# (mesh, module overrides): under PP the objective is the mean over M microbatches (M >= pp for 1F1B); with dp > 1
-# each replica cuts its own batch, so those layouts use M = 1 (GPipe), the objective of the concatenated batch.
+# (mesh, module overrides): the objective does not depend on M (M >= pp for 1F1B; tests/test_layouts_grid.py checks
+# every M against one process and one microbatch); the reference process uses the layout's M too.
 # FSDP2 is the default whenever dp * cp > 1; the "ddp" layouts run replicated weights. One spawn per group.
 LAYOUTS = {"default": [(dict(dp=2, cp=2), {}), (dict(pp=2, cp=2), dict(num_microbatches=2)),
                        (dict(dp=2, pp=2), dict(pp_schedule="gpipe")), (dict(dp=2, cp=2, sharding="ddp"), {})],

@@ -7,9 +7,10 @@ The runner knows no loss: :meth:`PipelineRunner.step` takes ``loss_fn(logits, ta
 the SAME function the single-stage step calls (torchtitan hands one ``loss_fn`` to both paths), so an objective
 changed in a subclass changes under PP too. For every microbatch ``m`` the last stage calls it with the policy
 logits of ``m``, the taps the TapChannel delivered for ``m`` (tap ``l`` = the hidden state entering layer ``l``;
-tap 0 is the token embeddings) and the microbatch, and back-propagates ``loss / M`` through the schedule
-(``scale_grads=False``): the step's objective is the mean over microbatches, exactly what one process
-accumulating the same ``M`` microbatches computes. The ``record`` of every microbatch (detached statistics) is
+tap 0 is the token embeddings) and the microbatch, and back-propagates ``loss`` through the schedule
+(``scale_grads=False``): each microbatch's loss is its share of the step's objective (its weights divide by the
+whole step's counts), so the step's objective is the sum over microbatches, exactly what one process accumulating
+the same ``M`` microbatches computes. The ``record`` of every microbatch (detached statistics) is
 returned on every stage.
 
 Under CP every microbatch is this rank's zigzag shard (``cu_seqlens`` global). With tied embeddings the
@@ -108,12 +109,12 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _schedule_loss(self, logits: Tensor, mb: Tensor) -> Tensor:
-        """Last stage: ``loss_fn(logits, taps, batch) / M`` for microbatch ``m = mb[0]``."""
+        """Last stage: ``loss_fn(logits, taps, batch)`` (a share of the step's objective) for microbatch ``m = mb[0]``."""
         m = int(mb.reshape(-1)[0])
         taps = self.channel.receive(m) if self.tap_ids else {}
         loss, record = self._loss_fn(logits, taps, self._mbs[m])
         self._records.append(record)
-        return loss / len(self._mbs)
+        return loss
 
     @staticmethod
     def _check(microbatches: Sequence[RLBatch]) -> int:

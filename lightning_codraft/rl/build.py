@@ -172,6 +172,7 @@ def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
         draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
         ttt_steps=cfg.draft.ttt_steps, ttt_decay=cfg.draft.ttt_decay, clip_eps=cfg.rl.clip_eps,
         clip_eps_high=cfg.rl.clip_eps_high, kl_coef=cfg.rl.kl_coef, temperature=cfg.rl.temperature,
+        loss_aggregation=cfg.rl.loss_aggregation, max_new_tokens=cfg.rl.max_new_tokens, dual_clip=cfg.rl.dual_clip,
         track_drift=cfg.rl.track_drift, policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr,
         grad_clip=cfg.rl.grad_clip, num_microbatches=p.num_microbatches, pp_schedule=p.pp_schedule,
         layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage))

@@ -36,45 +36,36 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True) -> Tensor:
+def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std: str = "population") -> Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std (when ``scale``).
+
+    Computed in float64, so a group of equal rewards gets exactly 0 whatever the value (in float32 the mean of eight
+    0.7s is one ulp off and, divided by a one-ulp std + eps, every sample would get +0.056).
 
     Args:
         rewards: ``(P, G)`` rewards, ``G`` completions of each of ``P`` prompts.
         eps: added to the std so a group of equal rewards gets advantage 0, not NaN.
         scale: divide by the group std (GRPO); False gives the mean-centred "Dr. GRPO" variant.
+        std: ``population`` (divide by G) or ``sample`` (Bessel's correction, G - 1: TRL's and verl's choice; our
+            ``population`` advantages are theirs times ``sqrt(G / (G - 1))``).
 
     Returns:
         ``(P, G)`` float32 advantages.
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be (P, G) with G >= 2 completions per prompt, got {tuple(rewards.shape)}")
-    r = rewards.to(torch.float32)
+    if std not in ("population", "sample"):
+        raise ValueError(f"std={std!r} must be 'population' or 'sample'")
+    r = rewards.to(torch.float64)
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r[~torch.isfinite(r)].tolist()[:4]} among them")
     adv = r - r.mean(dim=1, keepdim=True)
+    # a group whose rewards are all equal is exactly 0 (its mean may still be one ulp off the value in float64)
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    adv = torch.where(equal, torch.zeros_like(adv), adv)
     if scale:
-        adv = adv / (r.std(dim=1, keepdim=True, unbiased=False) + eps)
-    return adv
-
-
-def sequence_weighted(advantages: Sequence[float], lengths: Sequence[int],
-                      mean_length: float | None = None) -> list[float]:
-    """Advantages rescaled by ``mean_length / length`` so that a TOKEN-mean loss over the batch equals the
-    SEQUENCE-mean loss of GRPO (each sample's tokens averaged first, then the samples): every sample weighs
-    the same whatever its length, and long wrong answers no longer outweigh short right ones on the tokens
-    they share.
-
-    Args:
-        advantages: one per sample.
-        lengths: completion tokens per sample.
-        mean_length: the mean completion length of the WHOLE step's batch (under data parallelism: over every
-            replica, so that the global token mean equals the global sequence mean); default: ``mean(lengths)``.
-    """
-    if len(advantages) != len(lengths):
-        raise ValueError(f"got {len(advantages)} advantages for {len(lengths)} lengths")
-    if any(n < 1 for n in lengths):
-        raise ValueError(f"every completion needs >= 1 token, got lengths {list(lengths)}")
-    mean = sum(lengths) / len(lengths) if mean_length is None else float(mean_length)
-    return [a * mean / n for a, n in zip(advantages, lengths)]
+        adv = adv / (r.std(dim=1, keepdim=True, unbiased=std == "sample") + eps)
+    return adv.to(torch.float32)
 
 
 def build_rl_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cp: int = 1,

@@ -1,30 +1,61 @@
-"""Reward callables: resolve a user's dotted path, and score a batch while surviving a failing reward.
+"""Reward callables: resolve a user's dotted path, and score a batch so that a failing reward is never silent.
 
 A reward function has the signature ``fn(prompt: str, completion: str, answer: str) -> float``. A user
-plugs one in with ``task.reward: "my_pkg.rewards:score"`` (or ``"my_pkg.rewards.score"``). When it raises,
-:func:`score_completions` either stops with a :class:`RewardError` naming the sample and its prompt, or
-(``on_error="warn"``) warns with the same information and scores that sample 0.
+plugs one in with ``task.reward: "my_pkg.rewards:score"`` (or ``"my_pkg.rewards.score"``). A reward fails when it
+raises or returns anything but one finite real number (a list, a string, NaN, inf). By default
+(``on_error="raise"``) :func:`score_completions` then stops with a :class:`RewardError` naming the function, the
+sample, its prompt and the fix; the loop exits with status 3 and resumes from its last checkpoint. The tolerant mode
+(``on_error="skip"``) is opt-in: a failed sample is left out of its group's advantages and of the loss, each one is
+reported, and :func:`check_failure_budget` stops the run once a step's failures exceed the budget.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-import warnings
+import numbers
 from typing import Sequence
 
 from lightning_codraft.rl.tasks import RewardFn
 
-ON_ERROR = ("warn", "raise")
+ON_ERROR = ("raise", "skip")
 
 
 class RewardError(RuntimeError):
-    """A reward function raised (or returned a non-finite value) on one sample."""
+    """A reward function failed on one sample (raised, or returned something other than one finite number)."""
 
-    def __init__(self, index: int, prompt: str, message: str):
+    def __init__(self, index: int, prompt: str, message: str, function: str = "reward"):
         self.index = index
         self.prompt = prompt
-        super().__init__(f"reward function failed on sample {index} (prompt {prompt!r}): {message}")
+        self.function = function
+        self.reason = message
+        super().__init__(f"reward function {function} failed on sample {index} (prompt {prompt!r}): {message}")
+
+
+class BadRewardValue(ValueError):
+    """What :func:`reward_value` raises: the reward returned something other than one finite number."""
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def reward_value(value) -> float:
+    """``value`` as a float when it is one finite real number; else :class:`BadRewardValue` saying what it is and
+    the fix."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, (str, bytes))
+                                            and getattr(value, "ndim", 1) != 0):
+        raise BadRewardValue(f"returned a {type(value).__name__} of {len(value)} values for one sample: this looks like a "
+                         f"batched (TRL-style) reward; this task calls fn(prompt, completion, answer) -> float once "
+                         f"per sample, so wrap it: lambda p, c, a: fn([p], [c], answer=[a])[0]")
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, numbers.Real):
+        value = value.item()  # a 0-dim tensor / array
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadRewardValue(f"returned {type(value).__name__} {value!r}, not a number; return a float")
+    r = float(value)
+    if not math.isfinite(r):
+        raise BadRewardValue(f"returned the non-finite reward {r}; return a finite float (e.g. 0.0 for a failure)")
+    return r
 
 
 def resolve_reward(path: str) -> RewardFn:
@@ -46,35 +77,44 @@ def resolve_reward(path: str) -> RewardFn:
 
 
 def score_completions(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-                      answers: Sequence[str], on_error: str = "warn") -> tuple[list[float], list[int]]:
+                      answers: Sequence[str], on_error: str = "raise") -> tuple[list[float], list[RewardError]]:
     """Apply ``fn`` to every (prompt, completion, answer).
 
     Args:
         fn: the reward callable.
         prompts, completions, answers: equal-length sequences, one entry per sample.
-        on_error: ``"warn"`` (failed sample scores 0 and a ``RuntimeWarning`` names it) or ``"raise"``.
+        on_error: ``"raise"`` (stop at the first failure) or ``"skip"`` (report it; the sample's reward is NaN).
 
     Returns:
-        ``(rewards, failed)``: a float per sample, and the indices of samples whose reward failed.
+        ``(rewards, failures)``: a float per sample (NaN where it failed) and one :class:`RewardError` per failed
+        sample (``.index`` is the sample).
+
+    Raises:
+        RewardError: a sample's reward failed and ``on_error="raise"``.
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}; use one of {ON_ERROR}")
     if not len(prompts) == len(completions) == len(answers):
         raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers; "
                          f"they must be equal")
-    rewards, failed = [], []
+    rewards, failures = [], []
     for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
         try:
-            r = float(fn(p, c, a))
-            if not math.isfinite(r):
-                raise ValueError(f"returned a non-finite reward {r}")
+            r = reward_value(fn(p, c, a))
         except Exception as e:  # noqa: BLE001 - a user's reward may raise anything
-            err = RewardError(i, p, f"{type(e).__name__}: {e}")
+            reason = str(e) if isinstance(e, BadRewardValue) else f"raised {type(e).__name__}: {e}"
+            err = RewardError(i, p, reason, _name(fn))
             if on_error == "raise":
                 raise err from e
-            warnings.warn(f"{err}; scoring it 0 (set task.on_reward_error=raise to stop instead)",
-                          RuntimeWarning, stacklevel=2)
-            r = 0.0
-            failed.append(i)
+            failures.append(err)
+            r = math.nan
         rewards.append(r)
-    return rewards, failed
+    return rewards, failures
+
+
+def check_failure_budget(failures: Sequence[RewardError], num_samples: int, budget: float) -> None:
+    """Stop (:class:`RewardError`) when more than ``budget`` (a share) of a step's ``num_samples`` failed."""
+    if failures and len(failures) > budget * num_samples:
+        first = failures[0]
+        raise RewardError(first.index, first.prompt, f"{first.reason}; {len(failures)} of {num_samples} samples of "
+                          f"the step failed, over task.reward_failure_budget={budget}", first.function)

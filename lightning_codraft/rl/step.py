@@ -19,7 +19,7 @@ import torch
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import fabric_training_step
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
-from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages, sequence_weighted
+from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import score_completions
 from lightning_codraft.rl.rollouts import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
@@ -143,12 +143,8 @@ class RLStep:
             self.log(f"step {step}: reward failed on samples {failed[:8]}{' ...' if len(failed) > 8 else ''} "
                      f"(prompt of the first: {mine[failed[0] // G].prompt!r}); scored 0")
         r = torch.tensor(rewards).view(len(mine), G)
-        adv = group_advantages(r, scale=cfg.rl.scale_advantages).view(-1).tolist()
-        if cfg.rl.loss_aggregation == "sequence":  # the mean length of the whole step (every replica: equal shares)
-            lengths = [len(o.token_ids) for o in outs]
-            mean_length = self.fabric.all_reduce(torch.tensor(sum(lengths) / len(lengths), dtype=torch.float64),
-                                                 reduce_op="mean").item()
-            adv = sequence_weighted(adv, lengths, mean_length)
+        # the loss aggregation (token / sequence / constant) is the module's: CoDraftModule.normalize
+        adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std).view(-1).tolist()
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         self.last_rollouts = rollouts

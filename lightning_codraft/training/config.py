@@ -29,6 +29,15 @@ class CoDraftModuleConfig:
     """Upper clip range (DAPO clip-higher); None = clip_eps."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference policy (needs ``ref_logprobs`` in the batch when > 0)."""
+    loss_aggregation: str = "token"
+    """How the RL loss weighs tokens over the WHOLE step (every microbatch and rank; ``training.normalize``):
+    ``token`` (DAPO: every completion token the same), ``sequence`` (GRPO: every sample the same) or ``constant``
+    (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The weight multiplies the KL term too."""
+    max_new_tokens: Optional[int] = None
+    """The completion budget: the ``constant`` aggregation's per-sample divisor (required for it)."""
+    dual_clip: Optional[float] = None
+    """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): a negative-advantage token's loss is capped at ``-A c``;
+    None = off."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts: the RL loss (and the reference's log-probs) score tokens under
     ``logits / temperature``, the distribution they were sampled from, so the first, on-policy ratio is 1. Zero
@@ -60,8 +69,8 @@ class CoDraftModuleConfig:
     taps: Optional[tuple[int, ...]] = None
     """Policy tap ids feeding the draft; None = the draft's configured taps, else the policy's defaults."""
     num_microbatches: int = 1
-    """M: each replica's batch is cut into M microbatches of whole documents; the objective is the mean over
-    microbatches of the token-mean losses (the pipeline schedule's unit; set it equal on every mesh)."""
+    """M: each replica's batch is cut into M microbatches of whole documents (the pipeline schedule's unit); the
+    objective does not depend on it: every microbatch's loss divides by the whole step's counts."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule under pp > 1: ``1f1b`` (needs num_microbatches >= pp) or ``gpipe``."""
     layers_per_stage: Optional[tuple[int, ...]] = None
@@ -90,6 +99,13 @@ class CoDraftModuleConfig:
             raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 or None")
+        if self.loss_aggregation not in ("token", "sequence", "constant"):
+            raise ValueError(f"loss_aggregation={self.loss_aggregation!r} must be 'token', 'sequence' or 'constant'")
+        if self.loss_aggregation == "constant" and (self.max_new_tokens is None or self.max_new_tokens < 1):
+            raise ValueError(f"loss_aggregation='constant' (Dr. GRPO) divides by samples x max_new_tokens; set "
+                             f"max_new_tokens >= 1, got {self.max_new_tokens}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3.0) or None")
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule={self.pp_schedule!r} must be '1f1b' or 'gpipe'")
 

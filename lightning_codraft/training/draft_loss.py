@@ -8,7 +8,14 @@ and it counts only when
 - row ``i + 1 + k`` lies inside row ``i``'s document,
 - ``loss_mask[i + 1 + k]`` is set (the mask is indexed by the *policy* row, like every column of the
   next-token-aligned RL batch), and
-- the policy's top-1 token at that row is in the draft vocabulary (``t2d[argmax]``).
+- the policy's top-1 token at that row is in the draft vocabulary (``t2d[argmax]``; SpecForge's position mask).
+
+Each step's loss is divided by its SCORED rows (the first two conditions), and its top-1 accuracy counts every
+scored row: a row whose policy top-1 lies outside the draft vocabulary is a miss (greedy verification rejects it),
+so the accuracy and the acceptance length it implies are what verification measures, not figures conditional on
+the top-1 being drafted (``in_vocab`` counts those rows; ``1 - in_vocab / total`` is the out-of-vocabulary share).
+SpecForge divides its loss by all positions and its accuracy by the loss-mask rows, the same convention up to
+padding. Under microbatching the denominators are the whole step's (``denominators``), known before the forward.
 
 Step ``k`` is weighted ``decay ** k`` (0.8 in EAGLE-3). Under context parallelism every tensor is this rank's
 zigzag shard; the shift ``i -> i + 1 + k`` crosses shard boundaries through
@@ -23,7 +30,7 @@ CP group is therefore the SUM over the group of the per-rank gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,16 +46,19 @@ class DraftLossOutput:
 
     Attributes:
         loss: scalar, ``sum_k decay**k * per_step_loss[k]``, differentiable in the step logits.
-        per_step_loss: ``(K,)`` detached mean soft cross-entropy of each unroll step over its counted rows.
-        correct: ``(K,)`` fp32 number of counted rows whose draft top-1 (mapped to a target id) equals the
+        per_step_loss: ``(K,)`` detached soft cross-entropy of each unroll step summed over its loss rows and
+            divided by the step's scored rows (this batch's, or ``denominators``).
+        correct: ``(K,)`` fp32 number of scored rows whose draft top-1 (mapped to a target id) equals the
             policy top-1, summed over ``group``.
-        total: ``(K,)`` fp32 number of counted rows of each step, summed over ``group``.
+        total: ``(K,)`` fp32 number of scored rows of each step (out-of-vocabulary top-1 included), over ``group``.
+        in_vocab: ``(K,)`` fp32 scored rows whose policy top-1 is in the draft vocabulary (the loss rows).
     """
 
     loss: Tensor
     per_step_loss: Tensor
     correct: Tensor
     total: Tensor
+    in_vocab: Optional[Tensor] = None
 
     @property
     def accuracy(self) -> Tensor:
@@ -106,6 +116,7 @@ def ttt_draft_loss(
     t2d: Tensor,
     decay: float = 0.8,
     group=None,
+    denominators: Optional[Tensor] = None,
 ) -> DraftLossOutput:
     """TTT draft loss of K unroll steps.
 
@@ -121,6 +132,9 @@ def ttt_draft_loss(
         t2d: ``(V,)`` bool, target ids present in the draft vocabulary.
         decay: weight ratio between consecutive steps; step k weighs ``decay ** k``.
         group: CP process group (None: the tensors hold the whole batch).
+        denominators: ``(K,)`` what each step's summed loss is divided by (the whole step's scored rows over every
+            microbatch and dp rank, ``RLBatch.norm.draft``): the result is then this batch's share; None: this
+            batch's own scored rows.
 
     Returns:
         :class:`DraftLossOutput`.
@@ -148,11 +162,12 @@ def ttt_draft_loss(
     with torch.no_grad():
         pl = policy_logits.detach().float()
         top = pl.max(-1).indices  # the first maximal index, as argmax (and 4x faster on CPU)
-        counted = loss_mask.to(device=device, dtype=torch.float32) * t2d.to(device)[top].float()
+        scored = loss_mask.to(device=device, dtype=torch.float32)
+        counted = scored * t2d.to(device)[top].float()
         # the softmax of a row does not depend on where it is shifted to: once, over the draft vocabulary
         target_p = torch.softmax(pl.index_select(1, target_ids), dim=-1)
-        # per row: [row counted | policy top-1 id], shifted with the targets under CP (one halo exchange)
-        side = torch.stack([counted, top.float()], dim=1)
+        # per row: [row scored | loss row | policy top-1 id], shifted with the targets under CP (one halo exchange)
+        side = torch.stack([scored, counted, top.float()], dim=1)
         if world > 1:
             side = torch.cat([target_p, side], dim=1)
 
@@ -162,7 +177,7 @@ def ttt_draft_loss(
         logits = step_logits[k]
         with torch.no_grad():
             shifted = shift_left(side, cu_seqlens, s, group=group, fill=0)
-            mask, target_top = shifted[:, -2], shifted[:, -1].round().long()
+            row_scored, mask, target_top = shifted[:, -3], shifted[:, -2], shifted[:, -1].round().long()
         if world == 1:
             # rows i and i + s of the packed batch: views, no shifted copy; a row whose i + s leaves its
             # document has mask 0, and the last s rows have no source row at all
@@ -170,17 +185,21 @@ def ttt_draft_loss(
         else:
             nums.append(soft_cross_entropy_sum(logits, shifted[:, :Vd], mask))
         with torch.no_grad():
-            hit = (target_ids[logits.max(-1).indices] == target_top).float() * mask
-            stats.append(torch.stack([mask.sum(), hit.sum()]))
+            hit = (target_ids[logits.max(-1).indices] == target_top).float() * row_scored
+            stats.append(torch.stack([row_scored.sum(), hit.sum(), mask.sum()]))
 
     local_num = torch.stack(nums)
-    packed = torch.cat([local_num.detach()[:, None], torch.stack(stats)], dim=1)  # (K, 3): num, total, correct
+    packed = torch.cat([local_num.detach()[:, None], torch.stack(stats)], dim=1)  # (K, 4): num, total, correct, in
     if world > 1:
         dist.all_reduce(packed, group=group)
-    total, correct = packed[:, 1], packed[:, 2]
+    total, correct, in_vocab = packed[:, 1], packed[:, 2], packed[:, 3]
     # value of the global sum, gradient of the local part only (see the module docstring)
     global_num = local_num + (packed[:, 0] - local_num.detach())
-    per_step = global_num / total.clamp(min=1)
+    if denominators is None:
+        denominators = total.clamp(min=1)
+    elif tuple(denominators.shape) != (num_steps,):
+        raise ValueError(f"denominators has shape {tuple(denominators.shape)}, expected ({num_steps},), one per step")
+    per_step = global_num / denominators.to(global_num)
     weights = decay ** torch.arange(num_steps, device=device, dtype=torch.float32)
     return DraftLossOutput(loss=(weights * per_step).sum(), per_step_loss=per_step.detach(),
-                           correct=correct, total=total)
+                           correct=correct, total=total, in_vocab=in_vocab)

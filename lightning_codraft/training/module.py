@@ -2,9 +2,9 @@
 
 ``L = L_rl + lambda * L_draft`` with ONE backward. The draft reads only detached tensors of the policy: its tap
 hidden states, its logits (the soft targets) and its token embeddings (tap 0) of the shifted ids; so the draft term
-moves only draft parameters and the RL term only policy parameters. Both losses are token means over the whole
-global batch (every dp replica and CP shard), so the same user code gives the same update on one process or on any
-(dp, pp, cp) mesh. One step, as data::
+moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global counts (every microbatch, dp replica
+and CP shard: ``training.normalize``), so the same user code gives the same update on one process or on any
+(dp, pp, cp) mesh and any ``num_microbatches``. One step, as data::
 
     RLBatch (whole replica batch)  -> split into M microbatches -> [PP: padded to one length] -> zigzag shard
       -> policy forward (ring attention; taps 0 + the draft's)   [PP: the pipeline stages; TapChannel]
@@ -35,6 +35,7 @@ from lightning_codraft.parallel.pp_runner import PipelineRunner
 from lightning_codraft.parallel.strategy_core import reduce_gradients
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
+from lightning_codraft.training.normalize import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
                                                   step_metrics)
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
@@ -172,20 +173,21 @@ class CoDraftModule(LightningModule):
         return token_logprobs(logits if t in (0.0, 1.0) else logits / t, target_ids)
 
     def rl_loss(self, logprobs: Tensor, batch: RLBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """RL loss of this rank's rows: PPO / GRPO clipped surrogate, token mean over the dp x cp batch.
+        """RL loss of this rank's rows: PPO / GRPO clipped surrogate weighted by ``batch.loss_weight``.
 
         Args:
             logprobs: ``(T,)`` log-prob of ``batch.target_ids`` under the current policy (differentiable).
             batch: this rank's microbatch (its zigzag shard under CP).
 
         Returns:
-            ``(loss, stats)``: loss = this rank's share (the sum over dp x cp is the global mean); stats are global.
+            ``(loss, stats)``: loss = this rank's share of the step's objective (the sum over dp x cp ranks and
+            microbatches is the objective); stats are this microbatch's global shares of the step's values.
         """
         c = self.config
         return policy_gradient_loss(
             logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=c.clip_eps,
             clip_eps_high=c.clip_eps_high, ref_logprobs=batch.ref_logprobs, kl_coef=c.kl_coef,
-            group=self.parallel_dims.dp_cp_group)
+            group=self.parallel_dims.dp_cp_group, loss_weight=batch.loss_weight, dual_clip=c.dual_clip)
 
     def draft_token_embeds(self, embeds: Tensor, batch: RLBatch) -> list[Tensor]:
         """The draft's token inputs: the policy's embeddings shifted left by ``k + 1`` within documents, k < K.
@@ -221,13 +223,20 @@ class CoDraftModule(LightningModule):
         Args:
             step_logits: K tensors ``(T, Vd)`` from :meth:`draft_step_logits`.
             policy_logits: ``(T, V)`` detached policy logits (the soft targets).
-            batch: this rank's microbatch.
+            batch: this rank's microbatch (``batch.norm.draft``: the step's scored rows, each step's divisor).
         """
         return ttt_draft_loss(list(step_logits), policy_logits, batch.cu_seqlens, batch.draft_targets,
                               self.draft.d2t, self.draft.t2d, decay=self.config.ttt_decay,
-                              group=self.parallel_dims.cp_group)
+                              group=self.parallel_dims.cp_group, denominators=batch.norm.draft)
 
     # ------------------------------------------------------------------ the joint objective
+    def normalize(self, batch: RLBatch) -> RLBatch:
+        """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
+        ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it."""
+        c, dims = self.config, self.parallel_dims
+        return normalize_step(batch, c.loss_aggregation, c.ttt_steps, max_new_tokens=c.max_new_tokens,
+                              dp_group=dims.dp_group, cp_group=dims.cp_group)
+
     def _tap_ids(self) -> Optional[tuple[int, ...]]:
         """Taps the objective reads: 0 (the token embeddings) and :meth:`configure_taps`; None without a draft."""
         return (0, *self.configure_taps()) if self.config.runs_draft else None
@@ -241,15 +250,18 @@ class CoDraftModule(LightningModule):
             batch: this rank's microbatch.
 
         Returns:
-            ``(loss, record)``: ``loss`` is this rank's share of the microbatch's objective (differentiable);
-            ``record`` its detached global statistics.
+            ``(loss, record)``: ``loss`` is this rank's share of the step's objective that this microbatch carries
+            (differentiable; the shares of every microbatch and rank add up to the step's objective); ``record``
+            its detached global statistics, shares too. A batch without ``norm`` is normalised as a whole step.
         """
         c = self.config
+        if batch.norm is None:
+            batch = self.normalize(batch)
         rl, rl_stats = self.rl_loss(self.sampled_logprobs(logits, batch.target_ids), batch)
         metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
         if batch.ref_greedy is not None:
             metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
-                                                                 self.parallel_dims.dp_cp_group)
+                                                                 self.parallel_dims.dp_cp_group, batch.norm.tokens)
         value, loss = rl_stats["loss"].detach(), rl
         if not c.runs_draft:
             metrics["loss"] = value
@@ -267,7 +279,7 @@ class CoDraftModule(LightningModule):
             loss = loss + c.draft_loss_weight * d.loss
             value = value + c.draft_loss_weight * d.loss.detach()
         metrics["loss"] = value
-        return loss, MicrobatchRecord(metrics, d.correct, d.total)
+        return loss, MicrobatchRecord(metrics, d.correct, d.total, d.in_vocab)
 
     def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
         """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
@@ -324,7 +336,7 @@ class CoDraftModule(LightningModule):
             :class:`CoDraftStepOutput`; its ``loss`` is ready for ``backward`` (``None`` under PP, where the
             schedule already ran the backward).
         """
-        microbatches = self._with_reference(self._microbatches(RLBatch.coerce(batch)))
+        microbatches = self._with_reference(self._microbatches(self.normalize(RLBatch.coerce(batch))))
         loss = None
         if self.pipeline is not None:
             records = self.pipeline.step(microbatches, self.objective)
@@ -336,7 +348,7 @@ class CoDraftModule(LightningModule):
                 mb_loss, record = self.objective(out.logits, dict(zip(taps or (), out.taps or ())), mb)
                 losses.append(mb_loss)
                 records.append(record)
-            loss = sum(losses) / len(microbatches) * self.grad_average_size
+            loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
         metrics, counts = step_metrics(records)
         return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
                                  microbatch_losses=[float(r.metrics["loss"]) for r in records])

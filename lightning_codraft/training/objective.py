@@ -4,11 +4,12 @@
 :meth:`~lightning_codraft.training.module.CoDraftModule.objective`; the single-stage step and the pipeline's last
 stage both call it. What it needs besides the model lives here:
 
-- :func:`global_draft_objective`: the draft loss (a token mean over the CP group) made a token mean over the whole
-  dp x cp batch, value and gradient;
-- :class:`MicrobatchRecord`: the detached statistics one microbatch reports;
-- :func:`step_metrics`: a step's metrics from its microbatches' records (means, token counts summed, draft accuracy
-  and the acceptance length it implies, through :class:`~lightning_codraft.training.metrics.DraftAcceptance`).
+- :func:`global_draft_objective`: the draft loss (a CP-group sum divided by the step's global scored rows) made this
+  microbatch's share of the draft objective over the whole dp x cp step, value and gradient;
+- :class:`MicrobatchRecord`: the detached statistics one microbatch reports (shares of the step: they add up);
+- :func:`step_metrics`: a step's metrics from its microbatches' records (shares summed, draft accuracy over every
+  scored row and the acceptance length it implies, through :class:`~lightning_codraft.training.metrics.DraftAcceptance`,
+  and the share of rows whose policy top-1 is outside the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -46,44 +47,36 @@ class MicrobatchRecord:
     """Detached global statistics of one microbatch's objective.
 
     Attributes:
-        metrics: ``loss``, ``policy/*`` (the RL loss's stats) and ``draft/loss*`` scalars.
+        metrics: ``loss``, ``policy/*`` (the RL loss's stats) and ``draft/loss*`` scalars: this microbatch's shares
+            of the step's values (the step's value is their sum over microbatches).
         draft_correct: ``(K,)`` rows whose draft top-1 equals the policy's, per unroll step (None without a draft).
-        draft_total: ``(K,)`` counted rows per unroll step (None without a draft).
+        draft_total: ``(K,)`` scored rows per unroll step (None without a draft).
+        draft_in_vocab: ``(K,)`` scored rows whose policy top-1 is in the draft vocabulary (None without a draft).
     """
 
     metrics: dict[str, Tensor]
     draft_correct: Optional[Tensor] = None
     draft_total: Optional[Tensor] = None
+    draft_in_vocab: Optional[Tensor] = None
 
 
 @dataclass
 class DraftObjective:
-    """The draft loss as a token mean over the whole dp x cp batch.
+    """This microbatch's share of the step's draft objective over the whole dp x cp batch.
 
     Attributes:
-        loss: scalar whose VALUE is the global loss and whose gradient is this rank's share of its gradient.
-        per_step: ``(K,)`` detached global mean soft cross-entropy per unroll step.
-        correct: ``(K,)`` global count of rows whose draft top-1 equals the policy top-1.
+        loss: scalar whose VALUE is the share over every rank and whose gradient is this rank's part of it.
+        per_step: ``(K,)`` detached share of each unroll step's soft cross-entropy.
+        correct: ``(K,)`` global count of scored rows whose draft top-1 equals the policy top-1.
         total: ``(K,)`` global count of scored rows.
+        in_vocab: ``(K,)`` global count of scored rows whose policy top-1 is in the draft vocabulary.
     """
 
     loss: Tensor
     per_step: Tensor
     correct: Tensor
     total: Tensor
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies by ``scale[0]``, a factor known only after the forward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, scale: list) -> Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.scale[0], None
+    in_vocab: Tensor
 
 
 def sum_over(x: Tensor, group: Optional[Any]) -> Tensor:
@@ -97,49 +90,46 @@ def sum_over(x: Tensor, group: Optional[Any]) -> Tensor:
 
 def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_logits: Sequence[Tensor],
                            decay: float, dp_group: Optional[Any]) -> DraftObjective:
-    """A CP-token-mean draft loss made a token mean over dp x cp.
+    """The draft loss of one microbatch, summed over the CP group, made its share over dp x cp.
 
     Args:
-        draft_loss: ``draft_loss(step_logits) -> DraftLossOutput`` (``loss``, ``per_step_loss``, ``correct``,
-            ``total``, all reduced over the CP group, e.g. ``ttt_draft_loss(..., group=cp_group)``).
+        draft_loss: ``draft_loss(step_logits) -> DraftLossOutput`` whose ``per_step_loss`` is a sum over the CP
+            group divided by the STEP's global scored rows (``ttt_draft_loss(..., group=cp_group,
+            denominators=batch.norm.draft)``), so the data-parallel replicas' values add up.
         step_logits: K tensors ``(T, Vd)``, the draft logits of each unroll step on this rank.
         decay: weight ratio between consecutive unroll steps (step k weighs ``decay ** k``).
         dp_group: the data-parallel group, or None.
-
-    Each step's gradient is rescaled in the backward by ``total_cp[k] / total_global[k]``, a factor known only once
-    the dp all-reduce of the counts ran; the value is the global per-step mean, weighted.
     """
     K = len(step_logits)
-    scales = [[1.0] for _ in range(K)]  # filled below, read by the backward
-    step_logits = [_ScaleGrad.apply(lg, scales[k]) if lg.requires_grad else lg for k, lg in enumerate(step_logits)]
     out = draft_loss(step_logits)
-    total_cp = out.total.to(torch.float64)
-    num_cp = out.per_step_loss.to(torch.float64) * total_cp.clamp(min=1)
-    packed = sum_over(torch.stack([num_cp, total_cp, out.correct.to(torch.float64)]), dp_group)
-    num, total, correct = packed[0], packed[1], packed[2]
-    for k in range(K):
-        scales[k][0] = float(total_cp[k].clamp(min=1) / total[k].clamp(min=1))
-    per_step = (num / total.clamp(min=1)).float()
+    in_vocab = out.total if out.in_vocab is None else out.in_vocab
+    packed = sum_over(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
+                                   out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
+    per_step = packed[0].float()
     weights = decay ** torch.arange(K, dtype=torch.float32)
     value = (weights * per_step).sum()
     local = out.loss + (value.to(out.loss) - out.loss).detach()
-    return DraftObjective(loss=local, per_step=per_step, correct=correct.float(), total=total.float())
+    return DraftObjective(loss=local, per_step=per_step, correct=packed[1].float(), total=packed[2].float(),
+                          in_vocab=packed[3].float())
 
 
 def merge_microbatch_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One step's statistics from its microbatches' (same keys in each): the mean over microbatches, as the
-    objective weighs them, except token counts (keys ending in ``num_tokens``), which are summed."""
+    """One step's statistics from its microbatches' (same keys in each): every value is a microbatch's share of the
+    step's value (its losses and weighted means divide by the step's global denominators; token counts are counts),
+    so the step's value is the sum."""
     if not stats:
         return {}
-    return {k: sum(s[k] for s in stats) / (1 if k.endswith("num_tokens") else len(stats)) for k in stats[0]}
+    return {k: sum(s[k] for s in stats) for k in stats[0]}
 
 
 def step_metrics(records: Sequence[MicrobatchRecord]) -> tuple[dict[str, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """A step's metrics and draft counts from the records of its microbatches.
 
     Returns:
-        ``(metrics, counts)``: the merged scalars plus ``draft/acc_step{k}`` and ``draft/acceptance_length`` when
-        the draft ran; ``counts`` = ``(correct (K,), total (K,))`` summed over microbatches, or None.
+        ``(metrics, counts)``: the merged scalars plus ``draft/acc_step{k}``, ``draft/acceptance_length`` (from the
+        accuracy over every scored row) and ``draft/oov_share`` (scored rows whose policy top-1 the draft
+        vocabulary lacks: each is a miss) when the draft ran; ``counts`` = ``(correct (K,), total (K,))`` summed
+        over microbatches, or None.
     """
     metrics = merge_microbatch_stats([r.metrics for r in records])
     if not records or records[0].draft_correct is None:
@@ -150,4 +140,7 @@ def step_metrics(records: Sequence[MicrobatchRecord]) -> tuple[dict[str, Tensor]
     acceptance.update(correct, total)
     for name, value in acceptance.compute().items():
         metrics["draft/" + name.replace("acc/step", "acc_step")] = value
+    if records[0].draft_in_vocab is not None:
+        in_vocab = sum(r.draft_in_vocab for r in records)
+        metrics["draft/oov_share"] = (1 - in_vocab.sum() / total.sum().clamp(min=1)).float()
     return metrics, (correct, total)

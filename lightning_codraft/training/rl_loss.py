@@ -1,10 +1,10 @@
-"""GRPO / PPO clipped-surrogate policy loss with token-level averaging over a distributed batch.
+"""GRPO / PPO clipped-surrogate policy loss: a weighted sum over the tokens of a distributed batch.
 
 Every quantity is row-local (the RL batch is next-token aligned, docs/design/interfaces.md), so under
-context or data parallelism each rank scores its own rows and only two scalars cross ranks: the masked token
-count and, for logging, the masked sums. The loss is the mean over ALL masked tokens of the global batch
-(DAPO-style token-level averaging), not a mean of per-rank or per-sequence means, so that a sharded run equals
-the single-process run exactly.
+context or data parallelism each rank scores its own rows. The weights are the step's global ones
+(``training.normalize``: token, sequence or constant aggregation, one denominator for the whole step), so a
+sharded or microbatched run equals the single-process run exactly; without them the loss is the token mean over
+ALL masked tokens of the batch (its count all-reduced).
 """
 
 from __future__ import annotations
@@ -49,13 +49,18 @@ def policy_gradient_loss(
     ref_logprobs: Optional[Tensor] = None,
     kl_coef: float = 0.0,
     group: Optional[Any] = None,
+    loss_weight: Optional[Tensor] = None,
+    dual_clip: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO / GRPO clipped surrogate (+ optional k3 KL to a reference policy), averaged over masked tokens.
+    """PPO / GRPO clipped surrogate (+ optional k3 KL to a reference policy), a weighted sum over tokens.
 
     Per token ``t``: ``r = exp(logprobs - old_logprobs)``,
-    ``pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))`` and, when ``kl_coef > 0``,
-    ``kl = exp(ref - logp) - (ref - logp) - 1`` (Schulman's k3, unbiased and >= 0). The loss is
-    ``sum_t mask_t (pg_t + kl_coef kl_t) / sum_t mask_t`` with both sums over every rank of ``group``.
+    ``pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))`` (with ``dual_clip = c`` and ``A < 0``, verl's
+    dual clip ``pg = min(pg, -A c)``) and, when ``kl_coef > 0``, ``kl = exp(ref - logp) - (ref - logp) - 1``
+    (Schulman's k3, unbiased and >= 0). The loss is ``sum_t w_t (pg_t + kl_coef kl_t)``: with ``loss_weight`` given,
+    ``w`` is it (the step's global weights, ``training.normalize.normalize_step``: no count crosses ranks and the
+    loss is this microbatch's share of the step's objective); without, ``w_t = mask_t / sum mask`` with the sum over
+    every rank of ``group`` (the token mean of this batch).
 
     Args:
         logprobs: ``(T,)`` log-prob of each row's target under the current policy (differentiable).
@@ -67,12 +72,15 @@ def policy_gradient_loss(
         ref_logprobs: ``(T,)`` reference-policy log-probs; required when ``kl_coef > 0``.
         kl_coef: weight of the KL penalty.
         group: process group over which the batch is split (the flattened dp x cp group), or ``None``.
+        loss_weight: ``(T,)`` per-row weights of the objective (0 off-mask), or None for the token mean.
+        dual_clip: verl's ``clip_ratio_c`` (> 1): caps the loss of a negative-advantage token at ``-A c``; None: off.
 
     Returns:
-        ``(loss, stats)``. ``loss`` is THIS rank's share: ``sum_local / count_global``, so that the sum of
-        ``loss`` over ``group`` is the global token mean (its value and its gradient); a data-parallel wrapper
-        that AVERAGES gradients over ``group`` needs ``loss * group_size``. ``stats`` holds detached global
-        token means: ``loss``, ``pg_loss``, ``kl``, ``clip_frac``, ``ratio``, ``approx_kl`` and ``num_tokens``.
+        ``(loss, stats)``. ``loss`` is THIS rank's share (the sum of ``loss`` over ``group`` is the objective,
+        value and gradient); a data-parallel wrapper that AVERAGES gradients over ``group`` needs
+        ``loss * group_size``. ``stats`` holds detached global ``w``-weighted sums (the same weights as the loss:
+        token means without ``loss_weight``, this batch's share of the step's weighted means with it):
+        ``loss``, ``pg_loss``, ``kl``, ``clip_frac``, ``ratio``, ``approx_kl``, and ``num_tokens`` (scored rows).
     """
     shape = logprobs.shape
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
@@ -82,6 +90,10 @@ def policy_gradient_loss(
         raise ValueError(f"clip ranges must be >= 0, got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef={kl_coef} must be >= 0")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3.0) or None")
+    if loss_weight is not None and loss_weight.shape != shape:
+        raise ValueError(f"loss_weight has shape {tuple(loss_weight.shape)} but logprobs has {tuple(shape)}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs (T,) from the reference policy")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -94,6 +106,8 @@ def policy_gradient_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
     per_token = pg
     if ref_logprobs is not None and kl_coef > 0:
         delta = ref_logprobs.to(dtype) - logprobs_f
@@ -106,16 +120,16 @@ def policy_gradient_loss(
         kl = torch.zeros_like(pg)
 
     count = _all_reduce_sum(mask.detach().sum(), group)
-    denom = count.clamp(min=1.0)
-    loss = (per_token * mask).sum() / denom
+    weight = mask / count.clamp(min=1.0) if loss_weight is None else loss_weight.detach().to(dtype)
+    loss = (per_token * weight).sum()
 
     with torch.no_grad():
         clipped = (pg_clipped > pg_unclipped).to(dtype)
         sums = torch.stack([
-            (per_token * mask).sum(), (pg * mask).sum(), (kl * mask).sum(), (clipped * mask).sum(),
-            (ratio * mask).sum(), (0.5 * log_ratio.square() * mask).sum(),
+            (per_token * weight).sum(), (pg * weight).sum(), (kl * weight).sum(), (clipped * weight).sum(),
+            (ratio * weight).sum(), (0.5 * log_ratio.square() * weight).sum(),
         ])
-        sums = _all_reduce_sum(sums, group) / denom
+        sums = _all_reduce_sum(sums, group)
     stats = {
         "loss": sums[0], "pg_loss": sums[1], "kl": sums[2], "clip_frac": sums[3], "ratio": sums[4],
         "approx_kl": sums[5], "num_tokens": count,
@@ -123,7 +137,8 @@ def policy_gradient_loss(
     return loss, stats
 
 
-def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, group: Optional[Any] = None) -> Tensor:
+def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, group: Optional[Any] = None,
+                     num_tokens: Optional[float] = None) -> Tensor:
     """Share of completion rows where the policy's and the reference's most likely next token agree.
 
     A drift measure next to the KL (``policy_gradient_loss``'s ``kl`` stat): 1 for a policy equal to the reference,
@@ -134,6 +149,9 @@ def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, grou
         ref_greedy: ``(T,)`` int64 the reference's argmax at each row.
         loss_mask: ``(T,)`` 1 on completion rows.
         group: the process group the rows are spread over (dp x cp); the mean is global.
+        num_tokens: the step's completion rows over every microbatch (``RLBatch.norm.tokens``): the result is then
+            this batch's share of the step's agreement (shares of a step's microbatches add up); None: this
+            batch's own mean.
 
     Returns:
         A 0-dim float32 tensor in [0, 1] (NaN when no rank has a completion row).
@@ -141,4 +159,4 @@ def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, grou
     mask = loss_mask.to(torch.float32)
     agree = (logits.argmax(-1) == ref_greedy).to(torch.float32)
     sums = _all_reduce_sum(torch.stack([(agree * mask).sum(), mask.sum()]), group)
-    return sums[0] / sums[1]
+    return sums[0] / (sums[1] if num_tokens is None else num_tokens)

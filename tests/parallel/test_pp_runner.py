@@ -35,21 +35,22 @@ def pad_microbatches(mbs, multiple_of):
     return [mb.pad_to(length) for mb in mbs]
 
 
-def _loss_fn(draft, taps, cp_group, draft_weight=1.0):
-    """The joint objective of one microbatch, written from the definitions (what CoDraftModule.objective does)."""
+def _loss_fn(draft, taps, cp_group, draft_weight=1.0, num_mb=1):
+    """One microbatch's share of a step whose objective is the mean of the microbatches' token means, written from
+    the definitions (the runner sums the shares its loss function returns)."""
 
     def fn(logits, shipped, mb):
         logp = torch.log_softmax(logits.float(), -1).gather(-1, mb.target_ids.unsqueeze(-1)).squeeze(-1)
         rl, stats = policy_gradient_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, group=cp_group)
         if draft is None:
-            return rl, (rl.detach(), torch.zeros(()), {k: float(v) for k, v in stats.items()})
+            return rl / num_mb, (rl.detach(), torch.zeros(()), {k: float(v) for k, v in stats.items()})
         embeds = [mb.shift_left(shipped[0], k + 1, group=cp_group) for k in range(K)]
         steps = draft.ttt_forward([shipped[t] for t in taps], embeds, mb.cu_seqlens, mb.position_ids,
                                   cp_group=cp_group)
         dl = ttt_draft_loss([lg for lg, _ in steps], logits.detach(), mb.cu_seqlens, mb.draft_targets, draft.d2t,
                             draft.t2d, group=cp_group)
         rl_global = float(stats["loss"])
-        return rl + draft_weight * dl.loss, (rl_global, float(dl.loss), {k: float(v) for k, v in stats.items()})
+        return (rl + draft_weight * dl.loss) / num_mb, (rl_global, float(dl.loss), {k: float(v) for k, v in stats.items()})
 
     return fn
 
@@ -122,7 +123,7 @@ def _worker(rank, world_size, pp, cp, num_layers, taps, split, schedules, tie, n
         runner = PipelineRunner(policy, stage=p, num_stages=pp, pp_group=pp_groups[c], tap_group=tap_groups[c],
                                 cp_group=cp_groups[p], tap_ids=(0, *draft.config.taps), schedule=schedule,
                                 layers_per_stage=split)
-        loss_fn = _loss_fn(draft if p == pp - 1 else None, draft.config.taps, cp_groups[p])
+        loss_fn = _loss_fn(draft if p == pp - 1 else None, draft.config.taps, cp_groups[p], num_mb=num_mb)
         if schedule == "1f1b" and pp > 1:
             with pytest.raises(ValueError, match=f"got 1 microbatches for {pp} stages"):
                 runner.step(mine[:1], loss_fn)
@@ -198,7 +199,8 @@ def test_microbatches_of_different_lengths_are_refused():
                             tap_ids=(0, *draft.config.taps))
     gen = torch.Generator().manual_seed(3)
     with pytest.raises(ValueError, match="different token counts \\[7, 9\\].*pad_to"):
-        runner.step([_microbatch(gen, [7], 1), _microbatch(gen, [9], 1)], _loss_fn(draft, draft.config.taps, None))
+        runner.step([_microbatch(gen, [7], 1), _microbatch(gen, [9], 1)],
+                    _loss_fn(draft, draft.config.taps, None, num_mb=2))
 
 
 def test_padding_microbatches_to_one_length_changes_no_loss():

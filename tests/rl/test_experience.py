@@ -80,14 +80,20 @@ def test_batch_errors():
         build_rl_batch([Rollout([1], [2], [0.0], 0)], [0.0, 1.0])
 
 
-def test_sequence_weighting_turns_the_token_mean_into_the_sequence_mean():
-    from lightning_codraft.rl.experience import sequence_weighted
+def test_equal_rewards_give_exactly_zero_advantage():
+    for value in (0.7, 100.7, 1.0 / 3.0, -2.1):
+        assert torch.equal(group_advantages(torch.full((2, 8), value)), torch.zeros(2, 8))
 
-    lengths, adv = [1, 3, 6, 2], [0.5, -1.0, 2.0, -0.25]
-    per_token = [torch.rand(n) for n in lengths]  # e.g. ratios of each completion token
-    w = sequence_weighted(adv, lengths)
-    token_mean = sum(wi * x.sum() for wi, x in zip(w, per_token)) / sum(lengths)
-    sequence_mean = sum(a * x.mean() for a, x in zip(adv, per_token)) / len(lengths)
-    assert torch.allclose(token_mean, sequence_mean)
-    with pytest.raises(ValueError, match="lengths"):
-        sequence_weighted([1.0], [0])
+
+def test_std_conventions():
+    r = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0]])
+    centred = r - r.mean()
+    pop = group_advantages(r, eps=0.0)
+    sample = group_advantages(r, eps=0.0, std="sample")
+    assert torch.allclose(pop, centred / r.std(unbiased=False))
+    assert torch.allclose(sample, centred / r.std(unbiased=True))
+    assert torch.allclose(pop, sample * (5 / 4) ** 0.5)  # ours = theirs x sqrt(G / (G - 1))
+    with pytest.raises(ValueError, match="std="):
+        group_advantages(r, std="bessel")
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages(torch.tensor([[0.0, float("nan")]]))

@@ -45,7 +45,7 @@ def _direct_overlap(policy, draft, docs, K, scale):
                 q = torch.softmax(steps[k][i] / (T * scale), -1)
                 num += float(torch.minimum(p, q).sum())
                 den += 1
-        assert den == float(out.total[k])
+        assert den == float(out.in_vocab[k])
         res.append(num / den)
     return res
 

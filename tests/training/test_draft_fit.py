@@ -199,9 +199,12 @@ def test_fit_raises_held_out_accuracy(tmp_path):
     acc0 = evaluate_draft(draft, policy.embed, cache, val, cfg)
     res = fit_draft(draft, policy.embed, cache, cfg, log=reports.append)
     acc1 = res.history[-1]["val_accuracy"]
-    assert len(acc1) == 2 and acc1[0] > acc0[0] + 0.2, (acc0, acc1)
+    # the accuracy counts every scored row: those whose policy top-1 the draft vocabulary lacks are misses
+    assert len(acc1) == 2 and acc1[0] > acc0[0] + 0.1, (acc0, acc1)
     assert res.history[-1]["val_acceptance"] == pytest.approx(implied_acceptance_length(acc1))
-    assert np.mean(res.losses[-10:]) < 0.95 * np.mean(res.losses[:10])
+    # a batch's loss divides by all its scored rows, so it varies with the batch's out-of-vocabulary share: compare
+    # the untrained first batch with the last epochs' mean
+    assert np.mean(res.losses[-20:]) < 0.8 * res.losses[0]
     assert res.tokens_seen > 4 * cache.meta["loss_rows"] * 0.5 and reports and "held-out step-0 acc" in reports[-1]
 
 

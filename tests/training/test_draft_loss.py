@@ -22,12 +22,12 @@ def _reference_loss(step_logits, policy_logits, doc_lengths, loss_mask, chosen, 
                 j = i + 1 + k
                 if j >= start + n or not loss_mask[j]:
                     continue
+                cnt += 1  # a scored row: the accuracy and the loss divide by these
                 top = int(policy_logits[j].argmax())
                 if top not in in_vocab:
-                    continue
+                    continue  # a miss (the draft cannot propose it) and no loss term (SpecForge's position mask)
                 p = torch.softmax(policy_logits[j, chosen], 0)
                 num = num - (p * torch.log_softmax(logits[i], 0)).sum()
-                cnt += 1
                 hits += int(chosen[int(logits[i].argmax())]) == top
             start += n
         per_step.append(num / max(cnt, 1))
@@ -128,15 +128,39 @@ def test_perfect_draft_has_entropy_loss_and_full_accuracy():
     assert math.isclose(float(out.loss), float(out.per_step_loss[0] + 0.8 * out.per_step_loss[1]), rel_tol=1e-6)
 
 
-def test_policy_top1_outside_draft_vocab_is_not_counted():
+def test_policy_top1_outside_draft_vocab_is_a_miss_without_a_loss_term():
     V = 6
     cu = torch.tensor([0, 4], dtype=torch.int32)
     policy_logits = torch.full((4, V), -5.0)
     policy_logits[:, 5] = 5.0  # top-1 is token 5 everywhere ...
     d2t, t2d = build_vocab_mapping(torch.tensor([9, 9, 9, 1, 1, 0]), 3)  # ... which the draft lacks
     out = ttt_draft_loss([torch.randn(4, 3, requires_grad=True)], policy_logits, cu, torch.ones(4), d2t, t2d)
-    assert out.total.tolist() == [0.0] and float(out.loss.detach()) == 0.0
+    assert out.total.tolist() == [3.0] and out.correct.tolist() == [0.0] and out.in_vocab.tolist() == [0.0]
+    assert float(out.loss.detach()) == 0.0
     out.loss.backward()
+
+
+def test_accuracy_counts_out_of_vocabulary_rows_as_misses():
+    """Two scored rows: the draft agrees on the in-vocabulary one; the other's top-1 the draft lacks. Greedy
+    verification accepts 1 of 2 first proposals, so the accuracy is 0.5 (the conditional figure would say 1.0)."""
+    V = 6
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    d2t, t2d = build_vocab_mapping(torch.tensor([9, 9, 9, 1, 1, 0]), 3)  # draft vocabulary: tokens 0, 1, 2
+    policy_logits = torch.full((3, V), -5.0)
+    policy_logits[1, 1] = 5.0  # row 1: top-1 token 1 (in the draft vocabulary)
+    policy_logits[2, 5] = 5.0  # row 2: top-1 token 5 (outside)
+    draft_logits = torch.full((3, 3), -5.0)
+    draft_logits[0, 1] = 5.0  # row 0 predicts row 1's top-1: a hit
+    out = ttt_draft_loss([draft_logits], policy_logits, cu, torch.ones(3), d2t, t2d)
+    assert out.total.tolist() == [2.0] and out.correct.tolist() == [1.0] and out.in_vocab.tolist() == [1.0]
+    assert out.accuracy.tolist() == [0.5]
+    # the loss divides the in-vocabulary row's cross-entropy by both scored rows
+    p = torch.softmax(policy_logits[1, :3], 0)
+    want = -(p * torch.log_softmax(draft_logits[0], 0)).sum() / 2
+    torch.testing.assert_close(out.loss, want)
+    # given the step's denominators, the result is this batch's share
+    share = ttt_draft_loss([draft_logits], policy_logits, cu, torch.ones(3), d2t, t2d, denominators=torch.tensor([8.]))
+    torch.testing.assert_close(share.loss, want * 2 / 8)
 
 
 def test_errors_name_the_bad_value():
