@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``codraft`` console script; returns the exit status.
 
     0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid (the message names
-    it). 3: a reward function failed with ``task.on_reward_error=raise``. 1: anything else (the error and where it
+    it). 3: a reward function failed (``task.on_reward_error=raise``) or a step's failures exceeded
+    ``task.reward_failure_budget`` (``skip``). 1: anything else (the error and where it
     happened; ``--debug`` prints the full traceback).
     """
     args = _parser().parse_args(argv)
@@ -206,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RewardError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"codraft {args.command}: stopped: {e} (task.on_reward_error=raise; the last checkpoint in "
-              f"run.out_dir resumes the run)", file=sys.stderr)
+        print(f"codraft {args.command}: stopped: {e} (the last checkpoint in run.out_dir resumes the run)",
+              file=sys.stderr)
         return 3
     except Exception as e:  # noqa: BLE001 - the CLI reports every failure; --debug shows where
         if args.debug:

@@ -39,18 +39,15 @@ class ModelConfig:
     max_position_embeddings: int = 128
     """Context length: longest prompt + max_new_tokens must fit (for pretrained models, capped by theirs)."""
     config: Optional[str] = None
-    """Architecture of ``source`` where its weights are not at hand: a built-in name (``qwen3-8b``,
-    ``llama-3.1-8b``, ``qwen2.5-7b``, ``smollm2-135m``) or the path of a Hugging Face ``config.json``. ``codraft
-    plan`` builds the model from it on the meta device; ``fit`` checks that the checkpoint's own config.json has
-    the same architecture. null: ``source``'s config.json (not allowed with ``source: tiny``, whose shape is the
-    fields above)."""
+    """Architecture of ``source`` where its weights are not at hand: a built-in name (``qwen3-8b``, ``llama-3.1-8b``,
+    ``qwen2.5-7b``, ``smollm2-135m``) or a ``config.json`` path (``codraft plan`` builds it on the meta device;
+    ``fit`` checks the checkpoint's own matches). null: ``source``'s config.json (not with ``source: tiny``)."""
 
 
 @dataclass
 class DraftConfig:
     mode: str = "cotrain"
-    """``cotrain`` (draft trained online with the policy), ``frozen`` (warm-started, then fixed) or ``none``
-    (no draft: plain decoding)."""
+    """``cotrain`` (trained online with the policy), ``frozen`` (warm-started, then fixed), ``none`` (no draft)."""
     num_speculative_tokens: int = 4
     """K: the most tokens the draft proposes per verification round of the rollout engine."""
     adaptive: bool = True
@@ -69,9 +66,8 @@ class DraftConfig:
     lr: float = 3e-3
     """Draft learning rate during RL co-training."""
     loss_weight: float = 1.0
-    """lambda in L = L_rl + lambda * L_draft (0 = a frozen draft). The draft reads detached policy features, so its
-    parameters get gradient from lambda * L_draft alone and AdamW normalises lambda away: any lambda > 0 trains
-    alike (docs/benchmarks/drift.md); tune ``lr`` instead."""
+    """lambda in L = L_rl + lambda * L_draft (0 = frozen). The draft's gradient comes from lambda * L_draft alone and
+    AdamW normalises lambda away: any lambda > 0 trains alike (docs/benchmarks/drift.md); tune ``lr`` instead."""
     train_every: int = 1
     """Co-train the draft on every N-th RL step only (its loss is still scored every step)."""
     warmup_steps: int = 200
@@ -81,12 +77,10 @@ class DraftConfig:
     warmup_lr: float = 3e-3
     """Learning rate of the offline warm-start."""
     warm_start: Optional[dict] = None
-    """Self-distillation warm start instead of ``warmup_steps``: fields of
-    :class:`~lightning_codraft.rl.draft_warmstart.WarmStartSettings` (e.g. ``{num_prompts: 512, time_budget_s:
-    1800}``): the draft is fitted on the policy's own responses to the task's training prompts and cached."""
+    """Self-distillation warm start instead of ``warmup_steps``: fields of ``rl.draft_warmstart.WarmStartSettings``
+    (e.g. ``{num_prompts: 512}``): the draft is fitted on the policy's responses to the task's prompts, cached."""
     warm_start_cache: str = "~/.cache/lightning_codraft/draft_warmstart"
-    """Directory of the warm start's caches (corpus, features, finished draft), keyed by the policy's weights and
-    the settings, so a later run of the same recipe loads its draft and a different policy never does."""
+    """Directory of the warm start's caches (corpus, features, draft), keyed by the policy's weights and settings."""
 
 
 @dataclass
@@ -117,10 +111,12 @@ class TaskConfig:
     this style (null: any). With SFT on mostly one style and RL requiring the other, the policy drifts
     (benchmarks/drift.py)."""
     reward: Optional[str] = None
-    """Dotted path ``package.module:function`` of a reward ``fn(prompt, completion, answer) -> float``;
-    null = the task's built-in exact-answer reward."""
-    on_reward_error: str = "warn"
-    """When the reward raises: ``warn`` (score 0, warn naming the prompt, keep going) or ``raise`` (stop)."""
+    """Dotted path ``package.module:function`` of a reward ``fn(prompt, completion, answer) -> float``; null = the
+    task's built-in exact-answer reward. A reward that raises or returns anything but one finite number fails."""
+    on_reward_error: str = "raise"
+    """``raise``: stop (exit 3, resumable); ``skip``: leave the sample out of advantages and loss, log it."""
+    reward_failure_budget: float = 0.05
+    """``skip`` only: the share of a step's samples that may fail before the run stops."""
     eval_prompts: int = 64
     """Held-out prompts scored greedily before and after training (0 = skip)."""
     eval_every: int = 0
@@ -194,8 +190,8 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel size (zigzag ring attention)."""
     num_microbatches: int = 1
-    """M: each replica's step batch is cut into M microbatches of whole samples (the pipeline's unit; the
-    objective is their mean, so set it equal on every mesh you compare)."""
+    """M: each replica's step batch is cut into M microbatches of whole samples (the pipeline's unit; the objective
+    divides by the whole step's counts, so it does not depend on M)."""
     pp_schedule: str = "gpipe"
     """Pipeline schedule under pp > 1: ``gpipe`` or ``1f1b`` (needs num_microbatches >= pp)."""
     layers_per_stage: Optional[list[int]] = None
@@ -204,9 +200,8 @@ class ParallelConfig:
     """``fsdp`` (FSDP2 over each pipeline stage's dp x cp ranks) or ``ddp`` (replicated weights); null: FSDP2
     whenever dp * cp > 1."""
     precision: str = "32-true"
-    """Lightning's precision: ``32-true``, ``bf16-mixed`` (fp32 master weights and optimizer state, bf16 compute,
-    fp32 gradient reduction: what large runs use) or ``bf16-true`` (everything bf16: updates below bf16's
-    resolution round away)."""
+    """Lightning's precision: ``32-true``, ``bf16-mixed`` (fp32 masters and optimizer state, bf16 compute, fp32
+    gradient reduction) or ``bf16-true`` (everything bf16: updates below bf16's resolution round away)."""
     timeout_s: float = 1800.0
     """Collective timeout in seconds (a rank that waits longer for its peers fails instead of hanging)."""
     engine: str = "embedded"
@@ -216,11 +211,9 @@ class ParallelConfig:
     makes decoding compute-bound, and verifying K+1 tokens then costs ~K+1 single-token steps, so
     speculative decoding stops paying; small batches keep decoding latency-bound, as on a GPU."""
     engine_dtype: Optional[str] = None
-    """Dtype the rollout engine decodes in: ``bfloat16`` (what rollout engines serve an fp32-trained policy in;
-    the embedded engine decodes from a bf16 copy taken each step, and the log-probs the loss uses are that
-    behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast,
-    else float32: an AVX2-only CPU emulates bf16 300x slower); null: the training weights' dtype. The vLLM engine
-    serves float32 only."""
+    """Dtype the rollout engine decodes in: ``bfloat16`` (a bf16 copy taken each step; the loss's log-probs are that
+    behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast:
+    an AVX2-only CPU emulates bf16 300x slower); null: the training weights' dtype. vLLM serves float32 only."""
 
 
 @dataclass
@@ -270,7 +263,7 @@ _CHOICES = {
     ("draft", "mode"): ("cotrain", "frozen", "none"),
     ("draft", "sampling"): ("coupled", "rejection"),
     ("task", "name"): ("arithmetic", "gsm8k"),
-    ("task", "on_reward_error"): ("warn", "raise"),
+    ("task", "on_reward_error"): ("raise", "skip"),
     ("rl", "loss_aggregation"): ("sequence", "token", "constant"),
     ("rl", "std"): ("population", "sample"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
@@ -284,6 +277,10 @@ _CHOICES = {
 #: keys that moved: old key -> what to write instead
 _RENAMED = {"model.dtype": "parallel.precision (32-true, bf16-mixed or bf16-true): fp32 master weights need "
                            "bf16-mixed, not bfloat16 parameters"}
+#: values that changed meaning: (section, key, old value) -> what to write instead
+_RETIRED = {("task", "on_reward_error", "warn"): "'warn' scored a failed reward 0 and trained on it; use 'raise' "
+                                                 "(the default) or 'skip' (the sample is left out, within "
+                                                 "task.reward_failure_budget)"}
 
 
 def _check_keys(node: Any, cls: type, prefix: str) -> None:
@@ -311,6 +308,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     """Check values (ranges, choices, mesh sizes); raise :class:`ConfigError` naming the key and the fix."""
     for (sec, key), choices in _CHOICES.items():
         v = getattr(getattr(cfg, sec), key)
+        if (sec, key, v) in _RETIRED:
+            raise ConfigError(f"{sec}.{key}={v!r} is retired: {_RETIRED[sec, key, v]}")
         if v not in choices:
             raise ConfigError(f"{sec}.{key}={v!r} is not one of {choices}")
     p = cfg.parallel
@@ -403,6 +402,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                                         or sum(t.style_weights) <= 0):
         raise ConfigError(f"task.style_weights={list(t.style_weights)} needs one weight >= 0 per entry of "
                           f"task.styles={list(t.styles)}, not all 0")
+    if not 0 <= t.reward_failure_budget < 1:
+        raise ConfigError(f"task.reward_failure_budget={t.reward_failure_budget} must be in [0, 1)")
     for name, v, low in (("task.eval_every", t.eval_every, 0), ("task.heldout", t.heldout or 0, 0),
                          ("draft.train_every", d.train_every, 1), ("sft.steps", cfg.sft.steps, 0),
                          ("run.checkpoint_every", cfg.run.checkpoint_every, 0),

@@ -7,6 +7,8 @@ on the same prompts, sampling settings and seed, the faster of two repeats of ea
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -18,15 +20,17 @@ from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
 def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn,
-                on_error: str = "warn") -> float:
+                on_error: str = "raise") -> float:
     """Mean reward of the completions ``outputs`` of ``samples`` (greedy ones: the greedy accuracy; decode them
-    with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``)."""
+    with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``). With ``on_error="skip"`` the mean is
+    over the samples whose reward did not fail (NaN when all did)."""
     if not samples:
         return float("nan")
     texts = [tokenizer.decode(o.token_ids) for o in outputs]
     rewards, _ = score_completions(reward_fn, [s.prompt for s in samples], texts, [s.answer for s in samples],
                                    on_error=on_error)
-    return sum(rewards) / len(rewards)
+    ok = [r for r in rewards if math.isfinite(r)]
+    return sum(ok) / len(ok) if ok else float("nan")
 
 
 @dataclass

@@ -36,7 +36,8 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std: str = "population") -> Tensor:
+def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std: str = "population",
+                     valid: Tensor | None = None) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std (when ``scale``).
 
     Computed in float64, so a group of equal rewards gets exactly 0 whatever the value (in float32 the mean of eight
@@ -48,6 +49,8 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std
         scale: divide by the group std (GRPO); False gives the mean-centred "Dr. GRPO" variant.
         std: ``population`` (divide by G) or ``sample`` (Bessel's correction, G - 1: TRL's and verl's choice; our
             ``population`` advantages are theirs times ``sqrt(G / (G - 1))``).
+        valid: ``(P, G)`` bool, the samples that count (e.g. those whose reward did not fail); the others get
+            advantage 0 and are left out of their group's mean and std. None: all.
 
     Returns:
         ``(P, G)`` float32 advantages.
@@ -57,14 +60,23 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std
     if std not in ("population", "sample"):
         raise ValueError(f"std={std!r} must be 'population' or 'sample'")
     r = rewards.to(torch.float64)
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"rewards must be finite, got {r[~torch.isfinite(r)].tolist()[:4]} among them")
-    adv = r - r.mean(dim=1, keepdim=True)
-    # a group whose rewards are all equal is exactly 0 (its mean may still be one ulp off the value in float64)
-    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    valid = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    if valid.shape != r.shape:
+        raise ValueError(f"valid has shape {tuple(valid.shape)} but rewards {tuple(r.shape)}")
+    if not bool(torch.isfinite(r[valid]).all()):
+        raise ValueError(f"rewards must be finite, got {r[valid][~torch.isfinite(r[valid])].tolist()[:4]} among them")
+    w = valid.to(torch.float64)
+    n = w.sum(dim=1, keepdim=True)
+    r = torch.where(valid, r, torch.zeros_like(r))
+    mean = (r * w).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    adv = (r - mean) * w
+    # a group whose counted rewards are all equal is exactly 0 (its mean may be one ulp off the value in float64)
+    first = r.gather(1, valid.to(torch.int64).argmax(dim=1, keepdim=True))
+    equal = ((r == first) | ~valid).all(dim=1, keepdim=True)
     adv = torch.where(equal, torch.zeros_like(adv), adv)
     if scale:
-        adv = adv / (r.std(dim=1, keepdim=True, unbiased=std == "sample") + eps)
+        dof = (n - 1 if std == "sample" else n).clamp(min=1)
+        adv = adv / (((adv.square() * w).sum(dim=1, keepdim=True) / dof).sqrt() + eps)
     return adv.to(torch.float32)
 
 

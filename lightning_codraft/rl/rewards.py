@@ -112,9 +112,29 @@ def score_completions(fn: RewardFn, prompts: Sequence[str], completions: Sequenc
     return rewards, failures
 
 
-def check_failure_budget(failures: Sequence[RewardError], num_samples: int, budget: float) -> None:
-    """Stop (:class:`RewardError`) when more than ``budget`` (a share) of a step's ``num_samples`` failed."""
-    if failures and len(failures) > budget * num_samples:
+def check_failure_budget(failures: Sequence[RewardError], num_failed: int, num_samples: int, budget: float,
+                         empty_replicas: int = 0) -> None:
+    """Stop every rank alike when a step's reward failures exceed the budget.
+
+    Args:
+        failures: this rank's failures (the message names the first; a rank without one says where they were).
+        num_failed: failed samples of the whole step (summed over ranks: the same on every rank).
+        num_samples: samples of the whole step.
+        budget: the share of the step's samples that may fail (0: none, ``on_error="raise"``).
+        empty_replicas: replicas all of whose samples failed (nothing to train on).
+
+    Raises:
+        RewardError: more than ``budget * num_samples`` samples failed, or a replica has no sample left.
+    """
+    if num_failed <= budget * num_samples and not empty_replicas:
+        return
+    where = (f"{num_failed} of the step's {num_samples} samples failed"
+             + (f" (every sample of {empty_replicas} data-parallel replica(s): nothing to train on)"
+                if empty_replicas else "")
+             + ("" if budget == 0 else f", over task.reward_failure_budget={budget}"))
+    fix = ("; fix the reward function, or set task.on_reward_error=skip to leave failed samples out (a failure budget "
+           "per step, task.reward_failure_budget, still stops the run)" if budget == 0 else "")
+    if failures:
         first = failures[0]
-        raise RewardError(first.index, first.prompt, f"{first.reason}; {len(failures)} of {num_samples} samples of "
-                          f"the step failed, over task.reward_failure_budget={budget}", first.function)
+        raise RewardError(first.index, first.prompt, f"{first.reason}; {where}{fix}", first.function)
+    raise RewardError(-1, "", f"on another data-parallel replica; {where}{fix}")

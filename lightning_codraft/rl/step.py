@@ -20,7 +20,7 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import fabric_training_step
 from lightning_codraft.rl.build import encode_prompt, fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-from lightning_codraft.rl.rewards import score_completions
+from lightning_codraft.rl.rewards import check_failure_budget, score_completions
 from lightning_codraft.rl.rollouts import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
 
@@ -43,7 +43,8 @@ class StepMetrics:
     accuracy: float
     """Share of samples with reward >= 1."""
     reward_failures: float
-    """Samples whose reward function raised (scored 0)."""
+    """Samples whose reward failed and were skipped (``task.on_reward_error=skip``; left out of advantages, loss and
+    the reward columns)."""
     completion_tokens: float
     """Generated tokens of the step, per replica (mean over replicas)."""
     acceptance_length: float
@@ -135,19 +136,29 @@ class RLStep:
         sync_s = self.worker.prepare()  # the engine's weights: the training state after `step` updates
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
         self.worker.release()
-        rewards, failed = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)],
-                                            [tok.decode(o.token_ids) for o in outs],
-                                            [s.answer for s in mine for _ in range(G)],
-                                            on_error=cfg.task.on_reward_error)
-        if failed:
-            self.log(f"step {step}: reward failed on samples {failed[:8]}{' ...' if len(failed) > 8 else ''} "
-                     f"(prompt of the first: {mine[failed[0] // G].prompt!r}); scored 0")
-        r = torch.tensor(rewards).view(len(mine), G)
+        # every rank scores in the tolerant mode and the budget (0 for on_reward_error=raise) is checked on the
+        # step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting)
+        rewards, failures = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)],
+                                              [tok.decode(o.token_ids) for o in outs],
+                                              [s.answer for s in mine for _ in range(G)], on_error="skip")
+        skip = cfg.task.on_reward_error == "skip"
+        for f in failures if skip else ():  # every skipped sample is reported
+            self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
+                     f"{f.reason}")
+        counts = self.fabric.all_reduce(torch.tensor([float(len(failures)), float(len(failures) == len(rewards))]),
+                                        reduce_op="sum").tolist()
+        check_failure_budget(failures, int(counts[0]), cfg.rl.prompts_per_step * G,
+                             cfg.task.reward_failure_budget if skip else 0.0, empty_replicas=int(counts[1]))
+        r = torch.tensor(rewards, dtype=torch.float64).view(len(mine), G)
+        scored = torch.isfinite(r)
         # the loss aggregation (token / sequence / constant) is the module's: CoDraftModule.normalize
-        adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std).view(-1).tolist()
+        adv = group_advantages(r.nan_to_num(0.0), scale=cfg.rl.scale_advantages, std=cfg.rl.std,
+                               valid=scored).view(-1).tolist()
+        failed = {f.index for f in failures}
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         self.last_rollouts = rollouts
+        rollouts, adv = zip(*[(ro, a) for i, (ro, a) in enumerate(zip(rollouts, adv)) if i not in failed])
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
         self.model.train_draft_this_step = step % self.cfg.draft.train_every == 0
@@ -155,8 +166,9 @@ class RLStep:
         m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
         train_s = time.perf_counter() - t0
         n_tok = sum(len(o.token_ids) for o in outs)
-        local = torch.tensor([sum(rewards) / len(rewards), r.std(unbiased=False).item(),
-                              sum(x >= 1.0 for x in rewards) / len(rewards), float(len(failed)), float(n_tok),
+        ok = [x for x in rewards if math.isfinite(x)]
+        local = torch.tensor([sum(ok) / len(ok), torch.tensor(ok).std(unbiased=False).item(),
+                              sum(x >= 1.0 for x in ok) / len(ok), float(len(failed)), float(n_tok),
                               float(acc.accepted), float(acc.draft_steps), float(acc.drafted),
                               float(acc.policy_forwards)], dtype=torch.float64)
         g = self.fabric.all_reduce(local, reduce_op="mean").tolist()

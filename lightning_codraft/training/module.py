@@ -223,11 +223,13 @@ class CoDraftModule(LightningModule):
         Args:
             step_logits: K tensors ``(T, Vd)`` from :meth:`draft_step_logits`.
             policy_logits: ``(T, V)`` detached policy logits (the soft targets).
-            batch: this rank's microbatch (``batch.norm.draft``: the step's scored rows, each step's divisor).
+            batch: this rank's microbatch (``batch.norm.draft``: the step's scored rows, each step's divisor; without
+                ``norm`` the batch's own).
         """
         return ttt_draft_loss(list(step_logits), policy_logits, batch.cu_seqlens, batch.draft_targets,
                               self.draft.d2t, self.draft.t2d, decay=self.config.ttt_decay,
-                              group=self.parallel_dims.cp_group, denominators=batch.norm.draft)
+                              group=self.parallel_dims.cp_group,
+                              denominators=None if batch.norm is None else batch.norm.draft)
 
     # ------------------------------------------------------------------ the joint objective
     def normalize(self, batch: RLBatch) -> RLBatch:

@@ -14,3 +14,13 @@ def digit_share_reward(prompt: str, completion: str, answer: str) -> float:
     """The share of digits among the completion's characters: a reward in [0, 1] that differs between the
     samples of an untrained policy, so group advantages (and policy gradients) are not all zero."""
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+def batched_reward(prompts, completions, answer):
+    """A TRL-style batched reward (lists in, a list out) plugged in where a per-sample reward is expected."""
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def nan_reward(prompt: str, completion: str, answer: str) -> float:
+    """A reward that returns NaN (e.g. 0 / 0 in a user's shaping term)."""
+    return float("nan")

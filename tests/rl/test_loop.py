@@ -26,10 +26,13 @@ def micro_config(tmp, *extra):
 @pytest.fixture(scope="module")
 def micro_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("micro")
-    # prompts starting with 7 make the reward raise: the run must survive and count the failures
+    # prompts starting with 7 make the reward raise: in the opt-in tolerant mode the run skips and reports them
     cfg = micro_config(out, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4",
-                       "task.eval_every=2")
-    return cfg, fit(cfg, print_fn=lambda s: None)
+                       "task.eval_every=2", "task.on_reward_error=skip", "task.reward_failure_budget=0.9")
+    lines = []
+    res = fit(cfg, print_fn=lines.append)
+    res.log_lines = lines
+    return cfg, res
 
 
 def _comparable(rows):
@@ -51,6 +54,9 @@ def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
         assert 1.0 <= r["acceptance_length"] <= cfg.draft.num_speculative_tokens + 1
         assert r["completion_tokens"] > 0 and math.isfinite(r["draft_loss"]) and math.isfinite(r["policy_loss"])
     assert sum(r["reward_failures"] for r in rows) > 0  # the flaky reward raised and the run went on
+    skipped = [line for line in res.log_lines if "skipped sample" in line]
+    assert len(skipped) == sum(r["reward_failures"] for r in rows)  # every skipped sample is reported
+    assert "rewards_for_tests:flaky_reward raised ZeroDivisionError" in skipped[0] and "prompt '7" in skipped[0]
     # drift from the start policy (rl.track_drift, the default): none before the first update
     assert rows[0]["kl"] == 0.0 and rows[0]["greedy_agreement"] == 1.0
     # task.eval_every=2: the fixed held-out set is scored on steps 2 (and not 1, 3)
@@ -86,6 +92,34 @@ def test_failing_reward_can_stop_the_run(tmp_path):
                        "rl.prompts_per_step=8", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
     with pytest.raises(RewardError, match=r"prompt '7"):
         fit(cfg, print_fn=lambda s: None)
+
+
+@pytest.mark.parametrize("fn,match", [("batched_reward", "looks like a batched"), ("nan_reward", "non-finite")])
+def test_a_failing_reward_stops_the_run_with_exit_3(tmp_path, capsys, fn, match):
+    from conftest import REPO
+
+    from lightning_codraft.cli import main
+
+    code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
+                 f"task.reward=rewards_for_tests:{fn}", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert match in err and f"reward function rewards_for_tests:{fn} failed on sample 0" in err
+    assert "task.on_reward_error=skip" in err and "resumes the run" in err
+
+
+def test_skip_mode_stops_past_its_budget(tmp_path):
+    cfg = micro_config(tmp_path, "task.reward=rewards_for_tests:nan_reward", "task.on_reward_error=skip",
+                       "task.reward_failure_budget=0.5", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+    lines = []
+    with pytest.raises(RewardError, match="4 of the step's 4 samples failed.*over task.reward_failure_budget=0.5"):
+        fit(cfg, print_fn=lines.append)
+    assert sum("skipped sample" in line for line in lines) == 4
+
+
+def test_retired_warn_mode_is_refused():
+    with pytest.raises(ConfigError, match="'warn' scored a failed reward 0"):
+        load_config(None, ["task.on_reward_error=warn"])
 
 
 def test_prompt_longer_than_the_context_is_rejected(tmp_path):
