@@ -291,7 +291,8 @@ class Eagle3Config:
             "eagle_aux_hidden_state_layer_ids")
         if not taps:
             raise ValueError("the draft's config.json has no eagle_aux_hidden_state_layer_ids; add the three policy "
-                             "tap ids the draft was trained on (vLLM's default is [2, L//2, L-3])")
+                             "tap ids the draft was trained on, or load it with policy= for vLLM's default "
+                             "[2, L//2, L-3]")
         rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
         params = d.get("rope_parameters")
         if params:

@@ -119,7 +119,7 @@ class Eagle3Draft(nn.Module):
         Args:
             policy: the target model.
             draft_vocab_size: Vd; None keeps the policy's whole vocabulary (identity ``d2t``/``t2d``).
-            taps: three increasing tap ids in ``[0, L-1]``; default ``policy.default_taps`` when those are
+            taps: three increasing tap ids in ``[0, L]`` (L: the last layer's output, which vLLM captures); default ``policy.default_taps`` when those are
                 distinct, else ``(0, 1, 2)`` for L = 3 and ``(1, L//2, L-1)`` for 4 <= L <= 6.
             token_counts: ``(V,)`` corpus frequencies of the policy's tokens; required when Vd < V (the draft
                 vocabulary is the Vd most frequent tokens).
@@ -127,9 +127,10 @@ class Eagle3Draft(nn.Module):
         pc = policy.config
         V, L = int(pc.vocab_size), int(policy.num_layers)
         taps = _choose_taps(policy) if taps is None else tuple(policy.validate_taps(taps))
-        if max(taps) >= L:
+        if max(taps) > L:
             raise ValueError(f"tap id {max(taps)} out of range for a draft: vLLM collects aux hidden states entering "
-                             f"layers 0..{L - 1} of this {L}-layer policy; got taps={taps}")
+                             f"layers 0..{L - 1} and the last layer's output ({L}) of this {L}-layer policy; got "
+                             f"taps={taps}")
         if token_counts is not None and torch.as_tensor(token_counts).numel() != V:
             raise ValueError(f"token_counts has {torch.as_tensor(token_counts).numel()} entries but the policy's "
                              f"vocab_size is {V}; count tokens of the policy's tokenizer")
@@ -310,9 +311,18 @@ class Eagle3Draft(nn.Module):
         return eagle3_io.save_draft(self, path)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Eagle3Draft":
-        """Load a directory written by :meth:`save_pretrained` (or another vLLM-loadable EAGLE-3 draft)."""
-        return eagle3_io.load_draft(cls, path, dtype=dtype, device=device)
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+                        policy=None) -> "Eagle3Draft":
+        """Load a directory written by :meth:`save_pretrained`, or another EAGLE-3 draft: vLLM's, SpecForge's
+        export (its ``embed_tokens`` is checked against ``policy``'s and dropped) or speculators' format.
+
+        Args:
+            path: the draft directory (``config.json`` + ``*.safetensors``).
+            dtype, device: where the draft's parameters go.
+            policy: the target the draft serves: checks vocabulary, width and taps, supplies vLLM's default taps
+                when the config has none, and is required for a checkpoint that carries ``embed_tokens.weight``.
+        """
+        return eagle3_io.load_draft(cls, path, dtype=dtype, device=device, policy=policy)
 
     def extra_repr(self) -> str:
         c = self.config
