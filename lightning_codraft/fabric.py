@@ -136,12 +136,13 @@ def fabric_training_step(fabric, model, batch: RLBatch, optimizer, scheduler=Non
 def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft: Optional[nn.Module] = None, *,
                         step: int, every_n_steps: int = 1, policy_state_fn: Optional[Callable] = None,
                         draft_state_fn: Optional[Callable] = None, push_on_rank: Optional[Callable[[int], bool]] = None,
-                        log_name: str = "weight_sync/seconds") -> Optional[float]:
+                        log_name: str = "weight_sync/seconds", force: bool = False) -> Optional[float]:
     """Fabric helper of the one weight-sync path (``rollout.weight_sync.WeightSync``): call after
-    ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1).
+    ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1), and with ``force=True`` once training is set
+    up and after every ``fabric.load`` (so the engine decodes with the restored weights, not its own).
 
-    Pushes when ``step % every_n_steps == 0`` and logs the seconds with ``fabric.log``; returns them (None when
-    not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on every rank,
+    Pushes when ``step % every_n_steps == 0`` (or ``force``) and logs the seconds with ``fabric.log``; returns them
+    (None when not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on every rank,
     the push where ``push_on_rank(fabric.global_rank)`` (default: every rank).
     """
     def states():
@@ -149,7 +150,7 @@ def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft:
                 (draft_state_fn or (lambda: full_state_dict(draft)))())
 
     push = push_on_rank is None or push_on_rank(fabric.global_rank)
-    seconds = WeightSync(engine, states, every_n_steps)(step, push=push)
+    seconds = WeightSync(engine, states, every_n_steps)(step, push=push, force=force)
     if seconds is not None:
         fabric.log(log_name, seconds, step=step)
     return seconds

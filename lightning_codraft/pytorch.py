@@ -158,8 +158,9 @@ def _plain(value: Any) -> Any:
 
 
 class WeightSyncCallback(Callback):
-    """Push ``pl_module.policy`` / ``pl_module.draft`` to ``engine`` every N optimizer steps (the Trainer side of
-    the one weight-sync path, ``rollout.weight_sync.WeightSync``).
+    """Push ``pl_module.policy`` / ``pl_module.draft`` to ``engine`` when training starts (also after a resume from
+    a checkpoint) and every N optimizer steps (the Trainer side of the one weight-sync path,
+    ``rollout.weight_sync.WeightSync``).
 
     Args:
         engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`.
@@ -192,6 +193,12 @@ class WeightSyncCallback(Callback):
         policy = (self._policy_state_fn or (lambda m: full_state_dict(m.policy)))(module)
         draft = (self._draft_state_fn or (lambda m: full_state_dict(getattr(m, "draft", None))))(module)
         return policy, draft
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Push when training starts, after ``Trainer.fit(ckpt_path=...)`` restored the weights: the engine then
+        holds the trained (restored) weights before the first rollout, not the ones it was built with."""
+        self._module = pl_module
+        self.sync(int(trainer.global_step), push=self.push_on_rank(trainer.global_rank), force=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._module = pl_module

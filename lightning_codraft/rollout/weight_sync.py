@@ -93,13 +93,15 @@ class WeightSync:
         """Whether optimizer step ``step`` (>= 1 once an optimizer step ran) needs a push."""
         return step >= 1 and step != self.last_synced_step and step % self.every_n_steps == 0
 
-    def __call__(self, step: int, push: bool = True) -> Optional[float]:
-        """Sync after optimizer step ``step`` if due; returns the seconds taken, or None when not due.
+    def __call__(self, step: int, push: bool = True, force: bool = False) -> Optional[float]:
+        """Sync after optimizer step ``step`` if due (or ``force``); returns the seconds taken, or None when not due.
 
         The state function runs on every rank that calls (it may be a collective); the engine is updated only
         where ``push`` is True, an engine is set and a state came back (the draft's only if the engine drafts).
+        ``force``: push whatever the step, e.g. when training starts or resumes, so the engine never decodes with
+        weights other than the ones being trained (a restored checkpoint's, not the engine's own).
         """
-        if not self.due(step):
+        if not (force or self.due(step)):
             return None
         start = time.perf_counter()
         policy_state, draft_state = self.states()

@@ -60,8 +60,8 @@ def _fit(callback, batches, accumulate=1):
 def test_callback_pushes_every_n_steps_with_gradient_accumulation():
     engine = _RecordingEngine()
     cb = WeightSyncCallback(engine, every_n_steps=2)
-    module = _fit(cb, batches=8, accumulate=2)   # 4 optimizer steps -> pushes after steps 2 and 4
-    assert len(engine.pushes) == 2 and len(cb.sync_seconds) == 2
+    module = _fit(cb, batches=8, accumulate=2)   # 4 optimizer steps -> pushes at the start, after steps 2 and 4
+    assert len(engine.pushes) == 3 and len(cb.sync_seconds) == 3
     policy_state, draft_state = engine.pushes[-1]
     for k, v in module.policy.state_dict().items():
         assert torch.equal(policy_state[k], v)
@@ -89,6 +89,8 @@ def test_fabric_helper_and_full_state_dict():
     pushed = [fabric_sync_weights(fabric, engine, policy, None, step=s, every_n_steps=3) for s in range(1, 7)]
     assert [p is not None for p in pushed] == [False, False, True, False, False, True]
     assert len(engine.pushes) == 2 and engine.pushes[0][1] is None
+    assert fabric_sync_weights(fabric, engine, policy, None, step=0, force=True) is not None  # at start / resume
+    assert len(engine.pushes) == 3
 
     class Wrapper(torch.nn.Module):
         def __init__(self, inner):
@@ -99,3 +101,42 @@ def test_fabric_helper_and_full_state_dict():
     assert set(state) == set(policy.state_dict())
     with pytest.raises(ValueError, match="every_n_steps=0"):
         WeightSyncCallback(engine, every_n_steps=0)
+
+
+class _Checking(_Module):
+    """Records, at its first training step, whether the engine holds exactly its (restored) weights."""
+
+    def __init__(self, engine, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        for p in self.parameters():  # weights other than the checkpoint's, overwritten by the restore
+            torch.nn.init.normal_(p)
+        self.engine, self.first_step_in_sync = engine, None
+
+    def training_step(self, batch, batch_idx):
+        if self.first_step_in_sync is None:
+            pushed, _ = self.engine.pushes[-1] if self.engine.pushes else (None, None)
+            self.first_step_in_sync = pushed is not None and all(
+                torch.equal(pushed[k], v) for k, v in self.policy.state_dict().items())
+        return super().training_step(batch, batch_idx)
+
+
+def test_after_a_resume_the_engine_holds_the_restored_weights_before_the_first_step(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(engine, steps):
+        return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, default_root_dir=tmp_path,
+                       callbacks=[WeightSyncCallback(engine, every_n_steps=100),
+                                  ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+
+    first = _RecordingEngine()
+    module = _Checking(first, seed=1)
+    trainer(first, 3).fit(module, _loader(6))
+    restored = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    engine = _RecordingEngine()
+    resumed = _Checking(engine, seed=2)
+    trainer(engine, 5).fit(resumed, _loader(6), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.first_step_in_sync  # no optimizer step was due (every 100), yet the engine was refilled
+    pushed, _ = engine.pushes[0]
+    assert all(torch.equal(pushed[k], v) for k, v in restored.items())
