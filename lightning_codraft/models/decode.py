@@ -9,7 +9,9 @@ Two interfaces, each with two implementations:
   ``Eagle3Draft.step`` computes; :class:`ModuleDraftDecoder` calls the module's ``fuse`` / ``step``.
 
 ``Policy.decoder(capacity)`` and ``Eagle3Draft.decoder(capacity)`` return the fused decoder (subclasses inherit
-it) unless their parameters are not plain tensors (DTensor shards), then the module path. :func:`policy_decoder`
+it) unless their parameters are not plain tensors (DTensor shards) or a subclass changed the decode math (an
+overridden ``fuse`` / ``step`` / ``forward``, a swapped layer: :func:`custom_decode_math`), then the module path, so
+the draft that generates is always the draft that trains. :func:`policy_decoder`
 and :func:`draft_decoder` ask any module for its ``decoder``; modules without one (wrappers, other
 implementations of the engine's contract) get the module path.
 
@@ -106,6 +108,16 @@ class DraftDecoder(Protocol):
 def plain_parameters(module: nn.Module) -> bool:
     """True when every parameter is a plain tensor (not a DTensor shard or another tensor subclass)."""
     return all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters())
+
+
+def custom_decode_math(module: nn.Module, base: type, methods: Sequence[str]) -> list[str]:
+    """What of ``module``'s decode math is not ``base``'s: the names in ``methods`` its class overrides, and
+    submodules of classes from outside this package and ``torch.nn`` (a swapped layer). The fused decoders
+    re-implement the base class's math, so a module with any of these must decode through its own methods."""
+    changed = [name for name in methods if getattr(type(module), name) is not getattr(base, name)]
+    changed += [f"{name} ({type(m).__name__})" for name, m in module.named_modules()
+                if name and not type(m).__module__.startswith(("lightning_codraft.models.", "torch.nn."))]
+    return changed
 
 
 def _make_decoder(module: nn.Module, capacity: int, dtype: torch.dtype | None, fallback, kind: str):

@@ -34,7 +34,8 @@ from lightning_codraft.attention.codraft import codraft_attention
 from lightning_codraft.attention.packing import suffix_rows, validate_cu_seqlens
 from lightning_codraft.models import eagle3_io
 from lightning_codraft.models.config import Eagle3Config
-from lightning_codraft.models.decode import DraftDecoder, FusedDraftDecoder, ModuleDraftDecoder, plain_parameters
+from lightning_codraft.models.decode import (DraftDecoder, FusedDraftDecoder, ModuleDraftDecoder, custom_decode_math,
+                                            plain_parameters)
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
@@ -300,9 +301,16 @@ class Eagle3Draft(nn.Module):
 
         A :class:`~lightning_codraft.models.decode.FusedDraftDecoder` (the math of :meth:`step` with fewer ops,
         reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
-        not plain tensors (DTensor shards) get the module path, :meth:`fuse` and :meth:`step`.
+        not plain tensors (DTensor shards) and subclasses that override :meth:`fuse` or :meth:`step` (or swap a
+        layer) get the module path, :meth:`fuse` and :meth:`step`; one that overrides only :meth:`ttt_forward` is
+        refused (its decode math would silently be the base class's).
         """
-        if not plain_parameters(self):
+        custom = custom_decode_math(self, Eagle3Draft, ("fuse", "step"))
+        if not custom and type(self).ttt_forward is not Eagle3Draft.ttt_forward:
+            raise ValueError(f"{type(self).__name__} overrides ttt_forward (the training math) but not step (the "
+                             f"decode math the rollout engine calls): override step (and fuse) with the same math, so "
+                             f"the draft that generates is the draft that trains")
+        if custom or not plain_parameters(self):
             return ModuleDraftDecoder(self)
         return FusedDraftDecoder(self, capacity, dtype)
 

@@ -30,7 +30,8 @@ from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens, validate_cu_seqlens
 from lightning_codraft.models import hf_io
 from lightning_codraft.models.config import PolicyConfig
-from lightning_codraft.models.decode import FusedPolicyDecoder, ModulePolicyDecoder, PolicyDecoder, plain_parameters
+from lightning_codraft.models.decode import (FusedPolicyDecoder, ModulePolicyDecoder, PolicyDecoder, custom_decode_math,
+                                            plain_parameters)
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
@@ -330,10 +331,12 @@ class Policy(nn.Module):
 
         A :class:`~lightning_codraft.models.decode.FusedPolicyDecoder` (the decode path's math with fewer ops,
         reading the weights now: build one after any weight update); subclasses inherit it. Parameters that are
-        not plain tensors (DTensor shards) get the module path, :meth:`forward` with ``kv_cache``. A subclass
-        that changes the decode math overrides this to return ``ModulePolicyDecoder(self)``.
+        not plain tensors (DTensor shards) and subclasses that change the decode math (override ``forward``,
+        ``_forward_decode``, ``embed`` or ``head``, or swap a layer) get the module path, :meth:`forward` with
+        ``kv_cache``.
         """
-        if not plain_parameters(self):
+        if custom_decode_math(self, Policy, ("forward", "_forward_decode", "embed", "head")) or \
+                not plain_parameters(self):
             return ModulePolicyDecoder(self)
         return FusedPolicyDecoder(self, capacity, dtype)
 

@@ -46,6 +46,7 @@ from typing import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import hole_filling_order
@@ -102,6 +103,14 @@ class SpeculativeEngine:
                              "(0 = plain decoding without the draft)")
         if max_batch_size is not None and int(max_batch_size) < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
+        for role, module in (("policy", policy), ("draft", draft)):
+            if module is not None and any(isinstance(p, DTensor) for p in module.parameters()):
+                raise ValueError(f"the engine's {role} holds FSDP2 / DTensor shards: every rank would decode its own "
+                                 f"prompts through collectives the other ranks are not in. Build the engine over a "
+                                 f"separate, unsharded copy and fill it with the training module's full weights each "
+                                 f"step (CoDraftModule.full_state_dicts(); the RL loop's RolloutWorker and "
+                                 f"lightning_codraft.pytorch.WeightSyncCallback do this), or train with "
+                                 f"CoDraftStrategy(sharding='ddp')")
         self.policy = policy
         self.draft = draft if int(num_speculative_tokens) > 0 else None
         self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
@@ -132,6 +141,13 @@ class SpeculativeEngine:
     def _check_draft(self) -> None:
         if self.draft is None:
             return
+        missing = [name for name in ("config", "draft_to_target") if not hasattr(self.draft, name)]
+        if not callable(getattr(self.draft, "decoder", None)):
+            missing += [name for name in ("fuse", "step") if not callable(getattr(self.draft, name, None))]
+        if missing:
+            raise TypeError(f"the engine's draft {type(self.draft).__name__} lacks {missing}: a draft needs the "
+                            f"EAGLE-3 decode contract (config, draft_to_target, and decoder() or fuse + step); "
+                            f"subclass lightning_codraft.models.Eagle3Draft")
         pc, dc = self.policy.config, self.draft.config
         if int(dc.hidden_size) != int(pc.hidden_size):
             raise ValueError(f"draft hidden_size={dc.hidden_size} does not fit the policy's "
