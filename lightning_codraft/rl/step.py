@@ -58,7 +58,10 @@ class StepMetrics:
     draft_loss: float
     """The draft's TTT loss on the step's batch (NaN without a draft)."""
     draft_acc0: float
-    """Top-1 agreement of the draft's first unroll step with the policy on the step's batch."""
+    """Top-1 agreement of the draft's first unroll step with the policy on the step's batch (every scored row: one
+    whose policy top-1 the draft vocabulary lacks is a miss, as greedy verification rejects it)."""
+    draft_oov_share: float
+    """Share of the draft's scored rows whose policy top-1 is outside the draft vocabulary (NaN without a draft)."""
     policy_loss: float
     """Clipped policy-gradient loss."""
     clip_frac: float
@@ -178,6 +181,7 @@ class RLStep:
             acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
             mean_k=mean_acc.mean_k, tokens_per_round=mean_acc.tokens_per_round,
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
+            draft_oov_share=m.get("draft/oov_share", math.nan),
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
             greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
