@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,6 +31,7 @@ from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompt
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, sft_batch
 from lightning_codraft.rl.tasks import TaskSample
 from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.training.optim import adamw, cosine_decay
 
 
 def encode_samples(tokenizer, samples: Sequence[TaskSample]) -> tuple[list[list[int]], list[list[int]]]:
@@ -67,9 +67,8 @@ def sft_warmup(policy, tokenizer, sample_fn: Callable[[int, int], list[TaskSampl
     """
     if steps <= 0:
         return []
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    opt = adamw(policy.parameters(), lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: cosine_decay(i / steps, 0.1))
     policy.train()
     losses = []
     for i in range(steps):
@@ -128,9 +127,8 @@ def draft_warmup(module, batches: Sequence[RLBatch], steps: int, lr: float,
 
 def _fit_draft(module, batches, steps, params, lr, on_step) -> list[float]:
     policy = module.policy
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+    opt = adamw(params, lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: cosine_decay(i / steps, 0.1))
     taps = module.configure_taps()
     losses = []
     for i in range(steps):

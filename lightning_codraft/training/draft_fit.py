@@ -23,6 +23,7 @@ from lightning_codraft.training.compiled import compiled_draft
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.feature_cache import (PRECISION_NAMES, PRECISIONS, FeatureCache, compact_vocab,
                                                     pack_batches)
+from lightning_codraft.training.optim import adamw, cosine_decay
 
 
 def implied_acceptance_length(accuracy: Sequence[float]) -> float:
@@ -142,7 +143,7 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
     if config.warmup_frac > 0 and p < config.warmup_frac:
         return p / config.warmup_frac
     q = (p - config.warmup_frac) / (1 - config.warmup_frac)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * q))
+    return cosine_decay(q, config.min_lr_ratio)
 
 
 def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
@@ -224,7 +225,7 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
     total_steps = max(1, math.ceil(config.epochs * per_epoch))
     params = [p for p in draft.parameters() if p.requires_grad]
     config = replace(config, precision=resolve_precision(config.precision, params[0].device))
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    opt = adamw(params, config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     rng = np.random.default_rng(config.seed)
     result = FitResult()
     clock, val_cost, window = 0.0, 0.0, []

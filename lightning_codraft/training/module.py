@@ -19,7 +19,6 @@ pipeline's last stage alike. The optimizer and schedule come from :meth:`build_o
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -38,6 +37,7 @@ from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_los
 from lightning_codraft.training.normalize import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
                                                   step_metrics)
+from lightning_codraft.training.optim import adamw, cosine_decay
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
 
@@ -375,8 +375,7 @@ class CoDraftModule(LightningModule):
             if warmup > 0 and step < warmup:
                 return (step + 1) / warmup
             if c.schedule == "cosine":
-                progress = min(1.0, (step - warmup) / max(1, c.total_steps - warmup))
-                return 0.5 * (1.0 + math.cos(math.pi * progress))
+                return cosine_decay((step - warmup) / max(1, c.total_steps - warmup))
             return 1.0
 
         return fn
@@ -388,7 +387,7 @@ class CoDraftModule(LightningModule):
         """
         c = self.config
         groups = self.param_groups()
-        optimizer = torch.optim.AdamW(groups, betas=c.betas, eps=c.adam_eps, weight_decay=c.weight_decay)
+        optimizer = adamw(groups, c.policy_lr, betas=c.betas, weight_decay=c.weight_decay, eps=c.adam_eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [self.lr_lambda(g["name"]) for g in groups])
         return optimizer, scheduler
 
