@@ -55,7 +55,8 @@ class _FixedTask:
 
 def _build(args):
     if args.smoke:
-        from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer
+        from lightning_codraft.models.tokenizer import CharTokenizer
+        from lightning_codraft.rl.tasks import ArithmeticTask
 
         tok = CharTokenizer()
         torch.manual_seed(0)

@@ -29,7 +29,8 @@ import lightning_codraft.rl
 from lightning_codraft.attention import pack_documents, shift_left_local
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.vocab import count_tokens
-from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer
+from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.rl.tasks import ArithmeticTask
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.metrics import DraftAcceptance
 

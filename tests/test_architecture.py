@@ -25,7 +25,7 @@ ALLOWED = {
     "rollout": {"attention", "models"},
     "fabric": {"batch", "parallel", "training", "rollout"},
     "pytorch": {"batch", "parallel", "training", "rollout"},
-    "plan": {"config", "models", "parallel", "rl"},
+    "plan": {"config", "models", "parallel"},
     "rl": {"config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric"},
     "cli": {"config", "rl", "rollout", "plan"},
     "__init__": set(),

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load
     from lightning_codraft.models.eagle3 import Eagle3Draft
     from lightning_codraft.models.kv_cache import KVCache
     from lightning_codraft.models.policy import Policy, PolicyOutput
+    from lightning_codraft.models.tokenizer import CharTokenizer
     from lightning_codraft.models.vocab import build_vocab_mapping
 
 _LAZY = {
@@ -22,6 +23,7 @@ _LAZY = {
     "build_vocab_mapping": "lightning_codraft.models.vocab",
     "PolicyDecoder": "lightning_codraft.models.decode",
     "DraftDecoder": "lightning_codraft.models.decode",
+    "CharTokenizer": "lightning_codraft.models.tokenizer",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

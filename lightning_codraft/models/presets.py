@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_codraft.models.config import PolicyConfig
+from lightning_codraft.models.tokenizer import CharTokenizer
 
 #: preset name -> the HF config.json fields that shape the model (plus token ids and the context length)
 _HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -92,6 +93,42 @@ def resolve_architecture(spec: str) -> PolicyConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{spec!r} is neither a built-in architecture ({', '.join(PRESETS)}) nor a "
                                 f"config.json file or a directory holding one")
+    return PolicyConfig.from_hf_dict(json.loads(path.read_text()))
+
+
+def recipe_architecture(model) -> PolicyConfig:
+    """The architecture of a recipe's ``model`` section (a :class:`~lightning_codraft.config.ModelConfig`), without
+    loading weights: what ``codraft fit`` builds and ``codraft plan`` plans.
+
+    ``tiny``: the section's fields over the :class:`~lightning_codraft.models.tokenizer.CharTokenizer` vocabulary.
+    Otherwise ``model.config`` when set (:func:`resolve_architecture`), else ``smollm2-135m``'s built-in
+    architecture or the checkpoint directory's config.json.
+
+    Raises:
+        ValueError: ``model.config`` names neither a built-in architecture nor a valid config.json (the message
+            names the key).
+        FileNotFoundError: ``model.source`` is a directory without config.json and ``model.config`` is null.
+    """
+    if model.source == "tiny":
+        tok = CharTokenizer()
+        return PolicyConfig.tiny(vocab_size=tok.vocab_size, hidden_size=model.hidden_size,
+                                 intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
+                                 num_attention_heads=model.num_attention_heads,
+                                 num_key_value_heads=model.num_key_value_heads,
+                                 max_position_embeddings=model.max_position_embeddings, bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if model.config is not None:
+        try:
+            return resolve_architecture(model.config)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"model.config={model.config!r}: {e}") from None
+    if model.source == "smollm2-135m":
+        return preset_config("smollm2-135m")
+    path = Path(model.source) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model.source={model.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
+                                f"checkpoint directory with config.json (to plan without the weights, name its "
+                                f"architecture: model.config=qwen3-8b or a config.json path)")
     return PolicyConfig.from_hf_dict(json.loads(path.read_text()))
 
 

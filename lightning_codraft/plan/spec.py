@@ -1,7 +1,7 @@
 """What the memory plan is computed from: :class:`PlanSpec`, the run reduced to the numbers memory depends on.
 
 :meth:`PlanSpec.from_config` reads a recipe (:class:`~lightning_codraft.config.CoDraftConfig`): the policy's
-architecture (``rl.build.policy_config``: the tiny fields, ``model.config``, a preset or a checkpoint's
+architecture (``models.presets.recipe_architecture``: the tiny fields, ``model.config``, a preset or a checkpoint's
 config.json, never its weights), the mesh, the sharding and the precision, the step's batch and the engine. Tests
 build a spec directly for models of their own.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models.config import PolicyConfig
-from lightning_codraft.rl.build import policy_config
+from lightning_codraft.models.presets import recipe_architecture
 
 #: precision -> (parameter, gradient, optimizer-state, compute, reduce) bytes per element
 PRECISION_BYTES = {
@@ -91,9 +91,13 @@ class PlanSpec:
 
     @classmethod
     def from_config(cls, cfg: CoDraftConfig) -> "PlanSpec":
-        """The spec of a validated recipe (the architecture from ``rl.build.policy_config``, no weights read)."""
+        """The spec of a validated recipe (the architecture from ``models.presets.recipe_architecture``, no weights
+        read; an invalid ``model.config`` is a :class:`~lightning_codraft.config.ConfigError`)."""
         p, r, d = cfg.parallel, cfg.rl, cfg.draft
-        policy = policy_config(cfg.model)
+        try:
+            policy = recipe_architecture(cfg.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         context = min(cfg.model.max_position_embeddings, policy.max_position_embeddings)
         return cls(policy=policy, draft_vocab_size=d.draft_vocab_size, draft_mode=d.mode, ttt_steps=d.ttt_steps,
                    num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0 or r.track_drift, dp=p.dp, pp=p.pp,

@@ -2,7 +2,7 @@
 
 Public names (imported lazily so ``import lightning_codraft.rl`` stays light)::
 
-    ArithmeticTask, CharTokenizer, TaskSample, arithmetic_reward      # rl.tasks
+    ArithmeticTask, TaskSample, arithmetic_reward                     # rl.tasks
     GSM8KTask, load_gsm8k, extract_answer, gsm8k_reward                # rl.gsm8k
     resolve_reward, score_completions, RewardError                     # rl.rewards
     Rollout, group_advantages, build_rl_batch                          # rl.experience
@@ -20,11 +20,10 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load
     from lightning_codraft.rl.gsm8k import GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
     from lightning_codraft.rl.loop import CoDraftRun, FitResult, fit
     from lightning_codraft.rl.rewards import RewardError, resolve_reward, score_completions
-    from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, TaskSample, arithmetic_reward
+    from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample, arithmetic_reward
 
 _LAZY = {
     "ArithmeticTask": "lightning_codraft.rl.tasks",
-    "CharTokenizer": "lightning_codraft.rl.tasks",
     "TaskSample": "lightning_codraft.rl.tasks",
     "arithmetic_reward": "lightning_codraft.rl.tasks",
     "GSM8KTask": "lightning_codraft.rl.gsm8k",

@@ -14,12 +14,13 @@ import torch
 
 from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.models.hf_io import load_smollm2_tokenizer, read_config, smollm2_135m_path
-from lightning_codraft.models.presets import architecture_differences, preset_config, resolve_architecture
+from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
+from lightning_codraft.models.presets import architecture_differences, recipe_architecture
+from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.rewards import resolve_reward
-from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, RewardFn
+from lightning_codraft.rl.tasks import ArithmeticTask, RewardFn
 from lightning_codraft.training.config import CoDraftModuleConfig
 
 
@@ -75,36 +76,17 @@ def build_reward(cfg, task) -> RewardFn:
 
 
 def policy_config(cfg) -> PolicyConfig:
-    """The architecture of ``cfg`` (a :class:`~lightning_codraft.config.ModelConfig`), without loading weights.
-
-    ``tiny``: the fields of ``cfg`` over the :class:`CharTokenizer` vocabulary. Otherwise ``model.config`` when
-    set (a built-in architecture or a config.json, ``models/presets.py``), else ``smollm2-135m``'s built-in
-    architecture or the checkpoint directory's config.json.
+    """The architecture of ``cfg`` (a :class:`~lightning_codraft.config.ModelConfig`), without loading weights:
+    ``models.presets.recipe_architecture``, its ``ValueError`` reported as a :class:`ConfigError`.
 
     Raises:
         ConfigError: ``model.config`` names neither a built-in architecture nor a config.json.
         FileNotFoundError: ``model.source`` is a directory without config.json and ``model.config`` is null.
     """
-    if cfg.source == "tiny":
-        tok = CharTokenizer()
-        return PolicyConfig.tiny(vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size,
-                                 intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-                                 num_attention_heads=cfg.num_attention_heads,
-                                 num_key_value_heads=cfg.num_key_value_heads,
-                                 max_position_embeddings=cfg.max_position_embeddings, bos_token_id=tok.bos_token_id,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    if cfg.config is not None:
-        try:
-            return resolve_architecture(cfg.config)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"model.config={cfg.config!r}: {e}") from None
-    if cfg.source == "smollm2-135m":
-        return preset_config("smollm2-135m")
-    if not (Path(cfg.source) / "config.json").is_file():
-        raise FileNotFoundError(f"model.source={cfg.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
-                                f"checkpoint directory with config.json (to plan without the weights, name its "
-                                f"architecture: model.config=qwen3-8b or a config.json path)")
-    return read_config(cfg.source)
+    try:
+        return recipe_architecture(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_policy(cfg, seed: int = 0):

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -170,14 +170,18 @@ class RLStep:
         train_s = time.perf_counter() - t0
         n_tok = sum(len(o.token_ids) for o in outs)
         ok = [x for x in rewards if math.isfinite(x)]
-        local = torch.tensor([sum(ok) / len(ok), torch.tensor(ok).std(unbiased=False).item(),
-                              sum(x >= 1.0 for x in ok) / len(ok), float(len(failed)), float(n_tok),
-                              float(acc.accepted), float(acc.draft_steps), float(acc.drafted),
-                              float(acc.policy_forwards)], dtype=torch.float64)
-        g = self.fabric.all_reduce(local, reduce_op="mean").tolist()
-        mean_acc = AcceptanceStats(draft_steps=g[6], drafted=g[7], accepted=g[5], policy_forwards=g[8])  # replica mean
+        local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
+                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(failed)),
+                 "completion_tokens": float(n_tok), "accepted": float(acc.accepted),
+                 "draft_steps": float(acc.draft_steps), "drafted": float(acc.drafted),
+                 "policy_forwards": float(acc.policy_forwards)}
+        means = self.fabric.all_reduce(torch.tensor(list(local.values()), dtype=torch.float64), reduce_op="mean")
+        g = dict(zip(local, means.tolist()))  # replica means, by name
+        mean_acc = AcceptanceStats(draft_steps=g["draft_steps"], drafted=g["drafted"], accepted=g["accepted"],
+                                   policy_forwards=g["policy_forwards"])
         return StepMetrics(
-            step=step + 1, reward=g[0], reward_std=g[1], accuracy=g[2], reward_failures=g[3], completion_tokens=g[4],
+            step=step + 1, reward=g["reward"], reward_std=g["reward_std"], accuracy=g["accuracy"],
+            reward_failures=g["reward_failures"], completion_tokens=g["completion_tokens"],
             acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
             mean_k=mean_acc.mean_k, tokens_per_round=mean_acc.tokens_per_round,
             draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
@@ -188,7 +192,3 @@ class RLStep:
             eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
             step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
 
-
-def metrics_from_dict(row: dict[str, Any]) -> StepMetrics:
-    """A :class:`StepMetrics` from a ``metrics.csv`` row (missing columns are NaN)."""
-    return StepMetrics(**{k: (int(row[k]) if k == "step" else float(row.get(k, math.nan))) for k in COLUMNS})

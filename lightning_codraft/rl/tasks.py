@@ -17,7 +17,8 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
+
 
 #: A reward function: ``(prompt, completion, reference_answer) -> float``.
 RewardFn = Callable[[str, str, str], float]
@@ -36,46 +37,6 @@ class TaskSample:
     prompt: str
     answer: str
     solution: str
-
-
-class CharTokenizer:
-    """A character tokenizer for the tiny built-in policy (the project's tokenizer protocol).
-
-    Ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``; then one id per character of ``alphabet``.
-    ``encode`` adds no special tokens; it raises on a character outside the alphabet.
-    """
-
-    DEFAULT_ALPHABET = "0123456789+-*=,#?:. \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
-        if len(set(alphabet)) != len(alphabet):
-            raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
-        self.alphabet = alphabet
-        self.pad_token_id = 0
-        self.bos_token_id = 1
-        self.eos_token_id = 2
-        self._to_id = {c: i + 3 for i, c in enumerate(alphabet)}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.alphabet) + 3
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [self._to_id[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet "
-                             f"{self.alphabet!r}") from None
-
-    def decode(self, ids: Sequence[int]) -> str:
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.eos_token_id:
-                break
-            if i >= 3:
-                out.append(self.alphabet[i - 3])
-        return "".join(out)
 
 
 _ANSWER_RE = re.compile(r"#\s*(-?\d+)")

@@ -26,7 +26,7 @@ is distributed exactly as plain sampling from the filtered policy distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -229,10 +229,3 @@ def rejection_sample(
     next_ids = gumbel_argmax(torch.log(p_next), next_noise(num_accepted))
     return num_accepted, next_ids
 
-
-def stop_mask(token_ids: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
-    """(...,) bool: True where ``token_ids`` is a stop token."""
-    if not stop_token_ids:
-        return torch.zeros_like(token_ids, dtype=torch.bool)
-    stops = torch.tensor(list(stop_token_ids), dtype=token_ids.dtype, device=token_ids.device)
-    return torch.isin(token_ids, stops)

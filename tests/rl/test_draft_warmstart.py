@@ -16,7 +16,8 @@ from lightning_codraft.rl.draft_warmstart import (
     state_fingerprint,
     warm_start_draft,
 )
-from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, TaskSample
+from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
 from lightning_codraft.training.draft_fit import DraftFitConfig
 from lightning_codraft.training.feature_cache import FeatureCache
 

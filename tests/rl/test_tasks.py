@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from lightning_codraft.rl.tasks import ArithmeticTask, CharTokenizer, arithmetic_reward
+from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.rl.tasks import ArithmeticTask, arithmetic_reward
 
 
 def test_arithmetic_solutions_are_correct_and_deterministic():
