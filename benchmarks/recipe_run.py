@@ -7,8 +7,8 @@ measures at its end on held-out problems, with its batch size, temperature and K
 the per-step table and the curves.
 
 Run: ``python benchmarks/recipe_run.py --config recipes/smollm2-135m-cpu.yaml --name smollm2_gsm8k`` (writes
-``docs/benchmarks/smollm2_gsm8k.md``, ``_curves.png``, ``.json``; the first run of that recipe spends about an hour
-on the draft warm start unless ``python benchmarks/draft_warmstart.py`` filled its cache).
+``docs/benchmarks/smollm2_gsm8k.md``, ``smollm2_gsm8k_curves.png``, ``smollm2_gsm8k.json``; the first run of that
+recipe spends about an hour on the draft warm start unless ``python benchmarks/draft_warmstart.py`` filled its cache).
 """
 
 from __future__ import annotations

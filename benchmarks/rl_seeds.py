@@ -241,7 +241,8 @@ def main(argv=None) -> None:
                          f"main job only)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME:key=value,...",
                     help="an extra setting (RL overrides), run like the built-in ones")
-    ap.add_argument("--notes", default=None, help="markdown appended to the report (default: <out>/<name>_notes.md)")
+    ap.add_argument("--notes", default=None, help="markdown appended to the report (default: <out>/<name>_notes.md, "
+                    "e.g. docs/benchmarks/rl_heldout_notes.md)")
     ap.add_argument("--reuse", action="store_true", help="load runs whose saved config matches instead of rerunning")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
