@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rl.experience import Rollout, build_rl_batch
+from lightning_codraft.training.module import CoDraftModule
 
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
-from lightning_codraft.rl.experience import Rollout, build_rl_batch  # noqa: E402
-from lightning_codraft.training.module import CoDraftModule  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {
     "rl_only": dict(draft_loss_weight=0.0, score_draft=False),

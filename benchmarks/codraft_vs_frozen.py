@@ -10,14 +10,12 @@ draft) and writes ``<out>/codraft_vs_frozen.md`` with per-step curves (``codraft
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from lightning_codraft.config import load_config
+from lightning_codraft.rl.compare import compare_arms, write_report
 
-from lightning_codraft.config import load_config  # noqa: E402
-from lightning_codraft.rl.compare import compare_arms, write_report  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:

@@ -35,16 +35,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from lightning_codraft.attention import (  # noqa: E402
+from lightning_codraft.attention import (
     ZigzagLayout,
     codraft_attention,
     merge_attention,
     varlen_attention,
     zigzag_shard,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 METHODS = ("ours", "allgather", "dupkeys")
 

@@ -23,14 +23,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import draft_warmstart as ws
+from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.training.draft_calibration import calibrate_draft_temperature
 
-import draft_warmstart as ws  # noqa: E402
-from lightning_codraft.models import Eagle3Draft  # noqa: E402
-from lightning_codraft.rl.stats import paired_difference  # noqa: E402
-from lightning_codraft.training.draft_calibration import calibrate_draft_temperature  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -32,18 +32,16 @@ import time
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import draft_warmstart as ws
+from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.rl.draft_warmstart import install_vocab
+from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.attention.packing import shift_left_local
+from lightning_codraft.training.draft_fit import draft_batch_loss, fit_draft
+from lightning_codraft.training.draft_loss import ttt_draft_loss
+from lightning_codraft.training.feature_cache import compact_vocab, pack_batches
 
-import draft_warmstart as ws  # noqa: E402
-from lightning_codraft.models import Eagle3Draft  # noqa: E402
-from lightning_codraft.rl.draft_warmstart import install_vocab  # noqa: E402
-from lightning_codraft.rl.stats import paired_difference  # noqa: E402
-from lightning_codraft.attention.packing import shift_left_local  # noqa: E402
-from lightning_codraft.training.draft_fit import draft_batch_loss, fit_draft  # noqa: E402
-from lightning_codraft.training.draft_loss import ttt_draft_loss  # noqa: E402
-from lightning_codraft.training.feature_cache import compact_vocab, pack_batches  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_ARMS = ("ttt_steps=4", "ttt_steps=3", "ttt_steps=2")
 

@@ -31,15 +31,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rl.build import encode_prompt
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft
+from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
+from lightning_codraft.training.draft_fit import DraftFitConfig
+from lightning_codraft.training.feature_cache import FeatureCache
 
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
-from lightning_codraft.rl.build import encode_prompt  # noqa: E402
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft  # noqa: E402
-from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
-from lightning_codraft.training.draft_fit import DraftFitConfig  # noqa: E402
-from lightning_codraft.training.feature_cache import FeatureCache  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 GOAL = 2.0  # issue #14: acceptance length at K=4, T=0.8 on held-out prompts after <= 60 minutes

@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from lightning_codraft.config import load_config
+from lightning_codraft.rl.compare import CompareResult, compare_arms, run_side_by_side
+from lightning_codraft.rl.logs import plot_curves
 
-from lightning_codraft.config import load_config  # noqa: E402
-from lightning_codraft.rl.compare import CompareResult, compare_arms, run_side_by_side  # noqa: E402
-from lightning_codraft.rl.logs import plot_curves  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _mean(xs) -> float:

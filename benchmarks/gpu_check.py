@@ -20,21 +20,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lightning_codraft.attention import BACKENDS, varlen_attention
+from lightning_codraft.attention.local_cuda import available_cuda_backend, input_problem
+from lightning_codraft.batch import RLBatch
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.rollout import SpeculativeEngine
+from lightning_codraft.training.module import CoDraftModule
 
-from lightning_codraft.attention import BACKENDS, varlen_attention  # noqa: E402
-from lightning_codraft.attention.local_cuda import available_cuda_backend, input_problem  # noqa: E402
-from lightning_codraft.batch import RLBatch  # noqa: E402
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
-from lightning_codraft.rollout import SpeculativeEngine  # noqa: E402
-from lightning_codraft.training.module import CoDraftModule  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def dense_reference(q, k, v, cu_q, cu_k):

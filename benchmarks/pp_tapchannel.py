@@ -34,19 +34,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from lightning_codraft.attention.packing import pack_documents, shift_left_local
+from lightning_codraft.batch import RLBatch
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.parallel.pipeline import PolicyStage, check_num_microbatches
+from lightning_codraft.parallel.pp_runner import PipelineRunner
+from lightning_codraft.parallel.tap_channel import TapChannel
+from lightning_codraft.training.draft_loss import ttt_draft_loss
+from lightning_codraft.training.rl_loss import policy_gradient_loss
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
-
-from lightning_codraft.attention.packing import pack_documents, shift_left_local  # noqa: E402
-from lightning_codraft.batch import RLBatch  # noqa: E402
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig  # noqa: E402
-from lightning_codraft.parallel.pipeline import PolicyStage, check_num_microbatches  # noqa: E402
-from lightning_codraft.parallel.pp_runner import PipelineRunner  # noqa: E402
-from lightning_codraft.parallel.tap_channel import TapChannel  # noqa: E402
-from lightning_codraft.training.draft_loss import ttt_draft_loss  # noqa: E402
-from lightning_codraft.training.rl_loss import policy_gradient_loss  # noqa: E402
 
 VARIANTS = ("no_draft", "draft_local", "tapchannel", "inband")
 

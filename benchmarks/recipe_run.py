@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lightning_codraft.config import load_config
+from lightning_codraft.rl.loop import fit
 
-from lightning_codraft.config import load_config  # noqa: E402
-from lightning_codraft.rl.loop import fit  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TABLE = (("step", "{:.0f}"), ("reward", "{:.3f}"), ("acceptance_length", "{:.2f}"), ("mean_k", "{:.2f}"),
          ("draft_loss", "{:.3f}"), ("draft_acc0", "{:.3f}"), ("kl", "{:.4f}"), ("completion_tokens", "{:.0f}"),

@@ -34,19 +34,17 @@ import json
 import math
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from lightning_codraft.config import CoDraftConfig, load_config, to_yaml
+from lightning_codraft.rl.compare import isolated
+from lightning_codraft.rl.logs import plot_curves
+from lightning_codraft.rl.loop import CoDraftRun
+from lightning_codraft.rl.stats import paired_difference
 
-from lightning_codraft.config import CoDraftConfig, load_config, to_yaml  # noqa: E402
-from lightning_codraft.rl.compare import isolated  # noqa: E402
-from lightning_codraft.rl.logs import plot_curves  # noqa: E402
-from lightning_codraft.rl.loop import CoDraftRun  # noqa: E402
-from lightning_codraft.rl.stats import paired_difference  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SETTINGS = {
     "recipe": [],

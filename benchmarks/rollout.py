@@ -45,17 +45,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lightning_codraft.config import load_config
+from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.rl.build import build_policy, encode_prompt
+from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts
+from lightning_codraft.rl.gsm8k import GSM8KTask
+from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.warmup import DRAFT_POOL_SEED
+from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 
-from lightning_codraft.config import load_config  # noqa: E402
-from lightning_codraft.models import Eagle3Draft  # noqa: E402
-from lightning_codraft.rl.build import build_policy, encode_prompt  # noqa: E402
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts  # noqa: E402
-from lightning_codraft.rl.gsm8k import GSM8KTask  # noqa: E402
-from lightning_codraft.rl.stats import paired_difference  # noqa: E402
-from lightning_codraft.rl.warmup import DRAFT_POOL_SEED  # noqa: E402
-from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
