@@ -8,7 +8,7 @@ Same policy, same packed GRPO batch, same optimizer; three variants measured sid
 - ``cotrain``: ``L_rl + lambda L_draft`` in one backward, the draft's K=3 TTT steps trained (this library).
 
 The ratio cotrain / rl_only is the price of keeping the draft aligned with the policy, paid in the training
-step; what it buys is paid back in rollout speed (benchmarks/rollout.py, benchmarks/codraft_vs_frozen.py).
+step; what it buys is paid back in rollout speed (benchmarks/rollout.py, `codraft bench`).
 
 On a tiny policy the draft (one layer, K=3 unrolled steps, lm_head over V/4) is large relative to the
 policy (8 layers), so these ratios overstate the cost for real models, whose policy has tens of layers.
