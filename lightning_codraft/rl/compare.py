@@ -184,8 +184,8 @@ def write_report(res: CompareResult, out_dir: str | Path, name: str = "codraft_v
     if len(counts) == 1 and counts.pop() >= 4:
         lines += ["Paired per-step differences (mean, 95% confidence interval, steps where the first arm is "
                   "higher):", "", *paired_lines(res), ""]
-    lines += ["Reproduce: `python benchmarks/codraft_vs_frozen.py` (or `codraft bench --config "
-              "recipes/tiny-cpu.yaml --out docs/benchmarks`).", "", "Per step (reward / acceptance length):", ""]
+    lines += ["Reproduce: `codraft bench --config recipes/tiny-cpu.yaml --out docs/benchmarks`.", "",
+              "Per step (reward / acceptance length):", ""]
     arms = list(res.results)
     lines.append("| step | " + " | ".join(res.label(a) for a in arms) + " |")
     lines.append("|---|" + "---|" * len(arms))
