@@ -36,7 +36,8 @@ from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
-from lightning_codraft.rollout.weight_sync import WeightSync
+from lightning_codraft.rollout.weight_sync import (WeightSync, copy_stream_into, refill_parameters,
+                                                  release_parameters)
 
 
 def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:
@@ -50,20 +51,6 @@ def share(num_requests: int, parts: int, index: int) -> range:
     base, extra = divmod(num_requests, parts)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
-
-
-def release_parameters(module: nn.Module) -> None:
-    """Free the storage of every parameter of ``module`` (shapes are kept on the side for :func:`_refill`)."""
-    for p in module.parameters():
-        p._codraft_shape = tuple(p.shape)  # noqa: SLF001 - a plain attribute on our own copy
-        p.data = p.data.new_empty(0)
-
-
-def _refill(module: nn.Module) -> None:
-    for p in module.parameters():
-        shape = getattr(p, "_codraft_shape", None)
-        if shape is not None and tuple(p.shape) != shape:
-            p.data = p.data.new_empty(shape)
 
 
 class _Split:
@@ -163,9 +150,8 @@ class RolloutWorker:
         """The training phase begins: free the engine's copies (or put vLLM to sleep where it can)."""
         if not self.holds_copies or not self._awake:
             return
-        if isinstance(self.engine, VLLMEngine):
-            if self.engine.supports_sleep:
-                self.engine.sleep(level=1)
+        if self.engine.supports_sleep:
+            self.engine.sleep(level=1)
         for m in self._copies:  # never the training modules themselves (vLLM over whole modules)
             release_parameters(m)
         self._awake = False
@@ -177,8 +163,8 @@ class RolloutWorker:
             return 0.0
         start = time.perf_counter()
         for m in self._copies:
-            _refill(m)
-        if isinstance(self.engine, VLLMEngine) and self.engine.supports_sleep:
+            refill_parameters(m)
+        if self.engine.supports_sleep:
             self.engine.wake_up()
         self._phases += 1
         self.sync(self._phases)  # always due: one refill per rollout phase
@@ -191,29 +177,16 @@ class RolloutWorker:
         return split.part("policy."), split.part("draft.")
 
     def update_weights(self, policy_items: Iterable, draft_items: Optional[Iterable]) -> None:
-        """The :class:`WeightSync` target: copy the streamed tensors into the copies (vLLM: push them, verified)."""
-        if isinstance(self.engine, VLLMEngine):
-            policy_state = {n: t.clone() for n, t in policy_items}
-            draft_state = {n: t.clone() for n, t in draft_items or ()}
-            if self._copies:  # keep the copies the final speed-up decodes with current (not the training modules)
-                for target, state in ((self.policy, policy_state), (self.draft, draft_state)):
-                    if target is not None and state:
-                        target.load_state_dict(state, strict=False)
-            self.engine.update_weights(policy_state, draft_state or None)
-            return
-        for target, items in ((self.policy, policy_items), (self.draft, draft_items)):
-            if items is None:
-                continue
-            params = dict(target.state_dict(keep_vars=True))
-            seen = set()
-            for name, tensor in items:
-                with torch.no_grad():
-                    params[name].data.copy_(tensor)
-                seen.add(name)
-            missing = set(params) - seen
-            if missing:
-                raise RuntimeError(f"the weight stream lacked {len(missing)} tensors of the engine's copy, e.g. "
-                                   f"{sorted(missing)[:3]}")
+        """The :class:`WeightSync` target: the engine loads the streamed tensors (the embedded engine into the copies
+        it decodes, in place). An engine that keeps its own weights (vLLM) leaves the copies behind, so they are
+        loaded too: the final speed-up measurement decodes with them."""
+        if self.engine.keeps_own_weights and self._copies:
+            policy_items = [(n, t.clone()) for n, t in policy_items]
+            draft_items = None if draft_items is None else [(n, t.clone()) for n, t in draft_items]
+            for target, items in ((self.policy, policy_items), (self.draft, draft_items)):
+                if target is not None and items:
+                    copy_stream_into(target, items)
+        self.engine.load_weights(policy_items, draft_items)
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[list[int]], seeds: Sequence[int], temperature: Optional[float] = None,

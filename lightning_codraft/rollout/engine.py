@@ -160,6 +160,27 @@ class RolloutEngine(Protocol):
         """Load full HF-named policy / vLLM-named draft state dicts (None leaves that model unchanged)."""
         ...
 
+    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
+                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """Load weights streamed as ``(name, tensor)`` pairs, one tensor at a time (None leaves that model
+        unchanged); an engine that decodes its modules in place copies each tensor into them as it comes."""
+        ...
+
+    keeps_own_weights: bool
+    """True when the engine holds its weights apart from the modules it was built from (vLLM, in processes of its
+    own); False when it decodes those modules themselves (the embedded engine)."""
+
+    supports_sleep: bool
+    """Whether :meth:`sleep` / :meth:`wake_up` free and restore the engine's memory between rollout phases."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory until :meth:`wake_up` (only where ``supports_sleep``)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed (only where ``supports_sleep``)."""
+        ...
+
 
 class ForwardObserver(Protocol):
     """Sees the policy's forwards of a ``SpeculativeEngine.generate`` call (e.g. to keep the policy's features of

@@ -42,7 +42,7 @@ differently, and that flips a sample only when two noisy scores are that close.
 from __future__ import annotations
 
 from functools import partial
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -60,6 +60,8 @@ from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds,
 from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.weight_sync import copy_stream_into
+
 
 class SpeculativeEngine:
     """Batched speculative decoding with a policy and an (optional) EAGLE-3 draft.
@@ -240,6 +242,29 @@ class SpeculativeEngine:
         self._draft_to_target = None
         if self.draft is not None:
             self._check_draft()
+
+    keeps_own_weights = False
+    """The engine decodes the modules it was given: a weight update writes into them."""
+    supports_sleep = False
+    """The engine has no memory of its own to free; its modules' storage is the caller's (weight_sync)."""
+
+    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
+                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """Copy streamed ``(name, tensor)`` pairs into the engine's modules in place (None: keep that model)."""
+        for name, module, items in (("policy", self.policy, policy_items), ("draft", self.draft, draft_items)):
+            if items is None:
+                continue
+            if module is None:
+                raise ValueError(f"load_weights got a {name} stream but the engine has no {name}")
+            copy_stream_into(module, items)
+        self._draft_to_target = None
+
+    def sleep(self, level: int = 1) -> None:
+        raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False): release its modules' storage "
+                           "with rollout.weight_sync.release_parameters instead")
+
+    def wake_up(self) -> None:
+        raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False)")
 
     # ------------------------------------------------------------------ decoding
     def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,

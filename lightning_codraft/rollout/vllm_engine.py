@@ -44,7 +44,7 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -377,6 +377,16 @@ class VLLMEngine:
         push_weights(llm, self.weight_update_path, None if policy_state is None else tensors_to_bytes(policy_state),
                      None if draft_state is None else tensors_to_bytes(draft_state))
         llm.reset_prefix_cache()
+
+    keeps_own_weights = True
+    """vLLM holds its weights in its own processes, apart from the modules it was exported from."""
+
+    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
+                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """:meth:`update_weights` from ``(name, tensor)`` streams (collected into state dicts first)."""
+        def collect(items):
+            return None if items is None else {name: t.clone() for name, t in items} or None
+        self.update_weights(collect(policy_items), collect(draft_items))
 
     def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
                        draft_state: Mapping[str, torch.Tensor] | None) -> None:

@@ -12,7 +12,7 @@ pipeline parallelism), else :func:`full_state_dict` of each.
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -47,6 +47,40 @@ def full_state_dict(module: Optional[torch.nn.Module]) -> Optional[dict[str, tor
             value = value.full_tensor()
         out[name] = value.detach()
     return out
+
+
+def release_parameters(module: torch.nn.Module) -> None:
+    """Free the storage of every parameter of ``module`` between rollout phases; :func:`refill_parameters` gives it
+    back (empty, to be filled by a weight stream). The shapes are kept on the parameters."""
+    for p in module.parameters():
+        p._codraft_shape = tuple(p.shape)  # noqa: SLF001 - a plain attribute on the engine's own copy
+        p.data = p.data.new_empty(0)
+
+
+def refill_parameters(module: torch.nn.Module) -> None:
+    """Storage of the released shapes for every parameter of ``module`` (values to be loaded by the next sync)."""
+    for p in module.parameters():
+        shape = getattr(p, "_codraft_shape", None)
+        if shape is not None and tuple(p.shape) != shape:
+            p.data = p.data.new_empty(shape)
+
+
+def copy_stream_into(module: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy a ``(name, tensor)`` stream into ``module``'s parameters and buffers in place, one tensor at a time.
+
+    Raises:
+        RuntimeError: the stream did not cover every tensor of ``module``.
+    """
+    params = dict(module.state_dict(keep_vars=True))
+    seen = set()
+    for name, tensor in items:
+        with torch.no_grad():
+            params[name].data.copy_(tensor)
+        seen.add(name)
+    missing = set(params) - seen
+    if missing:
+        raise RuntimeError(f"the weight stream lacked {len(missing)} tensors of the engine's copy, e.g. "
+                           f"{sorted(missing)[:3]}")
 
 
 def module_states(module: torch.nn.Module) -> tuple[State, State]:

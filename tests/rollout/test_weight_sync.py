@@ -140,3 +140,22 @@ def test_after_a_resume_the_engine_holds_the_restored_weights_before_the_first_s
     assert resumed.first_step_in_sync  # no optimizer step was due (every 100), yet the engine was refilled
     pushed, _ = engine.pushes[0]
     assert all(torch.equal(pushed[k], v) for k, v in restored.items())
+
+
+def test_the_embedded_engine_loads_a_weight_stream_in_place():
+    from lightning_codraft.rollout import RolloutEngine
+    from lightning_codraft.rollout.weight_sync import refill_parameters, release_parameters
+
+    target = make_policy(seed=3)
+    engine = SpeculativeEngine(make_policy(seed=0), None, 0)
+    assert isinstance(engine, RolloutEngine) and not engine.keeps_own_weights and not engine.supports_sleep
+    release_parameters(engine.policy)  # the worker's copies between rollout phases
+    assert all(p.numel() == 0 for p in engine.policy.parameters())
+    refill_parameters(engine.policy)
+    engine.load_weights(iter(target.state_dict().items()), None)
+    for k, v in target.state_dict().items():
+        assert torch.equal(engine.policy.state_dict()[k], v)
+    with pytest.raises(RuntimeError, match="lacked 1 tensors"):
+        engine.load_weights(iter(list(target.state_dict().items())[1:]), None)
+    with pytest.raises(RuntimeError, match="cannot sleep"):
+        engine.sleep()
