@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +40,41 @@ def clock(device: torch.device) -> float:
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time()
     return time.perf_counter()
+
+
+class RoundClock:
+    """The time blocks of one decode round, for the cost model: ``with clock.block("policy"): ...``.
+
+    Blocks of the same name add up (the verify's noise and its forward are both the policy's); :meth:`rest` is the
+    round's time outside every block (bookkeeping), :meth:`restart` moves the round's start (e.g. after a
+    calibration that is not the round's cost). Readings are :func:`clock`'s.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.spent: dict[str, float] = {}
+        self.last = 0.0
+        """Seconds of the last block that ended."""
+        self.start = clock(device)
+
+    def restart(self) -> None:
+        self.start = clock(self.device)
+
+    @contextmanager
+    def block(self, name: str):
+        t0 = clock(self.device)
+        try:
+            yield self
+        finally:
+            self.last = clock(self.device) - t0
+            self.spent[name] = self.spent.get(name, 0.0) + self.last
+
+    def __getitem__(self, name: str) -> float:
+        return self.spent.get(name, 0.0)
+
+    def rest(self) -> float:
+        """Seconds since the start not spent in any block."""
+        return clock(self.device) - self.start - sum(self.spent.values())
 
 
 class _LinearFit:

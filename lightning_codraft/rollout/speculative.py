@@ -41,7 +41,6 @@ differently, and that flips a sample only when two noisy scores are that close.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -51,13 +50,13 @@ from torch.distributed.tensor import DTensor
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
-from lightning_codraft.rollout.batch import LiveRows, Taps, decode_dtype
-from lightning_codraft.rollout.cost_model import clock
-from lightning_codraft.rollout.drafting import catch_up, propose, resume
+from lightning_codraft.rollout.batch import LiveRows, decode_dtype
+from lightning_codraft.rollout.drafting import catch_up
 from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
                                               validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.prefill import prefill
+from lightning_codraft.rollout.round import Chunk, pick, run_round
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
 from lightning_codraft.rollout.weight_sync import copy_stream_into
@@ -270,155 +269,69 @@ class SpeculativeEngine:
     def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,
                         pdec: PolicyDecoder, ddec: DraftDecoder | None, observer: ForwardObserver | None = None,
                         requests: list[int] | None = None) -> list[RolloutOutput]:
-        """Decode one chunk (prompts sorted by length); ``requests[i]``: row i's index in the call (the
-        observer's)."""
+        """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/round.py) until every row is
+        done; ``requests[i]``: row i's index in the call (the observer's)."""
         device, K, batch, params = self._device(), self.num_speculative_tokens, len(prompts), sampler.params
-        use_draft = self.draft is not None and K > 0
-        taps_ids = tuple(int(t) for t in self.draft.config.taps) if use_draft else None
-        fwd_taps, seen = taps_ids, ()  # the taps each policy forward captures: the draft's and the observer's
-        if observer is not None:
-            seen = tuple(int(t) for t in observer.taps)
-            fwd_taps = tuple(dict.fromkeys((taps_ids or ()) + seen))
-            requests = list(range(len(prompts))) if requests is None else requests
-        host_lens = [len(p) for p in prompts]
-        lens = torch.tensor(host_lens, device=device)
-        budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
-        max_len = max(host_lens)
+        draft_taps = tuple(int(t) for t in self.draft.config.taps) if self.draft is not None and K > 0 else None
+        seen = tuple(int(t) for t in observer.taps) if observer is not None else ()
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
         # round writes K+1 slots past the committed length before rolling back: 2(K+1) spare slots. The caches
         # start at the prompts' size and grow in blocks as rows lengthen (KVCache.reserve), so that on CPU the
         # attention reads each whole cache instead of copying a slice of it (attention.cached.attended_slots)
-        spare = 2 * (K + 1)
-        pcache = pdec.allocate_cache(batch, max_len + spare)
-        stops = set(params.stop_token_ids)
-        key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
-        b = LiveRows(active=list(range(batch)), emitted=[1] * batch, budget=budget, pcache=pcache,
-                   dcache=ddec.allocate_cache(batch, max_len + spare) if use_draft else None, pending=lens,
-                   length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
-                   estimates=None if self.controller is None else self.controller.new_batch(batch, key),
-                   noise=noise, out_pos=torch.zeros_like(lens))
-
-        # ---- prefill (right-padded per group of similar lengths; padding slots lie beyond each row's length)
-        ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-        last_logits, taps = prefill(pdec, pcache, ids, host_lens, fwd_taps)  # rows come sorted by length
-        if observer is not None:
-            observer.prefill(list(requests), host_lens, _pick(taps, fwd_taps, seen), last_logits)
-            taps = _pick(taps, fwd_taps, taps_ids)
-        pcache.lengths = lens
-        lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
-        rows = torch.arange(batch, device=device)
-        b.pending = sampler.first(lp, b.noise, b.out_pos)
-        b.out_pos = b.out_pos + 1
-        pending_lp = lp[rows, b.pending]
-        if use_draft:
-            next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
-            next_ids[rows, lens - 1] = b.pending
-            if self.controller is None:
-                catch_up(pdec, ddec, b, taps, next_ids, lens - 1, lens)
-            else:  # deferred to the first drafting round (resume): a batch that never drafts skips it
-                b.prompt = (taps, next_ids, lens)
-        del taps
-
-        tokens: list[list[int]] = [[t] for t in b.pending.tolist()]
-        logprobs: list[list[float]] = [[x] for x in pending_lp.tolist()]
-        stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(batch)]
-        finish = ["stop" if t[0] in stops else "length" for t in tokens]
-        done = [finish[i] == "stop" or budget[i] <= 1 for i in range(batch)]
-
+        fwd_taps = draft_taps if observer is None else tuple(dict.fromkeys((draft_taps or ()) + seen))
+        chunk = Chunk(pdec=pdec, ddec=ddec if draft_taps else None, sampler=sampler, controller=self.controller,
+                      max_k=K, spare=2 * (K + 1), fwd_taps=fwd_taps, draft_taps=draft_taps, observer_taps=seen,
+                      observer=observer, requests=list(range(batch)) if requests is None else requests,
+                      stops=frozenset(params.stop_token_ids))
+        b, first_lp = self._start(prompts, chunk, noise)
+        chunk.tokens = [[t] for t in b.pending.tolist()]
+        chunk.logprobs = [[x] for x in first_lp.tolist()]
+        chunk.stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K)
+                       for _ in range(batch)]
+        chunk.finish = ["stop" if t[0] in chunk.stops else "length" for t in chunk.tokens]
+        done = [chunk.finish[i] == "stop" or b.budget[i] <= 1 for i in range(batch)]
         while not all(done):
             if any(done):  # drop finished rows from the caches and the batch (moving only a few rows)
                 b.keep(hole_filling_order([not d for d in done]))
                 done = [False] * len(b.active)
-            rows = torch.arange(len(b.active), device=device)
-            k, t_start = K, clock(device)
-            b.reserve(int(b.length.max()) + spare)
-            if self.controller is not None:
-                if self.controller.needs_calibration(len(b.active)):
-                    self.controller.calibrate(pdec, ddec, b.pcache, b.dcache, b.pending, taps_ids, sampler)
-                    t_start = clock(device)
-                span = b.catch_up_span(self.controller.config.resume_window)
-                remaining = [n - e for n, e in zip(b.budget, b.emitted)]
-                k = self.controller.choose(b.estimates, remaining, catch_up_span=span)
-            t_draft = t_policy = t_catch = 0.0
-            if k and (b.backlog or b.prompt is not None):
-                t0 = clock(device)
-                resume(pdec, ddec, b, self.controller.config.resume_window)
-                t_catch = clock(device) - t0
-                self.controller.costs.add("catch_up", len(b.active), span, t_catch)
-            t_noise = clock(device)
-            rn = sampler.start_round(b.noise, b.out_pos, k)  # rejection's noise now (timed with the verify)
-            t0 = clock(device)
-            t_noise = t0 - t_noise
-            drafted, confidences = k, None
-            if k:
-                # adaptive: after each proposal the controller weighs verifying against drafting on. Rejection
-                # sampling corrects proposals drawn from q; a length chosen after seeing them would not be (a sure
-                # proposal kept, an unsure one dropped), so there every round verifies the k chosen before drafting
-                stop, ctl = None, self.controller
-                if ctl is not None and ctl.config.use_confidence and not sampler.uses_draft_probs:
-                    stop = partial(ctl.verify_length, b.estimates, remaining, max_k=k)
-                draft_ids, q, confidences = propose(pdec, ddec, b, k, sampler, rn, stop)
-                k, drafted = draft_ids.shape[1], len(confidences) if stop is not None else k
-            else:
-                draft_ids, q = b.pending.new_zeros(len(b.active), 0), None
-            verify_ids = torch.cat([b.pending[:, None], draft_ids], dim=1)
-            t1 = clock(device)
-            logits, taps = pdec.forward(verify_ids, b.pcache, fwd_taps)
-            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # (B, k+1, V)
-            accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
-            new_ids = torch.cat([draft_ids, torch.zeros_like(b.pending[:, None])], dim=1)
-            new_ids[rows, accepted] = bonus
-            new_lp = lp.gather(2, new_ids[..., None]).squeeze(2)
-            new_length = b.length + 1 + accepted
-            b.pcache.lengths = new_length
-            host_accepted = accepted.tolist()
-            t2 = clock(device)
-            t_draft, t_policy = t1 - t0, t2 - t1 + t_noise
-            observed = (b.active, b.length, _pick(taps, fwd_taps, seen)) if observer is not None else None
-            taps = _pick(taps, fwd_taps, taps_ids)
-            if use_draft and k:
-                span = max(host_accepted) + 1
-                catch_up(pdec, ddec, b, tuple(t[:, :span] for t in taps), new_ids[:, :span], accepted, new_length)
-                dt = clock(device) - t2
-                t_catch += dt
-                if self.controller is not None:
-                    self.controller.costs.add("catch_up", len(b.active), span, dt)
-            elif use_draft:
-                b.backlog.append((taps, bonus[:, None]))
-                if len(b.backlog) > self.controller.config.resume_window:  # only the last window is ever used
-                    b.backlog.pop(0)
-                    b.doff = b.doff + 1
-            del taps
-            for i, (a, ids_i, lp_i) in enumerate(zip(host_accepted, new_ids.tolist(), new_lp.tolist())):
-                # keep the a+1 new tokens up to the first stop token and the row's budget
-                r = b.active[i]
-                n = min(a + 1, b.budget[i] - b.emitted[i])
-                stop_at = next((j for j in range(n) if ids_i[j] in stops), None)
-                if stop_at is not None:
-                    n = stop_at + 1
-                    finish[r] = "stop"
-                tokens[r].extend(ids_i[:n])
-                logprobs[r].extend(lp_i[:n])
-                b.emitted[i] += n
-                done[i] = stop_at is not None or b.emitted[i] >= b.budget[i]
-                stats[r].record_round(k, a)
-            b.length, b.pending, b.out_pos = new_length, bonus, b.out_pos + 1 + accepted
-            if self.controller is not None:
-                self.controller.observe(b.estimates, k, host_accepted, confidences)
-                self.controller.record_round(len(b.active), k, t_policy, t_draft,
-                                             clock(device) - t_start - t_draft - t_policy - t_catch, drafted)
-            if observed is not None:  # after the round's clocks: the observer's time is not the engine's
-                active, fed_from, seen_taps = observed
-                observer.decode([requests[r] for r in active], fed_from.tolist(), [a + 1 for a in host_accepted],
-                                seen_taps, logits)
-        return [RolloutOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i], stats=stats[i])
-                for i in range(batch)]
+            run_round(b, chunk, done)
+        return [RolloutOutput(token_ids=chunk.tokens[i], logprobs=chunk.logprobs[i], finish_reason=chunk.finish[i],
+                              stats=chunk.stats[i]) for i in range(batch)]
 
-
-def _pick(captured: Taps | None, ids: Sequence[int] | None, want: Sequence[int] | None) -> Taps | None:
-    """The taps of ids ``want`` out of ``captured``, the taps of ``ids`` (None when either is None)."""
-    if captured is None or want is None:
-        return None
-    return tuple(captured[list(ids).index(t)] for t in want)
+    def _start(self, prompts: list[list[int]], chunk: Chunk, noise: CounterNoise) -> tuple[LiveRows, torch.Tensor]:
+        """The chunk's live rows after the prefill: every row's first token sampled (pending) and the draft caught
+        up on the prompts (deferred to the first drafting round for an adaptive engine); its log-probabilities."""
+        device, batch, params = self._device(), len(prompts), chunk.sampler.params
+        host_lens = [len(p) for p in prompts]
+        lens = torch.tensor(host_lens, device=device)
+        budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
+        capacity = max(host_lens) + chunk.spare
+        key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
+        b = LiveRows(active=list(range(batch)), emitted=[1] * batch, budget=budget,
+                     pcache=chunk.pdec.allocate_cache(batch, capacity),
+                     dcache=chunk.ddec.allocate_cache(batch, capacity) if chunk.drafts else None, pending=lens,
+                     length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
+                     estimates=None if self.controller is None else self.controller.new_batch(batch, key),
+                     noise=noise, out_pos=torch.zeros_like(lens))
+        # prefill, right-padded per group of similar lengths (padding slots lie beyond each row's length)
+        ids = torch.zeros(batch, max(host_lens), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        last_logits, taps = prefill(chunk.pdec, b.pcache, ids, host_lens, chunk.fwd_taps)  # rows sorted by length
+        if chunk.observer is not None:
+            chunk.observer.prefill(list(chunk.requests), host_lens, pick(taps, chunk.fwd_taps, chunk.observer_taps),
+                                   last_logits)
+            taps = pick(taps, chunk.fwd_taps, chunk.draft_taps)
+        b.pcache.lengths = lens
+        lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)
+        rows = torch.arange(batch, device=device)
+        b.pending = chunk.sampler.first(lp, b.noise, b.out_pos)
+        b.out_pos = b.out_pos + 1
+        if chunk.drafts:
+            next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+            next_ids[rows, lens - 1] = b.pending
+            if self.controller is None:
+                catch_up(chunk.pdec, chunk.ddec, b, taps, next_ids, lens - 1, lens)
+            else:  # deferred to the first drafting round (resume): a batch that never drafts skips it
+                b.prompt = (taps, next_ids, lens)
+        return b, lp[rows, b.pending]
