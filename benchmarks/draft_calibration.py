@@ -4,7 +4,7 @@ Takes the draft a run of ``benchmarks/draft_warmstart.py`` left in its cache (an
 undoes the calibration the warm start folded in (if any), and measures, with the embedded engine at K and T as
 the warm-start benchmark (coupled sampling: every arm decodes the very same tokens, only the proposals differ),
 the acceptance length of the fitted draft as it is (scale 1), calibrated by
-:func:`~lightning_codraft.training.draft_calibration.calibrate_draft_temperature` (scale chosen on the feature
+:func:`~lightning_codraft.distill.calibration.calibrate_draft_temperature` (scale chosen on the feature
 cache's held-out documents), and at each ``--engine-scales``. Arms are compared per prompt (paired, 95% CI).
 
 Prints and writes ``draft_calibration.md`` / ``.png`` / ``.json``.
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 import draft_warmstart as ws
+from lightning_codraft.distill.calibration import calibrate_draft_temperature
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rl.stats import paired_difference
-from lightning_codraft.training.draft_calibration import calibrate_draft_temperature
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@ HELD-OUT prompts.
 
 Takes the feature cache a run of ``benchmarks/draft_warmstart.py`` left (and that run's draft, for its vocabulary
 map and taps), re-initialises the draft exactly as the warm start does, and fits it once per arm (the warm start's
-:class:`~lightning_codraft.training.draft_fit.DraftFitConfig` with the arm's changes) for ``--budget-min`` minutes
+:class:`~lightning_codraft.distill.fit.DraftFitConfig` with the arm's changes) for ``--budget-min`` minutes
 of fit each. Every arm is then measured the same way: step accuracies at K on the cache's held-out documents (the
 acceptance length they imply) and the embedded engine's acceptance length at K, T on the warm-start benchmark's
 held-out prompts (coupled sampling: every arm decodes the very same tokens, only the proposals differ), each arm
@@ -33,13 +33,13 @@ import numpy as np
 import torch
 
 import draft_warmstart as ws
-from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rl.draft_warmstart import install_vocab
-from lightning_codraft.rl.stats import paired_difference
 from lightning_codraft.attention.packing import shift_left_local
-from lightning_codraft.training.draft_fit import draft_batch_loss, fit_draft
+from lightning_codraft.distill.cache import compact_vocab, pack_batches
+from lightning_codraft.distill.fit import draft_batch_loss, fit_draft
+from lightning_codraft.distill.warmstart import install_vocab
+from lightning_codraft.models import Eagle3Draft
+from lightning_codraft.rl.stats import paired_difference
 from lightning_codraft.training.draft_loss import ttt_draft_loss
-from lightning_codraft.training.feature_cache import compact_vocab, pack_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 

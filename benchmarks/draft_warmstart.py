@@ -1,7 +1,7 @@
 """Draft warm start on a real model: acceptance length against warm-start time, on HELD-OUT prompts.
 
 SmolLM2-135M-Instruct on GSM8K (the training split in ``../shared/data/gsm8k/train.jsonl``; its last
-``--heldout`` problems are never trained on). :func:`lightning_codraft.rl.draft_warmstart.warm_start_draft` samples
+``--heldout`` problems are never trained on). :func:`lightning_codraft.distill.warmstart.warm_start_draft` samples
 the policy's own responses at T=0.8 through the chat template, caches the policy's features, builds the draft
 vocabulary from the corpus and fits the EAGLE-3 draft with the TTT loss. At each held-out report of the fit the
 draft is measured by the embedded engine, ``SpeculativeEngine(policy, draft, K).generate(held-out prompts,
@@ -31,12 +31,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from lightning_codraft.distill.cache import FeatureCache
+from lightning_codraft.distill.fit import DraftFitConfig
+from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.rl.build import encode_prompt
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
-from lightning_codraft.training.draft_fit import DraftFitConfig
-from lightning_codraft.training.feature_cache import FeatureCache
 
 ROOT = Path(__file__).resolve().parent.parent
 

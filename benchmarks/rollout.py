@@ -7,7 +7,7 @@ Models (built with the library, the way the recipes build them):
   are reused by later runs through ``run.init_from``). Prompts: arithmetic problems drawn with a benchmark seed,
   minus every prompt of the draft warm-up's pool (``task.sample(n, run.seed + DRAFT_POOL_SEED)``, regenerated here).
 - ``smollm2``: SmolLM2-135M-Instruct (``rl.build.build_policy`` with the smollm2-135m-cpu recipe's model section,
-  chat template through ``encode_prompt``) and the draft saved by ``rl.draft_warmstart`` at ``--smollm2-draft``
+  chat template through ``encode_prompt``) and the draft saved by ``distill.warmstart`` at ``--smollm2-draft``
   (``Eagle3Draft.from_pretrained``). Prompts: the held-out GSM8K problems of ``split_prompts`` (the last
   ``--heldout`` problems of the GSM8K file, never trained on).
 
@@ -46,9 +46,10 @@ from pathlib import Path
 import torch
 
 from lightning_codraft.config import load_config
+from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rl.build import build_policy, encode_prompt
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts
+from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.rl.build import build_policy
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.stats import paired_difference
 from lightning_codraft.rl.warmup import DRAFT_POOL_SEED
@@ -158,7 +159,7 @@ def smollm2_model(args) -> Model:
     rep = json.loads(report_file.read_text()) if report_file.is_file() else {}
     notes = ["policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
              "fp32), chat template via `encode_prompt`",
-             f"draft: `{draft_dir.name}` (`rl.draft_warmstart` self-distillation warm start of "
+             f"draft: `{draft_dir.name}` (`distill.warmstart` self-distillation warm start of "
              f"{rep.get('total_s', float('nan')) / 60:.0f} minutes: {rep.get('prompts', '?')} of the policy's own "
              f"T=0.8 responses to GSM8K training prompts, {rep.get('generated_tokens', '?')} tokens, "
              f"{rep.get('fit', {}).get('steps', '?')} fit steps, {rep.get('fit', {}).get('tokens_seen', '?')} "
@@ -513,7 +514,7 @@ def main() -> int:
     ap.add_argument("--long-tail-temperature", type=float, default=0.0, help="SmolLM2's long-tail temperature")
     ap.add_argument("--long-tail-repeats", type=int, default=None, help="default: --repeats")
     ap.add_argument("--smollm2-draft", default=None,
-                    help="a draft saved by rl.draft_warmstart (draft-<key>/ with config.json, model.safetensors); "
+                    help="a draft saved by distill.warmstart (draft-<key>/ with config.json, model.safetensors); "
                          "default: the newest one in the warm-start cache (benchmarks/draft_warmstart.py fills it)")
     ap.add_argument("--heldout", type=int, default=500, help="held-out GSM8K problems (WarmStartSettings default)")
     ap.add_argument("--gsm8k", default=str(GSM8K))

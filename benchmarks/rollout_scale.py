@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, port: int, args, out: str, init_from, queue) 
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        from lightning_codraft.rl.build import encode_prompt
+        from lightning_codraft.models.tokenizer import encode_prompt
         from lightning_codraft.rl.loop import CoDraftRun
         from lightning_codraft.rl.rollouts import rollout_seed
 

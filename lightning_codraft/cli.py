@@ -25,8 +25,8 @@ from typing import Sequence
 
 from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.plan import PlanSpec, format_bytes, parse_bytes, plan_dict, plan_memory, render_text
-from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rl.compare import compare_arms, write_report
 from lightning_codraft.rl.loop import fit, load_for_rollout
 from lightning_codraft.rl.rewards import RewardError

@@ -77,7 +77,7 @@ class DraftConfig:
     warmup_lr: float = 3e-3
     """Learning rate of the offline warm-start."""
     warm_start: Optional[dict] = None
-    """Self-distillation warm start instead of ``warmup_steps``: fields of ``rl.draft_warmstart.WarmStartSettings``
+    """Self-distillation warm start instead of ``warmup_steps``: fields of ``distill.warmstart.WarmStartSettings``
     (e.g. ``{num_prompts: 512}``): the draft is fitted on the policy's responses to the task's prompts, cached."""
     warm_start_cache: str = "~/.cache/lightning_codraft/draft_warmstart"
     """Directory of the warm start's caches (corpus, features, draft), keyed by the policy's weights and settings."""

@@ -23,11 +23,12 @@ ALLOWED = {
     "parallel": {"attention", "batch", "models"},
     "training": {"attention", "batch", "models", "parallel"},
     "rollout": {"attention", "models"},
+    "distill": {"attention", "models", "training", "rollout"},
     "fabric": {"batch", "parallel", "training", "rollout"},
     "pytorch": {"batch", "parallel", "training", "rollout"},
     "plan": {"config", "models", "parallel"},
-    "rl": {"config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric"},
-    "cli": {"config", "rl", "rollout", "plan"},
+    "rl": {"config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric", "distill"},
+    "cli": {"config", "models", "rl", "rollout", "plan"},
     "__init__": set(),
 }
 #: imported inside functions on purpose: optional or heavy, and only on the paths that need them
@@ -138,7 +139,7 @@ def test_rollout_and_models_do_not_pull_in_lightning():
 
 @pytest.mark.parametrize("package", ["lightning_codraft", "lightning_codraft.models", "lightning_codraft.parallel",
                                      "lightning_codraft.training", "lightning_codraft.rollout", "lightning_codraft.rl",
-                                     "lightning_codraft.attention"])
+                                     "lightning_codraft.attention", "lightning_codraft.distill"])
 def test_dir_lists_the_exports_and_type_checkers_see_them(package):
     pkg = importlib.import_module(package)
     names = set(pkg.__all__)

@@ -1,5 +1,6 @@
-"""The character tokenizer of the tiny built-in policy: its vocabulary is part of the model's shape (``vocab_size``),
-so it lives with the models (``models.presets.recipe_architecture`` builds the tiny policy over it)."""
+"""The character tokenizer of the tiny built-in policy (its vocabulary is part of the model's shape, so it lives with
+the models: ``models.presets.recipe_architecture`` builds the tiny policy over it), and :func:`encode_prompt`, how a
+prompt text becomes ids with any tokenizer (a chat template where the tokenizer has one)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,8 @@ class CharTokenizer:
             if i >= 3:
                 out.append(self.alphabet[i - 3])
         return "".join(out)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt ids: the tokenizer's ``encode_prompt`` (chat template) when it has one, else ``encode``."""
+    return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(text))

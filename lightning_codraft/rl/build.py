@@ -128,11 +128,6 @@ def build_policy(cfg, seed: int = 0):
     return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Prompt ids: the tokenizer's ``encode_prompt`` (chat template) when it has one, else ``encode``."""
-    return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(text))
-
-
 def build_draft(cfg: CoDraftConfig, policy: Policy) -> Eagle3Draft:
     """A fresh EAGLE-3 draft for ``policy`` (seeded by ``run.seed + 1``).
 

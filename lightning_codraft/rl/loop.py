@@ -35,8 +35,9 @@ from lightning.fabric import Fabric
 from lightning_codraft.config import CoDraftConfig, to_yaml
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import (build_draft, build_policy, build_reward, build_task, check_pipeline_split,
-                                        encode_prompt, fit_prompts, module_config)
+                                        fit_prompts, module_config)
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize

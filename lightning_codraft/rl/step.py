@@ -18,7 +18,8 @@ import torch
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import fabric_training_step
-from lightning_codraft.rl.build import encode_prompt, fit_prompts
+from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import check_failure_budget, score_completions
 from lightning_codraft.rl.rollouts import rollout_seed

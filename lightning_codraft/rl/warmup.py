@@ -10,7 +10,7 @@
   :func:`~lightning_codraft.training.draft_loss.ttt_draft_loss` through the override points of
   :class:`~lightning_codraft.training.module.CoDraftModule`, the same code path as co-training.
 * ``draft.warm_start`` replaces it by self-distillation on many more of the policy's responses, cached on disk
-  (:func:`~lightning_codraft.rl.draft_warmstart.warm_start_draft`): the real-model warm start.
+  (:func:`~lightning_codraft.distill.warmstart.warm_start_draft`): the real-model warm start.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.config import CoDraftConfig, ConfigError
+from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.models.vocab import build_vocab_mapping
-from lightning_codraft.rl.build import encode_prompt, fit_prompts
-from lightning_codraft.rl.draft_warmstart import WarmStartSettings, split_prompts, warm_start_draft
+from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, sft_batch
 from lightning_codraft.rl.tasks import TaskSample
 from lightning_codraft.rollout.speculative import SpeculativeEngine

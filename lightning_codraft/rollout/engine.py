@@ -184,7 +184,7 @@ class RolloutEngine(Protocol):
 
 class ForwardObserver(Protocol):
     """Sees the policy's forwards of a ``SpeculativeEngine.generate`` call (e.g. to keep the policy's features of
-    the sampled sequences instead of recomputing them: ``training/feature_capture.py``).
+    the sampled sequences instead of recomputing them: ``distill/capture.py``).
 
     Requests are indices into the call's ``prompts``; positions are token positions in ``prompt + output``.
     Tensors are the engine's own (its decode dtype and device) and valid during the call only: copy what you keep.

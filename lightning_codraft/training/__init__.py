@@ -1,4 +1,5 @@
-"""Training: RL and draft losses, draft metrics, and the CoDraftModule."""
+"""Training: the online joint objective — RL and draft losses, their normalisation over the step, draft metrics, the
+optimiser recipe and the CoDraftModule. Offline draft distillation (warm starts) is ``lightning_codraft.distill``."""
 
 from typing import TYPE_CHECKING
 

@@ -11,9 +11,9 @@ what it can:
    (:func:`~lightning_codraft.models.vocab.build_vocab_mapping`), ``lm_head`` rows re-initialised from the
    policy's.
 3. ``features-<key>/``: the policy's taps and soft targets, kept from the sampling forwards of stage 1 when it
-   ran (:class:`~lightning_codraft.training.feature_capture.FeatureRecorder`: no second pass over the corpus),
-   else computed once by :func:`~lightning_codraft.training.feature_cache.build_feature_cache`.
-4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.training.draft_fit.fit_draft`) in vLLM's EAGLE-3
+   ran (:class:`~lightning_codraft.distill.capture.FeatureRecorder`: no second pass over the corpus),
+   else computed once by :func:`~lightning_codraft.distill.cache.build_feature_cache`.
+4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.distill.fit.fit_draft`) in vLLM's EAGLE-3
    format, plus ``report.json``. Its key hashes the policy's state dict, the draft config, the training prompts
    and these settings, so a different policy (one changed weight) never loads a stale draft.
 """
@@ -33,16 +33,16 @@ from typing import Callable
 
 import torch
 
+from lightning_codraft.distill.cache import FeatureCache, build_feature_cache
+from lightning_codraft.distill.calibration import calibrate_draft_temperature
+from lightning_codraft.distill.capture import FeatureRecorder
+from lightning_codraft.distill.fit import (DraftFitConfig, FitResult, coerce_floats, fit_draft,
+                                                 implied_acceptance_length)
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.precision import AUTO, resolve_dtype, resolve_precision
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.models.vocab import count_tokens
-from lightning_codraft.rl.build import encode_prompt
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.training.draft_calibration import calibrate_draft_temperature
-from lightning_codraft.training.draft_fit import (DraftFitConfig, FitResult, coerce_floats, fit_draft,
-                                                 implied_acceptance_length)
-from lightning_codraft.training.feature_cache import FeatureCache, build_feature_cache
-from lightning_codraft.training.feature_capture import FeatureRecorder
 
 _COMPLETE = "COMPLETE"
 
@@ -96,7 +96,7 @@ class WarmStartSettings:
     calibrate_temperature: bool = True
     """After the fit, sharpen the draft's proposals by the scale of highest implied acceptance at ``temperature``
     on the fit's held-out documents, folded into ``lm_head``
-    (:func:`~lightning_codraft.training.draft_calibration.calibrate_draft_temperature`; lossless, greedy unchanged)."""
+    (:func:`~lightning_codraft.distill.calibration.calibrate_draft_temperature`; lossless, greedy unchanged)."""
     seed: int = 0
     """Prompt order, sampling and draft initialisation."""
     fit: DraftFitConfig = field(default_factory=DraftFitConfig)
@@ -152,9 +152,9 @@ class WarmStartReport:
     val_acceptance: float = float("nan")
     """Implied acceptance length ``1 + sum_k prod_{j<=k} acc_j`` of ``val_accuracy``."""
     fit: dict = field(default_factory=dict)
-    """:class:`~lightning_codraft.training.draft_fit.FitResult` as a dict."""
+    """:class:`~lightning_codraft.distill.fit.FitResult` as a dict."""
     calibration: dict = field(default_factory=dict)
-    """:class:`~lightning_codraft.training.draft_calibration.TemperatureCalibration` as a dict (empty when not
+    """:class:`~lightning_codraft.distill.calibration.TemperatureCalibration` as a dict (empty when not
     calibrated); ``scale`` is the factor the draft's logits were divided by."""
     precision: dict = field(default_factory=dict)
     """The dtypes the stages ran in (``"auto"`` resolved): ``generation_dtype``, ``feature_precision``,
@@ -262,7 +262,7 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         cache_dir: directory of the corpus, feature and draft caches (created when missing).
         log: progress lines.
         on_eval: called at each held-out report of the fit with its dict (see
-            :attr:`~lightning_codraft.training.draft_fit.FitResult.history`) plus ``warmstart_seconds``, the
+            :attr:`~lightning_codraft.distill.fit.FitResult.history`) plus ``warmstart_seconds``, the
             warm start's time so far (generation + features + training, reports excluded); the draft holds the
             weights of that moment.
 

@@ -1,7 +1,7 @@
 """The draft's features kept while the policy samples its corpus, instead of a second pass over it.
 
-A self-distillation corpus is sampled by the policy itself (rl/draft_warmstart.py), and every forward of that
-sampling already computes what the draft's feature cache stores (training/feature_cache.py): the taps of each
+A self-distillation corpus is sampled by the policy itself (distill/warmstart.py), and every forward of that
+sampling already computes what the draft's feature cache stores (distill/cache.py): the taps of each
 fed token and the policy's distribution of the token after it. :class:`FeatureRecorder` watches the engine's
 forwards (it is a ``rollout.engine.ForwardObserver``: ``SpeculativeEngine.generate(..., observer=)``) and
 keeps, per request and position,
@@ -18,7 +18,7 @@ The draft vocabulary is chosen from the corpus AFTER sampling, so the soft targe
 tokens come; :meth:`FeatureRecorder.write` builds them then from ``h``: ``lm_head[target_ids](norm(h))`` is the
 policy's logits restricted to the draft vocabulary (the policy's head, in its own dtype), and the argmax tells
 whether the full-vocabulary top-1 lies outside it. The result is a :class:`FeatureCache` equal to
-:func:`~lightning_codraft.training.feature_cache.build_feature_cache` over the same documents up to the rounding
+:func:`~lightning_codraft.distill.cache.build_feature_cache` over the same documents up to the rounding
 of the decode's shapes (tested), except the taps of each document's LAST token, which no forward feeds and
 which are stored as zeros: the draft's row there is no loss row and, attention being causal, no loss row
 reads it, so the loss and its gradients are unchanged (tested).
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from lightning_codraft.training.feature_cache import (STORAGE_DTYPES, CacheWriter, FeatureCache, compact_restricted,
+from lightning_codraft.distill.cache import (STORAGE_DTYPES, CacheWriter, FeatureCache, compact_restricted,
                                                       row_entropy)
 
 
@@ -137,7 +137,7 @@ class FeatureRecorder:
 
         Args:
             docs: ``(prompt + completion ids, len(prompt) - 1)`` per document, as
-                :func:`~lightning_codraft.training.feature_cache.build_feature_cache` takes them.
+                :func:`~lightning_codraft.distill.cache.build_feature_cache` takes them.
             requests: the request index (``request_offset`` included) each document was sampled as.
             target_ids: ``(Vd,)`` target id of each draft id.
             path: the cache directory (replaced when it exists).

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
+from lightning_codraft.distill.cache import build_feature_cache
+from lightning_codraft.distill.calibration import calibrate_draft_temperature, draft_overlap
+from lightning_codraft.distill.fit import DraftFitConfig, fit_draft
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.training.draft_calibration import calibrate_draft_temperature, draft_overlap
-from lightning_codraft.training.draft_fit import DraftFitConfig, fit_draft
-from lightning_codraft.training.feature_cache import build_feature_cache
-from test_draft_fit import _docs, _draft, _policy, _reference_loss, _reference_unroll, _target_ids
+from test_fit import _docs, _draft, _policy, _reference_loss, _reference_unroll, _target_ids
 
 T = 0.8
 

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.rl import draft_warmstart
-from lightning_codraft.rl.draft_warmstart import (
+from lightning_codraft.distill import warmstart as draft_warmstart
+from lightning_codraft.distill.cache import FeatureCache
+from lightning_codraft.distill.fit import DraftFitConfig
+from lightning_codraft.distill.warmstart import (
     WarmStartSettings,
     split_prompts,
     state_fingerprint,
     warm_start_draft,
 )
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
-from lightning_codraft.training.draft_fit import DraftFitConfig
-from lightning_codraft.training.feature_cache import FeatureCache
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -1,9 +1,9 @@
 """Offline EAGLE-3 draft training on cached policy features (the self-distillation warm start).
 
-:func:`fit_draft` trains a draft with the TTT loss on a :class:`~lightning_codraft.training.feature_cache.FeatureCache`
-(the frozen policy's taps and soft targets, computed once: training/feature_cache.py), reporting held-out step
+:func:`fit_draft` trains a draft with the TTT loss on a :class:`~lightning_codraft.distill.cache.FeatureCache`
+(the frozen policy's taps and soft targets, computed once: distill/cache.py), reporting held-out step
 accuracies and the acceptance length they imply as it goes; :func:`draft_unroll` is the one unroll the fit, its
-held-out reports and the proposal calibration (training/draft_calibration.py) share.
+held-out reports and the proposal calibration (distill/calibration.py) share.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import masked_suffix, shift_left_local, suffix_rows
-from lightning_codraft.models.precision import resolve_precision
-from lightning_codraft.training.compiled import compiled_draft
-from lightning_codraft.training.draft_loss import ttt_draft_loss
-from lightning_codraft.training.feature_cache import (PRECISION_NAMES, PRECISIONS, FeatureCache, compact_vocab,
+from lightning_codraft.distill.cache import (PRECISION_NAMES, PRECISIONS, FeatureCache, compact_vocab,
                                                     pack_batches)
+from lightning_codraft.distill.compiled import compiled_draft
+from lightning_codraft.models.precision import resolve_precision
+from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.optim import adamw, cosine_decay
 
 

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_codraft.distill.cache import build_feature_cache
+from lightning_codraft.distill.capture import FeatureRecorder
+from lightning_codraft.distill.fit import draft_batch_loss
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.training.draft_fit import draft_batch_loss
-from lightning_codraft.training.feature_cache import build_feature_cache
-from lightning_codraft.training.feature_capture import FeatureRecorder
 
 V, VD, STOPS = 96, 40, list(range(8))
 

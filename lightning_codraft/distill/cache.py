@@ -4,7 +4,7 @@ The draft's TTT loss (:func:`~lightning_codraft.training.draft_loss.ttt_draft_lo
 policy's three taps ``(3, H)`` and the policy's distribution restricted to the draft vocabulary. A frozen policy
 gives the same features every epoch, so they are computed ONCE (:func:`build_feature_cache`) into a
 :class:`FeatureCache` of memory-mapped ``.npy`` files, and every epoch of
-:func:`~lightning_codraft.training.draft_fit.fit_draft` costs the draft alone.
+:func:`~lightning_codraft.distill.fit.fit_draft` costs the draft alone.
 
 What the cache stores, and why it reproduces the loss: ``ttt_draft_loss`` reads the policy logits of a row
 through (a) the softmax over the draft vocabulary's target ids and (b) whether the full-vocabulary argmax lies

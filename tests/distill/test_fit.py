@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.training.draft_fit import (
+from lightning_codraft.distill.cache import FeatureCache, build_feature_cache
+from lightning_codraft.distill.compiled import compiled_draft
+from lightning_codraft.distill.fit import (
     DraftFitConfig,
     draft_batch_loss,
     draft_unroll,
@@ -14,9 +15,8 @@ from lightning_codraft.training.draft_fit import (
     implied_acceptance_length,
     lr_factor,
 )
-from lightning_codraft.training.compiled import compiled_draft
+from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.training.draft_loss import ttt_draft_loss
-from lightning_codraft.training.feature_cache import FeatureCache, build_feature_cache
 
 V, VD = 96, 40
 

@@ -12,7 +12,7 @@ implied acceptance of each candidate scale on held-out cached rows and folds the
 
 The overlap uses the policy distribution restricted to the draft vocabulary (what the feature cache keeps),
 over the rows :func:`~lightning_codraft.training.draft_loss.ttt_draft_loss` counts; the chain of K steps is
-combined as :func:`~lightning_codraft.training.draft_fit.implied_acceptance_length` combines accuracies.
+combined as :func:`~lightning_codraft.distill.fit.implied_acceptance_length` combines accuracies.
 A later fit of a folded draft (co-training) starts from the sharper logits; its loss pulls them back towards
 calibration over time.
 """
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import shift_left_local
-from lightning_codraft.training.draft_fit import DraftFitConfig, draft_unroll, implied_acceptance_length
-from lightning_codraft.training.feature_cache import OUTSIDE, FeatureCache, pack_batches
+from lightning_codraft.distill.cache import OUTSIDE, FeatureCache, pack_batches
+from lightning_codraft.distill.fit import DraftFitConfig, draft_unroll, implied_acceptance_length
 
 DEFAULT_SCALES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 
