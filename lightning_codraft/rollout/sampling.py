@@ -140,29 +140,17 @@ def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[to
     return num_accepted, next_ids
 
 
-def coupled_verify(target_logprobs: torch.Tensor, gumbel: torch.Tensor, draft_ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gumbel-coupled verification: the policy's own samples, and how many of them the draft guessed.
-
-    Args:
-        target_logprobs: (B, K+1, V) filtered policy log-probabilities at the K+1 verified positions.
-        gumbel: (B, K+1, V) the Gumbel noise of those positions (the noise the draft proposed with).
-        draft_ids: (B, K) drafted tokens (target vocabulary).
-
-    Returns:
-        num_accepted: (B,) int64 in [0, K]; next_ids: (B,) the policy's sample after the accepted prefix.
-    """
-    return greedy_verify(gumbel_argmax(target_logprobs, gumbel), draft_ids)
-
-
 def lazy_coupled_verify(target_logprobs: torch.Tensor, gumbel_at: Callable[[torch.Tensor, int], torch.Tensor],
                         draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`coupled_verify` drawing the noise of a position only for the rows that reach it.
+    """Gumbel-coupled verification — the policy's own samples (:func:`gumbel_argmax` of its log-probabilities and the
+    noise the draft proposed with) verified greedily against the proposals (``greedy_verify(gumbel_argmax(logprobs,
+    gumbel), draft_ids)``: how many of its samples the draft guessed) — drawing the noise of a position only for the
+    rows that reach it.
 
     Position j's sample decides a row's outcome only while the row's proposals 1..j all equalled the policy's
     samples, so the noise (a ``V``-wide draw per row and position, the costliest part of sampled verification at a
-    large vocabulary) is drawn position by position for those rows alone; the samples that are drawn are the ones
-    :func:`coupled_verify` draws, so both return the same tokens.
+    large vocabulary) is drawn position by position for those rows alone; the samples that are drawn are the ones the
+    whole-noise rule draws too, so both return the same tokens (tests/rollout/test_sampling.py compares them).
 
     Args:
         target_logprobs: (B, K+1, V) filtered policy log-probabilities at the K+1 verified positions.

@@ -13,7 +13,6 @@ from rollout_helpers import reference_filter as _reference_filter
 
 from lightning_codraft.rollout.sampling import (
     SamplingParams,
-    coupled_verify,
     filter_logits,
     greedy_verify,
     gumbel_argmax,
@@ -21,6 +20,12 @@ from lightning_codraft.rollout.sampling import (
     rejection_sample,
     sampling_logprobs,
 )
+
+
+def coupled_verify(target_logprobs, gumbel, draft_ids):
+    """The coupled rule on whole noise (the reference lazy_coupled_verify must equal): greedy verification of the
+    policy's Gumbel-argmax samples."""
+    return greedy_verify(gumbel_argmax(target_logprobs, gumbel), draft_ids)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.5), (4, 0.8), (1, 0.9), (0, 0.05)])
