@@ -45,9 +45,9 @@ def reward_value(value) -> float:
     the fix."""
     if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, (str, bytes))
                                             and getattr(value, "ndim", 1) != 0):
-        raise BadRewardValue(f"returned a {type(value).__name__} of {len(value)} values for one sample: this looks like a "
-                         f"batched (TRL-style) reward; this task calls fn(prompt, completion, answer) -> float once "
-                         f"per sample, so wrap it: lambda p, c, a: fn([p], [c], answer=[a])[0]")
+        raise BadRewardValue(f"returned a {type(value).__name__} of {len(value)} values for one sample: this looks "
+                             f"like a batched (TRL-style) reward; this task calls fn(prompt, completion, answer) -> "
+                             f"float once per sample, so wrap it: lambda p, c, a: fn([p], [c], answer=[a])[0]")
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, numbers.Real):
         value = value.item()  # a 0-dim tensor / array
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

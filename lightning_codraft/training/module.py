@@ -2,9 +2,9 @@
 
 ``L = L_rl + lambda * L_draft`` with ONE backward. The draft reads only detached tensors of the policy: its tap
 hidden states, its logits (the soft targets) and its token embeddings (tap 0) of the shifted ids; so the draft term
-moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global counts (every microbatch, dp replica
-and CP shard: ``training.normalize``), so the same user code gives the same update on one process or on any
-(dp, pp, cp) mesh and any ``num_microbatches``. One step, as data::
+moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global
+counts (every microbatch, dp replica and CP shard: ``training.normalize``), so the same user code gives the same
+update on one process or on any (dp, pp, cp) mesh and any ``num_microbatches``. One step, as data::
 
     RLBatch (whole replica batch)  -> split into M microbatches -> [PP: padded to one length] -> zigzag shard
       -> policy forward (ring attention; taps 0 + the draft's)   [PP: the pipeline stages; TapChannel]

@@ -1,6 +1,7 @@
 """One normalisation for every layout: the step's objective does not depend on how the step is cut into
 microbatches, and each aggregation is the peers' definition (GRPO's sequence mean, DAPO's token mean, Dr. GRPO's
-constant normaliser), the KL term weighted like the policy term. The multi-process grid is tests/test_layouts_grid.py."""
+constant normaliser), the KL term weighted like the policy term. The multi-process grid is
+tests/test_layouts_grid.py."""
 
 import pytest
 import torch
