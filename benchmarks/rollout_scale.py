@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, args, out: str, init_from, queue) 
     try:
         from lightning_codraft.models.tokenizer import encode_prompt
         from lightning_codraft.rl.loop import CoDraftRun
-        from lightning_codraft.rl.rollouts import rollout_seed
+        from lightning_codraft.rl.rollout_worker import rollout_seed
 
         cfg = _config(args, Path(out), world, init_from)
         run = CoDraftRun(cfg, print_fn=lambda s: None)

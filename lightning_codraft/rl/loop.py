@@ -6,7 +6,7 @@ only orchestrates objects with one job each:
 - ``rl.build``: tokenizer, policy, draft, task, reward and the module's hyper-parameters from the recipe;
 - ``rl.warmup.run_warmups``: SFT of the policy, the draft's offline warm-start on the policy's own samples;
 - :class:`~lightning_codraft.rl.checkpoints.RunCheckpoints`: resumable checkpoints and the warmed-up weights;
-- :class:`~lightning_codraft.rl.rollouts.RolloutWorker`: engine placement, generation, weight sync;
+- :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`: engine placement, generation, weight sync;
 - :class:`~lightning_codraft.rl.step.RLStep`: one RL step, returning named :class:`~lightning_codraft.rl.step.StepMetrics`;
 - ``rl.logs.MetricsLogger``: metrics.csv / TensorBoard through Lightning's loggers; ``rl.evaluate``: greedy
   accuracy and the final rollout speed-up.
@@ -41,7 +41,7 @@ from lightning_codraft.rl.build import (build_draft, build_policy, build_reward,
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
-from lightning_codraft.rl.rollouts import RolloutWorker, rollout_seed
+from lightning_codraft.rl.rollout_worker import RolloutWorker, rollout_seed
 from lightning_codraft.rl.step import RLStep, StepMetrics
 from lightning_codraft.rl.warmup import run_warmups
 from lightning_codraft.training.module import CoDraftModule

@@ -22,7 +22,7 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import check_failure_budget, score_completions
-from lightning_codraft.rl.rollouts import rollout_seed
+from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
 
 
@@ -111,7 +111,7 @@ class RLStep:
         fabric: the launched ``Fabric``.
         dims: this process' (dp, pp, cp) layout.
         task, reward_fn, tokenizer, context: the task, its reward, the tokenizer and the usable context length.
-        worker: the :class:`~lightning_codraft.rl.rollouts.RolloutWorker`.
+        worker: the :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`.
         model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);
             optimizer / scheduler: its optimizer and LR schedule.
         log: where status lines go.

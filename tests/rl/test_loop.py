@@ -203,7 +203,7 @@ def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monke
     """finish(): greedy evaluation and the speed-up measurement decode with the same weights, so the engine's copies
     (on a multi-process or vLLM run, a collective over every stage) are refilled once, not once each."""
     from lightning_codraft.rl.loop import CoDraftRun
-    from lightning_codraft.rl.rollouts import RolloutWorker
+    from lightning_codraft.rl.rollout_worker import RolloutWorker
 
     calls, inside = [], {"on": False}
     prepare, finish = RolloutWorker.prepare, CoDraftRun.finish
