@@ -180,12 +180,12 @@ class RolloutWorker:
         """The :class:`WeightSync` target: the engine loads the streamed tensors (the embedded engine into the copies
         it decodes, in place). An engine that keeps its own weights (vLLM) leaves the copies behind, so they are
         loaded too: the final speed-up measurement decodes with them."""
-        if self.engine.keeps_own_weights and self._copies:
-            policy_items = [(n, t.clone()) for n, t in policy_items]
-            draft_items = None if draft_items is None else [(n, t.clone()) for n, t in draft_items]
-            for target, items in ((self.policy, policy_items), (self.draft, draft_items)):
-                if target is not None and items:
-                    copy_stream_into(target, items)
+        if self.engine.keeps_own_weights and self._copies:  # the stream fills the copies, the engine reads them
+            copy_stream_into(self.policy, policy_items)  # the stream is ordered: the policy's, then the draft's
+            if draft_items is not None and self.draft is not None:
+                copy_stream_into(self.draft, draft_items)
+            policy_items = self.policy.state_dict().items()
+            draft_items = None if draft_items is None or self.draft is None else self.draft.state_dict().items()
         self.engine.load_weights(policy_items, draft_items)
 
     # ------------------------------------------------------------------ generation

@@ -154,15 +154,13 @@ class RLStep:
         check_failure_budget(failures, int(counts[0]), cfg.rl.prompts_per_step * G,
                              cfg.task.reward_failure_budget if skip else 0.0, empty_replicas=int(counts[1]))
         r = torch.tensor(rewards, dtype=torch.float64).view(len(mine), G)
-        scored = torch.isfinite(r)
+        scored = torch.isfinite(r)  # a skipped sample's reward is NaN: out of its group's statistics and the loss
         # the loss aggregation (token / sequence / constant) is the module's: CoDraftModule.normalize
-        adv = group_advantages(r.nan_to_num(0.0), scale=cfg.rl.scale_advantages, std=cfg.rl.std,
-                               valid=scored).view(-1).tolist()
-        failed = {f.index for f in failures}
+        adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std, valid=scored).view(-1).tolist()
         rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
                     for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
         self.last_rollouts = rollouts
-        rollouts, adv = zip(*[(ro, a) for i, (ro, a) in enumerate(zip(rollouts, adv)) if i not in failed])
+        rollouts, adv = zip(*[(ro, a) for ro, a, keep in zip(rollouts, adv, scored.view(-1).tolist()) if keep])
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
         self.model.train_draft_this_step = step % self.cfg.draft.train_every == 0
@@ -170,9 +168,9 @@ class RLStep:
         m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
         train_s = time.perf_counter() - t0
         n_tok = sum(len(o.token_ids) for o in outs)
-        ok = [x for x in rewards if math.isfinite(x)]
+        ok = r[scored].tolist()
         local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
-                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(failed)),
+                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(failures)),
                  "completion_tokens": float(n_tok), "accepted": float(acc.accepted),
                  "draft_steps": float(acc.draft_steps), "drafted": float(acc.drafted),
                  "policy_forwards": float(acc.policy_forwards)}

@@ -119,20 +119,22 @@ def policy_gradient_loss(
     else:
         kl = torch.zeros_like(pg)
 
-    count = _all_reduce_sum(mask.detach().sum(), group)
-    weight = mask / count.clamp(min=1.0) if loss_weight is None else loss_weight.detach().to(dtype)
+    if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
+        weight = mask / _all_reduce_sum(mask.detach().sum(), group).clamp(min=1.0)
+    else:  # the step's global weights: the count is only a statistic, reduced with the others
+        weight = loss_weight.detach().to(dtype)
     loss = (per_token * weight).sum()
 
     with torch.no_grad():
         clipped = (pg_clipped > pg_unclipped).to(dtype)
         sums = torch.stack([
             (per_token * weight).sum(), (pg * weight).sum(), (kl * weight).sum(), (clipped * weight).sum(),
-            (ratio * weight).sum(), (0.5 * log_ratio.square() * weight).sum(),
+            (ratio * weight).sum(), (0.5 * log_ratio.square() * weight).sum(), mask.sum(),
         ])
         sums = _all_reduce_sum(sums, group)
     stats = {
         "loss": sums[0], "pg_loss": sums[1], "kl": sums[2], "clip_frac": sums[3], "ratio": sums[4],
-        "approx_kl": sums[5], "num_tokens": count,
+        "approx_kl": sums[5], "num_tokens": sums[6],
     }
     return loss, stats
 
