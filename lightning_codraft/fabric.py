@@ -142,8 +142,8 @@ def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft:
     up and after every ``fabric.load`` (so the engine decodes with the restored weights, not its own).
 
     Pushes when ``step % every_n_steps == 0`` (or ``force``) and logs the seconds with ``fabric.log``; returns them
-    (None when not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on every rank,
-    the push where ``push_on_rank(fabric.global_rank)`` (default: every rank).
+    (None when not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on
+    every rank, the push where ``push_on_rank(fabric.global_rank)`` (default: every rank).
     """
     def states():
         return ((policy_state_fn or (lambda: full_state_dict(policy)))(),

@@ -121,7 +121,8 @@ class Eagle3Draft(nn.Module):
             policy: the target model.
             draft_vocab_size: Vd; None keeps the policy's whole vocabulary (identity ``d2t``/``t2d``).
             taps: three increasing tap ids in ``[0, L]`` (L: the last layer's output, which vLLM captures);
-                default ``policy.default_taps`` when those are distinct, else ``(0, 1, 2)`` for L = 3 and ``(1, L//2, L-1)`` for 4 <= L <= 6.
+                default ``policy.default_taps`` when those are distinct, else ``(0, 1, 2)`` for L = 3 and
+                ``(1, L//2, L-1)`` for 4 <= L <= 6.
             token_counts: ``(V,)`` corpus frequencies of the policy's tokens; required when Vd < V (the draft
                 vocabulary is the Vd most frequent tokens).
         """

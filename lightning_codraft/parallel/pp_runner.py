@@ -109,7 +109,8 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _schedule_loss(self, logits: Tensor, mb: Tensor) -> Tensor:
-        """Last stage: ``loss_fn(logits, taps, batch)`` (a share of the step's objective) for microbatch ``m = mb[0]``."""
+        """Last stage: ``loss_fn(logits, taps, batch)``, a share of the step's objective, for microbatch
+        ``m = mb[0]``."""
         m = int(mb.reshape(-1)[0])
         taps = self.channel.receive(m) if self.tap_ids else {}
         loss, record = self._loss_fn(logits, taps, self._mbs[m])

@@ -108,6 +108,7 @@ def test_tap_L_the_last_layers_output_is_a_valid_draft_tap():
     L = policy.num_layers
     draft = Eagle3Draft.from_policy(policy, taps=(1, 2, L))
     out = CoDraftModule(policy, draft)(make_batch(2))
-    assert torch.isfinite(out.metrics["draft/loss"]) and draft.config.to_hf_dict()["eagle_aux_hidden_state_layer_ids"][-1] == L
+    assert torch.isfinite(out.metrics["draft/loss"])
+    assert draft.config.to_hf_dict()["eagle_aux_hidden_state_layer_ids"][-1] == L
     with pytest.raises(ValueError, match=f"tap id {L + 1} out of range"):
         Eagle3Draft.from_policy(policy, taps=(1, 2, L + 1))

@@ -50,7 +50,8 @@ def _loss_fn(draft, taps, cp_group, draft_weight=1.0, num_mb=1):
         dl = ttt_draft_loss([lg for lg, _ in steps], logits.detach(), mb.cu_seqlens, mb.draft_targets, draft.d2t,
                             draft.t2d, group=cp_group)
         rl_global = float(stats["loss"])
-        return (rl + draft_weight * dl.loss) / num_mb, (rl_global, float(dl.loss), {k: float(v) for k, v in stats.items()})
+        record = (rl_global, float(dl.loss), {k: float(v) for k, v in stats.items()})
+        return (rl + draft_weight * dl.loss) / num_mb, record
 
     return fn
 
