@@ -27,20 +27,13 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_codraft.batch import RLBatch, StepNorm
+from lightning_codraft.training.objective import sum_over
 
 AGGREGATIONS = ("token", "sequence", "constant")
 """The RL loss aggregations :func:`normalize_step` knows."""
-
-
-def _all_reduce(x: Tensor, group: Optional[Any]) -> Tensor:
-    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-    return x
 
 
 def _doc_index(batch: RLBatch) -> Tensor:
@@ -83,10 +76,10 @@ def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_
     draft_rows = torch.stack([batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum()
                               for k in range(ttt_steps)])
     if batch.is_sharded:  # whole documents' counts: the shards of a document are on every CP rank
-        summed = _all_reduce(torch.cat([per_doc, draft_rows]), cp_group)
+        summed = sum_over(torch.cat([per_doc, draft_rows]), cp_group)
         per_doc, draft_rows = summed[:batch.num_docs], summed[batch.num_docs:]
     local = torch.cat([torch.stack([per_doc.sum(), (per_doc > 0).sum().to(torch.float64)]), draft_rows])
-    tokens, samples, *draft = _all_reduce(local, dp_group).tolist()
+    tokens, samples, *draft = sum_over(local, dp_group).tolist()
     if aggregation == "token":
         denominator, row = tokens, mask
     elif aggregation == "sequence":
