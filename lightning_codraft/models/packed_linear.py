@@ -4,7 +4,7 @@
 that costs as much as the product. Packing the weight once (``torch.ops.mkldnn._reorder_linear_weight``, what
 Inductor's CPU freezing does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes a SmolLM2-sized bf16
 projection 1.6-2.4x faster at 1-16 rows on a Zen 4 EPYC (fp32: 1.2-1.8x), and in bf16 bitwise equal to
-``F.linear`` (docs/design/decoding.md). The packed call has no autograd, so a call that needs a gradient, an input of
+``F.linear`` up to :data:`ROW_BLOCK` rows (docs/design/decoding.md). The packed call has no autograd, so a call that needs a gradient, an input of
 another dtype, a non-CPU weight or a torch build without oneDNN takes ``F.linear`` on the plain weight.
 """
 
@@ -19,6 +19,12 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 runs MKL and the two round differently (~1e-7 relative), but the packed kernel's result for a row does not depend
 on how many rows the call holds (MKL's does), which a speculative verify of 1 + k rows against a one-row step
 needs to stay token-exact."""
+
+ROW_BLOCK = 32
+"""The most rows one bf16 oneDNN call gets. On a CPU with AMX (Intel Sapphire Rapids and later) oneDNN runs a bf16
+product of more than 32 rows on AMX tiles and one of at most 32 rows on AVX-512; the two round some outputs
+differently, so a 40-row verify would not equal the 8-row plain step holding the same rows. Larger bf16 calls run in
+blocks of 32 rows (on AMX up to ~2x slower above 32 rows, docs/design/decoding.md)."""
 
 
 def packing_available() -> bool:
@@ -45,12 +51,20 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         """``(..., in) -> (..., out)``; a one-row input runs as two copies of the row (a bf16 one-row product over
         1536 inputs rounds ~1 output in 5000 differently from the same row among others: a one-row decode step
-        must equal that row of a verify)."""
+        must equal that row of a verify), a bf16 input of more than :data:`ROW_BLOCK` rows in blocks of that many."""
         if self.packed is None or x.dtype != self.weight.dtype or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         if x.numel() == x.shape[-1]:  # one row: oneDNN's one-row kernel rounds differently; two rows take the
             two = x.reshape(1, -1).expand(2, -1).contiguous()   # kernel every other row count takes
-            y = torch.ops.mkldnn._linear_pointwise(two, self.packed, self.bias, "none", [], "")
+            y = self._call(two)
             return y[:1].view(*x.shape[:-1], y.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        if x.dtype == torch.bfloat16 and rows.shape[0] > ROW_BLOCK:
+            y = torch.cat([self(block) for block in rows.split(ROW_BLOCK)])   # a last block of one row: as above
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return self._call(x.contiguous())
+
+    def _call(self, x: Tensor) -> Tensor:
+        """One oneDNN call on ``(..., in)``."""
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
