@@ -28,54 +28,32 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch import Tensor
 
 from lightning_codraft.parallel import checkpoint as ckpt
-from lightning_codraft.parallel.parallel_dims import ParallelDims
-from lightning_codraft.parallel.strategy_core import CoDraftCore
+from lightning_codraft.parallel.strategy_core import CoDraftCore, CoDraftMeshMixin
 from lightning_codraft.rollout.engine import RolloutEngine
 from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict, module_states
 
 
-class CoDraftStrategy(DDPStrategy):
+class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
     """Trainer strategy for online draft co-training on a (dp, pp, cp) mesh over gloo or NCCL.
 
-    Args:
-        dp: data-parallel replicas (``-1``: ``world_size // (pp * cp)``).
-        pp: pipeline stages.
-        cp: context-parallel ranks.
-        sharding: ``"fsdp"`` (FSDP2 over each pipeline stage's dp x cp ranks: parameters, gradients and optimizer
-            state sharded) or ``"ddp"`` (replicated); default FSDP2 whenever dp * cp > 1.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
-        timeout: collective timeout.
-        start_method: how the Trainer starts local processes (``"popen"`` re-runs the script, as torchrun).
-        **kwargs: Trainer strategy plugins (accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin) and ``DistributedDataParallel`` options.
+    Takes the arguments of the Fabric adapter, :class:`lightning_codraft.fabric.CoDraftStrategy` (documented
+    there), with the Trainer's ``precision_plugin`` in place of Fabric's ``precision``.
     """
 
     strategy_name = "codraft"
 
     def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, sharding: Optional[str] = None, accelerator=None,
-                 parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: str = "popen", **ddp_kwargs: Any):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        if checkpoint_io is not None:
-            raise ValueError(f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
-                             f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin")
-        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs)
+        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs,
+                                checkpoint_io=checkpoint_io)
         self._checkpoint_path: Optional[Path] = None
         self._optimizers_loaded = False
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        """The (dp, pp, cp) layout; available once the Trainer set up the processes."""
-        return self.core.require_dims()
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.core.setup_mesh(self.world_size, self.root_device.type)
 
     def configure_ddp(self) -> None:
         """Install the mesh into the CoDraftModule (CP groups, PP stage), then DDP over dp x cp."""

@@ -77,10 +77,15 @@ class CoDraftCore:
         sharding: ``"fsdp"`` (FSDP2 over each stage's dp x cp ranks) or ``"ddp"`` (replicated weights); None:
             FSDP2 whenever dp * cp > 1.
         ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (non-PP meshes, ``sharding="ddp"``).
+        checkpoint_io: the adapter's ``checkpoint_io`` plugin; anything but None is refused (the strategy writes
+            ``torch.distributed.checkpoint`` directories itself).
     """
 
     def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, sharding: Optional[str] = None,
-                 ddp_kwargs: Optional[dict] = None):
+                 ddp_kwargs: Optional[dict] = None, checkpoint_io: Any = None):
+        if checkpoint_io is not None:
+            raise ValueError(f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
+                             f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin")
         for name, value in (("pp", pp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -168,3 +173,20 @@ class CoDraftCore:
         if op in ("mean", "avg"):
             out = out / dist.get_world_size(group)
         return out
+
+
+class CoDraftMeshMixin:
+    """What both Lightning adapters do alike with their :class:`CoDraftCore` (``self.core``): build the mesh once
+    the process group is up, and show its layout. Put before Lightning's ``DDPStrategy`` in the bases."""
+
+    core: CoDraftCore
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The (dp, pp, cp) layout; available once the processes are launched (``fabric.launch()``, or the Trainer
+        set them up)."""
+        return self.core.require_dims()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  (Lightning's DDPStrategy: the process group)
+        self.core.setup_mesh(self.world_size, self.root_device.type)  # type: ignore[attr-defined]
