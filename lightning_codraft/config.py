@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_codraft.training.config import DraftLossConfig, MicrobatchConfig, PolicyLossConfig
+
 
 class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the key, the value and what would be right."""
@@ -45,7 +47,9 @@ class ModelConfig:
 
 
 @dataclass
-class DraftConfig:
+class DraftConfig(DraftLossConfig):
+    """The EAGLE-3 draft: its mode, its loss (:class:`DraftLossConfig`'s fields), its learning rate and warm start."""
+
     mode: str = "cotrain"
     """``cotrain`` (trained online with the policy), ``frozen`` (warm-started, then fixed), ``none`` (no draft)."""
     num_speculative_tokens: int = 4
@@ -57,10 +61,6 @@ class DraftConfig:
     """How the embedded engine samples: ``coupled`` (Gumbel-coupled: every rollout token is a function of the
     request's seed and position only, so rollouts do not depend on the draft, K, batching or placement) or
     ``rejection`` (classic speculative rejection sampling: slightly higher acceptance, rollouts depend on them)."""
-    ttt_steps: int = 3
-    """Training-time-test unroll depth of the draft loss."""
-    ttt_decay: float = 0.8
-    """Weight ratio between consecutive unroll steps of the draft loss (step k weighs ttt_decay**k)."""
     draft_vocab_size: Optional[int] = None
     """Draft vocabulary size (most frequent tokens of the warm-up corpus); null = the policy's vocabulary."""
     lr: float = 3e-3
@@ -137,7 +137,9 @@ class SFTConfig:
 
 
 @dataclass
-class RLConfig:
+class RLConfig(PolicyLossConfig):
+    """GRPO: rollouts, advantages, the policy's optimiser and its loss (:class:`PolicyLossConfig`'s fields)."""
+
     steps: int = 20
     """GRPO steps."""
     prompts_per_step: int = 8
@@ -146,20 +148,12 @@ class RLConfig:
     """G: completions sampled per prompt (>= 2 for group advantages)."""
     max_new_tokens: int = 32
     """Completion budget per sample."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts."""
     top_p: float = 1.0
     """Nucleus sampling of rollouts."""
     lr: float = 1e-4
     """Policy learning rate."""
-    clip_eps: float = 0.2
-    """PPO clip range."""
-    clip_eps_high: Optional[float] = None
-    """Upper clip range (DAPO clip-higher); null = clip_eps."""
     grad_clip: Optional[float] = 1.0
     """Clip the policy's and the draft's global gradient norm (each group on its own) to this; null = no clipping."""
-    kl_coef: float = 0.0
-    """KL penalty to the start policy (the policy when RL begins, after the warm-ups)."""
     track_drift: bool = True
     """Keep the start policy as a frozen reference even when ``kl_coef == 0`` and log, per step, the drift from it
     on the step's rollouts: ``kl`` (k3 estimate of KL(policy || start)) and ``greedy_agreement``. Costs a reference
@@ -168,15 +162,12 @@ class RLConfig:
     """Divide group-centred rewards by the group std (GRPO); False = mean-centred only (Dr. GRPO)."""
     std: str = "population"
     """The group std of ``scale_advantages``: ``population`` (divide by G) or ``sample`` (G - 1: TRL, verl)."""
-    loss_aggregation: str = "sequence"
-    """Over the whole step (any microbatching or mesh): ``sequence`` every sample weighs the same (GRPO), ``token``
-    every completion token (DAPO), ``constant`` token sums / (samples x max_new_tokens) (Dr. GRPO). docs/rl.md."""
-    dual_clip: Optional[float] = None
-    """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): caps a negative-advantage token's loss at -A c; null = off."""
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(MicrobatchConfig):
+    """The mesh, the microbatches (:class:`MicrobatchConfig`'s fields), precision and the rollout engine."""
+
     accelerator: str = "cpu"
     """``cpu``, ``cuda`` or ``auto``."""
     devices: int = 1
@@ -189,13 +180,6 @@ class ParallelConfig:
     """Pipeline stages."""
     cp: int = 1
     """Context-parallel size (zigzag ring attention)."""
-    num_microbatches: int = 1
-    """M: each replica's step batch is cut into M microbatches of whole samples (the pipeline's unit; the objective
-    divides by the whole step's counts, so it does not depend on M)."""
-    pp_schedule: str = "gpipe"
-    """Pipeline schedule under pp > 1: ``gpipe`` or ``1f1b`` (needs num_microbatches >= pp)."""
-    layers_per_stage: Optional[list[int]] = None
-    """Decoder layers of every pipeline stage (one count per stage); null balances them."""
     sharding: Optional[str] = None
     """``fsdp`` (FSDP2 over each pipeline stage's dp x cp ranks) or ``ddp`` (replicated weights); null: FSDP2
     whenever dp * cp > 1."""
@@ -264,12 +248,10 @@ _CHOICES = {
     ("draft", "sampling"): ("coupled", "rejection"),
     ("task", "name"): ("arithmetic", "gsm8k"),
     ("task", "on_reward_error"): ("raise", "skip"),
-    ("rl", "loss_aggregation"): ("sequence", "token", "constant"),
     ("rl", "std"): ("population", "sample"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
     ("parallel", "engine_dtype"): ("float32", "bfloat16", "float16", "auto", None),
-    ("parallel", "pp_schedule"): ("gpipe", "1f1b"),
     ("parallel", "precision"): ("32-true", "bf16-mixed", "bf16-true"),
 }
 
@@ -312,6 +294,12 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
             raise ConfigError(f"{sec}.{key}={v!r} is retired: {_RETIRED[sec, key, v]}")
         if v not in choices:
             raise ConfigError(f"{sec}.{key}={v!r} is not one of {choices}")
+    for sec, check in (("rl", cfg.rl.check_loss), ("draft", cfg.draft.check_draft_loss),
+                       ("parallel", cfg.parallel.check_microbatches)):
+        try:
+            check()
+        except ValueError as e:   # the shared sections' own checks (training/config.py), named as the recipe's keys
+            raise ConfigError(f"{sec}.{e}") from None
     p = cfg.parallel
     for k in ("devices", "num_nodes", "dp", "pp", "cp"):
         _positive(f"parallel.{k}", getattr(p, k))
@@ -321,7 +309,6 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                           f"devices * num_nodes = {p.devices}*{p.num_nodes} = {world}")
     if p.engine_batch_size is not None:
         _positive("parallel.engine_batch_size", p.engine_batch_size)
-    _positive("parallel.num_microbatches", p.num_microbatches)
     if p.engine == "vllm" and p.engine_dtype not in (None, "float32"):
         raise ConfigError(f"parallel.engine_dtype={p.engine_dtype} needs parallel.engine=embedded: the vLLM engine "
                           "serves float32 here (its weight-sync checks compare the fp32 training weights); set "
@@ -340,10 +327,7 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} exceeds the "
                           f"{r0.prompts_per_step // p.dp * r0.group_size} samples each replica trains on per step")
     d = cfg.draft
-    if not 0 < d.ttt_decay <= 1:
-        raise ConfigError(f"draft.ttt_decay={d.ttt_decay} must be in (0, 1]")
     _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
-    _positive("draft.ttt_steps", d.ttt_steps)
     _positive("draft.loss_weight", d.loss_weight, 0)
     _positive("draft.warmup_steps", d.warmup_steps, 0)
     if d.adaptive and p.engine == "vllm" and d.mode != "none":
@@ -359,14 +343,10 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     _positive("rl.prompts_per_step", r.prompts_per_step)
     _positive("rl.group_size", r.group_size, 2)
     _positive("rl.max_new_tokens", r.max_new_tokens)
-    if r.temperature < 0:
-        raise ConfigError(f"rl.temperature={r.temperature} must be >= 0")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rl.top_p={r.top_p} must be in (0, 1]")
     if r.grad_clip is not None and r.grad_clip <= 0:
         raise ConfigError(f"rl.grad_clip={r.grad_clip} must be > 0 (or null for no clipping)")
-    if r.dual_clip is not None and r.dual_clip <= 1:
-        raise ConfigError(f"rl.dual_clip={r.dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3) or null")
     if r.prompts_per_step % p.dp:
         raise ConfigError(f"rl.prompts_per_step={r.prompts_per_step} must be divisible by parallel.dp={p.dp}")
     m = cfg.model

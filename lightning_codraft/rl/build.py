@@ -21,7 +21,8 @@ from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.rewards import resolve_reward
 from lightning_codraft.rl.tasks import ArithmeticTask, RewardFn
-from lightning_codraft.training.config import CoDraftModuleConfig
+from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
+                                               shared_fields)
 
 
 class HFTokenizer:
@@ -142,17 +143,16 @@ def build_draft(cfg: CoDraftConfig, policy: Policy) -> Eagle3Draft:
 
 
 def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
-    """The :class:`~lightning_codraft.training.config.CoDraftModuleConfig` of a run: the recipe's ``rl.*``,
-    ``draft.*`` and ``parallel.*`` knobs (``draft.mode`` decides whether the draft trains and is scored)."""
-    mode, p = cfg.draft.mode, cfg.parallel
+    """The :class:`~lightning_codraft.training.config.CoDraftModuleConfig` of a run: the shared loss and microbatch
+    sections copied by field from the recipe's ``rl`` / ``draft`` / ``parallel`` sections, and the knobs the recipe
+    names in its own words (``draft.mode`` decides whether the draft trains and is scored)."""
+    mode = cfg.draft.mode
     return CoDraftModuleConfig(
+        **shared_fields(cfg.rl, PolicyLossConfig), **shared_fields(cfg.draft, DraftLossConfig),
+        **shared_fields(cfg.parallel, MicrobatchConfig),
         draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
-        ttt_steps=cfg.draft.ttt_steps, ttt_decay=cfg.draft.ttt_decay, clip_eps=cfg.rl.clip_eps,
-        clip_eps_high=cfg.rl.clip_eps_high, kl_coef=cfg.rl.kl_coef, temperature=cfg.rl.temperature,
-        loss_aggregation=cfg.rl.loss_aggregation, max_new_tokens=cfg.rl.max_new_tokens, dual_clip=cfg.rl.dual_clip,
-        track_drift=cfg.rl.track_drift, policy_lr=cfg.rl.lr, draft_lr=cfg.draft.lr,
-        grad_clip=cfg.rl.grad_clip, num_microbatches=p.num_microbatches, pp_schedule=p.pp_schedule,
-        layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage))
+        max_new_tokens=cfg.rl.max_new_tokens, track_drift=cfg.rl.track_drift, policy_lr=cfg.rl.lr,
+        draft_lr=cfg.draft.lr, grad_clip=cfg.rl.grad_clip)
 
 
 def check_pipeline_split(cfg: CoDraftConfig, policy: Policy) -> None:

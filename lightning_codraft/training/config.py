@@ -1,40 +1,43 @@
-"""``CoDraftModuleConfig``: hyper-parameters of the joint RL + draft objective, its optimiser and its pipeline schedule.
+"""The objective's knobs, declared once: the sections the recipe and :class:`CoDraftModuleConfig` share, and the
+module's own hyper-parameters (optimiser, draft mode, pipeline cut).
 
-Every field has a docstring; the RL loop maps the recipe's ``rl.*`` / ``draft.*`` / ``parallel.*`` keys onto it
-(``lightning_codraft.rl.build``).
+:class:`PolicyLossConfig`, :class:`DraftLossConfig` and :class:`MicrobatchConfig` are the recipe's ``rl.*``,
+``draft.*`` and ``parallel.*`` sections' loss and schedule fields (``lightning_codraft.config`` derives its
+sections from them) and the bases of :class:`CoDraftModuleConfig`, so a knob has one name, one default, one
+docstring and one check; ``lightning_codraft.rl.build.module_config`` copies them across by field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+AGGREGATIONS = ("sequence", "token", "constant")
+PP_SCHEDULES = ("gpipe", "1f1b")
+
+
+def shared_fields(section: Any, base: type) -> dict[str, Any]:
+    """The values of ``base``'s fields on ``section`` (a recipe section derived from ``base``)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(base)}
+
 
 @dataclass
-class CoDraftModuleConfig:
-    """Hyper-parameters of the joint RL + draft objective and its optimiser."""
+class PolicyLossConfig:
+    """The RL loss's knobs (the recipe's ``rl`` section holds them)."""
 
-    draft_loss_weight: float = 1.0
-    """lambda in ``L = L_rl + lambda * L_draft``; 0 trains the policy only (the draft is still scored)."""
-    freeze_draft: bool = False
-    """Keep the draft fixed (baseline: a warm-started draft that drifts away from the policy)."""
-    score_draft: bool = True
-    """Run the draft (without gradient) to log its accuracy when it is not trained; False skips it entirely."""
-    ttt_steps: int = 3
-    """K: training-time-test unroll depth of the draft loss."""
-    ttt_decay: float = 0.8
-    """Weight ratio between consecutive unroll steps (step k weighs decay**k)."""
     clip_eps: float = 0.2
     """PPO / GRPO lower clip range."""
     clip_eps_high: Optional[float] = None
     """Upper clip range (DAPO clip-higher); None = clip_eps."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference policy (needs ``ref_logprobs`` in the batch when > 0)."""
-    loss_aggregation: str = "token"
+    """Weight of the k3 KL to the reference policy (the policy when RL begins, after the warm-ups; needs
+    ``ref_logprobs`` in the batch when > 0)."""
+    loss_aggregation: str = "sequence"
     """How the RL loss weighs tokens over the WHOLE step (every microbatch and rank; ``training.normalize``):
-    ``token`` (DAPO: every completion token the same), ``sequence`` (GRPO: every sample the same) or ``constant``
-    (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The weight multiplies the KL term too."""
-    max_new_tokens: Optional[int] = None
-    """The completion budget: the ``constant`` aggregation's per-sample divisor (required for it)."""
+    ``sequence`` (GRPO: every sample the same), ``token`` (DAPO: every completion token the same) or ``constant``
+    (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The weight multiplies the KL term too
+    (docs/rl.md)."""
     dual_clip: Optional[float] = None
     """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): a negative-advantage token's loss is capped at ``-A c``;
     None = off."""
@@ -42,6 +45,70 @@ class CoDraftModuleConfig:
     """Sampling temperature of the rollouts: the RL loss (and the reference's log-probs) score tokens under
     ``logits / temperature``, the distribution they were sampled from, so the first, on-policy ratio is 1. Zero
     (greedy rollouts) scores under the plain logits."""
+
+    def check_loss(self) -> None:
+        """Raise ``ValueError`` naming the field when a value is out of range."""
+        for name in ("clip_eps", "kl_coef", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.clip_eps_high is not None and self.clip_eps_high < 0:
+            raise ValueError(f"clip_eps_high={self.clip_eps_high} must be >= 0 or None")
+        if self.loss_aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss_aggregation={self.loss_aggregation!r} must be one of {AGGREGATIONS}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3.0) or None")
+
+
+@dataclass
+class DraftLossConfig:
+    """The draft loss's knobs (the recipe's ``draft`` section holds them)."""
+
+    ttt_steps: int = 3
+    """K: training-time-test unroll depth of the draft loss."""
+    ttt_decay: float = 0.8
+    """Weight ratio between consecutive unroll steps (step k weighs decay**k)."""
+
+    def check_draft_loss(self) -> None:
+        """Raise ``ValueError`` naming the field when a value is out of range."""
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay={self.ttt_decay} must be in (0, 1]")
+
+
+@dataclass
+class MicrobatchConfig:
+    """How a step's batch is cut and scheduled (the recipe's ``parallel`` section holds them)."""
+
+    num_microbatches: int = 1
+    """M: each replica's batch is cut into M microbatches of whole samples (the pipeline schedule's unit); the
+    objective does not depend on it: every microbatch's loss divides by the whole step's counts."""
+    pp_schedule: str = "gpipe"
+    """Pipeline schedule under pp > 1: ``gpipe`` or ``1f1b`` (needs num_microbatches >= pp)."""
+    layers_per_stage: Optional[list[int]] = None
+    """Decoder layers of every pipeline stage (one count per stage); None balances them."""
+
+    def check_microbatches(self) -> None:
+        """Raise ``ValueError`` naming the field when a value is out of range."""
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} must be one of {PP_SCHEDULES}")
+
+
+@dataclass
+class CoDraftModuleConfig(PolicyLossConfig, DraftLossConfig, MicrobatchConfig):
+    """Hyper-parameters of the joint RL + draft objective and its optimiser: the shared sections' fields (above)
+    and these."""
+
+    draft_loss_weight: float = 1.0
+    """lambda in ``L = L_rl + lambda * L_draft``; 0 trains the policy only (the draft is still scored)."""
+    freeze_draft: bool = False
+    """Keep the draft fixed (baseline: a warm-started draft that drifts away from the policy)."""
+    score_draft: bool = True
+    """Run the draft (without gradient) to log its accuracy when it is not trained; False skips it entirely."""
+    max_new_tokens: Optional[int] = None
+    """The completion budget: the ``constant`` aggregation's per-sample divisor (required for it)."""
     track_drift: bool = False
     """Score every batch under the reference policy even when ``kl_coef == 0``: logs ``policy/kl`` (the k3 KL of
     the policy from the reference on the batch's completion tokens) and ``drift/greedy_agreement`` (the share of
@@ -68,46 +135,30 @@ class CoDraftModuleConfig:
     """Clip each group's global gradient norm to this value; None = no clipping."""
     taps: Optional[tuple[int, ...]] = None
     """Policy tap ids feeding the draft; None = the draft's configured taps, else the policy's defaults."""
-    num_microbatches: int = 1
-    """M: each replica's batch is cut into M microbatches of whole documents (the pipeline schedule's unit); the
-    objective does not depend on it: every microbatch's loss divides by the whole step's counts."""
-    pp_schedule: str = "1f1b"
-    """Pipeline schedule under pp > 1: ``1f1b`` (needs num_microbatches >= pp) or ``gpipe``."""
-    layers_per_stage: Optional[tuple[int, ...]] = None
-    """Decoder layers of every pipeline stage; None balances them."""
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient (each skipped) before training stops."""
 
     def __post_init__(self) -> None:
+        self.check_loss()
+        self.check_draft_loss()
+        self.check_microbatches()
         if self.draft_loss_weight < 0:
             raise ValueError(f"draft_loss_weight (lambda)={self.draft_loss_weight} must be >= 0; "
                              f"use 0 to train the policy only")
-        if self.ttt_steps < 1:
-            raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (the rollouts' sampling temperature)")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.total_steps < 1:
             raise ValueError(f"schedule='cosine' needs total_steps >= 1, got {self.total_steps}")
-        for name in ("policy_lr", "draft_lr", "weight_decay", "kl_coef", "clip_eps"):
+        for name in ("policy_lr", "draft_lr", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1")
-        if self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 or None")
-        if self.loss_aggregation not in ("token", "sequence", "constant"):
-            raise ValueError(f"loss_aggregation={self.loss_aggregation!r} must be 'token', 'sequence' or 'constant'")
         if self.loss_aggregation == "constant" and (self.max_new_tokens is None or self.max_new_tokens < 1):
             raise ValueError(f"loss_aggregation='constant' (Dr. GRPO) divides by samples x max_new_tokens; set "
                              f"max_new_tokens >= 1, got {self.max_new_tokens}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3.0) or None")
-        if self.pp_schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"pp_schedule={self.pp_schedule!r} must be '1f1b' or 'gpipe'")
 
     @property
     def trains_draft(self) -> bool:
