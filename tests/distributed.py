@@ -15,7 +15,9 @@ rank's traceback; a hang fails after ``timeout`` seconds instead of blocking the
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -37,7 +39,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # plain pickle copies tensors' bytes: the queue's own pickler shares their storage by a file descriptor
+        # that the parent can only fetch while this process lives (it may have exited by then: FileNotFoundError)
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -56,8 +60,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -76,7 +78,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
             continue
         rank, status, payload = queue.get()
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank}:\n{payload}")
             break

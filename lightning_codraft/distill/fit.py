@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -200,11 +200,80 @@ def evaluate_draft(draft, embed, cache: FeatureCache, docs: Sequence[int], confi
     return [] if total is None else (correct / total.clamp(min=1)).tolist()
 
 
+def fit_loop(params: list[Tensor], batches: Iterator, loss_fn: Callable[[object], object], total_steps: int,
+             lr: float, *, betas: tuple[float, float], weight_decay: float = 0.0, grad_clip: float = 1.0,
+             schedule: Callable[[float], float] = lambda p: cosine_decay(p, 0.1), time_budget_s: float | None = None,
+             report_every: int = 0, report: Callable[[int, FitResult, list[float]], float | None] | None = None,
+             on_step: Callable[[int, object], None] | None = None) -> FitResult:
+    """The one draft fit loop: AdamW over ``params`` on ``loss_fn(batch)`` for each batch of ``batches`` until
+    ``total_steps`` steps (or the time budget) are done.
+
+    The offline fit on cached features (:func:`fit_draft`) and the warm start on live policy forwards through the
+    online objective's override points (``rl.warmup.draft_warmup``) both run it.
+
+    Args:
+        params: the trained tensors.
+        batches: an iterator of batches (at least ``total_steps`` of them, or the loop ends with it).
+        loss_fn: ``batch -> out`` with ``out.loss`` (scalar) and ``out.total`` (``(K,)`` target rows per unroll
+            step), e.g. a :class:`~lightning_codraft.training.draft_loss.DraftLossOutput`.
+        total_steps: optimizer steps planned; step ``i`` runs at learning rate ``lr * schedule(progress)``.
+        lr, betas, weight_decay: AdamW's (``training.optim.adamw``).
+        grad_clip: global gradient-norm clip of ``params`` (0 disables).
+        schedule: learning-rate multiplier at ``progress`` in [0, 1] (default cosine to 10%).
+        time_budget_s: stop once training and reports took this long; ``progress`` is then
+            ``max(step share, time share)``, so the learning rate has decayed when the budget ends.
+        report_every, report: ``report(step, result, losses since the last report)`` after every
+            ``report_every``-th step and the last one (``result.train_seconds``: the time so far); its time
+            counts towards the budget, less the seconds it returns (the loop reserves as much before the end as the
+            last report took).
+        on_step: ``on_step(step index, out)`` after every step (not timed).
+
+    Returns:
+        :class:`FitResult` (``steps``, ``losses``, ``tokens_seen``, ``train_seconds``, ``planned_steps``).
+    """
+    opt = adamw(params, lr, betas=betas, weight_decay=weight_decay)
+    result = FitResult(planned_steps=total_steps)
+    clock, report_cost, window = 0.0, 0.0, []
+    for batch in batches:
+        t0 = time.perf_counter()
+        progress = result.steps / total_steps
+        if time_budget_s:
+            progress = max(progress, clock / time_budget_s)
+        for g in opt.param_groups:
+            g["lr"] = lr * schedule(progress)
+        out = loss_fn(batch)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        result.steps += 1
+        result.losses.append(float(out.loss.detach()))
+        window.append(result.losses[-1])
+        result.tokens_seen += int(out.total[0])
+        clock += time.perf_counter() - t0
+        if on_step is not None:
+            on_step(result.steps - 1, out)
+        # stop early enough for the last report to fit in the budget too
+        stop = result.steps >= total_steps or bool(time_budget_s and clock + report_cost >= time_budget_s)
+        if report is not None and (stop or (report_every and result.steps % report_every == 0)):
+            t0 = time.perf_counter()
+            result.train_seconds = clock
+            uncounted = report(result.steps, result, window) or 0.0
+            report_cost = time.perf_counter() - t0 - uncounted
+            clock += report_cost
+            window = []
+        if stop:
+            break
+    result.train_seconds = clock
+    return result
+
+
 def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, config: DraftFitConfig,
               log: Callable[[str], None] | None = None,
               on_eval: Callable[[dict], None] | None = None) -> FitResult:
-    """Train ``draft`` in place on ``cache`` with the TTT loss, reporting accuracy on the documents
-    :meth:`FeatureCache.split` holds out as it goes; returns a :class:`FitResult`.
+    """Train ``draft`` in place on ``cache`` with the TTT loss (:func:`fit_loop`), reporting accuracy on the
+    documents :meth:`FeatureCache.split` holds out as it goes; returns a :class:`FitResult`.
 
     Args:
         draft: an :class:`~lightning_codraft.models.Eagle3Draft` whose vocabulary map is the one the cache was
@@ -221,67 +290,45 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
                          f"{cache.meta['taps']}); rebuild the cache for this draft")
     train_docs, val_docs = cache.split(config.val_docs)
     lengths = cache.doc_lengths()
-    per_epoch = len(pack_batches(lengths[train_docs], config.batch_tokens))
-    total_steps = max(1, math.ceil(config.epochs * per_epoch))
+    total_steps = max(1, math.ceil(config.epochs * len(pack_batches(lengths[train_docs], config.batch_tokens))))
     params = [p for p in draft.parameters() if p.requires_grad]
     config = replace(config, precision=resolve_precision(config.precision, params[0].device))
-    opt = adamw(params, config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     rng = np.random.default_rng(config.seed)
-    result = FitResult()
-    clock, val_cost, window = 0.0, 0.0, []
 
-    def report(step: int) -> None:
-        nonlocal clock, val_cost
+    def epochs():
+        while True:
+            order = rng.permutation(len(train_docs))
+            for group in pack_batches(lengths[order], config.batch_tokens):
+                yield cache.batch([train_docs[order[i]] for i in group])
+
+    def loss(batch):
+        return draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision,
+                                config.target_temperature)
+
+    def report(step: int, result: FitResult, window: list[float]) -> float:
         t0 = time.perf_counter()
+        draft.eval()
         acc = evaluate_draft(draft, embed, cache, val_docs, config) if val_docs else []
-        val_cost = time.perf_counter() - t0
-        clock += val_cost
-        entry = dict(step=step, seconds=round(clock, 2), tokens_seen=result.tokens_seen,
+        draft.train()
+        seconds = result.train_seconds + time.perf_counter() - t0
+        entry = dict(step=step, seconds=round(seconds, 2), tokens_seen=result.tokens_seen,
                      loss=float(np.mean(window)) if window else float("nan"), val_accuracy=acc,
                      val_acceptance=implied_acceptance_length(acc))
         result.history.append(entry)
+        t0 = time.perf_counter()
         if log is not None:
-            rate = result.tokens_seen / max(clock, 1e-9)
-            log(f"  draft fit step {step}/{total_steps} ({clock:.0f}s, {result.tokens_seen} tokens, {rate:.0f} tok/s): "
-                f"loss {entry['loss']:.3f}, held-out step-0 acc {acc[0] if acc else float('nan'):.3f}, implied "
-                f"acceptance {entry['val_acceptance']:.2f}")
+            log(f"  draft fit step {step}/{total_steps} ({seconds:.0f}s, {result.tokens_seen} tokens, "
+                f"{result.tokens_seen / max(seconds, 1e-9):.0f} tok/s): loss {entry['loss']:.3f}, held-out step-0 "
+                f"acc {acc[0] if acc else float('nan'):.3f}, implied acceptance {entry['val_acceptance']:.2f}")
         if on_eval is not None:
             on_eval(entry)
+        return time.perf_counter() - t0   # logging and on_eval are not counted
 
     draft.train()
     with compiled_draft(draft, config.compile):
-        step, stop = 0, False
-        while not stop:
-            order = rng.permutation(len(train_docs))
-            for group in pack_batches(lengths[order], config.batch_tokens):
-                t0 = time.perf_counter()
-                progress = step / total_steps
-                if config.time_budget_s:
-                    progress = max(progress, clock / config.time_budget_s)
-                for g in opt.param_groups:
-                    g["lr"] = config.lr * lr_factor(progress, config)
-                batch = cache.batch([train_docs[order[i]] for i in group])
-                out = draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision,
-                                       config.target_temperature)
-                opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                if config.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-                opt.step()
-                step += 1
-                result.losses.append(float(out.loss.detach()))
-                window.append(result.losses[-1])
-                result.tokens_seen += int(out.total[0])
-                clock += time.perf_counter() - t0
-                # stop early enough for the last held-out report to fit in the budget too
-                stop = step >= total_steps or bool(config.time_budget_s and clock + val_cost >= config.time_budget_s)
-                if step % config.eval_every == 0 or stop:
-                    draft.eval()
-                    report(step)
-                    draft.train()
-                    window = []
-                if stop:
-                    break
+        result = fit_loop(params, epochs(), loss, total_steps, config.lr, betas=(0.9, 0.95),
+                          weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                          schedule=lambda p: lr_factor(p, config), time_budget_s=config.time_budget_s,
+                          report_every=config.eval_every, report=report)
     draft.eval()
-    result.steps, result.train_seconds, result.planned_steps = step, clock, total_steps
     return result

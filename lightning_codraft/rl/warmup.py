@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.config import CoDraftConfig, ConfigError
+from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.models.vocab import build_vocab_mapping
@@ -127,28 +129,22 @@ def draft_warmup(module, batches: Sequence[RLBatch], steps: int, lr: float,
 
 
 def _fit_draft(module, batches, steps, params, lr, on_step) -> list[float]:
-    policy = module.policy
-    opt = adamw(params, lr, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: cosine_decay(i / steps, 0.1))
-    taps = module.configure_taps()
-    losses = []
-    for i in range(steps):
-        batch = batches[i % len(batches)]
+    """The draft's loss on each batch through the module's override points, in the one draft fit loop."""
+    policy, taps = module.policy, module.configure_taps()
+
+    def loss(batch: RLBatch):
         with torch.no_grad():
             out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids,
                          taps=(0, *taps))
         embeds = module.draft_token_embeds(out.taps[0], batch)
         step_logits = module.draft_step_logits(list(out.taps[1:]), embeds, batch)
-        d = module.draft_loss(step_logits, out.logits.detach(), batch)
-        opt.zero_grad(set_to_none=True)
-        d.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(d.loss.detach()))
+        return module.draft_loss(step_logits, out.logits.detach(), batch)
+
+    def report(i, out):
         if on_step is not None:
-            on_step(i, losses[-1], float(d.accuracy[0]))
-    return losses
+            on_step(i, float(out.loss.detach()), float(out.accuracy[0]))
+
+    return fit_loop(params, itertools.cycle(batches), loss, steps, lr, betas=(0.9, 0.98), on_step=report).losses
 
 
 DRAFT_POOL_SEED = 2 * 10**6
