@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import lightning_codraft.rl
 from lightning_codraft.attention import pack_documents, shift_left_local
+from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.vocab import count_tokens
 from lightning_codraft.models.tokenizer import CharTokenizer
@@ -183,22 +184,19 @@ def main(argv=None) -> dict:
     K = args.ttt_steps
     print(f"draft: taps {draft.config.taps}, vocabulary {draft.config.draft_vocab_size} of "
           f"{draft.config.vocab_size}, K={K}, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0)
     metric = DraftAcceptance(num_steps=K)
     rng = random.Random(args.seed + 1)
     history = []
-    start, step = time.monotonic(), 0
+    start = time.monotonic()
     header = "  step   loss  " + "  ".join(f"acc@{k}" for k in range(K)) + "  accept_len"
     print(header)
-    while time.monotonic() - start < 60 * args.minutes and (args.max_steps is None or step < args.max_steps):
-        res = draft_step(policy, draft, sample_batch(docs, args.tokens_per_batch, 256, rng), K)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        opt.step()
+    batches = iter(lambda: sample_batch(docs, args.tokens_per_batch, 256, rng), None)  # endless
+    max_steps = args.max_steps or 10**9
+
+    def log(i, res):
         metric.update(res.correct, res.total)
-        step += 1
-        last = args.max_steps is not None and step == args.max_steps
-        if step % args.log_every == 0 or last:
+        step = i + 1
+        if step % args.log_every == 0 or step == args.max_steps:
             m = metric.compute()
             accs = [float(m[f"acc/step{k}"]) for k in range(K)]
             history.append(dict(step=step, loss=float(res.loss.detach()), acc=accs,
@@ -206,6 +204,11 @@ def main(argv=None) -> dict:
             print(f"  {step:4d}  {res.loss.item():6.3f}  " + "  ".join(f"{a:5.3f}" for a in accs)
                   + f"  {float(m['acceptance_length']):6.3f}")
             metric.reset()
+
+    # the library's draft fit loop: AdamW at a constant learning rate until the time or the step budget ends
+    step = fit_loop(list(draft.parameters()), batches, lambda b: draft_step(policy, draft, b, K), max_steps, args.lr,
+                    betas=(0.9, 0.999), grad_clip=0.0, schedule=lambda progress: 1.0,
+                    time_budget_s=60 * args.minutes, on_step=log).steps
     elapsed = time.monotonic() - start
     if history:
         first, final = history[0], history[-1]
