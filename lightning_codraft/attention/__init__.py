@@ -13,7 +13,7 @@ from lightning_codraft.attention.local import (
 from lightning_codraft.attention.local_cuda import BackendUnavailable
 from lightning_codraft.attention.merge import merge_attention
 from lightning_codraft.attention.packing import (
-    PackedBatch,
+    PackedDocuments,
     document_ids_from_cu_seqlens,
     pack_documents,
     position_ids_from_cu_seqlens,
@@ -25,7 +25,7 @@ from lightning_codraft.attention.zigzag import ZigzagLayout, shift_left, zigzag_
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
-    "PackedBatch",
+    "PackedDocuments",
     "ZigzagLayout",
     "branch_attention_backward",
     "branch_attention_forward",

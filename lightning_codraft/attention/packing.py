@@ -16,7 +16,7 @@ from torch import Tensor
 
 
 @dataclass
-class PackedBatch:
+class PackedDocuments:
     """A packed batch of documents.
 
     Attributes:
@@ -76,7 +76,7 @@ def document_ids_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
 
 
-def pack_documents(docs: Sequence[Sequence[int] | Tensor], multiple_of: int = 1, pad_id: int = 0) -> PackedBatch:
+def pack_documents(docs: Sequence[Sequence[int] | Tensor], multiple_of: int = 1, pad_id: int = 0) -> PackedDocuments:
     """Concatenate documents into one packed batch, padding each to a multiple of ``multiple_of``.
 
     Args:
@@ -85,7 +85,7 @@ def pack_documents(docs: Sequence[Sequence[int] | Tensor], multiple_of: int = 1,
         pad_id: token id used for padding (padding is masked out by ``valid``).
 
     Returns:
-        A :class:`PackedBatch`.
+        A :class:`PackedDocuments`.
     """
     if multiple_of < 1:
         raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
@@ -104,7 +104,7 @@ def pack_documents(docs: Sequence[Sequence[int] | Tensor], multiple_of: int = 1,
         padded.append(m)
     cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(padded), 0)
-    return PackedBatch(
+    return PackedDocuments(
         input_ids=torch.cat(ids),
         cu_seqlens=cu,
         position_ids=position_ids_from_cu_seqlens(cu),

@@ -12,7 +12,7 @@ from lightning_codraft._lazy import lazy_exports
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
     from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
     from lightning_codraft.rollout.engine import AcceptanceStats, RolloutEngine, RolloutError, RolloutOutput
-    from lightning_codraft.rollout.sampling import SamplingParams
+    from lightning_codraft.rollout.sampling_rules import SamplingParams
     from lightning_codraft.rollout.speculative import SpeculativeEngine
     from lightning_codraft.rollout.vllm_engine import VLLMEngine
     from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict, module_states
@@ -24,7 +24,7 @@ _LAZY = {
     "RolloutEngine": "lightning_codraft.rollout.engine",
     "RolloutError": "lightning_codraft.rollout.engine",
     "RolloutOutput": "lightning_codraft.rollout.engine",
-    "SamplingParams": "lightning_codraft.rollout.sampling",
+    "SamplingParams": "lightning_codraft.rollout.sampling_rules",
     "SpeculativeEngine": "lightning_codraft.rollout.speculative",
     "VLLMEngine": "lightning_codraft.rollout.vllm_engine",
     "WeightSync": "lightning_codraft.rollout.weight_sync",

@@ -1,8 +1,8 @@
 """How often a draft proposal is accepted, given the draft's own confidence in it, measured as the engine runs.
 
 A proposal's *confidence* is its probability under the distribution the draft drew it from (the draft's softmax;
-tempered and filtered when sampling: :meth:`TokenSampler.propose(confidence=True)
-<lightning_codraft.rollout.sampler.TokenSampler.propose>`). A draft fitted to its policy is roughly calibrated:
+tempered and filtered when sampling: :meth:`TokenSampler.draw(confidence=True)
+<lightning_codraft.rollout.sampler.TokenSampler.draw>`). A draft fitted to its policy is roughly calibrated:
 proposals it is sure of are accepted almost always, the ones it hesitates over rarely. :class:`ConfidenceCalibration`
 keeps, per confidence bin, decayed counts of proposals verified (every position a row reached: all proposals before
 it accepted) and accepted, shrunk towards the caller's prior (the engine-wide acceptance rate: a new engine predicts

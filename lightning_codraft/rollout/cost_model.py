@@ -21,7 +21,7 @@ from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.rollout.noise import CounterNoise
 from lightning_codraft.rollout.sampler import TokenSampler
-from lightning_codraft.rollout.sampling import sampling_logprobs
+from lightning_codraft.rollout.sampling_rules import sampling_logprobs
 
 
 def clock(device: torch.device) -> float:
@@ -265,7 +265,7 @@ class CostModel:
             for _ in range(3):
                 t0 = clock(device)
                 _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), dcache.select(n))
-                sampler.propose(logits[:, 0], rn, 0)
+                sampler.draw(logits[:, 0], rn, 0)
                 step.append(clock(device) - t0)
             self.add("draft", n, 1, min(step[1:]), anchor=True)
 

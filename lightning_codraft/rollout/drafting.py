@@ -39,7 +39,7 @@ def propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, k: int, sample
     start = dcache.lengths  # a decoder step replaces the lengths tensor, never mutates it
     keep = k
     for j in range(k):
-        d, q, conf = sampler.propose(logits, rn, j, confidence=stop is not None)
+        d, q, conf = sampler.draw(logits, rn, j, confidence=stop is not None)
         ids.append(d)
         if q is not None:
             probs.append(q)

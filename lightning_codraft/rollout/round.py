@@ -29,7 +29,7 @@ from lightning_codraft.rollout.cost_model import RoundClock
 from lightning_codraft.rollout.drafting import catch_up, propose, resume
 from lightning_codraft.rollout.engine import AcceptanceStats, ForwardObserver
 from lightning_codraft.rollout.sampler import TokenSampler
-from lightning_codraft.rollout.sampling import sampling_logprobs
+from lightning_codraft.rollout.sampling_rules import sampling_logprobs
 
 
 def pick(captured: Optional[Taps], ids: Optional[Sequence[int]], want: Optional[Sequence[int]]) -> Optional[Taps]:

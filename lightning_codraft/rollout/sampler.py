@@ -14,7 +14,7 @@ generated token), so a request's samples depend on its seed, not on the batch ar
   lengths too.
 - **greedy** (temperature 0): argmax everywhere, no noise.
 
-sampling.py holds the rules (module docstring); this module only feeds them the right noise.
+sampling_rules.py holds the rules (module docstring); this module only feeds them the right noise.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise
-from lightning_codraft.rollout.sampling import (
+from lightning_codraft.rollout.sampling_rules import (
     SamplingParams,
     filter_logits,
     greedy_verify,
@@ -101,7 +101,7 @@ class TokenSampler:
     def _draft_vocab(self, device: torch.device) -> torch.Tensor:
         return self.index if self.index is not None else self._vocab(device)
 
-    def propose(self, draft_logits: torch.Tensor, rn: RoundNoise, j: int, confidence: bool = False) -> Proposal:
+    def draw(self, draft_logits: torch.Tensor, rn: RoundNoise, j: int, confidence: bool = False) -> Proposal:
         """The round's j-th draft token per row.
 
         Args:
@@ -169,7 +169,7 @@ class TokenSampler:
 
 
 class Proposal(NamedTuple):
-    """One draft token per row (:meth:`TokenSampler.propose`)."""
+    """One draft token per row (:meth:`TokenSampler.draw`)."""
 
     ids: torch.Tensor
     """(B,) int64 target-vocabulary ids."""

@@ -14,7 +14,7 @@ adaptive controller, rollout/adaptive.py):
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
    sampling: Gumbel-coupled verification (default: accept the longest prefix equal to the policy's own
    Gumbel-max samples, drawn with the noise the draft proposed with) or rejection sampling
-   (rollout/sampler.py, rollout/sampling.py).
+   (rollout/sampler.py, rollout/sampling_rules.py).
    ``a_b`` accepted tokens plus one token from the policy are emitted (from ``p_k`` when all k are accepted,
    from ``p_0`` when k = 0); the policy cache is rolled back to ``L_b + 1 + a_b``.
 3. **Catch up** the draft: one draft forward over positions ``L_b .. L_b+a_b`` with the policy's real
@@ -58,7 +58,7 @@ from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds,
 from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.round import Chunk, pick, run_round
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
-from lightning_codraft.rollout.sampling import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
 from lightning_codraft.rollout.weight_sync import copy_stream_into
 
 

@@ -50,7 +50,7 @@ import torch
 
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import resolve_request_seeds
-from lightning_codraft.rollout.sampling import SamplingParams
+from lightning_codraft.rollout.sampling_rules import SamplingParams
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
 from lightning_codraft.rollout.vllm_weights import (
     TRANSFER_BACKEND, UPDATE_PATHS, compare_pushed, compare_resident, push_weights, resolve_update_path,

@@ -12,7 +12,7 @@ import torch
 from lightning_codraft.rollout import noise
 from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise, mix64, mix64_int, request_seed
 from lightning_codraft.rollout.noise import resolve_request_seeds, seed_tensor
-from lightning_codraft.rollout.sampling import gumbel_argmax
+from lightning_codraft.rollout.sampling_rules import gumbel_argmax
 
 MASK = (1 << 64) - 1
 Z = 5.0   # two-sided z bound of the frequency tests (p ~ 6e-7 each)

@@ -6,7 +6,7 @@ import torch
 
 from lightning_codraft.rollout.noise import CounterNoise, seed_tensor
 from lightning_codraft.rollout.sampler import TokenSampler
-from lightning_codraft.rollout.sampling import SamplingParams, gumbel_argmax, sampling_logprobs
+from lightning_codraft.rollout.sampling_rules import SamplingParams, gumbel_argmax, sampling_logprobs
 
 V, B = 12, 4000
 INDEX = torch.tensor([1, 3, 4, 6, 7, 9, 10, 11])   # draft id -> target id
@@ -23,7 +23,7 @@ def test_coupled_draft_proposes_with_the_noise_of_its_target_ids():
     lp = sampling_logprobs(logits, 0.8)
     rn = sampler.start_round(noise, pos, 1)
     token = noise.gumbel(pos[:, None] + torch.arange(2), 0, torch.arange(V))   # (B, 2, V) TOKEN noise
-    d, q, _ = sampler.propose(logits[:, 0, INDEX], rn, 0)   # the policy restricted to the draft vocabulary
+    d, q, _ = sampler.draw(logits[:, 0, INDEX], rn, 0)   # the policy restricted to the draft vocabulary
     y = gumbel_argmax(lp[:, 0], token[:, 0])             # the policy's own sample at the proposed position
     inside = torch.isin(y, INDEX)
     assert q is None and torch.isin(d, INDEX).all()
@@ -39,7 +39,7 @@ def test_coupled_draft_proposes_with_the_noise_of_its_target_ids():
 def test_rejection_draft_distribution_in_target_ids():
     sampler, logits, noise, pos = _setup("rejection")
     rn = sampler.start_round(noise, pos, 1)
-    d, q, _ = sampler.propose(logits[:, 0, INDEX], rn, 0)
+    d, q, _ = sampler.draw(logits[:, 0, INDEX], rn, 0)
     assert torch.isin(d, INDEX).all() and rn.draft is not None and rn.accept is not None
     assert torch.allclose(q, torch.softmax(logits[:, 0, INDEX] / 0.8, -1))
     q_target = sampler.target_probs([q])
@@ -54,7 +54,7 @@ def test_greedy_uses_no_noise():
     sampler, logits, noise, pos = _setup("coupled", temperature=0.0)
     rn = sampler.start_round(noise, pos, 1)
     assert rn.draft is None and rn.accept is None
-    d, _, _ = sampler.propose(logits[:, 0, INDEX], rn, 0)
+    d, _, _ = sampler.draw(logits[:, 0, INDEX], rn, 0)
     assert torch.equal(d, INDEX[logits[:, 0, INDEX].argmax(-1)])
     assert torch.equal(sampler.first(logits[:, 0], noise, pos), logits[:, 0].argmax(-1))
 
@@ -64,10 +64,10 @@ def test_confidence_is_the_proposals_probability_under_the_distribution_it_was_d
     draft_id = {int(t): i for i, t in enumerate(INDEX)}
     for mode, temperature in (("coupled", 0.0), ("coupled", 0.8), ("rejection", 0.8)):
         sampler, _, noise, pos = _setup(mode, temperature)
-        p = sampler.propose(draft_logits, sampler.start_round(noise, pos, 1), 0, confidence=True)
+        p = sampler.draw(draft_logits, sampler.start_round(noise, pos, 1), 0, confidence=True)
         q = torch.softmax(draft_logits / (temperature or 1.0), -1)
         picked = torch.tensor([draft_id[int(t)] for t in p.ids])
         assert torch.allclose(p.confidence, q.gather(1, picked[:, None])[:, 0])
         if temperature == 0.0:
             assert torch.equal(picked, draft_logits.argmax(-1))
-        assert sampler.propose(draft_logits, sampler.start_round(noise, pos, 1), 0).confidence is None
+        assert sampler.draw(draft_logits, sampler.start_round(noise, pos, 1), 0).confidence is None

@@ -16,7 +16,7 @@ from lightning_codraft.rollout import noise, sampler
 from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
 from lightning_codraft.rollout.cost_model import CostModel
 from lightning_codraft.rollout.noise import request_seed
-from lightning_codraft.rollout.sampling import gumbel_argmax, lazy_coupled_verify
+from lightning_codraft.rollout.sampling_rules import gumbel_argmax, lazy_coupled_verify
 
 
 @pytest.fixture(autouse=True)

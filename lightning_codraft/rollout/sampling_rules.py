@@ -150,7 +150,7 @@ def lazy_coupled_verify(target_logprobs: torch.Tensor, gumbel_at: Callable[[torc
     Position j's sample decides a row's outcome only while the row's proposals 1..j all equalled the policy's
     samples, so the noise (a ``V``-wide draw per row and position, the costliest part of sampled verification at a
     large vocabulary) is drawn position by position for those rows alone; the samples that are drawn are the ones the
-    whole-noise rule draws too, so both return the same tokens (tests/rollout/test_sampling.py compares them).
+    whole-noise rule draws too, so both return the same tokens (tests/rollout/test_sampling_rules.py compares them).
 
     Args:
         target_logprobs: (B, K+1, V) filtered policy log-probabilities at the K+1 verified positions.
