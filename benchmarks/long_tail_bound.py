@@ -39,30 +39,17 @@ import torch
 import rollout as rb  # benchmarks/rollout.py: the same models, prompts and long-tail settings
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.rollout.adaptive import SpeculationController
-from lightning_codraft.rollout.cost_model import CostModel
 
 ROOT = rb.ROOT
 
 
-class BookedCosts(CostModel):
-    """A cost model that also keeps every measured draft catch-up as ``(rows, seconds)``."""
-
-    def __init__(self):
-        super().__init__()
-        self.catch_ups: list[tuple[int, float]] = []
-
-    def add(self, block: str, B: int, S: int, seconds: float, anchor: bool = False) -> None:
-        if block == "catch_up":
-            self.catch_ups.append((B, seconds))
-        super().add(block, B, S, seconds, anchor)
-
-
 class FixedK(SpeculationController):
-    """A controller that verifies the same k every round and books every round's timed blocks."""
+    """A controller that verifies the same k every round and books every round's timed blocks (its public
+    hooks: ``record_round``, ``record_catch_up``)."""
 
     def __init__(self, k: int, max_k: int):
-        super().__init__(max_k, costs=BookedCosts())
-        self.k, self.rounds = k, []
+        super().__init__(max_k)
+        self.k, self.rounds, self.catch_ups = k, [], []
 
     def choose(self, estimates, remaining, catch_up_span=0) -> int:
         return self.k
@@ -73,6 +60,10 @@ class FixedK(SpeculationController):
     def record_round(self, batch_size, k, policy_s, draft_s, rest_s, drafted=None) -> None:
         self.rounds.append((batch_size, policy_s, draft_s, rest_s))
         super().record_round(batch_size, k, policy_s, draft_s, rest_s, drafted)
+
+    def record_catch_up(self, batch_size: int, span: int, seconds: float) -> None:
+        self.catch_ups.append((batch_size, seconds))
+        super().record_catch_up(batch_size, span, seconds)
 
 
 def best_speedups(rows: list[dict], model: str, T: float) -> dict[int, float]:
@@ -133,14 +124,14 @@ def round_blocks(model, prompts, T: float, ks: list[int], rounds: int) -> list[d
         eng = SpeculativeEngine(model.policy, model.draft, rb.K, adaptive=ctl, dtype=model.dtype)
         eng.generate(prompts, 4, **kw)
         ctl.rounds.clear()
-        ctl.costs.catch_ups.clear()
+        ctl.catch_ups.clear()
         eng.generate(prompts, 1 + (k + 1) * rounds, **kw)
         full = [x for x in ctl.rounds if x[0] == B][1:]  # the first round pays the prompts' catch-up
         if not full:
             raise ValueError(f"no round at the full width {B} after the first (k={k}): rows ended too soon; "
                              f"raise --block-rounds")
         med = lambda i: statistics.median(x[i] for x in full)  # noqa: E731
-        catch = [t for b, t in ctl.costs.catch_ups if b == B][1:]
+        catch = [t for b, t in ctl.catch_ups if b == B][1:]
         out.append({"k": k, "rounds": len(full), "policy_s": med(1), "draft_s": med(2), "rest_s": med(3),
                     "catch_up_s": statistics.median(catch) if catch else 0.0})
         out[-1]["round_s"] = out[-1]["policy_s"] + out[-1]["draft_s"] + out[-1]["rest_s"] + out[-1]["catch_up_s"]

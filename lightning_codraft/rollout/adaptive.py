@@ -363,6 +363,10 @@ class SpeculationController:
             self.costs.add("draft", batch_size, 1, draft_s / drafted)
         self.costs.add("rest", batch_size, 1, rest_s)
 
+    def record_catch_up(self, batch_size: int, span: int, seconds: float) -> None:
+        """Measured seconds of a draft catch-up over ``span`` verified positions of ``batch_size`` rows."""
+        self.costs.add("catch_up", batch_size, span, seconds)
+
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
                   pending: torch.Tensor, taps: Sequence[int], sampler: TokenSampler) -> None:
         """Time forwards on the live caches around this batch size (:meth:`CostModel.calibrate`)."""

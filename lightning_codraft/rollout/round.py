@@ -92,7 +92,7 @@ def run_round(b: LiveRows, chunk: Chunk, done: list[bool]) -> None:
     if k and (b.backlog or b.prompt is not None):  # deferred catch-ups first (adaptive engines only)
         with clock.block("catch_up"):
             resume(chunk.pdec, chunk.ddec, b, ctl.config.resume_window)
-        ctl.costs.add("catch_up", len(b.active), span, clock.last)
+        ctl.record_catch_up(len(b.active), span, clock.last)
     with clock.block("policy"):  # rejection sampling draws the round's noise now (timed with the verify)
         rn = chunk.sampler.start_round(b.noise, b.out_pos, k)
     with clock.block("draft"):
@@ -166,7 +166,7 @@ def _feed_draft(b: LiveRows, chunk: Chunk, v: Verified, clock: RoundClock) -> No
             catch_up(chunk.pdec, chunk.ddec, b, tuple(t[:, :span] for t in taps), v.new_ids[:, :span], v.accepted,
                      v.new_length)
         if chunk.controller is not None:
-            chunk.controller.costs.add("catch_up", len(b.active), span, clock.last)
+            chunk.controller.record_catch_up(len(b.active), span, clock.last)
         return
     b.backlog.append((taps, v.bonus[:, None]))
     if len(b.backlog) > chunk.controller.config.resume_window:  # only the last window is ever used

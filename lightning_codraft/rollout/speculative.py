@@ -271,7 +271,7 @@ class SpeculativeEngine:
                         requests: list[int] | None = None) -> list[RolloutOutput]:
         """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/round.py) until every row is
         done; ``requests[i]``: row i's index in the call (the observer's)."""
-        device, K, batch, params = self._device(), self.num_speculative_tokens, len(prompts), sampler.params
+        K, batch, params = self.num_speculative_tokens, len(prompts), sampler.params
         draft_taps = tuple(int(t) for t in self.draft.config.taps) if self.draft is not None and K > 0 else None
         seen = tuple(int(t) for t in observer.taps) if observer is not None else ()
         # a row may overshoot its budget by K+1 slots in its last round (then it leaves the batch), and every
