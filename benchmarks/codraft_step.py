@@ -29,6 +29,7 @@ import torch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.rl.experience import Rollout, build_rl_batch
 from lightning_codraft.training.module import CoDraftModule
+from pages import pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,18 +116,14 @@ def main() -> None:
               "L_rl + lambda L_draft in one backward. All three in the same run on the same batch."]
     (out / "codraft_step.md").write_text("\n".join(lines) + "\n")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar(names, [med[n] / med["rl_only"] for n in names], color=["#999999", "#6699cc", "#cc6633"])
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.set_ylabel("step time / rl_only")
     ax.set_title("Co-training cost per RL step")
-    fig.tight_layout()
-    fig.savefig(out / "codraft_step.png", dpi=120)
+    save_figure(fig, out / "codraft_step.png", dpi=120)
     print(f"wrote {out / 'codraft_step.md'} and {out / 'codraft_step.png'}")
 
 

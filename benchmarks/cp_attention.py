@@ -42,6 +42,7 @@ from lightning_codraft.attention import (
     varlen_attention,
     zigzag_shard,
 )
+from pages import command, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -344,10 +345,7 @@ def summary(rows) -> str:
 
 
 def plot(rows, args, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"ours": "C0", "allgather": "C1", "dupkeys": "C3"}
@@ -369,8 +367,7 @@ def plot(rows, args, path: Path):
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def write_docs(rows, args, cmd: str) -> None:
@@ -411,7 +408,7 @@ def main(argv=None):
     for P in args.cp:
         print(f"cp={P}", flush=True)
         rows += run_cp(P, args)
-    write_docs(rows, args, "python benchmarks/cp_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    write_docs(rows, args, command("cp_attention.py", argv))
     return rows
 
 

@@ -27,6 +27,7 @@ import draft_warmstart as ws
 from lightning_codraft.distill.calibration import calibrate_draft_temperature
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rl.stats import paired_difference
+from pages import command, pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,12 +73,12 @@ def main(argv=None) -> None:
         arms.append(_arm(policy, draft, held, wsargs, tok, s))
     if any(a["tokens"] != base["tokens"] for a in arms):
         raise SystemExit("coupled sampling must decode the same tokens in every arm; it did not")
-    res = dict(command="python benchmarks/draft_calibration.py " + " ".join(args.argv), smoke=args.smoke,
+    res = dict(command=command("draft_calibration.py", args.argv), smoke=args.smoke,
                draft_dir=str(ddir), folded_scale=folded, k=wsargs.k, temperature=T, eval_prompts=len(held),
                eval_max_new_tokens=wsargs.eval_max_new_tokens, calibration=dict(
                    scale=cal.scale, scales=cal.scales, acceptance=cal.acceptance, rows=cal.rows, seconds=cal_s),
                arms=[{k: v for k, v in a.items() if k != "tokens"} for a in arms])
-    (out / "draft_calibration.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(out / "draft_calibration.json", res)
     text = write_report(out, res)
     print(text)
 
@@ -108,9 +109,7 @@ def write_report(out: Path, res: dict) -> str:
         "![implied and engine acceptance against the scale](draft_calibration.png)", ""]
     text = "\n".join(lines)
     (out / "draft_calibration.md").write_text(text)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     order = sorted(range(len(cal["scales"])), key=lambda i: cal["scales"][i])
     ax.plot([cal["scales"][i] for i in order], [cal["acceptance"][i] for i in order], "o-",
@@ -120,9 +119,7 @@ def write_report(out: Path, res: dict) -> str:
     ax.set_xlabel("proposal temperature scale (logits / scale)")
     ax.set_ylabel("acceptance length")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "draft_calibration.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "draft_calibration.png")
     return text
 
 

@@ -40,6 +40,7 @@ from lightning_codraft.distill.warmstart import install_vocab
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rl.stats import paired_difference
 from lightning_codraft.training.draft_loss import ttt_draft_loss
+from pages import command, pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,12 +147,12 @@ def main(argv=None) -> None:
               f"engine acceptance {stats.acceptance_length:.3f}", flush=True)
     if any(a["tokens"] != arms[0]["tokens"] for a in arms):
         raise SystemExit("coupled sampling must decode the same tokens in every arm; it did not")
-    res = dict(command="python benchmarks/draft_fit_ablation.py " + " ".join(args.argv), smoke=args.smoke,
+    res = dict(command=command("draft_fit_ablation.py", args.argv), smoke=args.smoke,
                features_dir=str(cache.path), budget_min=args.budget_min, k=wsargs.k, temperature=wsargs.temperature,
                eval_prompts=len(run.held), eval_max_new_tokens=wsargs.eval_max_new_tokens,
                base=dataclasses.asdict(base), unroll_timing=timing,
                arms=[{k: v for k, v in a.items() if k != "tokens"} for a in arms])
-    (out / "draft_fit_ablation.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(out / "draft_fit_ablation.json", res)
     print(write_report(out, res))
 
 
@@ -188,9 +189,7 @@ def write_report(out: Path, res: dict) -> str:
 
 
 def _plot(path: Path, arms: list[dict], k: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = list(range(len(arms)))
     for shift, key, label in ((-0.2, "implied", "implied (cache held-out)"),
@@ -199,9 +198,7 @@ def _plot(path: Path, arms: list[dict], k: int) -> None:
     ax.set(xticks=x, ylim=(1.0, None), ylabel=f"acceptance length, K={k}")
     ax.set_xticklabels([a["arm"] for a in arms], fontsize=8)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 if __name__ == "__main__":
     main()

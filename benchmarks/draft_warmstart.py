@@ -37,6 +37,7 @@ from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
+from pages import command, pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,10 +272,7 @@ def write_report(out: Path, res: dict, previous: list[dict] | None = None) -> st
 
 
 def plot(out: Path, res: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = [c["warmstart_seconds"] / 60 for c in res["curve"]]
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -286,9 +284,7 @@ def plot(out: Path, res: dict) -> None:
     ax.set_ylabel(f"acceptance length (K={res['k']}, T={res['temperature']})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "draft_warmstart.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "draft_warmstart.png")
 
 
 def cpu_model() -> str:
@@ -431,7 +427,7 @@ def main(argv=None) -> None:
     if args.report_only:
         res = json.loads(Path(args.report_only).read_text())
         if Path(args.report_only).resolve() != (out / "draft_warmstart.json").resolve():
-            (out / "draft_warmstart.json").write_text(json.dumps(res, indent=1) + "\n")
+            write_json(out / "draft_warmstart.json", res)
         print(write_report(out, res, previous))
         plot(out, res)
         return
@@ -466,7 +462,7 @@ def main(argv=None) -> None:
     hit_s = time.perf_counter() - t0
     same = hit.cache_hit and all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                                    draft.state_dict().values()))
-    res = dict(command="python benchmarks/draft_warmstart.py " + " ".join(args.argv),
+    res = dict(command=command("draft_warmstart.py", args.argv),
                smoke=args.smoke, machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
                threads=args.threads, load_start=load_start, load_end="%.1f" % os.getloadavg()[0], k=args.k,
                temperature=args.temperature, eval_prompts=len(held), eval_max_new_tokens=args.eval_max_new_tokens,
@@ -475,7 +471,7 @@ def main(argv=None) -> None:
                final_per_position={"coupled": stats.per_position_rate(), "rejection": rejection.per_position_rate()},
                heldout_entropy=entropy, heldout_rows=rows, draft_vocab_size=args.draft_vocab,
                cache_hit_s=hit_s, cache_hit_same=same, fit_unroll="loss-reachable rows", cpu=cpu_model())
-    (out / "draft_warmstart.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(out / "draft_warmstart.json", res)
     print(write_report(out, res, previous))
     plot(out, res)
     print(f"acceptance length {stats.acceptance_length:.2f} coupled, {rejection.acceptance_length:.2f} rejection "

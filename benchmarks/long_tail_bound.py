@@ -39,6 +39,7 @@ import torch
 import rollout as rb  # benchmarks/rollout.py: the same models, prompts and long-tail settings
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.rollout.adaptive import SpeculationController
+from pages import md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = rb.ROOT
 
@@ -168,28 +169,24 @@ def report(res: dict, out: Path) -> Path:
               "Best speed-up over plain decoding per batch size (grid cells, best of fixed K=4 and adaptive, 1.0 "
               "where plain decoding wins): " + ", ".join(f"B={B}: {s:.2f}x" for B, s in sorted(best.items())), "",
               f"**Bound on the whole batch: {res['bound']:.2f}x plain decoding.**", "",
-              f"## A round's blocks at the full width (B={res['B']}, fixed k, medians over rounds)", "",
-              "| k | rounds | verify (policy + sampling) | proposals | draft catch-up | rest | round | vs k=0 |",
-              "|---|---|---|---|---|---|---|---|"]
-    t0 = blocks[0]["round_s"]
-    for b in blocks:
-        lines.append(f"| {b['k']} | {b['rounds']} | {b['policy_s'] * 1e3:.1f} ms | {b['draft_s'] * 1e3:.1f} ms | "
-                     f"{b['catch_up_s'] * 1e3:.1f} ms | {b['rest_s'] * 1e3:.1f} ms | {b['round_s'] * 1e3:.1f} ms | "
-                     f"{b['round_s'] / t0:.2f}x |")
+              f"## A round's blocks at the full width (B={res['B']}, fixed k, medians over rounds)", ""]
+    t0, ms = blocks[0]["round_s"], lambda s: f"{s * 1e3:.1f} ms"
+    lines += md_table(["k", "rounds", "verify (policy + sampling)", "proposals", "draft catch-up", "rest", "round",
+                       "vs k=0"],
+                      [(b["k"], b["rounds"], ms(b["policy_s"]), ms(b["draft_s"]), ms(b["catch_up_s"]), ms(b["rest_s"]),
+                        ms(b["round_s"]), f"{b['round_s'] / t0:.2f}x") for b in blocks])
     k1 = next((b for b in blocks if b["k"] == 1), None)
     if k1 is not None:
         lines += ["", f"A k=1 round pays only if the rows' mean first-proposal acceptance exceeds "
                       f"{k1['round_s'] / t0 - 1:.2f} (= T(k=1) / T(k=0) - 1)."]
     lines += ["", "![time by width](long_tail_bound.png)", ""]
     md = out / "long_tail_bound.md"
-    md.write_text("\n".join(lines))
+    write_page(md, lines)
     return md
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by = res["profile"]["by_width_s"]
     widths = sorted(by)
@@ -201,9 +198,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_ylabel("CPU s")
     ax.set_title(f"{res['model']} long tail: time by width (bound {res['bound']:.2f}x)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -258,7 +253,7 @@ def main() -> int:
            "argv": sys.argv, "elapsed_s": time.perf_counter() - start}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "long_tail_bound.json").write_text(json.dumps(res, indent=1))
+    write_json(out / "long_tail_bound.json", res)
     md = report(res, out)
     plot(res, out / "long_tail_bound.png")
     print(md.read_text())

@@ -26,7 +26,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from lightning_codraft.parallel.pp_runner import PipelineRunner
 from lightning_codraft.parallel.tap_channel import TapChannel
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.rl_loss import policy_gradient_loss
+from pages import command, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -309,7 +309,7 @@ def main():
     inband_bytes = ib[8] - rows[0][8]
     md = f"""# Pipeline parallelism: TapChannel vs in-band taps
 
-Command: `python benchmarks/pp_tapchannel.py {' '.join(sys.argv[1:])}`
+Command: `{command('pp_tapchannel.py')}`
 
 Setup: {setup}.
 Medians over the rounds; wall = max over ranks of one step; CPU = process time (all threads, gloo's included)
@@ -337,10 +337,7 @@ columns).
 """
     (out / "pp.md").write_text(md)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
         names = [r[0] for r in rows]
@@ -353,8 +350,7 @@ columns).
         ax2.legend()
         for ax in (ax1, ax2):
             ax.tick_params(axis="x", labelrotation=20)
-        fig.tight_layout()
-        fig.savefig(out / "pp.png", dpi=120)
+        save_figure(fig, out / "pp.png", dpi=120)
         md += "\n![step time and bytes](pp.png)\n"
         (out / "pp.md").write_text(md)
     except ImportError:

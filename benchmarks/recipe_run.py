@@ -14,11 +14,9 @@ recipe spends about an hour on the draft warm start unless ``python benchmarks/d
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 
 from lightning_codraft.config import load_config
 from lightning_codraft.rl.loop import fit
+from pages import command, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +84,7 @@ def main(argv=None) -> None:
         raise SystemExit("the run did not complete")
     summary = (Path(cfg.run.out_dir) / "summary.txt").read_text()
     warm = [line for text in printed for line in text.splitlines() if "warm start" in line or "warm-start" in line]
-    res = dict(command="python benchmarks/recipe_run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = dict(command=command("recipe_run.py", argv),
                recipe=args.config, overrides=list(args.overrides), machine=f"{os.cpu_count()} CPU cores, torch "
                f"{torch.__version__}", threads=cfg.run.threads, load_start=load_start,
                load_end="%.1f" % os.getloadavg()[0], wall_s=time.perf_counter() - t0,
@@ -95,7 +94,7 @@ def main(argv=None) -> None:
     curves = Path(cfg.run.out_dir) / "curves.png"
     if curves.is_file():
         shutil.copyfile(curves, out / f"{args.name}_curves.png")
-    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1, default=float) + "\n")
+    write_json(out / f"{args.name}.json", res)
     print(write_page(out, args.name, res))
 
 

@@ -43,6 +43,7 @@ from lightning_codraft.rl.compare import isolated
 from lightning_codraft.rl.logs import plot_curves
 from lightning_codraft.rl.loop import CoDraftRun
 from lightning_codraft.rl.stats import paired_difference
+from pages import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,7 +136,7 @@ def run_once(cfg: CoDraftConfig, setting: str, reuse: bool, print_fn=print) -> H
                   reward_before=reward_before, curve=curve, kl_last=rows[-1]["kl"],
                   agreement_last=rows[-1]["greedy_agreement"],
                   reward_mean=statistics.fmean(r["reward"] for r in rows), wall_s=time.perf_counter() - t0)
-    saved.write_text(json.dumps({"config": config_text, **dataclasses.asdict(res)}, indent=1))
+    write_json(saved, {"config": config_text, **dataclasses.asdict(res)})
     return res
 
 

@@ -54,6 +54,7 @@ from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.stats import paired_difference
 from lightning_codraft.rl.warmup import DRAFT_POOL_SEED
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
+from pages import pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -463,10 +464,7 @@ def write_report(rows, models_notes, args, elapsed, out: Path) -> Path:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.8), squeeze=False)
@@ -481,9 +479,7 @@ def plot(rows, path: Path) -> None:
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_title(f"{m}: speed-up over no draft (CPU time)", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def per_model(spec: str) -> dict[str, int]:
@@ -549,13 +545,13 @@ def main() -> int:
         args.command = " and ".join(  # a saved report of merged runs names the runs it merged
             " and ".join(f"`python {' '.join(a)}`" for a in sv.get("merged", [sv["argv"]]))
             + f" ({sv['elapsed_s'] / 60:.0f} min)" for sv in saved)
-        (out / "rollout.json").write_text(json.dumps(
-            {"rows": rows, "notes": notes, "elapsed_s": sum(sv["elapsed_s"] for sv in saved),
-             "argv": sys.argv, "merged": [a for sv in saved for a in sv.get("merged", [sv["argv"]])]}, indent=1))
+        write_json(out / "rollout.json", {
+            "rows": rows, "notes": notes, "elapsed_s": sum(sv["elapsed_s"] for sv in saved),
+            "argv": sys.argv, "merged": [a for sv in saved for a in sv.get("merged", [sv["argv"]])]})
         return finish(rows, notes, args, sum(sv["elapsed_s"] for sv in saved), out)
     args.command = f"`python {' '.join(sys.argv)}` ({{elapsed}} min)"
-    save = lambda: (out / "rollout.json").write_text(json.dumps(  # noqa: E731
-        {"rows": rows, "notes": notes, "elapsed_s": time.perf_counter() - start, "argv": sys.argv}, indent=1))
+    save = lambda: write_json(out / "rollout.json", {  # noqa: E731
+        "rows": rows, "notes": notes, "elapsed_s": time.perf_counter() - start, "argv": sys.argv})
     print(HEADER, flush=True)
     for key in keys:  # the long tail first: with the grid, the longest part of a run
         model = {"tiny": tiny_model, "smollm2": smollm2_model}[key](args)
