@@ -197,7 +197,7 @@ class ParallelConfig(MicrobatchConfig):
     engine_dtype: Optional[str] = None
     """Dtype the rollout engine decodes in: ``bfloat16`` (a bf16 copy taken each step; the loss's log-probs are that
     behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast:
-    an AVX2-only CPU emulates bf16 300x slower); null: the training weights' dtype. vLLM serves float32 only."""
+    an AVX2-only CPU emulates bf16, far slower); null: the training weights' dtype. vLLM serves float32 only."""
 
 
 @dataclass

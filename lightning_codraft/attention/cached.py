@@ -27,9 +27,8 @@ def attended_slots(top: int, capacity: int, queries: int, device: torch.device) 
     to (the rest masked).
 
     On CPU the batched matmuls of :func:`_grouped_attention` copy a slice ``k[:, :, :top]`` of a longer cache (its
-    batch stride is not compact) in every layer, which costs more than attending to a few masked slots: at batch
-    12 and 420 slots in bf16 a layer's attention takes 1.2 ms on the slice and 0.5 ms over 452 slots
-    (docs/design/decoding.md). So a decode or verify step (at most :data:`GROUPED_MAX_QUERIES` queries) over a
+    batch stride is not compact) in every layer, which costs more than attending to a few masked slots
+    (docs/design/measurements.md). So a decode or verify step (at most :data:`GROUPED_MAX_QUERIES` queries) over a
     cache at most ``max(ATTEND_ALL_SLACK, top // 4)`` slots longer (``KVCache.reserve`` grows it in blocks)
     attends to the whole cache; its result does not depend on how many masked slots it spans. Prefill (SDPA,
     whose blocked softmax rounds differently over another width), steps over a much longer cache, and steps on
@@ -60,8 +59,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
 
     On CPU a step of at most :data:`GROUPED_MAX_QUERIES` queries per row (decode, speculative verify) over
     several rows, or any such step in half precision, runs as :func:`_grouped_attention`: PyTorch's CPU flash
-    kernel is slow for so few queries, 10x in bf16 at one query a row (measured on a 2-vCPU Zen 4 EPYC, batch
-    256: 55 against 5 ms a layer); else SDPA.
+    kernel is slow for so few queries (docs/design/measurements.md); else SDPA.
 
     Args:
         q: ``(B, H, S, D)`` queries.

@@ -257,8 +257,9 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         temperature: the policy's mean per-token entropy at this temperature over the target rows is recorded
             in ``meta["entropy"]`` (with ``meta["argmax_coverage"]``, the share of target rows whose top-1 is
             in the draft vocabulary).
-        precision: ``"32-true"``, ``"bf16-mixed"`` (the policy under bf16 autocast: 4x faster on a CPU with AMX;
-            taps and logits carry bf16 rounding) or ``"auto"`` (bf16 where it is fast, ``resolve_precision``).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (the policy under bf16 autocast: faster on a CPU with AMX,
+            docs/design/measurements.md; taps and logits carry bf16 rounding) or ``"auto"`` (bf16 where it is fast,
+            ``resolve_precision``).
         on_progress: called with ``(tokens done, tokens total)`` after every forward.
     """
     if precision not in PRECISION_NAMES:

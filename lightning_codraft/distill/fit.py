@@ -65,8 +65,7 @@ class DraftFitConfig:
     """The loss compares the policy's and the draft's distributions at this temperature (the soft cross-entropy
     of ``softmax(policy / t)`` and ``softmax(draft / t)``; the draft's logits keep the policy's scale). 1.0:
     EAGLE-3's soft targets; the rollouts' temperature (e.g. 0.8) weighs the tokens sampling actually draws, but
-    measured on SmolLM2 / GSM8K it proposed worse at T=0.8 (engine acceptance -0.064 against 1.0, same 5-minute fit:
-    docs/benchmarks/fit_ablation_target_temperature/draft_fit_ablation.md), hence the default."""
+    proposed worse on SmolLM2 / GSM8K (docs/design/measurements.md), hence the default."""
     val_docs: int = 32
     """Documents held out of training (the cache's last ones) to measure accuracy as training goes."""
     eval_every: int = 50
@@ -77,13 +76,13 @@ class DraftFitConfig:
     seed: int = 0
     """Shuffle order of the documents each epoch."""
     precision: str = "32-true"
-    """``"32-true"``, ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: 2.6x faster
-    per step on a Xeon with AMX, whose bf16 matmuls run 4.5x faster than fp32; gradients agree to cosine 0.9999)
-    or ``"auto"`` (bf16-mixed where bf16 is fast: :func:`~lightning_codraft.models.precision.resolve_precision`)."""
+    """``"32-true"``, ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: faster where bf16
+    matmuls are, with gradients close to fp32's: docs/design/measurements.md) or ``"auto"`` (bf16-mixed where bf16 is
+    fast: :func:`~lightning_codraft.models.precision.resolve_precision`)."""
     compile: bool = False
     """``torch.compile(dynamic=True)`` the draft layer's q/k/v and output blocks and its final norm while fitting,
-    fusing their elementwise work (measured on a 2-vCPU Xeon, bf16-mixed: 864-908 rows/s against 684; see
-    docs/benchmarks/draft_warmstart.md); the first batches pay the compilation, the module is left as it was."""
+    fusing their elementwise work (docs/design/measurements.md); the first batches pay the compilation, the module
+    is left as it was."""
 
     def __post_init__(self):
         coerce_floats(self)

@@ -71,8 +71,8 @@ class WarmStartSettings:
     generation_share: float = 0.45
     """Share of ``time_budget_s`` given to sampling the corpus."""
     generation_dtype: str | None = None
-    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; 3x faster decoding on a
-    Xeon with AMX, 4x slower on an AVX2-only CPU); ``"auto"``: bf16 where it is fast, else float32
+    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; faster decoding on a CPU with
+    AMX, slower on an AVX2-only one: docs/design/measurements.md); ``"auto"``: bf16 where it is fast, else float32
     (:func:`~lightning_codraft.models.precision.resolve_dtype`); None: the policy as it is. The features and soft
     targets always come from the policy."""
     rebuild_vocab: bool = True
@@ -89,7 +89,7 @@ class WarmStartSettings:
     the cache), at the cost of spilling them to disk under the cache directory while sampling (~4.6 KB a token at
     H = 576; removed once the feature cache is written)."""
     feature_precision: str = "32-true"
-    """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: 4x faster on a Xeon with AMX;
+    """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: faster on a CPU with AMX;
     taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
     (bf16-mixed where bf16 is fast). Every ``"auto"`` here and in ``fit.precision`` is resolved for the policy's
     device before the cache keys are taken."""

@@ -1,11 +1,11 @@
 """``PackedLinear``: ``x @ W^T + b`` with the weight packed once for the CPU's oneDNN matmul (the decode path).
 
-``F.linear`` on CPU re-lays the weight out for its kernel on every call; at decode sizes (a few to a hundred rows)
-that costs as much as the product. Packing the weight once (``torch.ops.mkldnn._reorder_linear_weight``, what
-Inductor's CPU freezing does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes a SmolLM2-sized bf16
-projection 1.6-2.4x faster at 1-16 rows on a Zen 4 EPYC (fp32: 1.2-1.8x), and in bf16 bitwise equal to
-``F.linear`` up to :data:`ROW_BLOCK` rows (docs/design/decoding.md). The packed call has no autograd, so a call that needs a gradient, an input of
-another dtype, a non-CPU weight or a torch build without oneDNN takes ``F.linear`` on the plain weight.
+``F.linear`` on CPU re-lays the weight out for its kernel on every call; at decode sizes (a few to a hundred rows) that
+costs as much as the product. Packing the weight once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU
+freezing does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes a decode-sized projection faster
+(docs/design/decoding.md §3), and in bf16 bitwise equal to ``F.linear`` up to :data:`ROW_BLOCK` rows. The packed call
+has no autograd, so a call that needs a gradient, an input of another dtype, a non-CPU weight or a torch build without
+oneDNN takes ``F.linear`` on the plain weight.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROW_BLOCK = 32
 """The most rows one bf16 oneDNN call gets. On a CPU with AMX (Intel Sapphire Rapids and later) oneDNN runs a bf16
 product of more than 32 rows on AMX tiles and one of at most 32 rows on AVX-512; the two round some outputs
 differently, so a 40-row verify would not equal the 8-row plain step holding the same rows. Larger bf16 calls run in
-blocks of 32 rows (on AMX up to ~2x slower above 32 rows, docs/design/decoding.md)."""
+blocks of 32 rows (slower above 32 rows on AMX: docs/design/decoding.md §3)."""
 
 
 def packing_available() -> bool:

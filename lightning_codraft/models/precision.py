@@ -1,9 +1,8 @@
 """``"auto"`` precision: bf16 where the device's bf16 matmuls are fast, fp32 where they are emulated.
 
-bf16 pays only on hardware with bf16 matrix units: a CUDA GPU that supports it, or a CPU with AMX / AVX512-BF16
-(measured on a 2-vCPU Xeon with AMX: bf16 matmuls 4.5x faster than fp32). On an AVX2-only CPU PyTorch falls back
-to a scalar kernel: measured on a 2-vCPU AMD EPYC (AVX2), a 2048^2 bf16 matmul ran at 0.27 GFLOP/s against fp32's
-89, so a recipe that hard-codes bf16 would run 300x slower there. :func:`resolve_dtype` and
+bf16 pays only on hardware with bf16 matrix units: a CUDA GPU that supports it, or a CPU with AMX / AVX512-BF16.
+On an AVX2-only CPU PyTorch falls back to a scalar kernel, so a recipe that hard-codes bf16 would run hundreds of
+times slower there (figures: docs/design/measurements.md). :func:`resolve_dtype` and
 :func:`resolve_precision` turn ``"auto"`` into the fast choice for a device: on CUDA by capability, on a CPU by
 timing one small matmul in both dtypes, after one untimed call of each (once per process and device type, about a
 second at worst).
@@ -53,8 +52,8 @@ def bf16_speedup(device_type: str = "cpu") -> float:
 
 def _speedup(reference, candidate) -> float:
     """How many times faster ``candidate()`` runs than ``reference()``: each is called once untimed first (a first
-    call pays the kernel's setup: measured on a Zen 4 EPYC, 12 ms for a bf16 matmul that then takes 0.2 ms, which
-    made bf16 look 20x slower than fp32 there when it is 3x faster), then timed at its best of a few calls."""
+    call pays the kernel's setup, which can make the faster kernel look the slower: docs/design/measurements.md),
+    then timed at its best of a few calls."""
     reference()
     t_ref = _best_time(reference, reps=5, give_up_s=float("inf"))
     candidate()

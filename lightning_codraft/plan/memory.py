@@ -16,7 +16,7 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   microbatch, and FSDP2's all-gathered units (the root for the whole step, two layers or the draft at once, the
   unsharded gradients and the fp32 reduce-scatter input of one unit) or, without FSDP2 under ``bf16-mixed``,
   autocast's bf16 weight copies (autocast's activations, a mix of fp32 norms and bf16 matmuls, are counted with
-  the fp32 formulas: an upper bound, 1.17-1.26x the measured bytes on the tiny test models). Before it, the
+  the fp32 formulas: an upper bound, docs/design/measurements.md). Before it, the
   reference's forward (one microbatch's logits at a time, reduced to a log-prob and an argmax per row that the
   step keeps for all ``M`` microbatches, twice under PP where the schedule merges them); after
   it, AdamW's foreach temporaries (one state-sized tensor). The phase's total takes the largest of the three.

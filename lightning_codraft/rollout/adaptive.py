@@ -99,14 +99,13 @@ class AdaptiveConfig:
     prompt, and skips the positions between)."""
     use_confidence: bool = False
     """Stop a round's proposal chain by the draft's confidence in each proposal: after every proposal the controller
-    weighs, with acceptance predicted from the proposals' confidences (rollout/confidence.py), verifying the ones
-    drawn so far against drafting more (:meth:`SpeculationController.verify_length`); the round verifies between 0
-    and the k it chose. Greedy and coupled sampling only, whose tokens do not depend on the proposals: rejection
-    sampling corrects proposals drawn from the draft's distribution, and keeping the sure ones while dropping the
-    unsure ones would bias it. Off by default: on a CPU it measured no gain (SmolLM2 bf16, batch 1 and 4, T 0 and
-    1: within 3% of the same controller without it, side by side) and its per-proposal bookkeeping cost ~3% at
-    batch 64 on the tiny model (docs/design/decoding.md); it is meant for verifies that are compute-bound at the
-    batch size, where a hesitant proposal costs a full row."""
+    weighs, with acceptance predicted from the proposals' confidences (rollout/confidence.py), verifying the ones drawn
+    so far against drafting more (:meth:`SpeculationController.verify_length`); the round verifies between 0 and the k
+    it chose. Greedy and coupled sampling only, whose tokens do not depend on the proposals: rejection sampling corrects
+    proposals drawn from the draft's distribution, and keeping the sure ones while dropping the unsure ones would bias
+    it. Off by default: on a CPU it gained nothing and its per-proposal bookkeeping costs time
+    (docs/design/measurements.md); it is meant for verifies that are compute-bound at the batch size, where a hesitant
+    proposal costs a full row."""
     confidence_prior_weight: float = 8.0
     """Pseudo-proposals per confidence bin at the engine-wide acceptance rate (until a bin has counts of its own it
     predicts what the controller would without confidences)."""

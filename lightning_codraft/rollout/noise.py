@@ -23,9 +23,8 @@ zero; tests/rollout/test_noise.py shows the difference). Exponential and Gumbel 
 small values (the ones that decide which rare token wins an exponential race) keep that resolution.
 
 Cost: about 20 elementwise int64 / float32 ops per element of the ``(B, S, N)`` block, in chunks of ``_CHUNK``
-elements that stay in cache. Measured on one CPU core: ~5 ns per element from 10**4 to 10**6 elements, 0.15-0.5x
-the time of ``torch.empty(B, S, N).exponential_()``, plus ~60 us per call (~35 small torch ops), which dominates
-below ~10**4 elements.
+elements that stay in cache, plus a fixed cost per call (~35 small torch ops) that dominates small blocks
+(figures: docs/design/measurements.md).
 
 **Seeds.** Every request has a 63-bit seed: the caller's ``request_seeds[i]``, or ``request_seed(seed, i)`` for a
 call-wide ``seed`` (:func:`resolve_request_seeds`).

@@ -77,11 +77,11 @@ class SpeculativeEngine:
             :attr:`controller`; or a controller of your own). Output is unchanged in distribution (and token
             for token when greedy or coupled; with ``sampling="rejection"`` the samples depend on each round's k,
             which follows measured times).
-        sampling: how tokens are drawn at temperature > 0: "coupled" (Gumbel-coupled verification: the rollouts
-            are a pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch
-            size or request order) or "rejection" (speculative rejection sampling: measured 1-3% longer
-            acceptance on the tiny model, 7% with the SmolLM2 warm-start draft; samples that depend on the speculation
-            lengths). Both sample the policy exactly.
+        sampling: how tokens are drawn at temperature > 0: "coupled" (Gumbel-coupled verification: the rollouts are a
+            pure function of each request's seed and prompt, whatever the draft, K, adaptivity, batch size or request
+            order) or "rejection" (speculative rejection sampling: slightly longer acceptance,
+            docs/design/measurements.md; samples that depend on the speculation lengths). Both sample the policy
+            exactly.
         dtype: decode in this dtype (``torch.bfloat16`` or ``"bfloat16"``: what rollout engines serve an
             fp32-trained policy in; float32, float16; ``"auto"``: bf16 where it is fast), from a cast copy of the
             weights taken at each ``generate`` call, KV caches and taps in it too; logits are upcast to fp32 for

@@ -161,7 +161,7 @@ def ttt_draft_loss(
     target_ids = torch.arange(Vd, device=device) + d2t.to(device)
     with torch.no_grad():
         pl = policy_logits.detach().float()
-        top = pl.max(-1).indices  # the first maximal index, as argmax (and 4x faster on CPU)
+        top = pl.max(-1).indices  # the first maximal index, as argmax (and faster on CPU: design/measurements.md)
         scored = loss_mask.to(device=device, dtype=torch.float32)
         counted = scored * t2d.to(device)[top].float()
         # the softmax of a row does not depend on where it is shifted to: once, over the draft vocabulary
