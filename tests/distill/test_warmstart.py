@@ -197,7 +197,7 @@ def test_benchmark_smoke(tmp_path):
     assert "acceptance" in out.stdout
 
 
-def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills():
+def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatch):
     """The recipe's draft.warm_start (and draft vocabulary) equal benchmarks/draft_warmstart.py's defaults, so the
     benchmark's run is the cache the recipe loads; and both hold out the recipe's evaluation problems."""
     import importlib.util
@@ -206,6 +206,7 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills():
     from lightning_codraft.config import load_config
     from lightning_codraft.rl.warmup import warm_start_settings
 
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as when run as a script: its folder's pages.py
     spec = importlib.util.spec_from_file_location("draft_warmstart_bench", REPO / "benchmarks" / "draft_warmstart.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
