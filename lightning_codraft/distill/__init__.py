@@ -7,7 +7,8 @@ One home for the offline path (the online co-training objective is ``training``)
 - ``fit``: the TTT fit of the draft on a cache (the online objective's loss, ``training.draft_loss``);
 - ``calibration``: the proposal temperature of highest implied acceptance, folded into ``lm_head``;
 - ``compiled``: the compiled draft unroll the fit uses where ``torch.compile`` pays;
-- ``warmstart``: the stages from the task's prompts to a cached, calibrated draft (``draft.warm_start``).
+- ``stages``: the warm start's stages (corpus, vocabulary, features, draft), each owning its cache key;
+- ``warmstart``: runs them, from the task's prompts to a cached, calibrated draft (``draft.warm_start``).
 """
 
 from typing import TYPE_CHECKING

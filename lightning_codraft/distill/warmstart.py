@@ -1,28 +1,17 @@
 """The draft's self-distillation warm start, cached on disk by the policy's weights.
 
 EAGLE-3's prescription: fit the draft on the POLICY'S OWN responses to the task's training prompts, sampled at
-the rollout temperature, through the chat template the rollouts use. :func:`warm_start_draft` does it in four
-stages, each cached under ``cache_dir`` so a later run (or a run that changes only the fit settings) skips
-what it can:
-
-1. ``corpus-<key>/``: the policy's responses (embedded engine, no draft) to training prompts; the task's last
-   ``heldout_prompts`` problems are never used, so acceptance can be measured on prompts the draft never saw.
-2. the draft vocabulary: the ``Vd`` most frequent completion tokens of the corpus
-   (:func:`~lightning_codraft.models.vocab.build_vocab_mapping`), ``lm_head`` rows re-initialised from the
-   policy's.
-3. ``features-<key>/``: the policy's taps and soft targets, kept from the sampling forwards of stage 1 when it
-   ran (:class:`~lightning_codraft.distill.capture.FeatureRecorder`: no second pass over the corpus),
-   else computed once by :func:`~lightning_codraft.distill.cache.build_feature_cache`.
-4. ``draft-<key>/``: the fitted draft (:func:`~lightning_codraft.distill.fit.fit_draft`) in vLLM's EAGLE-3
-   format, plus ``report.json``. Its key hashes the policy's state dict, the draft config, the training prompts
-   and these settings, so a different policy (one changed weight) never loads a stale draft.
+the rollout temperature, through the chat template the rollouts use. :func:`warm_start_draft` runs the four stages
+of distill/stages.py (corpus, vocabulary, features, draft), each cached under ``cache_dir`` by the key it owns, so
+a later run (or a run that changes only the fit settings) skips what it can. The task's last ``heldout_prompts``
+problems are never used, so acceptance can be measured on prompts the draft never saw; the draft's key hashes the
+policy's state dict, the draft config, the training prompts and these settings, so a different policy (one
+changed weight) never loads a stale draft.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
 import json
 import random
 import shutil
@@ -33,16 +22,13 @@ from typing import Callable
 
 import torch
 
-from lightning_codraft.distill.cache import FeatureCache, build_feature_cache
 from lightning_codraft.distill.calibration import calibrate_draft_temperature
-from lightning_codraft.distill.capture import FeatureRecorder
-from lightning_codraft.distill.fit import (DraftFitConfig, FitResult, coerce_floats, fit_draft,
-                                                 implied_acceptance_length)
+from lightning_codraft.distill.fit import DraftFitConfig, FitResult, coerce_floats, fit_draft, implied_acceptance_length
+from lightning_codraft.distill.stages import (corpus_features, corpus_key, draft_key, features_key, install_vocab,
+                                              sample_corpus, state_fingerprint)
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.precision import AUTO, resolve_dtype, resolve_precision
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.models.vocab import count_tokens
-from lightning_codraft.rollout import SpeculativeEngine
 
 _COMPLETE = "COMPLETE"
 
@@ -161,20 +147,6 @@ class WarmStartReport:
     ``fit_precision``."""
 
 
-def state_fingerprint(module: torch.nn.Module) -> str:
-    """blake2b hex digest of a module's state dict: names, dtypes, shapes and bytes of every tensor."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in sorted(module.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _digest(*parts) -> str:
-    return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
-
-
 def resolve_settings(settings: WarmStartSettings, device) -> WarmStartSettings:
     """``settings`` with every ``"auto"`` dtype and precision resolved for ``device``."""
     fit = dataclasses.replace(settings.fit, precision=resolve_precision(settings.fit.precision, device))
@@ -205,46 +177,6 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
     random.Random(settings.seed).shuffle(order)
     return ([samples[i].prompt for i in order[:settings.num_prompts]],
             [s.prompt for s in samples[n_train:]])
-
-
-def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
-                    log: Callable[[str], None] = print, budget_s: float | None = None,
-                    recorder: FeatureRecorder | None = None) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft; the
-    first batch always runs, a later one only when it should end within ``budget_s`` seconds. ``recorder`` sees
-    the sampling forwards, response ``j`` as request ``j``."""
-    if settings.generation_dtype is not None:
-        policy = copy.deepcopy(policy).to(getattr(torch, settings.generation_dtype))
-    engine = SpeculativeEngine(policy, None, 0)
-    t0, out, bs, last = time.perf_counter(), [], settings.generation_batch, 0.0
-    for c in range(0, len(prompts), bs):
-        if budget_s is not None and c and time.perf_counter() - t0 + last > budget_s:
-            break  # the next batch (about as long as the last) would end past the budget
-        t1 = time.perf_counter()
-        chunk = prompts[c:c + bs]
-        if recorder is not None:
-            recorder.request_offset = c
-        res = engine.generate(chunk, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                              top_p=settings.top_p, seed=settings.seed * 1_000_003 + c,
-                              stop_token_ids=[tokenizer.eos_token_id], observer=recorder)
-        out.extend((p, list(r.token_ids)) for p, r in zip(chunk, res))  # the engine emits >= 1 token a request
-        last, dt = time.perf_counter() - t1, time.perf_counter() - t0
-        n = sum(len(x) for _, x in out)
-        log(f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
-            f"({n / max(dt, 1e-9):.0f} tok/s)")
-    return out
-
-
-def install_vocab(policy, draft, corpus, settings: WarmStartSettings) -> None:
-    """Draft vocabulary: the most frequent completion tokens of the corpus; the draft re-initialised from the
-    policy for it (``lm_head`` rows = the policy's, see :meth:`Eagle3Draft.from_policy`)."""
-    c = draft.config
-    counts = count_tokens(torch.tensor([t for _, comp in corpus for t in comp]), int(c.vocab_size))
-    with torch.random.fork_rng():
-        torch.manual_seed(settings.seed)
-        fresh = Eagle3Draft.from_policy(policy, draft_vocab_size=int(c.draft_vocab_size), taps=tuple(c.taps),
-                                        token_counts=counts)
-    draft.load_state_dict(fresh.state_dict())
 
 
 def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings, cache_dir,
@@ -279,13 +211,8 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     if not prompts:
         raise ValueError(f"no training prompt fits the context: every one is longer than max_position_embeddings - "
                          f"max_new_tokens = {limit} tokens")
-    policy_key = state_fingerprint(policy)
-    gen = {k: v for k, v in asdict(settings).items() if k in ("num_prompts", "heldout_prompts", "max_new_tokens",
-                                                              "temperature", "top_p", "generation_batch",
-                                                              "generation_budget_s", "generation_dtype", "seed",
-                                                              "time_budget_s", "generation_share")}
-    corpus_key = _digest(policy_key, gen, prompts)
-    key = _digest(corpus_key, asdict(draft.config), asdict(settings))
+    corpus = corpus_key(state_fingerprint(policy), prompts, settings)
+    key = draft_key(corpus, draft, settings)
     draft_dir = cache_dir / f"draft-{key}"
     if (draft_dir / _COMPLETE).is_file():
         loaded = Eagle3Draft.from_pretrained(draft_dir, dtype=draft.fc.weight.dtype, device=draft.fc.weight.device)
@@ -300,63 +227,21 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         fit_precision=settings.fit.precision))
     log(f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
         f"{settings.feature_precision}, fit {settings.fit.precision}")
-    corpus_dir = cache_dir / f"corpus-{corpus_key}"
-    t0, recorder = time.perf_counter(), None
-    if (corpus_dir / "samples.json").is_file():
-        corpus = [(p, c) for p, c in json.loads((corpus_dir / "samples.json").read_text())]
-        log(f"draft warm start: {len(corpus)} cached responses from {corpus_dir}")
-    else:
-        budgets = [b for b in (settings.generation_budget_s, settings.time_budget_s and
-                                settings.time_budget_s * settings.generation_share) if b]
-        if settings.capture_features:
-            recorder = FeatureRecorder(policy, draft.config.taps, settings.temperature, settings.feature_dtype,
-                                       spill_dir=cache_dir / f"capture-{corpus_key}.tmp")
-        try:
-            corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
-                                     recorder)
-            if not corpus:
-                raise ValueError("the policy produced no response token for any training prompt")
-        except BaseException:
-            if recorder is not None:
-                recorder.close()
-            raise
-        corpus_dir.mkdir(exist_ok=True)
-        (corpus_dir / "samples.tmp").write_text(json.dumps(corpus))
-        (corpus_dir / "samples.tmp").rename(corpus_dir / "samples.json")
-    report.generation_s = time.perf_counter() - t0
-    report.prompts, report.generated_tokens = len(corpus), sum(len(c) for _, c in corpus)
-
-    if settings.rebuild_vocab:
-        install_vocab(policy, draft, corpus, settings)
-    target_ids = draft.draft_to_target(torch.arange(int(draft.config.draft_vocab_size), device=draft.d2t.device))
-    feat_key = _digest(corpus_key, target_ids.tolist(), list(draft.config.taps), settings.feature_dtype,
-                       settings.feature_precision)
-    feat_dir = cache_dir / f"features-{feat_key}"
     t0 = time.perf_counter()
-    docs = [(p + c, len(p) - 1) for p, c in corpus]
-    if (feat_dir / "meta.json").is_file():
-        cache = FeatureCache(feat_dir)
+    samples, recorder = sample_corpus(policy, tokenizer, prompts, draft.config.taps, settings, cache_dir, corpus, log)
+    report.generation_s = time.perf_counter() - t0
+    report.prompts, report.generated_tokens = len(samples), sum(len(c) for _, c in samples)
+    try:
+        if settings.rebuild_vocab:
+            install_vocab(policy, draft, samples, settings)
+        target_ids = draft.draft_to_target(torch.arange(int(draft.config.draft_vocab_size), device=draft.d2t.device))
+    except BaseException:
         if recorder is not None:
             recorder.close()
-    elif recorder is not None:
-        with recorder:  # its spilled records are removed once the cache is written
-            cache = recorder.write(docs, list(range(len(docs))), target_ids, feat_dir)
-        log(f"  warm start: features of {len(docs)} documents kept from the sampling forwards "
-            f"({time.perf_counter() - t0:.0f}s)")
-    else:
-        every = max(1, report.generated_tokens // 10)
-        state = {"next": every}
-
-        def progress(done: int, total: int) -> None:
-            if done >= state["next"] or done == total:
-                state["next"] = done + every
-                log(f"  warm start: features {done}/{total} tokens ({time.perf_counter() - t0:.0f}s)")
-
-        with torch.no_grad():
-            cache = build_feature_cache(policy, docs, target_ids, draft.config.taps, feat_dir,
-                                        batch_tokens=settings.feature_batch_tokens, dtype=settings.feature_dtype,
-                                        temperature=settings.temperature, precision=settings.feature_precision,
-                                        on_progress=progress)
+        raise
+    t0 = time.perf_counter()
+    cache = corpus_features(policy, samples, recorder, target_ids, draft.config.taps, settings, cache_dir,
+                            features_key(corpus, target_ids, draft.config.taps, settings), log)
     report.features_s = time.perf_counter() - t0
     report.entropy, report.argmax_coverage = cache.meta["entropy"], cache.meta["argmax_coverage"]
     log(f"draft warm start: {cache.meta['loss_rows']} target rows, policy entropy at T={settings.temperature} "

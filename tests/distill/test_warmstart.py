@@ -11,12 +11,8 @@ import torch
 from lightning_codraft.distill import warmstart as draft_warmstart
 from lightning_codraft.distill.cache import FeatureCache
 from lightning_codraft.distill.fit import DraftFitConfig
-from lightning_codraft.distill.warmstart import (
-    WarmStartSettings,
-    split_prompts,
-    state_fingerprint,
-    warm_start_draft,
-)
+from lightning_codraft.distill.stages import state_fingerprint
+from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
@@ -218,3 +214,29 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatc
     assert json.dumps(asdict(ours), sort_keys=True) == json.dumps(asdict(theirs), sort_keys=True)
     assert cfg.draft.draft_vocab_size == args.draft_vocab and cfg.run.seed + 1 == 1  # the benchmark's draft seed
     assert cfg.task.heldout <= args.heldout and cfg.task.source.endswith("gsm8k/train.jsonl")
+
+
+def test_each_stage_owns_its_cache_key():
+    """A fit setting changes only the draft's key; a sampling setting the corpus' key and so every later one; the
+    feature storage dtype only the features' key."""
+    from dataclasses import replace
+
+    from lightning_codraft.distill.stages import GENERATION_FIELDS, corpus_key, draft_key, features_key
+
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig.tiny(vocab_size=40, num_hidden_layers=4))
+    draft = Eagle3Draft.from_policy(policy)
+    base = WarmStartSettings(num_prompts=4)
+    ids, prompts = torch.arange(40), [[1, 2, 3]]
+
+    def keys(s):
+        c = corpus_key(state_fingerprint(policy), prompts, s)
+        return c, features_key(c, ids, draft.config.taps, s), draft_key(c, draft, s)
+
+    c0, f0, d0 = keys(base)
+    c1, f1, d1 = keys(replace(base, fit=replace(base.fit, lr=base.fit.lr * 2)))
+    assert (c1, f1) == (c0, f0) and d1 != d0
+    c2, f2, d2 = keys(replace(base, temperature=base.temperature / 2))
+    assert "temperature" in GENERATION_FIELDS and c2 != c0 and f2 != f0 and d2 != d0
+    c3, f3, _ = keys(replace(base, feature_dtype="float32"))
+    assert c3 == c0 and f3 != f0
