@@ -30,7 +30,7 @@ class LiveRows:
     dcache: KVCache | None
     pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
     length: torch.Tensor          # (B,) tokens in the policy cache
-    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by drafting.resume)
+    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by round.resume)
     h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while a catch-up is deferred)
     dl_last: torch.Tensor | None  # (B, Vd) its logits
     backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids

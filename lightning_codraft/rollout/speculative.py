@@ -9,7 +9,7 @@ adaptive controller, rollout/adaptive.py):
    end of the previous round); steps 1..k-1 feed the draft its own output hidden state and the
    token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards. An adaptive engine
    measures the draft's confidence in each proposal and may stop the chain after any of them, verifying
-   fewer (0..k) where the controller predicts that more would not pay (rollout/drafting.py, confidence.py).
+   fewer (0..k) where the controller predicts that more would not pay (rollout/round.py, confidence.py).
 2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_k]`` (positions ``L_b .. L_b+k``),
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
    sampling: Gumbel-coupled verification (default: accept the longest prefix equal to the policy's own
@@ -51,12 +51,11 @@ from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_d
 from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, decode_dtype
-from lightning_codraft.rollout.drafting import catch_up
 from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
                                               validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.prefill import prefill
-from lightning_codraft.rollout.round import Chunk, pick, run_round
+from lightning_codraft.rollout.round import Chunk, catch_up, pick, run_round
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
 from lightning_codraft.rollout.weight_sync import copy_stream_into
