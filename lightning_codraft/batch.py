@@ -40,7 +40,7 @@ _REQUIRED = ("input_ids", "target_ids", "position_ids", "cu_seqlens", "valid", "
 class StepNorm:
     """What one optimizer step's objective divides by, global over every microbatch and every dp x cp rank.
 
-    Computed once per step, before the microbatch loop (``training/normalize.py``), so that every microbatch's loss is
+    Computed once per step, before the microbatch loop (``training/objective.py``), so that every microbatch's loss is
     its share of ONE global objective and the shares add up to the same value and gradient on any layout.
 
     Attributes:
@@ -75,7 +75,7 @@ class RLBatch:
             agreement of the drift metrics), or None.
         loss_weight: ``(T,)`` float32 weight of each row in the step's RL objective, already divided by the step's
             global denominator (``norm.rl``): the objective is ``sum_t loss_weight_t * loss_t`` over every
-            microbatch and rank. None until ``training.normalize.normalize_step`` (or the caller) sets it.
+            microbatch and rank. None until ``training.objective.normalize_step`` (or the caller) sets it.
         norm: the step's global :class:`StepNorm` (set with ``loss_weight``), or None.
         cp_rank: the CP rank whose zigzag shard the rows are (0 for a whole batch).
         cp_size: the CP size the rows are sharded over (1: the rows are the whole batch).

@@ -17,13 +17,14 @@ from typing import Callable
 import torch
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.fabric import fabric_training_step
 from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import check_failure_budget, score_completions
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats
+from lightning_codraft.training.step import optimizer_step
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -165,7 +166,8 @@ class RLStep:
         self.model.train()
         self.model.train_draft_this_step = step % self.cfg.draft.train_every == 0
         t0 = time.perf_counter()
-        m = fabric_training_step(self.fabric, self.model, batch, self.optimizer, self.scheduler)
+        m = {k: float(v) for k, v in optimizer_step(self.model, unwrap_module(self.model), batch, self.optimizer,
+                                                    self.scheduler, self.fabric.backward).items()}
         train_s = time.perf_counter() - t0
         n_tok = sum(len(o.token_ids) for o in outs)
         ok = r[scored].tolist()

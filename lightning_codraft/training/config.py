@@ -34,10 +34,10 @@ class PolicyLossConfig:
     """Weight of the k3 KL to the reference policy (the policy when RL begins, after the warm-ups; needs
     ``ref_logprobs`` in the batch when > 0)."""
     loss_aggregation: str = "sequence"
-    """How the RL loss weighs tokens over the WHOLE step (every microbatch and rank; ``training.normalize``):
-    ``sequence`` (GRPO: every sample the same), ``token`` (DAPO: every completion token the same) or ``constant``
-    (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The weight multiplies the KL term too
-    (docs/rl.md)."""
+    """How the RL loss weighs tokens over the WHOLE step (every microbatch and rank;
+    ``training.objective.normalize_step``): ``sequence`` (GRPO: every sample the same), ``token`` (DAPO: every
+    completion token the same) or ``constant`` (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The
+    weight multiplies the KL term too (docs/rl.md)."""
     dual_clip: Optional[float] = None
     """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): a negative-advantage token's loss is capped at ``-A c``;
     None = off."""

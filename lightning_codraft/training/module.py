@@ -2,8 +2,8 @@
 
 ``L = L_rl + lambda * L_draft`` with ONE backward. The draft reads only detached tensors of the policy: its tap
 hidden states, its logits (the soft targets) and its token embeddings (tap 0) of the shifted ids; so the draft term
-moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global
-counts (every microbatch, dp replica and CP shard: ``training.normalize``), so the same user code gives the same
+moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global counts
+(every microbatch, dp replica and CP shard: ``training.objective.normalize_step``), so the same user code gives the same
 update on one process or on any (dp, pp, cp) mesh and any ``num_microbatches``. One step, as data::
 
     RLBatch (whole replica batch)  -> split into M microbatches -> [PP: padded to one length] -> zigzag shard
@@ -34,7 +34,7 @@ from lightning_codraft.parallel.pp_runner import PipelineRunner
 from lightning_codraft.parallel.strategy_core import reduce_gradients
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
-from lightning_codraft.training.normalize import normalize_step
+from lightning_codraft.training.objective import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
                                                   step_metrics)
 from lightning_codraft.training.optim import adamw, cosine_decay
@@ -234,7 +234,7 @@ class CoDraftModule(LightningModule):
     # ------------------------------------------------------------------ the joint objective
     def normalize(self, batch: RLBatch) -> RLBatch:
         """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
-        ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it."""
+        ``RLBatch.norm``), one all-reduce over dp: ``training.objective.normalize_step``. Every rank calls it."""
         c, dims = self.config, self.parallel_dims
         return normalize_step(batch, c.loss_aggregation, c.ttt_steps, max_new_tokens=c.max_new_tokens,
                               dp_group=dims.dp_group, cp_group=dims.cp_group)

@@ -2,9 +2,9 @@
 
 Every quantity is row-local (the RL batch is next-token aligned, docs/design/interfaces.md), so under
 context or data parallelism each rank scores its own rows. The weights are the step's global ones
-(``training.normalize``: token, sequence or constant aggregation, one denominator for the whole step), so a
-sharded or microbatched run equals the single-process run exactly; without them the loss is the token mean over
-ALL masked tokens of the batch (its count all-reduced).
+(``training.objective.normalize_step``: token, sequence or constant aggregation, one denominator for the whole step), so
+a sharded or microbatched run equals the single-process run exactly; without them the loss is the token mean over ALL
+masked tokens of the batch (its count all-reduced).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def policy_gradient_loss(
     ``pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))`` (with ``dual_clip = c`` and ``A < 0``, verl's
     dual clip ``pg = min(pg, -A c)``) and, when ``kl_coef > 0``, ``kl = exp(ref - logp) - (ref - logp) - 1``
     (Schulman's k3, unbiased and >= 0). The loss is ``sum_t w_t (pg_t + kl_coef kl_t)``: with ``loss_weight`` given,
-    ``w`` is it (the step's global weights, ``training.normalize.normalize_step``: no count crosses ranks and the
+    ``w`` is it (the step's global weights, ``training.objective.normalize_step``: no count crosses ranks and the
     loss is this microbatch's share of the step's objective); without, ``w_t = mask_t / sum mask`` with the sum over
     every rank of ``group`` (the token mean of this batch).
 
