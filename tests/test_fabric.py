@@ -16,7 +16,7 @@ STEPS = 3
 WEIGHT_ATOL = 5e-6
 # adam_eps=1e-6: Adam divides by sqrt(v) + eps, which turns the reduction-order noise of a near-zero gradient
 # into a visible step with eps=1e-8; 1e-6 keeps the comparison about the gradients, not about that amplification
-HPARAMS = dict(policy_lr=1e-3, draft_lr=2e-3, kl_coef=0.05, policy_warmup_steps=2, schedule="cosine",
+HPARAMS = dict(policy_lr=1e-3, draft_lr=2e-3, kl_coef=0.05, policy_lr_warmup_steps=2, schedule="cosine",
                total_steps=STEPS, adam_eps=1e-6)
 GRAD_RTOL = 1e-5
 """The first step's gradients (same weights on both sides) agree to this fraction of each tensor's largest entry."""

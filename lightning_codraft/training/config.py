@@ -123,9 +123,9 @@ class CoDraftModuleConfig(PolicyLossConfig, DraftLossConfig, MicrobatchConfig):
     """AdamW betas."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
-    policy_warmup_steps: int = 0
+    policy_lr_warmup_steps: int = 0
     """Linear warm-up steps of the policy learning rate."""
-    draft_warmup_steps: int = 0
+    draft_lr_warmup_steps: int = 0
     """Linear warm-up steps of the draft learning rate."""
     schedule: str = "constant"
     """After warm-up: ``constant`` or ``cosine`` (to 0 at ``total_steps``)."""

@@ -61,6 +61,9 @@ class CoDraftModule(LightningModule):
         if not isinstance(policy, nn.Module) or not isinstance(draft, nn.Module):
             raise TypeError(f"CoDraftModule needs a policy and a draft nn.Module, got policy="
                             f"{type(policy).__name__}, draft={type(draft).__name__}")
+        renamed = {"policy_warmup_steps": "policy_lr_warmup_steps", "draft_warmup_steps": "draft_lr_warmup_steps"}
+        for old in set(overrides) & set(renamed):  # "warm-up" alone names the SFT and draft phases before RL
+            raise TypeError(f"CoDraftModule({old}=...) is now {renamed[old]} (the learning rate's warm-up)")
         self.config = replace(config or CoDraftModuleConfig(), **overrides)
         self._check_vocabularies(policy, draft)
         self.policy = policy
@@ -369,7 +372,7 @@ class CoDraftModule(LightningModule):
     def lr_lambda(self, group_name: str):
         """The schedule multiplier of group ``group_name`` as a function of the optimizer step."""
         c = self.config
-        warmup = c.policy_warmup_steps if group_name == "policy" else c.draft_warmup_steps
+        warmup = c.policy_lr_warmup_steps if group_name == "policy" else c.draft_lr_warmup_steps
 
         def fn(step: int) -> float:
             if warmup > 0 and step < warmup:

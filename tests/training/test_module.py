@@ -69,7 +69,7 @@ def test_baselines_do_not_train_the_draft_but_still_score_it(kwargs):
 
 
 def test_two_parameter_groups_with_their_own_schedules():
-    module = CoDraftModule(*make_models(), policy_lr=1e-3, draft_lr=4e-3, policy_warmup_steps=4, schedule="cosine",
+    module = CoDraftModule(*make_models(), policy_lr=1e-3, draft_lr=4e-3, policy_lr_warmup_steps=4, schedule="cosine",
                            total_steps=8)
     optimizer, scheduler = module.build_optimizer()
     names = [g["name"] for g in optimizer.param_groups]

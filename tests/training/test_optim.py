@@ -18,9 +18,16 @@ def test_cosine_decay_ends_and_midpoint():
 
 
 def test_module_schedule_warms_up_then_decays():
-    module = CoDraftModule(*make_models(), policy_warmup_steps=2, schedule="cosine", total_steps=6)
+    module = CoDraftModule(*make_models(), policy_lr_warmup_steps=2, schedule="cosine", total_steps=6)
     fn = module.lr_lambda("policy")
     assert [fn(0), fn(1)] == [0.5, 1.0]
     assert fn(2) == 1.0 and fn(6) == pytest.approx(0.0, abs=1e-15) and fn(4) == pytest.approx(0.5)
     opt = adamw([torch.nn.Parameter(torch.zeros(2))], 1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.1
+
+
+def test_the_lr_warmup_knobs_say_lr():
+    """``draft_warmup_steps`` read like the recipe's draft warm-up (``draft.warmup_steps``); the LR ramp's knobs are
+    ``*_lr_warmup_steps`` and the old names are refused with the new one."""
+    with pytest.raises(TypeError, match="draft_lr_warmup_steps"):
+        CoDraftModule(*make_models(), draft_warmup_steps=2)
