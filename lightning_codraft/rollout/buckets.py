@@ -1,0 +1,232 @@
+"""Bucketed refit: weights travel from the training state to an engine in fixed-size buckets, by reference.
+
+A refit streams ``(name, tensor)`` pairs (the training state gathered one tensor at a time: ``parallel/stream.py``)
+into flat buffers of at most ``bucket_bytes`` (a tensor larger than that gets a bucket of its own), cast to the
+engine's dtype on the sender. Each :class:`WeightBucket` carries its manifest (name, byte offset, shape, dtype of
+every tensor), the model it belongs to (``"policy"`` / ``"draft"``), its index, the weights' version (optimizer
+steps) and a checksum of its bytes computed on the buffer's device as it is packed (:func:`bucket_checksum`: two
+int64 sums over the buffer's 32-bit words, one position-weighted, so a changed, dropped or reordered word moves it).
+
+The receiver (:class:`BucketReceiver`) recomputes the checksum where the bucket lands, refuses a bucket of another
+version (stale) or out of order, and at the end of a model's buckets refuses a push that lacked one (a dropped
+bucket) or left a tensor of the engine unfilled (a lost draft). Buffers are reused: :func:`pack_buckets` keeps a
+pool of two, so a refit holds at most two buckets beyond the engine's own weights, on the sender's device and, for
+an engine in another process, in shared host memory (CPU) or a CUDA IPC handle (GPU) — never pickled bytes
+(:func:`share_handle`, :func:`open_handle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+"""Bytes per bucket unless a caller says otherwise (the refit's peak extra memory is two of them)."""
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """Where one tensor lies in a bucket."""
+
+    name: str
+    """The tensor's name in the model's state dict."""
+    offset: int
+    """Byte offset in the bucket's buffer (a multiple of 16)."""
+    shape: tuple[int, ...]
+    """The tensor's shape."""
+    dtype: torch.dtype
+    """Its dtype in the bucket (the engine's, for floating tensors)."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass
+class WeightBucket:
+    """One bucket of a refit (see the module docstring)."""
+
+    kind: str
+    """``"policy"`` or ``"draft"``."""
+    index: int
+    """0, 1, ... within this push of ``kind``."""
+    version: int
+    """The weights' version: optimizer steps of the state they come from."""
+    buffer: torch.Tensor
+    """``(capacity,)`` uint8; the first :attr:`size` bytes hold the entries."""
+    entries: list[BucketEntry] = field(default_factory=list)
+    """The tensors it holds, in stream order."""
+    size: int = 0
+    """Bytes in use."""
+    checksum: tuple[int, int] = (0, 0)
+    """:func:`bucket_checksum` of the used bytes, computed by the sender."""
+    last: bool = False
+    """The last bucket of this push of ``kind``."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, view)`` of every entry: views into the buffer, valid until the buffer is reused."""
+        for e in self.entries:
+            yield e.name, self.buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+def bucket_checksum(data: torch.Tensor) -> tuple[int, int]:
+    """Two int64 sums of ``data``'s bytes (uint8, length a multiple of 4) read as int32 words, on its device:
+    the plain sum and the sum weighted by ``(position % 65521) + 1``. Wrap-around is deterministic, so the sender's
+    and the receiver's agree exactly when the bytes do."""
+    words = data.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return int(words.sum()), int((words * weights).sum())
+
+
+def _align(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device | str] = None, shared: bool = False) -> Iterator[WeightBucket]:
+    """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (one oversized tensor: a bucket of
+    its own), floating tensors cast to ``dtype`` (None: as they come), on ``device`` (None: each tensor's).
+
+    Two buffers are reused in turn: consume (load) a bucket before asking for the one after the next.
+    ``shared``: CPU buffers in shared memory, so another process can map them (:func:`share_handle`).
+    """
+    if bucket_bytes < 16:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 16")
+    pool: list[torch.Tensor] = []
+    turn = [0]
+
+    def buffer(capacity: int, dev: torch.device) -> torch.Tensor:
+        slot = turn[0] % 2
+        turn[0] += 1
+        if len(pool) <= slot:
+            pool.append(torch.empty(0, dtype=torch.uint8, device=dev))
+        if pool[slot].numel() < capacity or pool[slot].device != dev:
+            pool[slot] = torch.empty(capacity, dtype=torch.uint8, device=dev)
+            if shared and dev.type == "cpu":  # file-backed shared memory: any process can map it by name
+                pool[slot].untyped_storage()._share_filename_cpu_()
+        return pool[slot]
+
+    def finish(bucket: WeightBucket, last: bool) -> WeightBucket:
+        bucket.last = last
+        bucket.checksum = bucket_checksum(bucket.buffer[:bucket.size])
+        return bucket
+
+    current: Optional[WeightBucket] = None
+    index = 0
+    for name, tensor in items:
+        t = tensor.detach()
+        if dtype is not None and torch.is_floating_point(t):
+            t = t.to(dtype)
+        dev = torch.device(device) if device is not None else t.device
+        nbytes = t.numel() * t.element_size()
+        if current is not None and (_align(current.size) + nbytes > bucket_bytes or current.buffer.device != dev):
+            yield finish(current, last=False)
+            current = None
+        if current is None:
+            current = WeightBucket(kind, index, int(version), buffer(max(bucket_bytes, _align(nbytes)), dev))
+            index += 1
+        offset = _align(current.size)
+        current.buffer[current.size:offset].zero_()  # padding bytes are part of the checksum
+        current.buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)  # no view kept: see the pool
+        current.entries.append(BucketEntry(name, offset, tuple(t.shape), t.dtype))
+        current.size = _align(offset + nbytes)
+        current.buffer[offset + nbytes:current.size].zero_()
+    if current is None:  # an empty model still ends its push: the receiver checks completeness on it
+        current = WeightBucket(kind, index, int(version), buffer(16, torch.device(device or "cpu")))
+    yield finish(current, last=True)
+
+
+class RefitError(RuntimeError):
+    """A refit did not deliver the trainer's weights: a corrupted, stale, out-of-order or missing bucket, or a
+    tensor of the engine that no bucket filled."""
+
+
+class BucketReceiver:
+    """The engine's side of a refit of one model: check each bucket as it lands, track what was filled.
+
+    Args:
+        kind: ``"policy"`` or ``"draft"``.
+        version: the version this push must carry (None: take the first bucket's).
+        expected: the names the engine needs filled (None: no completeness check).
+        verify: recompute every bucket's checksum on arrival (``"buckets"``, default) or not (``"off"``).
+    """
+
+    def __init__(self, kind: str, version: Optional[int] = None, expected: Optional[Iterable[str]] = None,
+                 verify: str = "buckets"):
+        if verify not in ("buckets", "off"):
+            raise ValueError(f"verify={verify!r} must be 'buckets' or 'off'")
+        self.kind, self.version, self.verify = kind, version, verify
+        self.expected = None if expected is None else set(expected)
+        self.filled: set[str] = set()
+        self.next_index = 0
+        self.done = False
+
+    def accept(self, bucket: WeightBucket) -> Iterator[tuple[str, torch.Tensor]]:
+        """Check ``bucket`` and yield its ``(name, view)`` pairs to load; raises :class:`RefitError`."""
+        if bucket.kind != self.kind:
+            raise RefitError(f"a {bucket.kind} bucket arrived in the {self.kind} push")
+        if self.done:
+            raise RefitError(f"{self.kind}: bucket {bucket.index} arrived after the push's last bucket")
+        if self.version is None:
+            self.version = bucket.version
+        if bucket.version != self.version:
+            raise RefitError(f"{self.kind}: bucket {bucket.index} carries version {bucket.version}, the push is "
+                             f"version {self.version} (a stale bucket)")
+        if bucket.index != self.next_index:
+            raise RefitError(f"{self.kind}: bucket {bucket.index} arrived where bucket {self.next_index} was due (a "
+                             f"dropped or reordered bucket)")
+        if self.verify == "buckets" and bucket_checksum(bucket.buffer[:bucket.size]) != tuple(bucket.checksum):
+            raise RefitError(f"{self.kind}: bucket {bucket.index} (version {bucket.version}) does not match its "
+                             f"checksum: its bytes changed on the way")
+        self.next_index += 1
+        self.done = bucket.last
+        for name, view in bucket.tensors():
+            self.filled.add(name)
+            yield name, view
+
+    def finish(self) -> None:
+        """Raise :class:`RefitError` unless the push ended with its last bucket and filled every expected name."""
+        if not self.done:
+            raise RefitError(f"{self.kind}: the push of version {self.version} ended after {self.next_index} "
+                             f"buckets without its last one (a dropped bucket)")
+        missing = (self.expected or set()) - self.filled
+        if missing:
+            raise RefitError(f"{self.kind}: the push of version {self.version} left {len(missing)} tensors of the "
+                             f"engine unfilled, e.g. {sorted(missing)[:3]}")
+
+
+def share_handle(bucket: WeightBucket) -> tuple:
+    """A plain-data reference to ``bucket``'s buffer for another process (no bytes copied; picklable by any
+    pickler): a CPU buffer must be in shared memory (``pack_buckets(shared=True)``) and travels by the name of its
+    shared-memory file; a CUDA buffer travels as a CUDA IPC handle."""
+    meta = dict(kind=bucket.kind, index=bucket.index, version=bucket.version, size=bucket.size,
+                checksum=tuple(bucket.checksum), last=bucket.last,
+                entries=[(e.name, e.offset, e.shape, str(e.dtype).removeprefix("torch.")) for e in bucket.entries])
+    if bucket.buffer.device.type == "cpu":
+        if not bucket.buffer.is_shared():
+            raise ValueError("the bucket's CPU buffer is not in shared memory; pack with shared=True")
+        return "cpu_shm", bucket.buffer.untyped_storage()._share_filename_cpu_(), meta
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return "cuda_ipc", reduce_tensor(bucket.buffer), meta
+
+
+def open_handle(handle: tuple) -> WeightBucket:
+    """The :class:`WeightBucket` a :func:`share_handle` reference points to, mapped in this process."""
+    how, ref, meta = handle
+    if how == "cpu_shm":
+        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared_filename_cpu(*ref))
+    elif how == "cuda_ipc":
+        rebuild, args = ref
+        buffer = rebuild(*args)
+    else:
+        raise ValueError(f"unknown bucket handle kind {how!r}")
+    entries = [BucketEntry(n, o, tuple(s), getattr(torch, d)) for n, o, s, d in meta["entries"]]
+    return WeightBucket(meta["kind"], meta["index"], meta["version"], buffer, entries, meta["size"],
+                        tuple(meta["checksum"]), meta["last"])
