@@ -194,6 +194,9 @@ class ParallelConfig(MicrobatchConfig):
     """Sequences the embedded engine decodes together (null = all of a step's at once). On CPU a large batch
     makes decoding compute-bound, and verifying K+1 tokens then costs ~K+1 single-token steps, so
     speculative decoding stops paying; small batches keep decoding latency-bound, as on a GPU."""
+    refit_bucket_mb: float = 256.0
+    """Size of the buckets the training weights travel to the rollout engines in before each rollout phase
+    (rollout/buckets.py): a refit holds at most two beyond the engine's own weights, on the device and the host."""
     engine_dtype: Optional[str] = None
     """Dtype the rollout engine decodes in: ``bfloat16`` (a bf16 copy taken each step; the loss's log-probs are that
     behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast:
@@ -316,6 +319,7 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if p.sharding not in (None, "fsdp", "ddp"):
         raise ConfigError(f"parallel.sharding={p.sharding!r} is not one of ('fsdp', 'ddp', null)")
     _positive("parallel.timeout_s", p.timeout_s, 1)
+    _positive("parallel.refit_bucket_mb", p.refit_bucket_mb, 1 / 1024)
     if p.pp_schedule == "1f1b" and p.pp > 1 and p.num_microbatches < p.pp:
         raise ConfigError(f"parallel.pp_schedule=1f1b needs parallel.num_microbatches >= pp={p.pp} (got "
                           f"{p.num_microbatches}); raise num_microbatches or use pp_schedule=gpipe")

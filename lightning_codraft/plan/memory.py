@@ -24,10 +24,10 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   the embedded engine decodes with the whole training modules), its KV cache for the sequences it decodes at once
   (``(prompt + completion + 2(K+1))`` slots of ``2 kv_heads D`` per policy layer and one draft layer), the logits
   of one verification round (``B (K+1) V``, compute + fp32) and, where the engine holds copies of sharded or
-  pruned modules, one parameter gathered whole while the weights are synced tensor by tensor.
+  pruned modules, one parameter gathered whole and two buckets while the weights are refitted (rollout/buckets.py).
 
 The engine's weights count in the training phase too unless it can leave the device: vLLM on an accelerator
-sleeps (level 1: weights offloaded, cache discarded) while training runs; the embedded engine releases the storage
+sleeps (level 2: weights and cache discarded, the refit re-pushes both models) while training runs; the embedded engine releases the storage
 of its copies (``RolloutWorker.release``) and frees its KV cache between rollouts; vLLM on CPU has no sleep mode and
 keeps both.
 """
@@ -179,7 +179,7 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
 
 
 def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
-    """The engine's weights, KV cache, verification logits and the weight sync's gathered tensor."""
+    """The engine's weights, KV cache, verification logits and the refit's gathered tensor and buckets."""
     p_b, a = spec.bytes[0], spec.bytes[3]
     K = spec.speculative_tokens
     shares = spec.engine == "embedded" and spec.pp == 1 and not spec.fsdp  # decodes with the training modules
@@ -196,16 +196,17 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
         per_token += 2 * dcfg.num_key_value_heads * dcfg.head_dim
     B = spec.engine_concurrency
     kv = B * (spec.seq_len + 2 * (K + 1)) * per_token * a_e
-    sync = 0
-    if not shares:
+    refit = 0
+    if not shares:  # one tensor gathered whole, two buckets and the checksum's workspace (rollout/buckets.py)
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
-        sync = largest * (p_b + a_e)
+        refit = largest * p_b + int(2.25 * min(spec.refit_bucket_bytes, max(weights, largest * a_e)))
     released = sleeps or spec.engine == "embedded"  # vLLM asleep / the embedded engine's released copies
     return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if released else BOTH),
             Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv,
                  BOTH if keeps_cache else ROLLOUT),
             Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
-            Line("weight_sync", "weight sync (one tensor gathered)", sync, ROLLOUT)]
+            Line("refit", f"refit (one tensor gathered, two {spec.refit_bucket_bytes / 2**20:g} MiB buckets)", refit,
+                 ROLLOUT)]
 
 
 @dataclass
@@ -259,7 +260,7 @@ def _notes(spec: PlanSpec) -> list[str]:
              "fills the other: an upper bound); no allowance for the CUDA context, communication buffers and "
              "allocator fragmentation (a few GiB)"]
     if spec.engine == "vllm":
-        notes.append("vLLM sleeps (level 1) while training on an accelerator: its weights and KV cache count in the "
+        notes.append("vLLM sleeps (level 2) while training on an accelerator: its weights and KV cache count in the "
                      "rollout phase only" if spec.accelerator != "cpu" else
                      "vLLM on CPU has no sleep mode: its weights and KV cache stay resident in both phases")
     else:

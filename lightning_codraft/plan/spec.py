@@ -79,6 +79,8 @@ class PlanSpec:
     """Where the run executes; vLLM sleeps (weights off the device) between rollouts only on an accelerator."""
     engine_batch_size: Optional[int] = None
     """Sequences the engine decodes together (null: all of the rank's for the embedded engine, 64 for vLLM)."""
+    refit_bucket_bytes: int = 256 * 2**20
+    """Bytes per refit bucket (``parallel.refit_bucket_mb``): a refit holds two and a checksum workspace."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_BYTES:
@@ -100,12 +102,13 @@ class PlanSpec:
             raise ConfigError(str(e)) from None
         context = min(cfg.model.max_position_embeddings, policy.max_position_embeddings)
         return cls(policy=policy, draft_vocab_size=d.draft_vocab_size, draft_mode=d.mode, ttt_steps=d.ttt_steps,
-                   num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0 or r.track_drift, dp=p.dp, pp=p.pp,
-                   cp=p.cp, sharding=p.sharding, precision=p.precision, num_microbatches=p.num_microbatches,
-                   pp_schedule=p.pp_schedule,
+                   num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0 or r.track_drift,
+                   dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding, precision=p.precision,
+                   num_microbatches=p.num_microbatches, pp_schedule=p.pp_schedule,
                    layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage),
                    samples_per_replica=r.prompts_per_step // p.dp * r.group_size, seq_len=context, engine=p.engine,
-                   accelerator=p.accelerator, engine_batch_size=p.engine_batch_size)
+                   accelerator=p.accelerator, engine_batch_size=p.engine_batch_size,
+                   refit_bucket_bytes=int(p.refit_bucket_mb * 2**20))
 
     # ------------------------------------------------------------------ derived
     @property

@@ -7,7 +7,8 @@ only orchestrates objects with one job each:
 - ``rl.warmup.run_warmups``: SFT of the policy, the draft's offline warm-start on the policy's own samples;
 - :class:`~lightning_codraft.rl.checkpoints.RunCheckpoints`: resumable checkpoints and the warmed-up weights;
 - :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`: engine placement, generation, weight sync;
-- :class:`~lightning_codraft.rl.step.RLStep`: one RL step, returning named :class:`~lightning_codraft.rl.step.StepMetrics`;
+- :class:`~lightning_codraft.rl.step.RLStep`: one RL step, returning named
+  :class:`~lightning_codraft.rl.step.StepMetrics`;
 - ``rl.logs.MetricsLogger``: metrics.csv / TensorBoard through Lightning's loggers; ``rl.evaluate``: greedy
   accuracy and the final rollout speed-up.
 
@@ -42,7 +43,7 @@ from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker, rollout_seed
-from lightning_codraft.rl.step import RLStep, StepMetrics
+from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
 from lightning_codraft.training.module import CoDraftModule
 
@@ -94,7 +95,7 @@ class CoDraftRun:
         self.rl_step: Optional[RLStep] = None
         self.logger: Optional[MetricsLogger] = None
         self.extra: dict[str, Any] = {}
-        self.start_step = 0
+        self.start_step = self.steps_done = 0
         self.result = FitResult(out_dir=self.out)
 
     # ------------------------------------------------------------------ building
@@ -105,7 +106,8 @@ class CoDraftRun:
     def launch(self) -> None:
         """Start the processes (Fabric with a ``CoDraftStrategy`` over the recipe's mesh)."""
         p = self.cfg.parallel
-        strategy = CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding, timeout=timedelta(seconds=p.timeout_s))
+        strategy = CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding,
+                                   timeout=timedelta(seconds=p.timeout_s))
         self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes, strategy=strategy,
                              precision=p.precision)
         self.fabric.launch()
@@ -164,6 +166,7 @@ class CoDraftRun:
         if self.fabric.global_rank == 0:
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step)
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
+        self.steps_done = self.start_step
         return self.start_step
 
     def _warm_start(self) -> dict[str, Any]:
@@ -185,6 +188,7 @@ class CoDraftRun:
         """Run RL step ``step`` (0-based) on every rank and return its metrics (with the held-out scores every
         ``task.eval_every`` steps)."""
         metrics = self.rl_step(step)
+        self.steps_done = step + 1  # the optimizer steps the training state has taken
         t = self.cfg.task
         if t.eval_every and t.eval_prompts and (step + 1) % t.eval_every == 0:
             metrics = dataclasses.replace(metrics, eval_accuracy=self.evaluate(t.eval_prompts),
@@ -225,14 +229,15 @@ class CoDraftRun:
             return self.task.heldout_samples(min(n, self.task.heldout))
         return self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED + offset)
 
-    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True) -> float:
+    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False) -> float:
         """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample
         per prompt with fixed seeds), every rank of the world decoding a share (call on every rank); the same value
-        on every rank. ``release=False`` leaves the engine's weights filled for a measurement that follows."""
+        on every rank. ``release=False`` leaves the engine's weights filled for a measurement that follows;
+        ``final``: the run's last refit, fully verified."""
         samples = self.heldout_samples(n)
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
         seeds = [rollout_seed(self.cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
-        self.worker.prepare()
+        self.worker.prepare(weight_versions(self.cfg, self.steps_done), full_verify=final)
         self.worker.policy.eval()
         outs, _, _ = self.worker.generate(prompts, seeds, temperature=temperature, group="world")
         if release:
@@ -254,10 +259,10 @@ class CoDraftRun:
         cfg, tok = self.cfg, self.tokenizer
         measure = cfg.draft.mode != "none"
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
-            result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure)
+            result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
             if not cfg.task.eval_prompts:
-                self.worker.prepare()
+                self.worker.prepare(weight_versions(cfg, self.steps_done), full_verify=True)
             if self.fabric.global_rank == 0:
                 samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
                 prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,12 @@ from torch import nn
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.parallel.stream import stream_full_state
+from lightning_codraft.rollout.buckets import WeightBucket
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
-from lightning_codraft.rollout.weight_sync import (WeightSync, copy_stream_into, refill_parameters,
+from lightning_codraft.rollout.weight_sync import (WeightSync, refill_parameters,
                                                   release_parameters)
 
 
@@ -133,7 +134,7 @@ class RolloutWorker:
             self.draft = draft.requires_grad_(False).to(self.device)
         self.engine = self._build_engine()
         if self.holds_copies:
-            self.sync = WeightSync(self, self._states)
+            self.sync = WeightSync(self, self._states, bucket_bytes=int(self.cfg.parallel.refit_bucket_mb * 2**20))
             self.release()
 
     def _build_engine(self):
@@ -151,23 +152,30 @@ class RolloutWorker:
         if not self.holds_copies or not self._awake:
             return
         if self.engine.supports_sleep:
-            self.engine.sleep(level=1)
+            self.engine.sleep(level=2)  # nothing offloaded to the host: every wake is followed by a full refit
         for m in self._copies:  # never the training modules themselves (vLLM over whole modules)
             release_parameters(m)
         self._awake = False
 
-    def prepare(self) -> float:
+    def prepare(self, versions: Optional[Mapping[str, int]] = None, full_verify: bool = False) -> float:
         """The rollout phase begins: refill the engine's weights from the training state (a collective over the
-        mesh: call on every rank); returns the seconds it took."""
-        if not self.holds_copies:
+        mesh: call on every rank) tagged with ``versions`` (``{"policy": v, "draft": v}``: optimizer steps of the
+        training state, ``rl.step.weight_versions``); returns the seconds it took. Every bucket is checked as it
+        lands; an engine that can (vLLM) also verifies every parameter on the first refit and where
+        ``full_verify`` (the run's last)."""
+        versions = dict(versions or {"policy": self._phases, "draft": self._phases})
+        if not self.holds_copies:  # the engine decodes the training modules themselves: it holds what they hold
+            self.engine.weight_versions.update(versions)
             return 0.0
         start = time.perf_counter()
         for m in self._copies:
             refill_parameters(m)
         if self.engine.supports_sleep:
-            self.engine.wake_up()
+            self.engine.wake_up(refit=True)
+        if hasattr(self.engine, "verify_updates"):
+            self.engine.verify_updates = full_verify or self._phases == 0
         self._phases += 1
-        self.sync(self._phases)  # always due: one refill per rollout phase
+        self.sync(self._phases, versions=versions)  # always due: one refill per rollout phase
         self._awake = True
         return time.perf_counter() - start
 
@@ -176,17 +184,28 @@ class RolloutWorker:
         split = _Split(stream_full_state(state, self.dims, self.device))
         return split.part("policy."), split.part("draft.")
 
-    def update_weights(self, policy_items: Iterable, draft_items: Optional[Iterable]) -> None:
-        """The :class:`WeightSync` target: the engine loads the streamed tensors (the embedded engine into the copies
-        it decodes, in place). An engine that keeps its own weights (vLLM) leaves the copies behind, so they are
-        loaded too: the final speed-up measurement decodes with them."""
-        if self.engine.keeps_own_weights and self._copies:  # the stream fills the copies, the engine reads them
-            copy_stream_into(self.policy, policy_items)  # the stream is ordered: the policy's, then the draft's
-            if draft_items is not None and self.draft is not None:
-                copy_stream_into(self.draft, draft_items)
-            policy_items = self.policy.state_dict().items()
-            draft_items = None if draft_items is None or self.draft is None else self.draft.state_dict().items()
-        self.engine.load_weights(policy_items, draft_items)
+    @property
+    def keeps_own_weights(self) -> bool:
+        """The engine's (the :class:`WeightSync` packs shared-memory buckets for an engine in other processes)."""
+        return bool(self.engine.keeps_own_weights)
+
+    def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
+        """The :class:`WeightSync` target: the engine loads the refit's buckets (the embedded engine into the copies
+        it decodes, in place). An engine that keeps its own weights (vLLM) leaves the copies behind, so each bucket
+        fills them too on its way: the final speed-up measurement decodes with them."""
+        if self.engine.keeps_own_weights and self._copies:
+            buckets = self._filling_copies(buckets)
+        self.engine.load_buckets(buckets, verify=verify)
+
+    def _filling_copies(self, buckets: Iterable[WeightBucket]) -> Iterator[WeightBucket]:
+        targets = {"policy": self.policy, "draft": self.draft}
+        params = {k: m.state_dict(keep_vars=True) for k, m in targets.items() if m is not None}
+        for bucket in buckets:
+            with torch.no_grad():
+                for name, view in bucket.tensors():
+                    if bucket.kind in params:
+                        params[bucket.kind][name].data.copy_(view)
+            yield bucket
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[list[int]], seeds: Sequence[int], temperature: Optional[float] = None,

@@ -23,7 +23,7 @@ from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import check_failure_budget, score_completions
 from lightning_codraft.rl.rollout_worker import rollout_seed
-from lightning_codraft.rollout.engine import AcceptanceStats
+from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step
 
 
@@ -84,8 +84,15 @@ class StepMetrics:
     """Seconds spent generating (the slowest rank of the replica)."""
     train_s: float
     """Seconds of the optimizer step (forward, backward, update)."""
-    sync_s: float
-    """Seconds of the weight sync into the engine before the rollouts."""
+    refit_s: float
+    """Seconds of the refit (training weights into the engine, bucketed: rollout/buckets.py) before the rollouts;
+    0 where the engine decodes the training modules themselves."""
+    refit_share: float
+    """``refit_s`` over ``step_s``: the refit's share of the step."""
+    policy_version: float
+    """The policy version every rollout of the step was generated with (optimizer steps of its weights)."""
+    draft_version: float
+    """The draft version that proposed (steps that trained it: a frozen draft stays at 0, the warm start)."""
     step_s: float
     """Seconds of the whole step."""
     tokens_per_s: float
@@ -97,11 +104,31 @@ class StepMetrics:
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics))
 """Columns of ``metrics.csv``, in order."""
-TIME_COLUMNS = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")
+TIME_COLUMNS = ("rollout_s", "train_s", "refit_s", "refit_share", "step_s", "tokens_per_s")
 """Columns that depend on wall time (excluded when comparing runs for equality)."""
 SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_per_round")
 """Columns that follow the adaptive speculation schedule, which follows measured times (with coupled sampling the
 rollouts themselves do not): compare them only between runs with ``draft.adaptive=false``."""
+
+
+def weight_versions(cfg: CoDraftConfig, step: int) -> dict[str, int]:
+    """The versions of the training state after ``step`` optimizer steps: the policy's is ``step``; the draft's
+    counts the steps that trained it (``draft.mode=cotrain`` with ``loss_weight > 0``: every ``train_every``-th step
+    from the first), 0 for a frozen or absent draft (the warm start)."""
+    d = cfg.draft
+    trained = d.mode == "cotrain" and d.loss_weight > 0
+    return {"policy": int(step), "draft": -(-int(step) // d.train_every) if trained else 0}
+
+
+def check_versions(outputs, versions: dict[str, int], drafts: bool) -> None:
+    """Raise :class:`~lightning_codraft.rollout.engine.RolloutError` unless every output was generated with the
+    expected policy version (and draft version, where the engine drafts): a synchronous loop trains on rollouts of
+    the current weights only."""
+    for i, o in enumerate(outputs):
+        if o.policy_version != versions["policy"] or (drafts and o.draft_version != versions["draft"]):
+            raise RolloutError(f"rollout {i} was generated with policy version {o.policy_version} and draft version "
+                               f"{o.draft_version}; the training state is policy {versions['policy']}, draft "
+                               f"{versions['draft']}: the engine was not refitted (a stale engine)")
 
 
 class RLStep:
@@ -138,8 +165,10 @@ class RLStep:
         requests = [p for p in prompts for _ in range(G)]
         first = dims.dp_rank * per_rank  # the step's index of this replica's first prompt
         seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
-        sync_s = self.worker.prepare()  # the engine's weights: the training state after `step` updates
+        versions = weight_versions(cfg, step)  # the training state after `step` updates
+        refit_s = self.worker.prepare(versions)
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
+        check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
         self.worker.release()
         # every rank scores in the tolerant mode and the budget (0 for on_reward_error=raise) is checked on the
         # step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting)
@@ -178,6 +207,7 @@ class RLStep:
                  "policy_forwards": float(acc.policy_forwards)}
         means = self.fabric.all_reduce(torch.tensor(list(local.values()), dtype=torch.float64), reduce_op="mean")
         g = dict(zip(local, means.tolist()))  # replica means, by name
+        step_s = time.perf_counter() - t_start
         mean_acc = AcceptanceStats(draft_steps=g["draft_steps"], drafted=g["drafted"], accepted=g["accepted"],
                                    policy_forwards=g["policy_forwards"])
         return StepMetrics(
@@ -190,6 +220,7 @@ class RLStep:
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
             greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
-            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
-            step_s=time.perf_counter() - t_start, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
+            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, refit_s=refit_s,
+            refit_share=refit_s / step_s, policy_version=float(versions["policy"]),
+            draft_version=float(versions["draft"]), step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
 

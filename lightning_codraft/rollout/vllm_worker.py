@@ -25,6 +25,7 @@ import torch
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+from lightning_codraft.rollout.buckets import BucketReceiver, open_handle
 from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
 
@@ -78,8 +79,13 @@ def _register_transport() -> type | None:
 
     @dataclass
     class BytesUpdateInfo(WeightTransferUpdateInfo):
-        blob: bytes
+        blob: bytes | None = None
         """A safetensors-serialised state dict in our checkpoint names (``vllm_weights.tensors_to_bytes``)."""
+        handle: tuple | None = None
+        """Or a bucket of a bucketed refit, by reference (``rollout.buckets.share_handle``: shared memory on CPU,
+        a CUDA IPC handle on GPU); the buckets of one session arrive in order."""
+        verify: str = "buckets"
+        """``"buckets"``: recompute each bucket's checksum where it lands; ``"off"``."""
 
     class BytesWeightTransferEngine(WeightTransferEngine[BytesInitInfo, BytesUpdateInfo]):
         """vLLM weight-transfer backend whose update info carries the tensors as safetensors bytes.
@@ -97,6 +103,7 @@ def _register_transport() -> type | None:
 
         def start_weight_update(self) -> None:
             self._draft_head = None
+            self._receiver = None  # a bucketed refit's BucketReceiver, made by its first bucket
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info: dict) -> None:
@@ -105,14 +112,28 @@ def _register_transport() -> type | None:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: BytesUpdateInfo) -> None:
-            state = bytes_to_tensors(update_info.blob)
+            if update_info.handle is not None:
+                state = self._receive_bucket(update_info)
+            else:
+                state = bytes_to_tensors(update_info.blob)
             if self.model is not self._default_model:  # a draft session
                 state, head = _split_draft_state(state, self.model)
                 if head is not None:
                     self._draft_head = head
             self.model.load_weights(iter(state.items()))
 
+        def _receive_bucket(self, update_info: BytesUpdateInfo) -> dict[str, torch.Tensor]:
+            """The bucket's tensors, checked as they land (the views are copied out: vLLM's layerwise reload may
+            keep a tensor until its layer is whole, and the sender reuses the bucket's buffer)."""
+            bucket = open_handle(update_info.handle)
+            if self._receiver is None:
+                self._receiver = BucketReceiver(bucket.kind, verify=update_info.verify)
+            return {name: view.clone() for name, view in self._receiver.accept(bucket)}
+
         def finish_weight_update(self) -> None:
+            if self._receiver is not None:
+                self._receiver.finish()  # a push that lacked its last bucket fails here
+                self._receiver = None
             finalize_layerwise_reload(self.model, self.model_config)
             if self.model is not self._default_model and self._draft_head is not None:
                 _install_draft_head(self._default_model, self.model, self._draft_head)

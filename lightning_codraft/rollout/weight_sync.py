@@ -12,14 +12,15 @@ pipeline parallelism), else :func:`full_state_dict` of each.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
+from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
 from lightning_codraft.rollout.engine import RolloutEngine
 
 State = Optional[Mapping[str, torch.Tensor]]
-StatesFn = Callable[[], "tuple[State, State]"]
+StatesFn = Callable[[], tuple]
 _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.")
 
 
@@ -65,24 +66,6 @@ def refill_parameters(module: torch.nn.Module) -> None:
             p.data = p.data.new_empty(shape)
 
 
-def copy_stream_into(module: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy a ``(name, tensor)`` stream into ``module``'s parameters and buffers in place, one tensor at a time.
-
-    Raises:
-        RuntimeError: the stream did not cover every tensor of ``module``.
-    """
-    params = dict(module.state_dict(keep_vars=True))
-    seen = set()
-    for name, tensor in items:
-        with torch.no_grad():
-            params[name].data.copy_(tensor)
-        seen.add(name)
-    missing = set(params) - seen
-    if missing:
-        raise RuntimeError(f"the weight stream lacked {len(missing)} tensors of the engine's copy, e.g. "
-                           f"{sorted(missing)[:3]}")
-
-
 def module_states(module: torch.nn.Module) -> tuple[State, State]:
     """``(policy_state, draft_state)`` of a module holding ``policy`` and ``draft`` (call on every rank).
 
@@ -100,26 +83,46 @@ def engine_drafts(engine: RolloutEngine) -> bool:
     return int(getattr(engine, "num_speculative_tokens", 1)) > 0
 
 
+Items = Optional[Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]]
+
+
+def _pairs(items: Items) -> Iterable[tuple[str, torch.Tensor]]:
+    return items.items() if isinstance(items, Mapping) else items
+
+
+def refit_buckets(policy: Items, draft: Items, versions: Mapping[str, int], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  dtype: Optional[torch.dtype] = None, shared: bool = False) -> Iterator[WeightBucket]:
+    """The buckets of one refit: the policy's (if given), then the draft's, each tagged with its version."""
+    for kind, items in (("policy", policy), ("draft", draft)):
+        if items is not None:
+            yield from pack_buckets(_pairs(items), kind, int(versions[kind]), bucket_bytes, dtype=dtype, shared=shared)
+
+
 class WeightSync:
-    """Push the states of ``states()`` into ``engine`` after every ``every_n_steps``-th optimizer step.
+    """Push the states of ``states()`` into ``engine`` after every ``every_n_steps``-th optimizer step, in buckets.
 
     Args:
         engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`; None on ranks that only take part in
             the state function's collectives.
-        states: ``states() -> (policy_state, draft_state)``; either may be None (that model is left unchanged).
+        states: ``states() -> (policy, draft)``, each a state dict or a ``(name, tensor)`` stream (possibly a
+            collective: every rank consumes it) or None (that model is left unchanged).
         every_n_steps: push after every N-th optimizer step, N >= 1.
+        bucket_bytes: bytes per bucket (the refit's peak extra memory is two buckets; rollout/buckets.py).
+        verify: ``"buckets"`` (every bucket's checksum recomputed where it lands) or ``"off"``.
 
     Attributes:
         last_synced_step: the optimizer step of the last push (-1 before any).
         sync_seconds: seconds of every sync (state function + push).
     """
 
-    def __init__(self, engine: Optional[RolloutEngine], states: StatesFn, every_n_steps: int = 1):
+    def __init__(self, engine: Optional[RolloutEngine], states: StatesFn, every_n_steps: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "buckets"):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
         self.engine = engine
         self.states = states
         self.every_n_steps = int(every_n_steps)
+        self.bucket_bytes, self.verify = int(bucket_bytes), verify
         self.last_synced_step = -1
         self.sync_seconds: list[float] = []
 
@@ -127,22 +130,42 @@ class WeightSync:
         """Whether optimizer step ``step`` (>= 1 once an optimizer step ran) needs a push."""
         return step >= 1 and step != self.last_synced_step and step % self.every_n_steps == 0
 
-    def __call__(self, step: int, push: bool = True, force: bool = False) -> Optional[float]:
+    def __call__(self, step: int, push: bool = True, force: bool = False,
+                 versions: Optional[Mapping[str, int]] = None) -> Optional[float]:
         """Sync after optimizer step ``step`` if due (or ``force``); returns the seconds taken, or None when not due.
 
-        The state function runs on every rank that calls (it may be a collective); the engine is updated only
-        where ``push`` is True, an engine is set and a state came back (the draft's only if the engine drafts).
-        ``force``: push whatever the step, e.g. when training starts or resumes, so the engine never decodes with
-        weights other than the ones being trained (a restored checkpoint's, not the engine's own).
+        The state function runs on every rank that calls (it may be a collective: its streams are consumed here
+        whether or not this rank pushes); the engine is updated only where ``push`` is True, an engine is set and
+        a state came back (the draft's only if the engine drafts). ``force``: push whatever the step, e.g. when
+        training starts or resumes, so the engine never decodes with weights other than the ones being trained.
+        ``versions``: ``{"policy": v, "draft": v}`` the pushed weights carry (default: ``step`` for both).
         """
         if not (force or self.due(step)):
             return None
         start = time.perf_counter()
-        policy_state, draft_state = self.states()
-        draft_state = draft_state if self.engine is not None and engine_drafts(self.engine) else None
-        if push and self.engine is not None and (policy_state is not None or draft_state is not None):
-            self.engine.update_weights(policy_state, draft_state)
+        policy, draft = self.states()
+        if self.engine is not None and not engine_drafts(self.engine):
+            draft = _drain(draft)
+        if push and self.engine is not None and (policy is not None or draft is not None):
+            versions = dict(versions or {"policy": step, "draft": step})
+            load = getattr(self.engine, "load_buckets", None)
+            if load is None:  # an engine of the earlier protocol: whole state dicts
+                self.engine.update_weights(None if policy is None else dict(_pairs(policy)),
+                                           None if draft is None else dict(_pairs(draft)))
+            else:
+                load(refit_buckets(policy, draft, versions, self.bucket_bytes,
+                                   shared=bool(getattr(self.engine, "keeps_own_weights", False))), verify=self.verify)
+        else:
+            _drain(policy), _drain(draft)
         seconds = time.perf_counter() - start
         self.last_synced_step = step
         self.sync_seconds.append(seconds)
         return seconds
+
+
+def _drain(items: Items) -> None:
+    """Consume a stream this rank does not push (its collectives must still run); None."""
+    if items is not None and not isinstance(items, Mapping):
+        for _ in items:
+            pass
+    return None

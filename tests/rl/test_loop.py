@@ -210,7 +210,8 @@ def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monke
 
     calls, inside = [], {"on": False}
     prepare, finish = RolloutWorker.prepare, CoDraftRun.finish
-    monkeypatch.setattr(RolloutWorker, "prepare", lambda self: (calls.append(inside["on"]), prepare(self))[1])
+    monkeypatch.setattr(RolloutWorker, "prepare",
+                        lambda self, *a, **k: (calls.append(inside["on"]), prepare(self, *a, **k))[1])
 
     def counted_finish(self, completed=True):
         inside["on"] = True
@@ -243,3 +244,30 @@ def test_engine_dtype_reaches_the_rollout_and_speedup_engines(tmp_path, monkeypa
     assert len(with_draft) >= 2 and set(with_draft) == {torch.bfloat16}   # the worker's engine, the speed-up's
     assert made.count((torch.bfloat16, False)) >= 1                         # the speed-up's plain arm
     assert "K=4, adaptive, bfloat16)" in (res.out_dir / "summary.txt").read_text()
+
+
+def test_rollouts_carry_versions_and_an_engine_left_one_version_behind_fails(tmp_path, monkeypatch):
+    """Every rollout carries the policy and draft versions it was generated with; metrics.csv logs them and the
+    refit's time and share; an engine that misses one refit (here: the second step's) stops the run, named."""
+    import csv
+
+    from lightning_codraft.rl.rollout_worker import RolloutWorker
+    from lightning_codraft.rl.step import weight_versions
+    from lightning_codraft.rollout import RolloutError
+
+    cfg = micro_config(tmp_path, "rl.steps=2", "run.plots=false", "task.eval_prompts=0", "draft.train_every=2")
+    assert [weight_versions(cfg, s) for s in range(4)] == [{"policy": s, "draft": (s + 1) // 2} for s in range(4)]
+    res = fit(cfg, print_fn=lambda s: None)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [(float(r["policy_version"]), float(r["draft_version"])) for r in rows] == [(0.0, 0.0), (1.0, 1.0)]
+    assert all(0.0 <= float(r["refit_share"]) <= 1.0 for r in rows) and res.completed
+
+    prepare = RolloutWorker.prepare
+
+    def misses_the_second_refit(self, versions=None, full_verify=False):
+        return 0.0 if versions is not None and versions["policy"] == 1 else prepare(self, versions, full_verify)
+
+    monkeypatch.setattr(RolloutWorker, "prepare", misses_the_second_refit)
+    with pytest.raises(RolloutError, match="generated with policy version 0 .* the training state is policy 1"):
+        fit(micro_config(tmp_path / "stale", "rl.steps=2", "run.plots=false", "task.eval_prompts=0"),
+            print_fn=lambda s: None)

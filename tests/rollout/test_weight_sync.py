@@ -10,6 +10,7 @@ from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.fabric import fabric_sync_weights
 from lightning_codraft.pytorch import WeightSyncCallback
 from lightning_codraft.rollout import SpeculativeEngine, full_state_dict
+from lightning_codraft.rollout.buckets import RefitError, pack_buckets
 
 
 class _RecordingEngine:
@@ -142,7 +143,7 @@ def test_after_a_resume_the_engine_holds_the_restored_weights_before_the_first_s
     assert all(torch.equal(pushed[k], v) for k, v in restored.items())
 
 
-def test_the_embedded_engine_loads_a_weight_stream_in_place():
+def test_the_embedded_engine_loads_a_bucketed_refit_in_place():
     from lightning_codraft.rollout import RolloutEngine
     from lightning_codraft.rollout.weight_sync import refill_parameters, release_parameters
 
@@ -152,10 +153,12 @@ def test_the_embedded_engine_loads_a_weight_stream_in_place():
     release_parameters(engine.policy)  # the worker's copies between rollout phases
     assert all(p.numel() == 0 for p in engine.policy.parameters())
     refill_parameters(engine.policy)
-    engine.load_weights(iter(target.state_dict().items()), None)
+    engine.load_buckets(pack_buckets(target.state_dict().items(), "policy", 7, bucket_bytes=4096))
     for k, v in target.state_dict().items():
         assert torch.equal(engine.policy.state_dict()[k], v)
-    with pytest.raises(RuntimeError, match="lacked 1 tensors"):
-        engine.load_weights(iter(list(target.state_dict().items())[1:]), None)
+    assert engine.weight_versions["policy"] == 7
+    assert engine.generate([[1, 2]], 2, temperature=0)[0].policy_version == 7
+    with pytest.raises(RefitError, match="unfilled"):
+        engine.load_buckets(pack_buckets(list(target.state_dict().items())[1:], "policy", 8, bucket_bytes=4096))
     with pytest.raises(RuntimeError, match="cannot sleep"):
         engine.sleep()
