@@ -84,15 +84,20 @@ def test_a_corrupted_stale_dropped_or_incomplete_push_fails():
         _receive(copies, "policy")
 
 
-def test_the_checksum_moves_with_any_changed_or_swapped_word():
-    x = torch.arange(64, dtype=torch.uint8)
+@pytest.mark.parametrize("n", [64, 8 * 512 * 3 + 48])
+def test_the_checksum_moves_with_any_changed_or_swapped_word(n):
+    x = torch.randint(0, 255, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = bucket_checksum(x)
-    y = x.clone()
-    y[[0, 4]] = y[[4, 0]]  # two words swapped: the plain sum stays, the weighted one moves
-    assert bucket_checksum(y)[0] == base[0] and bucket_checksum(y) != base
+    pairs = [(0, 1), (0, 512), (3, 700), (2, n // 8 - 1)]   # word pairs: same row, same column, neither, the tail
+    for a, b in [(a, b) for a, b in pairs if b < n // 8]:
+        y = x.clone().view(torch.int64)
+        y[[a, b]] = y[[b, a]]
+        got = bucket_checksum(y.view(torch.uint8))
+        assert got[0] == base[0] and got != base, (a, b)   # the plain sum stays, a weighted one moves
     y = x.clone()
     y[10] += 1
-    assert bucket_checksum(y) != base
+    assert bucket_checksum(y)[0] != base[0]
+    assert bucket_checksum(x.clone()) == base
 
 
 def test_a_shared_bucket_is_read_by_another_process_without_copying_bytes():
