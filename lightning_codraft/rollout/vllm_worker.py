@@ -25,7 +25,7 @@ import torch
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from lightning_codraft.rollout.buckets import BucketReceiver, open_handle
+from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, open_handle
 from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
 
@@ -101,6 +101,10 @@ def _register_transport() -> type | None:
         def init_transfer_engine(self, init_info: BytesInitInfo) -> None:
             pass
 
+        refit_problems: list[str] = []
+        """Problems of bucketed refits since the last ``codraft_refit_problems`` call (a missing last bucket, a
+        tensor no bucket filled): the session closes regardless, the engine raises them."""
+
         def start_weight_update(self) -> None:
             self._draft_head = None
             self._receiver = None  # a bucketed refit's BucketReceiver, made by its first bucket
@@ -128,12 +132,19 @@ def _register_transport() -> type | None:
             bucket = open_handle(update_info.handle)
             if self._receiver is None:
                 self._receiver = BucketReceiver(bucket.kind, verify=update_info.verify)
-            return {name: view.clone() for name, view in self._receiver.accept(bucket)}
+            try:
+                return {name: view.clone() for name, view in self._receiver.accept(bucket)}
+            except RefitError as err:  # the engine closes the session and raises it
+                self.refit_problems = [*self.refit_problems, str(err)]
+                return {}
 
         def finish_weight_update(self) -> None:
-            if self._receiver is not None:
-                self._receiver.finish()  # a push that lacked its last bucket fails here
-                self._receiver = None
+            receiver, self._receiver = self._receiver, None
+            if receiver is not None:  # the session always closes; what went wrong is asked for afterwards
+                try:
+                    receiver.finish()
+                except RefitError as err:
+                    self.refit_problems = [*self.refit_problems, str(err)]
             finalize_layerwise_reload(self.model, self.model_config)
             if self.model is not self._default_model and self._draft_head is not None:
                 _install_draft_head(self._default_model, self.model, self._draft_head)
@@ -181,6 +192,14 @@ class CoDraftWorkerExtension:
                 _install_draft_head(models["policy"], models["draft"], head)
             loaded.append(kind)
         return loaded
+
+    def codraft_refit_problems(self) -> list[str]:
+        """The bucketed refits' problems since the last call (and forget them)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        problems = list(getattr(engine, "refit_problems", []))
+        if problems:
+            engine.refit_problems = []
+        return problems
 
     def codraft_checksums(self) -> dict[str, Report]:
         """``{"policy": report, "draft": report}`` (no ``"draft"`` without a drafter)."""

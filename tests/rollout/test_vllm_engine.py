@@ -141,3 +141,34 @@ def test_close_stops_the_engine_process(tmp_path):
         engine.generate([[1, 2, 3]], 4, temperature=0.0)
     engine.close()  # idempotent
     del llm
+
+
+def test_a_bucketed_refit_reaches_vllm_by_reference_and_a_bad_one_fails(setup):
+    """Buckets in shared memory through vLLM's native session: after a refit of both models, of the draft only and
+    of the policy only, every parameter verifies (the pushed model against the pushed tensors, the other unchanged)
+    and the engine reports the pushed versions; a dropped or stale bucket fails in the worker, named."""
+    from lightning_codraft.rollout.buckets import pack_buckets
+    from lightning_codraft.rollout.weight_sync import WeightSync, refit_buckets
+
+    policy, draft, engine = setup
+    assert engine.weight_update_path == "native"
+    new_policy, new_draft = make_policy(seed=5, **SHAPE), Eagle3Draft.from_policy(make_policy(seed=6, **SHAPE))
+    both = (new_policy.state_dict(), new_draft.state_dict())
+    for states, versions in ((both, {"policy": 3, "draft": 3}), ((None, draft.state_dict()), {"draft": 4}),
+                             ((policy.state_dict(), None), {"policy": 5})):
+        WeightSync(engine, lambda s=states: s, bucket_bytes=64 * 2**10)(1, force=True,
+                                                                       versions={"policy": 0, "draft": 0, **versions})
+        engine.verify(*states)  # every parameter: pushed ones equal, the other one untouched since its last check
+    assert engine.weight_versions == {"policy": 5, "draft": 4}
+    prompts = random_prompts(2, policy.config.vocab_size, seed=3)
+    outs = engine.generate(prompts, 6, temperature=0.0)
+    assert [(o.policy_version, o.draft_version) for o in outs] == [(5, 4), (5, 4)]
+    ref = SpeculativeEngine(policy, draft, K).generate(prompts, 6, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    dropped = (b for b in refit_buckets(policy.state_dict(), None, {"policy": 6}, 64 * 2**10, shared=True)
+               if b.index != 1)
+    with pytest.raises(Exception, match="arrived where bucket 1 was due"):
+        engine.load_buckets(dropped)
+    first = next(pack_buckets(policy.state_dict().items(), "policy", 7, 64 * 2**10, shared=True))
+    with pytest.raises(Exception, match="without its last one"):  # the push ends after its first bucket
+        engine.load_buckets(iter([first]))
