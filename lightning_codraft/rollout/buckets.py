@@ -114,9 +114,12 @@ def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: 
         if len(pool) <= slot:
             pool.append(torch.empty(0, dtype=torch.uint8, device=dev))
         if pool[slot].numel() < capacity or pool[slot].device != dev:
-            pool[slot] = torch.empty(capacity, dtype=torch.uint8, device=dev)
-            if shared and dev.type == "cpu":  # file-backed shared memory: any process can map it by name
-                pool[slot].untyped_storage()._share_filename_cpu_()
+            pool[slot] = torch.empty(0, dtype=torch.uint8, device=dev)  # the old buffer is freed first
+            if shared and dev.type == "cpu":  # a fresh shared-memory file any process can map by name; its pages
+                storage = torch.UntypedStorage._new_using_filename_cpu(capacity)  # cost memory once written
+                pool[slot] = torch.empty(0, dtype=torch.uint8).set_(storage)
+            else:
+                pool[slot] = torch.empty(capacity, dtype=torch.uint8, device=dev)
         return pool[slot]
 
     def finish(bucket: WeightBucket, last: bool) -> WeightBucket:
