@@ -186,3 +186,15 @@ def test_recipe_run_smoke(tmp_path):
     md = (tmp_path / "page.md").read_text()
     assert "| step | reward | acceptance_length |" in md and "\n| 2 | " in md and "best of 3 interleaved" in md
     assert (tmp_path / "page_curves.png").is_file() and (tmp_path / "page.json").is_file()
+
+
+def test_refit_smoke(tmp_path):
+    """benchmarks/refit.py: the bytes path against the bucketed refit, side by side (embedded engine here; the vLLM
+    arm runs in the vLLM environment)."""
+    import json
+
+    text = _run("refit.py", "--models", "tiny", "--engines", "embedded", "--repeats", 1, "--bucket-mb", 1,
+                "--out", tmp_path, "--work-dir", tmp_path / "work")
+    assert "| tiny | embedded |" in text and (tmp_path / "refit.md").is_file()
+    row = json.loads((tmp_path / "refit.json").read_text())["rows"][0]
+    assert row["before_s"] > 0 and row["after_s"] > 0 and row["weights_mb"] > 1
