@@ -13,7 +13,8 @@ one is real):
 
 Reported: the median refit seconds, and the peak extra resident memory on the host during a refit (the peak
 resident set of this process and of every process it started, e.g. vLLM's, above their resident sets before the
-refit, reset with ``/proc/<pid>/clear_refs``; the engine's own weights are resident before). ``--rl-steps N`` also
+refit, reset with ``/proc/<pid>/clear_refs``; the engine's own weights are resident before; glibc's mmap threshold
+fixed at 64 KiB so that freed blocks leave the resident set). ``--rl-steps N`` also
 runs the SmolLM2 recipe's RL loop with vLLM for N steps and reports the refit's share of the step that the loop
 logs (``refit_s`` / ``step_s`` in metrics.csv). A projection for Qwen3-8B on 16 GPUs from the measured bandwidth
 is stated as one.
@@ -225,6 +226,9 @@ def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
 
 
 def main(argv=None) -> None:
+    if argv is None and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # freed large blocks must leave the
+        os.execve(sys.executable, [sys.executable, *sys.argv],        # resident set, or the peaks under-count
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm2,wide")
     ap.add_argument("--engines", default="embedded,vllm")
