@@ -197,15 +197,16 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
     B = spec.engine_concurrency
     kv = B * (spec.seq_len + 2 * (K + 1)) * per_token * a_e
     refit = 0
-    if not shares:  # one tensor gathered whole, two buckets and the checksum's workspace (rollout/buckets.py)
+    if not shares:  # the largest tensor gathered whole and the collective's own copy of it (measured on gloo:
+        # FSDP2's all-gather, the stage broadcast), two buckets and the checksum's workspace (rollout/buckets.py)
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
-        refit = largest * p_b + int(2.25 * min(spec.refit_bucket_bytes, max(weights, largest * a_e)))
+        refit = 2 * largest * p_b + int(2.25 * min(spec.refit_bucket_bytes, max(weights, largest * a_e)))
     released = sleeps or spec.engine == "embedded"  # vLLM asleep / the embedded engine's released copies
     return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if released else BOTH),
             Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv,
                  BOTH if keeps_cache else ROLLOUT),
             Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
-            Line("refit", f"refit (one tensor gathered, two {spec.refit_bucket_bytes / 2**20:g} MiB buckets)", refit,
+            Line("refit", f"refit (a tensor gathered, two {spec.refit_bucket_bytes / 2**20:g} MiB buckets)", refit,
                  ROLLOUT)]
 
 
