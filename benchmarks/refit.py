@@ -241,6 +241,7 @@ def main(argv=None) -> None:
     args.argv = sys.argv[1:] if argv is None else list(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = measure(args.models.split(","), args.engines.split(","), args.repeats, args.bucket_mb, args.work_dir)
+    report(rows, None, args, args.out)  # written now: the RL run below takes minutes
     rl = rl_share(args.rl_steps, args.work_dir) if args.rl_steps else None
     print(report(rows, rl, args, args.out))
 

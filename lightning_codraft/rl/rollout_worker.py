@@ -156,6 +156,7 @@ class RolloutWorker:
             self.engine.sleep(level=2)  # nothing offloaded to the host: every wake is followed by a full refit
         for m in self._copies:  # never the training modules themselves (vLLM over whole modules)
             release_parameters(m)
+        self.sync.release_buffers()  # the refit's two buckets, kept through the rollout phase
         self._awake = False
 
     def prepare(self, versions: Optional[Mapping[str, int]] = None, full_verify: bool = False) -> float:

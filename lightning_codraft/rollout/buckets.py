@@ -94,33 +94,51 @@ def _align(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+class BucketPool:
+    """The two buffers a refit's buckets are packed into in turn, kept between refits (a fresh buffer pays its
+    page faults on every refit) until :meth:`release` (the training phase: the RL loop frees them with the engine's
+    copies)."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared
+        self.buffers: list[torch.Tensor] = []
+        self.turn = 0
+
+    def take(self, capacity: int, device: torch.device) -> torch.Tensor:
+        """The next buffer, at least ``capacity`` bytes on ``device`` (replacing a smaller or foreign one)."""
+        slot = self.turn % 2
+        self.turn += 1
+        if len(self.buffers) <= slot:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self.buffers[slot].numel() < capacity or self.buffers[slot].device != device:
+            self.buffers[slot] = torch.empty(0, dtype=torch.uint8, device=device)  # the old buffer is freed first
+            if self.shared and device.type == "cpu":  # a fresh shared-memory file any process can map by name;
+                storage = torch.UntypedStorage._new_using_filename_cpu(capacity)  # its pages cost once written
+                self.buffers[slot] = torch.empty(0, dtype=torch.uint8).set_(storage)
+            else:
+                self.buffers[slot] = torch.empty(capacity, dtype=torch.uint8, device=device)
+        return self.buffers[slot]
+
+    def release(self) -> None:
+        """Free both buffers."""
+        self.buffers, self.turn = [], 0
+
+
 def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device | str] = None, shared: bool = False) -> Iterator[WeightBucket]:
+                 device: Optional[torch.device | str] = None, shared: bool = False,
+                 pool: Optional[BucketPool] = None) -> Iterator[WeightBucket]:
     """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (one oversized tensor: a bucket of
     its own), floating tensors cast to ``dtype`` (None: as they come), on ``device`` (None: each tensor's).
 
-    Two buffers are reused in turn: consume (load) a bucket before asking for the one after the next.
-    ``shared``: CPU buffers in shared memory, so another process can map them (:func:`share_handle`).
+    Two buffers are reused in turn (``pool``, default a fresh one): consume (load) a bucket before asking for the
+    one after the next. ``shared``: CPU buffers in shared memory, so another process can map them
+    (:func:`share_handle`); a given ``pool`` decides it.
     """
     if bucket_bytes < 16:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 16")
-    pool: list[torch.Tensor] = []
-    turn = [0]
-
-    def buffer(capacity: int, dev: torch.device) -> torch.Tensor:
-        slot = turn[0] % 2
-        turn[0] += 1
-        if len(pool) <= slot:
-            pool.append(torch.empty(0, dtype=torch.uint8, device=dev))
-        if pool[slot].numel() < capacity or pool[slot].device != dev:
-            pool[slot] = torch.empty(0, dtype=torch.uint8, device=dev)  # the old buffer is freed first
-            if shared and dev.type == "cpu":  # a fresh shared-memory file any process can map by name; its pages
-                storage = torch.UntypedStorage._new_using_filename_cpu(capacity)  # cost memory once written
-                pool[slot] = torch.empty(0, dtype=torch.uint8).set_(storage)
-            else:
-                pool[slot] = torch.empty(capacity, dtype=torch.uint8, device=dev)
-        return pool[slot]
+    pool = pool if pool is not None else BucketPool(shared)
+    buffer = pool.take
 
     def finish(bucket: WeightBucket, last: bool) -> WeightBucket:
         bucket.last = last

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
-from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
+from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketPool, WeightBucket, pack_buckets
 from lightning_codraft.rollout.engine import RolloutEngine
 
 State = Optional[Mapping[str, torch.Tensor]]
@@ -91,11 +91,13 @@ def _pairs(items: Items) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def refit_buckets(policy: Items, draft: Items, versions: Mapping[str, int], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  dtype: Optional[torch.dtype] = None, shared: bool = False) -> Iterator[WeightBucket]:
+                  dtype: Optional[torch.dtype] = None, shared: bool = False,
+                  pool: Optional[BucketPool] = None) -> Iterator[WeightBucket]:
     """The buckets of one refit: the policy's (if given), then the draft's, each tagged with its version."""
+    pool = pool if pool is not None else BucketPool(shared)
     for kind, items in (("policy", policy), ("draft", draft)):
         if items is not None:
-            yield from pack_buckets(_pairs(items), kind, int(versions[kind]), bucket_bytes, dtype=dtype, shared=shared)
+            yield from pack_buckets(_pairs(items), kind, int(versions[kind]), bucket_bytes, dtype=dtype, pool=pool)
 
 
 class WeightSync:
@@ -123,6 +125,8 @@ class WeightSync:
         self.states = states
         self.every_n_steps = int(every_n_steps)
         self.bucket_bytes, self.verify = int(bucket_bytes), verify
+        self.pool: Optional[BucketPool] = None
+        """The refit's two buffers, kept between refits until :meth:`release_buffers`."""
         self.last_synced_step = -1
         self.sync_seconds: list[float] = []
 
@@ -153,14 +157,20 @@ class WeightSync:
                 self.engine.update_weights(None if policy is None else dict(_pairs(policy)),
                                            None if draft is None else dict(_pairs(draft)))
             else:
-                load(refit_buckets(policy, draft, versions, self.bucket_bytes,
-                                   shared=bool(getattr(self.engine, "keeps_own_weights", False))), verify=self.verify)
+                if self.pool is None:
+                    self.pool = BucketPool(shared=bool(getattr(self.engine, "keeps_own_weights", False)))
+                load(refit_buckets(policy, draft, versions, self.bucket_bytes, pool=self.pool), verify=self.verify)
         else:
             _drain(policy), _drain(draft)
         seconds = time.perf_counter() - start
         self.last_synced_step = step
         self.sync_seconds.append(seconds)
         return seconds
+
+    def release_buffers(self) -> None:
+        """Free the refit's buffers (e.g. while training runs); the next refit allocates them again."""
+        if self.pool is not None:
+            self.pool.release()
 
 
 def _drain(items: Items) -> None:

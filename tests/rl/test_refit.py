@@ -94,4 +94,4 @@ def test_a_bucketed_refit_delivers_the_trained_weights_within_two_buckets(tmp_pa
         # beyond what gathering the weights one tensor at a time costs (the same with or without buckets): two
         # buckets, the checksum's workspace (a quarter bucket) and 256 KiB of slack
         assert r["peak_extra"] <= r["gather_extra"] + 2.25 * bucket + 2**18, r
-        assert r["peak_extra"] <= planned + 2**18, (r, planned)  # the plan's refit line bounds the measured peak
+        assert r["peak_extra"] <= planned + 2**19, (r, planned)  # the plan's refit line, within 512 KiB
