@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 """Bytes per bucket unless a caller says otherwise (the refit's peak extra memory is two of them)."""
@@ -240,8 +241,6 @@ def share_handle(bucket: WeightBucket) -> tuple:
         if not bucket.buffer.is_shared():
             raise ValueError("the bucket's CPU buffer is not in shared memory; pack with shared=True")
         return "cpu_shm", bucket.buffer.untyped_storage()._share_filename_cpu_(), meta
-    from torch.multiprocessing.reductions import reduce_tensor
-
     return "cuda_ipc", reduce_tensor(bucket.buffer), meta
 
 
