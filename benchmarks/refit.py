@@ -126,7 +126,11 @@ def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float):
     if arm == "after":
         sync = WeightSync(engine, lambda: (policy.state_dict(), draft.state_dict()),
                           bucket_bytes=int(bucket_mb * 2**20))
-        return lambda: sync(1, force=True)
+
+        def after():  # as in the RL loop: the buffers were freed when training started, a refit allocates them
+            sync.release_buffers()
+            sync(1, force=True)
+        return after
 
     def before():
         states = ({k: v.clone() for k, v in policy.state_dict().items()},
@@ -233,7 +237,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="tiny,smollm2,wide")
     ap.add_argument("--engines", default="embedded,vllm")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="parallel.refit_bucket_mb's default")
     ap.add_argument("--rl-steps", type=int, default=0, help="also run the SmolLM2 recipe's loop with vLLM")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/codraft_refit"))
