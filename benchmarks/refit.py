@@ -177,8 +177,9 @@ def measure(models: list[str], engines: list[str], repeats: int, bucket_mb: floa
     return rows
 
 
-def rl_share(steps: int, work: Path) -> dict:
-    """The SmolLM2 recipe's RL loop with vLLM for ``steps`` steps: the refit's share of each step, as logged."""
+def rl_share(steps: int, work: Path, reuse: bool = False) -> dict:
+    """The SmolLM2 recipe's RL loop with vLLM for ``steps`` steps: the refit's share of each step, as logged
+    (``reuse``: read the metrics.csv an earlier run of the same command left in ``work``)."""
     import csv
 
     out = work / "rl"
@@ -187,7 +188,8 @@ def rl_share(steps: int, work: Path) -> dict:
                  "run.resume=false", f"run.out_dir={out}", "run.checkpoint_every=0", "run.progress=false"]
     cmd = [sys.executable, "-m", "lightning_codraft.cli", "fit", "--config", str(ROOT / "recipes" /
                                                                                  "smollm2-135m-cpu.yaml"), *overrides]
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if not reuse:
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     return {"overrides": overrides, "refit_s": [float(r["refit_s"]) for r in rows],
             "step_s": [float(r["step_s"]) for r in rows], "share": [float(r["refit_share"]) for r in rows]}
@@ -239,6 +241,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="parallel.refit_bucket_mb's default")
     ap.add_argument("--rl-steps", type=int, default=0, help="also run the SmolLM2 recipe's loop with vLLM")
+    ap.add_argument("--rl-reuse", action="store_true", help="read that loop's metrics.csv from --work-dir instead")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/codraft_refit"))
     args = ap.parse_args(argv)
@@ -246,7 +249,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = measure(args.models.split(","), args.engines.split(","), args.repeats, args.bucket_mb, args.work_dir)
     report(rows, None, args, args.out)  # written now: the RL run below takes minutes
-    rl = rl_share(args.rl_steps, args.work_dir) if args.rl_steps else None
+    rl = rl_share(args.rl_steps, args.work_dir, args.rl_reuse) if args.rl_steps else None
     print(report(rows, rl, args, args.out))
 
 
