@@ -64,6 +64,39 @@ def _install_draft_head(target: torch.nn.Module, draft: torch.nn.Module, weight:
         _load_head(draft.lm_head, weight)
 
 
+class BucketSession:
+    """The worker's side of one model's bucketed refit (rollout/buckets.py) in a weight-update session: each bucket
+    checked as it lands; problems (a corrupted, stale, dropped or missing bucket) are recorded, never raised inside
+    vLLM's session, so the session always closes; the engine asks for them (``codraft_refit_problems``)."""
+
+    problems: list[str] = []
+    """Problems since the engine last asked (kept across sessions of this process)."""
+
+    def __init__(self):
+        self.receiver: BucketReceiver | None = None
+
+    def receive(self, handle: tuple, verify: str) -> dict[str, torch.Tensor]:
+        """The bucket's tensors, copied out of it (vLLM's layerwise reload may keep a tensor until its layer is
+        whole, and the sender reuses the bucket's buffer); nothing when it fails its checks."""
+        bucket = open_handle(handle)
+        if self.receiver is None:
+            self.receiver = BucketReceiver(bucket.kind, verify=verify)
+        try:
+            return {name: view.clone() for name, view in self.receiver.accept(bucket)}
+        except RefitError as err:
+            BucketSession.problems = [*BucketSession.problems, str(err)]
+            return {}
+
+    def close(self) -> None:
+        """End the push: record it when it lacked its last bucket or left a tensor unfilled."""
+        if self.receiver is not None:
+            try:
+                self.receiver.finish()
+            except RefitError as err:
+                BucketSession.problems = [*BucketSession.problems, str(err)]
+        self.receiver = None
+
+
 def _register_transport() -> type | None:
     """Define and register :class:`BytesWeightTransferEngine`; None where vLLM has no weight-transfer API."""
     try:
@@ -101,13 +134,9 @@ def _register_transport() -> type | None:
         def init_transfer_engine(self, init_info: BytesInitInfo) -> None:
             pass
 
-        refit_problems: list[str] = []
-        """Problems of bucketed refits since the last ``codraft_refit_problems`` call (a missing last bucket, a
-        tensor no bucket filled): the session closes regardless, the engine raises them."""
-
         def start_weight_update(self) -> None:
             self._draft_head = None
-            self._receiver = None  # a bucketed refit's BucketReceiver, made by its first bucket
+            self._buckets = BucketSession()
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info: dict) -> None:
@@ -117,7 +146,7 @@ def _register_transport() -> type | None:
 
         def receive_weights(self, update_info: BytesUpdateInfo) -> None:
             if update_info.handle is not None:
-                state = self._receive_bucket(update_info)
+                state = self._buckets.receive(update_info.handle, update_info.verify)
             else:
                 state = bytes_to_tensors(update_info.blob)
             if self.model is not self._default_model:  # a draft session
@@ -126,25 +155,8 @@ def _register_transport() -> type | None:
                     self._draft_head = head
             self.model.load_weights(iter(state.items()))
 
-        def _receive_bucket(self, update_info: BytesUpdateInfo) -> dict[str, torch.Tensor]:
-            """The bucket's tensors, checked as they land (the views are copied out: vLLM's layerwise reload may
-            keep a tensor until its layer is whole, and the sender reuses the bucket's buffer)."""
-            bucket = open_handle(update_info.handle)
-            if self._receiver is None:
-                self._receiver = BucketReceiver(bucket.kind, verify=update_info.verify)
-            try:
-                return {name: view.clone() for name, view in self._receiver.accept(bucket)}
-            except RefitError as err:  # the engine closes the session and raises it
-                self.refit_problems = [*self.refit_problems, str(err)]
-                return {}
-
         def finish_weight_update(self) -> None:
-            receiver, self._receiver = self._receiver, None
-            if receiver is not None:  # the session always closes; what went wrong is asked for afterwards
-                try:
-                    receiver.finish()
-                except RefitError as err:
-                    self.refit_problems = [*self.refit_problems, str(err)]
+            self._buckets.close()  # the session always closes; what went wrong is asked for afterwards
             finalize_layerwise_reload(self.model, self.model_config)
             if self.model is not self._default_model and self._draft_head is not None:
                 _install_draft_head(self._default_model, self.model, self._draft_head)
@@ -195,10 +207,7 @@ class CoDraftWorkerExtension:
 
     def codraft_refit_problems(self) -> list[str]:
         """The bucketed refits' problems since the last call (and forget them)."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        problems = list(getattr(engine, "refit_problems", []))
-        if problems:
-            engine.refit_problems = []
+        problems, BucketSession.problems = BucketSession.problems, []
         return problems
 
     def codraft_checksums(self) -> dict[str, Report]:
