@@ -12,6 +12,7 @@ from rollout_helpers import make_policy
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout.engine import RolloutError
 from lightning_codraft.rollout.vllm_engine import VLLMEngine, describe_requests, request_stats
+from lightning_codraft.rollout.buckets import open_handle
 from lightning_codraft.rollout.vllm_weights import bytes_to_tensors, expected_checksums, resolve_update_path
 
 NATIVE_SESSION = ["start_weight_update", "update_weights", "finish_weight_update",
@@ -54,8 +55,17 @@ class FakeLLM:
             self.session = "draft" if "draft" in method else "policy"
             return [None]
         if method == "update_weights":
-            self._load(self.session, kwargs["update_info"]["blob"])
+            info = kwargs["update_info"]
+            if "handle" in info:  # a bucket of a bucketed refit, by reference
+                bucket = open_handle(info["handle"])
+                held = self.held.setdefault(self.session, {})
+                held.update({n: t.clone() for n, t in bucket.tensors() if not (self.session == "draft"
+                                                                                and self.drop_draft_pushes)})
+            else:
+                self._load(self.session, info["blob"])
             return [None]
+        if method == "codraft_refit_problems":
+            return [[]]
         if method == "finish_weight_update":
             self.session = None
             return [None]
@@ -171,6 +181,29 @@ def test_a_draft_lost_across_sleep_fails_loudly(level):
     with pytest.raises(RuntimeError, match="not verified for the draft \\(") as err:
         engine.wake_up(*states)
     assert "policy:" not in str(err.value)
+
+
+def test_the_loops_level_2_sleep_then_a_bucketed_refit_of_both_models():
+    """The RL loop sleeps at level 2 (weights discarded), wakes with ``refit=True`` (nothing pushed at the wake) and
+    refits both models in buckets through the native session; the full verification passes, and a refit whose
+    draft buckets went missing fails naming the draft."""
+    from lightning_codraft.rollout.weight_sync import WeightSync
+
+    policy, draft = models()
+    llm = FakeLLM(policy, draft)
+    engine = engine_on(llm, no_sleep_reason=None)
+    engine.sleep(2)
+    engine.wake_up(refit=True)
+    assert llm.calls[-2:] == ["sleep2", "wake_up"]  # no push, no check: the refit follows
+    WeightSync(engine, lambda: (policy.state_dict(), draft.state_dict()), bucket_bytes=2**16)(
+        1, force=True, versions={"policy": 4, "draft": 2})
+    assert engine.weight_versions == {"policy": 4, "draft": 2} and "codraft_checksums" in llm.calls[-2:]
+    lossy = FakeLLM(policy, draft, drop_draft_pushes=True)
+    engine = engine_on(lossy, no_sleep_reason=None)
+    engine.sleep(2)
+    engine.wake_up(refit=True)
+    with pytest.raises(RuntimeError, match="not verified for the draft \\("):
+        WeightSync(engine, lambda: (policy.state_dict(), draft.state_dict()), bucket_bytes=2**16)(1, force=True)
 
 
 def test_sleep_where_unsupported_says_why():
