@@ -14,9 +14,10 @@ Groups of ranks sharing one engine (tensor-parallel vLLM for models that do not 
 **Weights, one tensor at a time.** Without PP or FSDP2 every rank's training modules are whole and the embedded
 engine decodes with them. Otherwise the engine's modules are copies whose parameter storage is released while
 training runs and refilled before every rollout phase from the sharded training state, one tensor at a time
-(``parallel.stream.stream_full_state`` through ``rollout.weight_sync.WeightSync``, the one sync path): no whole extra
-copy is held across the step. vLLM keeps its own weights; it sleeps while training runs where the platform supports
-it (not vLLM-CPU), and every update is checksum-verified for the policy and the draft.
+(``parallel.stream.stream_full_state`` through ``rollout.weight_sync.WeightSync``, the one sync path, in checksummed
+buckets: rollout/buckets.py): no whole extra copy is held across the step. vLLM keeps its own weights; it sleeps at
+level 2 while training runs where the platform supports it (not vLLM-CPU); every bucket is checked where it lands,
+and both models are fully verified on the first and the last refit.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.parallel.stream import stream_full_state
-from lightning_codraft.rollout.buckets import WeightBucket
+from lightning_codraft.rollout.buckets import WeightBucket, copy_into
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.speculative import SpeculativeEngine
@@ -203,10 +204,8 @@ class RolloutWorker:
         targets = {"policy": self.policy, "draft": self.draft}
         params = {k: m.state_dict(keep_vars=True) for k, m in targets.items() if m is not None}
         for bucket in buckets:
-            with torch.no_grad():
-                for name, view in bucket.tensors():
-                    if bucket.kind in params:
-                        params[bucket.kind][name].data.copy_(view)
+            if bucket.kind in params:
+                copy_into(params[bucket.kind], bucket.tensors(), bucket)
             yield bucket
 
     # ------------------------------------------------------------------ generation

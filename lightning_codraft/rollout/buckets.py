@@ -17,6 +17,7 @@ an engine in another process, in shared host memory (CPU) or a CUDA IPC handle (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -42,10 +43,7 @@ class BucketEntry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -228,6 +226,17 @@ class BucketReceiver:
         if missing:
             raise RefitError(f"{self.kind}: the push of version {self.version} left {len(missing)} tensors of the "
                              f"engine unfilled, e.g. {sorted(missing)[:3]}")
+
+
+def copy_into(params: dict[str, torch.Tensor], pairs: Iterable[tuple[str, torch.Tensor]], bucket: WeightBucket) -> None:
+    """Copy a bucket's ``(name, view)`` pairs into ``params`` (a module's ``state_dict(keep_vars=True)``) in place;
+    a name the module does not have is a :class:`RefitError`."""
+    with torch.no_grad():
+        for name, view in pairs:
+            if name not in params:
+                raise RefitError(f"{bucket.kind}: bucket {bucket.index} carries {name!r}, which the engine's "
+                                 f"{bucket.kind} does not have")
+            params[name].data.copy_(view)
 
 
 def share_handle(bucket: WeightBucket) -> tuple:

@@ -51,7 +51,7 @@ from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_d
 from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, decode_dtype
-from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, WeightBucket
+from lightning_codraft.rollout.buckets import BucketReceiver, WeightBucket, copy_into
 from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
                                               validate_prompts)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
@@ -261,12 +261,7 @@ class SpeculativeEngine:
                 params = module.state_dict(keep_vars=True)
                 receivers[bucket.kind] = (BucketReceiver(bucket.kind, expected=params, verify=verify), params)
             receiver, params = receivers[bucket.kind]
-            with torch.no_grad():
-                for name, view in receiver.accept(bucket):
-                    if name not in params:
-                        raise RefitError(f"{bucket.kind}: bucket {bucket.index} carries {name!r}, which the "
-                                         f"engine's {bucket.kind} does not have")
-                    params[name].data.copy_(view)
+            copy_into(params, receiver.accept(bucket), bucket)
         for kind, (receiver, _) in receivers.items():
             receiver.finish()
             self.weight_versions[kind] = int(receiver.version)
