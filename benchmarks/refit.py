@@ -13,20 +13,26 @@ one is real):
 
 Reported: the median refit seconds, and the peak extra resident memory on the host during a refit (the peak
 resident set of this process and of every process it started, e.g. vLLM's, above their resident sets before the
-refit, reset with ``/proc/<pid>/clear_refs``; the engine's own weights are resident before; glibc's mmap threshold
-fixed at 64 KiB so that freed blocks leave the resident set). ``--rl-steps N`` also
+refit, reset with ``/proc/<pid>/clear_refs``; the engine's own weights are resident before). The two are measured
+in two passes, each a child process running both arms: the times under glibc's default allocator (what the RL loop
+runs with), the memory with glibc's mmap threshold fixed at 64 KiB, so that freed blocks leave the resident set and
+a peak is not hidden in memory freed earlier (that setting makes every allocation pay its page faults again, so
+it would overstate the times). ``--processes 1,2``: also the 2-process arm, two gloo ranks training FSDP2
+shards, each refitting its own embedded engine (the loop's layout with one engine per rank); its seconds are the
+slower rank's, its memory the larger rank's. ``--rl-steps N`` also
 runs the SmolLM2 recipe's RL loop with vLLM for N steps and reports the refit's share of the step that the loop
 logs (``refit_s`` / ``step_s`` in metrics.csv). A projection for Qwen3-8B on 16 GPUs from the measured bandwidth
 is stated as one.
 
 Run in the vLLM environment (tests/rollout/README.md): ``PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/refit.py``
-(about 10 minutes on 2 cores). Without vLLM, ``--engines embedded``. Smoke: ``--models tiny --engines embedded
+(about 20 minutes on 2 cores). Without vLLM, ``--engines embedded``. Smoke: ``--models tiny --engines embedded
 --repeats 1 --out TMP``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -36,13 +42,19 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.parallel.fsdp import shard_codraft
+from lightning_codraft.parallel.parallel_dims import ParallelDims
+from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.rollout.weight_sync import WeightSync
+from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict
 from pages import command, md_table, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
+MMAP_THRESHOLD = "65536"
 MODELS = {
     "tiny": dict(hidden_size=128, num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=96, max_position_embeddings=256),
@@ -121,11 +133,16 @@ def make_engine(kind: str, policy, draft, workdir: Path):
     return VLLMEngine.from_modules(policy, draft, 4, workdir=workdir, verify_updates=False, max_model_len=256)
 
 
-def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float):
-    """The refit function of ``arm`` for ``engine``."""
+def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float, dims: ParallelDims | None = None):
+    """The refit function of ``arm`` for ``engine`` (``dims``: ``policy`` / ``draft`` are FSDP2 shards over it)."""
     if arm == "after":
-        sync = WeightSync(engine, lambda: (policy.state_dict(), draft.state_dict()),
-                          bucket_bytes=int(bucket_mb * 2**20))
+        if dims is None:
+            def states():
+                return policy.state_dict(), draft.state_dict()
+        else:  # the loop's stream: every tensor gathered whole in turn (parallel/stream.py)
+            def states():
+                return stream_full_state(policy.state_dict(), dims), stream_full_state(draft.state_dict(), dims)
+        sync = WeightSync(engine, states, bucket_bytes=int(bucket_mb * 2**20))
 
         def after():
             sync(1, force=True)
@@ -133,8 +150,11 @@ def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float):
         return after
 
     def before():
-        states = ({k: v.clone() for k, v in policy.state_dict().items()},
-                  {k: v.clone() for k, v in draft.state_dict().items()})
+        if dims is None:
+            states = ({k: v.clone() for k, v in policy.state_dict().items()},
+                      {k: v.clone() for k, v in draft.state_dict().items()})
+        else:
+            states = (full_state_dict(policy), full_state_dict(draft))  # the earlier loop's whole gather
         if kind == "vllm":
             engine.verify_updates = True   # the earlier loop verified every parameter after every update
             engine.update_weights(*states)
@@ -144,37 +164,116 @@ def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float):
     return before
 
 
-def measure(models: list[str], engines: list[str], repeats: int, bucket_mb: float, work: Path) -> list[dict]:
+def run_arms(kind: str, engine, policy, draft, repeats: int, bucket_mb: float,
+             dims: ParallelDims | None = None) -> dict[str, list[tuple[float, int]]]:
+    """``{arm: [(seconds, peak extra bytes) per repeat]}``, the arms interleaved (machine load affects both
+    alike), the weights nudged before every refit (each one moves real weights)."""
+    fns = {arm: refit_arm(kind, arm, engine, policy, draft, bucket_mb, dims) for arm in ("before", "after")}
+    for fn in fns.values():
+        fn()  # warm: first calls pay imports and allocations
+    res = {arm: [] for arm in fns}
+    for _ in range(repeats):
+        for arm, fn in fns.items():
+            nudge(policy, draft)
+            getattr(fn, "prepare", lambda: None)()  # outside the measurement
+            if dims is not None:
+                dist.barrier()
+            res[arm].append(peak_extra(fn))
+    return res
+
+
+def _rank_arms(rank: int, world: int, port: int, name: str, repeats: int, bucket_mb: float, out: str) -> None:
+    """One gloo rank of the 2-process arm: FSDP2 shards of the model, an embedded engine over a whole copy."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        dims = ParallelDims(dp=world, world_size=world)
+        dims.build_mesh("cpu")
+        policy, draft = build(name)
+        engine = make_engine("embedded", policy, draft, None)
+        holder = torch.nn.Module()
+        holder.policy, holder.draft = policy, draft
+        shard_codraft(holder, dims.dp_cp_mesh)
+        res = run_arms("embedded", engine, policy, draft, repeats, bucket_mb, dims)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        if rank == 0:  # per repeat: the slower rank's seconds, the larger rank's peak
+            merged = {arm: [(max(r[arm][i][0] for r in gathered), max(r[arm][i][1] for r in gathered))
+                            for i in range(repeats)] for arm in res}
+            Path(out).write_text(json.dumps(merged))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure(models: list[str], engines: list[str], processes: list[int], repeats: int, bucket_mbs: list[float],
+            work: Path) -> list[dict]:
+    """One pass: every (model, engine, processes, bucket size) cell's two arms; rows of per-repeat figures (2
+    processes: the first bucket size only)."""
     rows = []
     for name in models:
         policy, draft = build(name)
         nbytes = sum(t.numel() * t.element_size() for m in (policy, draft) for t in m.state_dict().values())
         for kind in engines:
-            engine = make_engine(kind, policy, draft, work / f"{name}-{kind}")
-            try:
-                fns = {arm: refit_arm(kind, arm, engine, policy, draft, bucket_mb) for arm in ("before", "after")}
-                for fn in fns.values():
-                    fn()  # warm: first calls pay imports and allocations
-                res = {arm: [] for arm in fns}
-                for _ in range(repeats):  # interleaved: machine load affects both arms alike
-                    for arm, fn in fns.items():
-                        nudge(policy, draft)
-                        getattr(fn, "prepare", lambda: None)()  # outside the measurement
-                        res[arm].append(peak_extra(fn))
-            finally:
-                close = getattr(engine, "close", None)
-                if close is not None:
-                    close()
-            row = {"model": name, "engine": kind, "weights_mb": nbytes / 2**20, "bucket_mb": bucket_mb}
-            for arm, runs in res.items():
-                row[f"{arm}_s"] = statistics.median(s for s, _ in runs)
-                row[f"{arm}_peak_mb"] = max(b for _, b in runs) / 2**20
-            row["speedup"] = row["before_s"] / row["after_s"]
-            row["memory_ratio"] = row["before_peak_mb"] / max(row["after_peak_mb"], 1e-9)
-            rows.append(row)
-            print(f"{name:8s} {kind:9s} {row['weights_mb']:8.1f} MB  before {row['before_s']:.3f}s "
-                  f"{row['before_peak_mb']:.1f} MB  after {row['after_s']:.3f}s {row['after_peak_mb']:.1f} MB  "
-                  f"{row['speedup']:.1f}x time, {row['memory_ratio']:.1f}x memory", flush=True)
+            for procs in processes:
+                cells = []
+                if procs == 1:
+                    engine = make_engine(kind, policy, draft, work / f"{name}-{kind}")
+                    try:
+                        cells = [(mb, run_arms(kind, engine, policy, draft, repeats, mb)) for mb in bucket_mbs]
+                    finally:
+                        close = getattr(engine, "close", None)
+                        if close is not None:
+                            close()
+                elif kind == "embedded":
+                    out = work / f"{name}-{procs}.json"
+                    mp.spawn(_rank_arms, args=(procs, _free_port(), name, repeats, bucket_mbs[0], str(out)),
+                             nprocs=procs)
+                    cells = [(bucket_mbs[0], json.loads(out.read_text()))]
+                # vLLM on several ranks is not timed: one vLLM-CPU engine per rank would share these 2 cores
+                rows += [{"model": name, "engine": kind, "processes": procs, "weights_mb": nbytes / 2**20,
+                          "bucket_mb": mb, "runs": res} for mb, res in cells]
+    return rows
+
+
+def run_pass(which: str, args) -> list[dict]:
+    """Run one pass (``"time"``: glibc's default allocator; ``"memory"``: its mmap threshold fixed) in a child
+    process; its rows."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if which == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    out = args.work_dir / f"pass-{which}.json"
+    cmd = [sys.executable, __file__, "--pass", which, "--pass-out", str(out), "--models", args.models, "--engines",
+           args.engines, "--processes", args.processes, "--repeats", str(args.repeats), "--bucket-mb",
+           args.bucket_mb, "--work-dir", str(args.work_dir)]
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def combine(times: list[dict], memory: list[dict]) -> list[dict]:
+    """The table's rows: median seconds from the time pass, the largest peak from the memory pass."""
+    rows = []
+    for t, m in zip(times, memory):
+        row = {k: t[k] for k in ("model", "engine", "processes", "weights_mb", "bucket_mb")}
+        for arm in ("before", "after"):
+            row[f"{arm}_s"] = statistics.median(s for s, _ in t["runs"][arm])
+            row[f"{arm}_peak_mb"] = max(b for _, b in m["runs"][arm]) / 2**20
+        row["speedup"] = row["before_s"] / row["after_s"]
+        row["memory_ratio"] = row["before_peak_mb"] / max(row["after_peak_mb"], 1e-9)
+        rows.append(row)
+        print(f"{row['model']:8s} {row['engine']:9s} x{row['processes']} {row['weights_mb']:8.1f} MB "
+              f"{row['bucket_mb']:g} MiB  before "
+              f"{row['before_s']:.3f}s {row['before_peak_mb']:.1f} MB  after {row['after_s']:.3f}s "
+              f"{row['after_peak_mb']:.1f} MB  {row['speedup']:.1f}x time, {row['memory_ratio']:.1f}x memory",
+              flush=True)
     return rows
 
 
@@ -199,18 +298,22 @@ def rl_share(steps: int, work: Path, reuse: bool = False) -> dict:
 def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
     lines = ["# Refit: training weights into the rollout engine, bytes path against buckets", "",
              f"Command: `{command('refit.py', args.argv)}`. CPU, {torch.get_num_threads()} torch threads, "
-             f"torch {torch.__version__}; median of {args.repeats} refits per arm, the arms interleaved. Peak "
-             f"extra memory: the peak resident set of this process and of the processes it started (vLLM's) above "
-             f"their resident sets before the refit, the largest over the repeats.", "",
-             *md_table(["model", "engine", "weights (policy + draft, fp32)", "before: s", "before: peak extra",
-                        "after: s", "after: peak extra", "time", "memory"],
-                       [(r["model"], r["engine"], f"{r['weights_mb']:.0f} MB", f"{r['before_s']:.3f}",
+             f"torch {torch.__version__}; median of {args.repeats} refits per arm, the arms interleaved, under "
+             f"glibc's default allocator. Peak extra memory: the peak resident set of this process and of the "
+             f"processes it started (vLLM's) above their resident sets before the refit, the largest over the "
+             f"repeats, measured in a second pass with glibc's mmap threshold at {MMAP_THRESHOLD} bytes (freed "
+             f"blocks leave the resident set). 2 processes: gloo ranks with FSDP2 shards, one embedded engine "
+             f"each, one torch thread each; the slower rank's seconds, the larger rank's memory.", "",
+             *md_table(["model", "engine", "processes", "weights (policy + draft, fp32)", "bucket", "before: s",
+                        "before: peak extra", "after: s", "after: peak extra", "time", "memory"],
+                       [(r["model"], r["engine"], r["processes"], f"{r['weights_mb']:.0f} MB",
+                         f"{r['bucket_mb']:g} MiB", f"{r['before_s']:.3f}",
                          f"{r['before_peak_mb']:.0f} MB", f"{r['after_s']:.3f}", f"{r['after_peak_mb']:.0f} MB",
                          f"{r['speedup']:.1f}x less", f"{r['memory_ratio']:.1f}x less"
                          if r["after_peak_mb"] >= 1 else "-") for r in rows]), "",
-             f"before: whole cloned states (vLLM: safetensors bytes in the RPC, then every parameter verified in "
-             f"float64 on both sides, as the loop did); after: {args.bucket_mb:g} MiB buckets by reference, "
-             f"checksummed where they land (a run's first and last refit also verify every parameter)."]
+             "before: whole cloned states (vLLM: safetensors bytes in the RPC, then every parameter verified in "
+             "float64 on both sides, as the loop did); after: buckets of the size shown by reference, "
+             "checksummed where they land (a run's first and last refit also verify every parameter)."]
     if rl is not None:
         share = statistics.median(rl["share"][1:] or rl["share"])
         lines += ["", "## The refit's share of an RL step (SmolLM2-135M recipe, vLLM-CPU)", "",
@@ -218,12 +321,13 @@ def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
                   f"the refit and the step per step. Refit {', '.join(f'{s:.2f}' for s in rl['refit_s'])} s of steps "
                   f"{', '.join(f'{s:.1f}' for s in rl['step_s'])} s: **median share {share:.1%}** (the first step "
                   f"verifies every parameter and is left out of the median when there are more)."]
-    vllm = [r for r in rows if r["engine"] == "vllm"]
+    vllm = [r for r in rows if r["engine"] == "vllm" and r["processes"] == 1]
     if vllm:
-        big = max(vllm, key=lambda r: r["weights_mb"])
+        big = max(vllm, key=lambda r: (r["weights_mb"], -r["after_s"]))
         rate = big["weights_mb"] / big["after_s"]
         lines += ["", "## Projection (stated as one): Qwen3-8B on 16 GPUs", "",
-                  f"The bucketed refit moved {rate:.0f} MB/s into vLLM-CPU here ({big['model']}). Qwen3-8B's bf16 "
+                  f"The bucketed refit moved {rate:.0f} MB/s into vLLM-CPU here ({big['model']}, "
+                  f"{big['bucket_mb']:g} MiB buckets). Qwen3-8B's bf16 "
                   f"weights are 16.4 GB per engine: at this host rate a refit would take {16.4e3 / rate:.0f} s. On "
                   f"GPUs the buckets travel as CUDA IPC handles: at ~20 GB/s for a device-to-device copy the copy "
                   f"itself is ~1 s per engine, before the gather of the FSDP2 shards and vLLM's own loading "
@@ -235,22 +339,29 @@ def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
 
 
 def main(argv=None) -> None:
-    if argv is None and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:  # freed large blocks must leave the
-        os.execve(sys.executable, [sys.executable, *sys.argv],        # resident set, or the peaks under-count
-                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm2,wide")
     ap.add_argument("--engines", default="embedded,vllm")
+    ap.add_argument("--processes", default="1,2", help="1 and/or 2 (the 2-process arm: embedded engines)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=256.0, help="parallel.refit_bucket_mb's default")
+    ap.add_argument("--bucket-mb", default="256,64",
+                    help="bucket sizes in MiB, comma-separated; the first is parallel.refit_bucket_mb's default")
     ap.add_argument("--rl-steps", type=int, default=0, help="also run the SmolLM2 recipe's loop with vLLM")
     ap.add_argument("--rl-reuse", action="store_true", help="read that loop's metrics.csv from --work-dir instead")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/codraft_refit"))
+    ap.add_argument("--pass", dest="which", choices=("time", "memory"), help=argparse.SUPPRESS)
+    ap.add_argument("--pass-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    measured = (args.models.split(","), args.engines.split(","), [int(p) for p in args.processes.split(",")])
+    if args.which is not None:  # a child: one pass
+        sizes = [float(b) for b in args.bucket_mb.split(",")]
+        args.pass_out.write_text(json.dumps(measure(*measured, args.repeats, sizes, args.work_dir)))
+        return
     args.argv = sys.argv[1:] if argv is None else list(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = measure(args.models.split(","), args.engines.split(","), args.repeats, args.bucket_mb, args.work_dir)
+    rows = combine(run_pass("time", args), run_pass("memory", args))
     report(rows, None, args, args.out)  # written now: the RL run below takes minutes
     rl = rl_share(args.rl_steps, args.work_dir, args.rl_reuse) if args.rl_steps else None
     print(report(rows, rl, args, args.out))

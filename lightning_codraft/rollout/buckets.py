@@ -18,6 +18,7 @@ an engine in another process, in shared host memory (CPU) or a CUDA IPC handle (
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -167,6 +168,27 @@ def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: 
     if current is None:  # an empty model still ends its push: the receiver checks completeness on it
         current = WeightBucket(kind, index, int(version), buffer(16, torch.device(device or "cpu")))
     yield finish(current, last=True)
+
+
+def prefetched(buckets: Iterable[WeightBucket]) -> Iterator[WeightBucket]:
+    """``buckets``, the next one packed in a background thread while the caller loads the current one: the
+    sender's gather, cast and checksum overlap the engine's loading. With :func:`pack_buckets`' two buffers this is
+    safe as long as the caller is done with a bucket when it asks for the next (the packing of bucket ``i + 2``,
+    into bucket ``i``'s buffer, starts then). The stream's collectives, if any, all run in that one thread, in
+    order; the thread works on the caller's current accelerator device."""
+    items, done = iter(buckets), object()
+    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+
+    def pack_next():
+        if device is not None:
+            torch.accelerator.set_device_index(device)
+        return next(items, done)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="codraft-refit") as packer:
+        pending = packer.submit(pack_next)
+        while (bucket := pending.result()) is not done:
+            pending = packer.submit(pack_next)
+            yield bucket
 
 
 class RefitError(RuntimeError):

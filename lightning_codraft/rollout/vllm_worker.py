@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, open_handle
@@ -64,28 +65,52 @@ def _install_draft_head(target: torch.nn.Module, draft: torch.nn.Module, weight:
         _load_head(draft.lm_head, weight)
 
 
+def _own_pending(storage: torch.UntypedStorage) -> int:
+    """Clone every tensor that vLLM's layerwise reload still buffers (a layer whose weights are not all loaded
+    yet, e.g. one split across two buckets) and that lies in ``storage``, a bucket's buffer the sender is about to
+    reuse; returns how many were cloned. The other tensors of the bucket were copied into their layers already."""
+    ptr, cloned = storage.data_ptr(), 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
+                    cloned += 1
+    return cloned
+
+
 class BucketSession:
     """The worker's side of one model's bucketed refit (rollout/buckets.py) in a weight-update session: each bucket
-    checked as it lands; problems (a corrupted, stale, dropped or missing bucket) are recorded, never raised inside
-    vLLM's session, so the session always closes; the engine asks for them (``codraft_refit_problems``)."""
+    checked as it lands and loaded from the shared buffer without a copy (:meth:`receive` / :meth:`loaded`);
+    problems (a corrupted, stale, dropped or missing bucket) are recorded, never raised inside vLLM's session, so
+    the session always closes; the engine asks for them (``codraft_refit_problems``)."""
 
     problems: list[str] = []
     """Problems since the engine last asked (kept across sessions of this process)."""
 
     def __init__(self):
         self.receiver: BucketReceiver | None = None
+        self.buffer: torch.Tensor | None = None
 
     def receive(self, handle: tuple, verify: str) -> dict[str, torch.Tensor]:
-        """The bucket's tensors, copied out of it (vLLM's layerwise reload may keep a tensor until its layer is
-        whole, and the sender reuses the bucket's buffer); nothing when it fails its checks."""
+        """The bucket's tensors as views into its shared buffer, valid until :meth:`loaded`; nothing when the
+        bucket fails its checks."""
         bucket = open_handle(handle)
         if self.receiver is None:
             self.receiver = BucketReceiver(bucket.kind, verify=verify)
+        self.buffer = bucket.buffer
         try:
-            return {name: view.clone() for name, view in self.receiver.accept(bucket)}
+            return dict(self.receiver.accept(bucket))
         except RefitError as err:
             BucketSession.problems = [*BucketSession.problems, str(err)]
             return {}
+
+    def loaded(self) -> None:
+        """The bucket is loaded: what vLLM's layerwise reload still holds of it (a layer waiting for its other
+        weights in the next bucket) is copied out, since the sender reuses the buffer for a later bucket."""
+        if self.buffer is not None:
+            _own_pending(self.buffer.untyped_storage())
+        self.buffer = None
 
     def close(self) -> None:
         """End the push: record it when it lacked its last bucket or left a tensor unfilled."""
@@ -152,8 +177,9 @@ def _register_transport() -> type | None:
             if self.model is not self._default_model:  # a draft session
                 state, head = _split_draft_state(state, self.model)
                 if head is not None:
-                    self._draft_head = head
+                    self._draft_head = head.clone()  # installed at the session's end; the bucket is reused
             self.model.load_weights(iter(state.items()))
+            self._buckets.loaded()
 
         def finish_weight_update(self) -> None:
             self._buckets.close()  # the session always closes; what went wrong is asked for afterwards

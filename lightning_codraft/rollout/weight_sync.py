@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
-from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketPool, WeightBucket, pack_buckets
+from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketPool, WeightBucket, pack_buckets, prefetched
 from lightning_codraft.rollout.engine import RolloutEngine
 
 State = Optional[Mapping[str, torch.Tensor]]
@@ -159,7 +159,8 @@ class WeightSync:
             else:
                 if self.pool is None:
                     self.pool = BucketPool(shared=bool(getattr(self.engine, "keeps_own_weights", False)))
-                load(refit_buckets(policy, draft, versions, self.bucket_bytes, pool=self.pool), verify=self.verify)
+                buckets = refit_buckets(policy, draft, versions, self.bucket_bytes, pool=self.pool)
+                load(prefetched(buckets), verify=self.verify)  # bucket i + 1 packed while bucket i loads
         else:
             _drain(policy), _drain(draft)
         seconds = time.perf_counter() - start

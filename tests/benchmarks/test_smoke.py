@@ -193,8 +193,9 @@ def test_refit_smoke(tmp_path):
     arm runs in the vLLM environment)."""
     import json
 
-    text = _run("refit.py", "--models", "tiny", "--engines", "embedded", "--repeats", 1, "--bucket-mb", 1,
+    text = _run("refit.py", "--models", "tiny", "--engines", "embedded", "--repeats", 1, "--bucket-mb", "1,4",
                 "--out", tmp_path, "--work-dir", tmp_path / "work")
-    assert "| tiny | embedded |" in text and (tmp_path / "refit.md").is_file()
-    row = json.loads((tmp_path / "refit.json").read_text())["rows"][0]
-    assert row["before_s"] > 0 and row["after_s"] > 0 and row["weights_mb"] > 1
+    assert "| tiny | embedded | 1 |" in text and "| tiny | embedded | 2 |" in text and (tmp_path / "refit.md").is_file()
+    rows = json.loads((tmp_path / "refit.json").read_text())["rows"]
+    assert [(r["processes"], r["bucket_mb"]) for r in rows] == [(1, 1), (1, 4), (2, 1)]
+    assert all(r["before_s"] > 0 and r["after_s"] > 0 and r["weights_mb"] > 1 for r in rows)

@@ -3,12 +3,13 @@ two reused buffers, by reference across processes; a corrupted, stale, dropped o
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from lightning_codraft.rollout.buckets import (BucketReceiver, RefitError, bucket_checksum, open_handle,
-                                               pack_buckets, share_handle)
+                                               pack_buckets, prefetched, share_handle)
 
 
 def _state(seed=0):
@@ -119,3 +120,39 @@ def test_a_shared_bucket_is_read_by_another_process_without_copying_bytes():
     with pytest.raises(ValueError, match="shared memory"):
         share_handle(next(pack_buckets(state.items(), "policy", 2)))
     assert open_handle(handles[0]).checksum == sums[0]
+
+
+def test_prefetched_packs_the_next_bucket_while_the_caller_loads_this_one_and_never_two_ahead():
+    """The sender's packing overlaps the engine's loading, but bucket i + 2 (which reuses bucket i's buffer) is
+    packed only once the caller asked for bucket i + 1, i.e. is done with bucket i."""
+    started, packed = [], {i: threading.Event() for i in range(5)}
+    threads = set()
+
+    def source():
+        for i in range(5):
+            started.append(i)
+            threads.add(threading.current_thread().name)
+            packed[i].set()
+            yield i
+
+    stream = prefetched(source())
+    for i in range(5):
+        assert next(stream) == i
+        if i + 1 < 5:
+            assert packed[i + 1].wait(10), f"bucket {i + 1} was not packed while the caller held bucket {i}"
+        assert max(started) == min(i + 1, 4)  # never two ahead
+    assert list(stream) == [] and all(t.startswith("codraft-refit") for t in threads)
+
+
+def test_prefetched_buckets_equal_the_plain_stream_and_a_packing_error_reaches_the_caller():
+    state = _state(3)
+    plain = _receive(pack_buckets(state.items(), "policy", 1, 4096))
+    assert all(torch.equal(v, plain[k]) for k, v in _receive(prefetched(pack_buckets(state.items(), "policy", 1,
+                                                                                     4096))).items())
+
+    def broken():
+        yield "embed.weight", state["embed.weight"]
+        raise OSError("the gather failed")
+
+    with pytest.raises(OSError, match="the gather failed"):
+        list(prefetched(pack_buckets(broken(), "policy", 1, 64)))
