@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_codraft.task_config import RewardTermConfig, TaskConfig, task_problems  # noqa: F401 - re-exported
 from lightning_codraft.training.config import DraftLossConfig, MicrobatchConfig, PolicyLossConfig
 
 
@@ -81,49 +82,6 @@ class DraftConfig(DraftLossConfig):
     (e.g. ``{num_prompts: 512}``): the draft is fitted on the policy's responses to the task's prompts, cached."""
     warm_start_cache: str = "~/.cache/lightning_codraft/draft_warmstart"
     """Directory of the warm start's caches (corpus, features, draft), keyed by the policy's weights and settings."""
-
-
-@dataclass
-class TaskConfig:
-    name: str = "arithmetic"
-    """``arithmetic`` (built-in, generated on the fly) or ``gsm8k``."""
-    source: str = "excerpt"
-    """GSM8K only: a JSONL path, ``excerpt`` (bundled 200 problems) or a hub name such as ``openai/gsm8k``."""
-    limit: Optional[int] = None
-    """GSM8K only: use the first ``limit`` problems."""
-    heldout: Optional[int] = None
-    """GSM8K only: the last ``heldout`` problems are reserved: RL never draws them; the evaluation prompts and the
-    final speed-up measurement come from them (null: ``eval_prompts``). A ``draft.warm_start`` must hold out at
-    least as many (its ``heldout_prompts``), so the draft never trains on them either."""
-    min_terms: int = 2
-    """Arithmetic only: fewest operands per problem."""
-    max_terms: int = 3
-    """Arithmetic only: most operands per problem."""
-    max_operand: int = 9
-    """Arithmetic only: operands are drawn from 0..max_operand."""
-    styles: list[str] = field(default_factory=lambda: ["symbols"])
-    """Arithmetic only: styles of the worked solutions the SFT warm-up teaches, among ``symbols``
-    (``3+4=7,7-2=5#5``) and ``words`` (``3 plus 4 is 7, 7 minus 2 is 5#5``)."""
-    style_weights: Optional[list[float]] = None
-    """Arithmetic only: how often each of ``styles`` is drawn (null: uniform)."""
-    required_style: Optional[str] = None
-    """Arithmetic only: the built-in reward scores a correct answer only when the whole completion is written in
-    this style (null: any). With SFT on mostly one style and RL requiring the other, the policy drifts
-    (benchmarks/drift.py)."""
-    reward: Optional[str] = None
-    """Dotted path ``package.module:function`` of a reward ``fn(prompt, completion, answer) -> float``; null = the
-    task's built-in exact-answer reward. A reward that raises or returns anything but one finite number fails."""
-    on_reward_error: str = "raise"
-    """``raise``: stop (exit 3, resumable); ``skip``: leave the sample out of advantages and loss, log it."""
-    reward_failure_budget: float = 0.05
-    """``skip`` only: the share of a step's samples that may fail before the run stops."""
-    eval_prompts: int = 64
-    """Held-out prompts scored greedily before and after training (0 = skip)."""
-    eval_every: int = 0
-    """Every N RL steps also score the same held-out prompts during training: greedy accuracy and the reward of one
-    sample per prompt at the rollout temperature (fixed seeds), logged as ``eval_accuracy`` / ``eval_reward`` (NaN
-    on other steps). Unlike the step's reward, which is measured on that step's own prompts, these compare steps
-    on one fixed set. 0 = only before and after RL."""
 
 
 @dataclass
@@ -249,7 +207,7 @@ class CoDraftConfig:
 _CHOICES = {
     ("draft", "mode"): ("cotrain", "frozen", "none"),
     ("draft", "sampling"): ("coupled", "rejection"),
-    ("task", "name"): ("arithmetic", "gsm8k"),
+    ("task", "name"): ("arithmetic", "gsm8k", "dataset"),
     ("task", "on_reward_error"): ("raise", "skip"),
     ("rl", "std"): ("population", "sample"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
@@ -388,6 +346,12 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
                           f"task.styles={list(t.styles)}, not all 0")
     if not 0 <= t.reward_failure_budget < 1:
         raise ConfigError(f"task.reward_failure_budget={t.reward_failure_budget} must be in [0, 1)")
+    problems = task_problems(t)
+    if problems:
+        raise ConfigError(problems[0])
+    if t.name == "dataset" and t.solution_column is None and cfg.sft.steps > 0:
+        raise ConfigError(f"sft.steps={cfg.sft.steps} fine-tunes on worked solutions, which task.name=dataset has only "
+                          f"with task.solution_column; set it, or sft.steps=0")
     for name, v, low in (("task.eval_every", t.eval_every, 0), ("task.heldout", t.heldout or 0, 0),
                          ("draft.train_every", d.train_every, 1), ("sft.steps", cfg.sft.steps, 0),
                          ("run.checkpoint_every", cfg.run.checkpoint_every, 0),

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import functools
+
 import torch
 
 from lightning_codraft.config import CoDraftConfig, ConfigError
@@ -18,9 +20,12 @@ from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_
 from lightning_codraft.models.presets import architecture_differences, recipe_architecture
 from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.parallel.pipeline import StageLayout
+from lightning_codraft.rl.data_task import DatasetTask, solution_column
 from lightning_codraft.rl.gsm8k import GSM8KTask
+from lightning_codraft.rl.reward_funcs import BUILTINS
+from lightning_codraft.rl.reward_set import RewardSet, RewardTerm
 from lightning_codraft.rl.rewards import resolve_reward
-from lightning_codraft.rl.tasks import ArithmeticTask, RewardFn
+from lightning_codraft.rl.tasks import ArithmeticTask
 from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
                                                shared_fields)
 
@@ -59,21 +64,39 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def build_task(cfg) -> ArithmeticTask | GSM8KTask:
+def build_task(cfg) -> ArithmeticTask | DatasetTask:
     """The task of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`)."""
+    heldout = cfg.eval_prompts if cfg.heldout is None else cfg.heldout
     if cfg.name == "arithmetic":
         return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand,
                               styles=tuple(cfg.styles), required_style=cfg.required_style,
                               style_weights=None if cfg.style_weights is None else tuple(cfg.style_weights))
     if cfg.name == "gsm8k":
-        return GSM8KTask(source=cfg.source, limit=cfg.limit,
-                         heldout=cfg.eval_prompts if cfg.heldout is None else cfg.heldout)
-    raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k')")
+        return GSM8KTask(source=cfg.source, split=cfg.split, limit=cfg.limit, heldout=heldout)
+    if cfg.name == "dataset":
+        return DatasetTask(source=cfg.source, prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
+                           template=cfg.template, split=cfg.split, subset=cfg.subset, limit=cfg.limit,
+                           heldout=heldout, eval_source=cfg.eval_source,
+                           solution_fn=None if cfg.solution_column is None else solution_column(cfg.solution_column))
+    raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k', 'dataset')")
 
 
-def build_reward(cfg, task) -> RewardFn:
-    """``cfg.reward`` resolved as a dotted path, else the task's built-in reward."""
-    return resolve_reward(cfg.reward) if cfg.reward else task.reward
+def build_reward(cfg, task) -> RewardSet:
+    """The rewards of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`): ``task.rewards`` (built-ins by
+    name, others imported from their dotted path, each with its ``kwargs``), else ``task.reward``, else the task's
+    built-in reward (batched where the task has one: ``reward_fn``)."""
+    if cfg.rewards:
+        terms = []
+        for i, r in enumerate(cfg.rewards):
+            fn = BUILTINS[r.fn] if r.fn in BUILTINS else resolve_reward(r.fn)
+            if r.kwargs:
+                fn = functools.partial(fn, **r.kwargs)
+            terms.append(RewardTerm(r.label, fn, float(r.weight), batched=True))
+        return RewardSet(terms)
+    if cfg.reward:
+        return RewardSet([RewardTerm("reward", resolve_reward(cfg.reward), 1.0, batched=False)])
+    batched = getattr(task, "reward_fn", None)
+    return RewardSet([RewardTerm("reward", batched or task.reward, 1.0, batched=batched is not None)])
 
 
 def policy_config(cfg) -> PolicyConfig:

@@ -13,23 +13,26 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from lightning_codraft.rl.rewards import score_completions
+from lightning_codraft.rl.reward_set import RewardSet, as_reward_set
+from lightning_codraft.rl.rewards import RewardError
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
-def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample], reward_fn: RewardFn,
-                on_error: str = "raise") -> float:
+def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample],
+                reward_fn: RewardFn | RewardSet, on_error: str = "raise") -> float:
     """Mean reward of the completions ``outputs`` of ``samples`` (greedy ones: the greedy accuracy; decode them
     with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``). With ``on_error="skip"`` the mean is
     over the samples whose reward did not fail (NaN when all did)."""
     if not samples:
         return float("nan")
     texts = [tokenizer.decode(o.token_ids) for o in outputs]
-    rewards, _ = score_completions(reward_fn, [s.prompt for s in samples], texts, [s.answer for s in samples],
-                                   on_error=on_error)
-    ok = [r for r in rewards if math.isfinite(r)]
+    scores = as_reward_set(reward_fn).score([s.prompt for s in samples], texts, samples)
+    if scores.failures and on_error == "raise":
+        first = scores.failures[0]
+        raise RewardError(first.index, first.prompt, first.reason, first.function)
+    ok = [r for r in scores.total if math.isfinite(r)]
     return sum(ok) / len(ok) if ok else float("nan")
 
 

@@ -1,19 +1,20 @@
-"""GSM8K prompts and a numeric answer verifier.
+"""GSM8K: one configuration of the data-set task, and its answer extraction.
 
-Problems come from a local JSONL file (fields ``question`` and ``answer``, the final number after
-``#### ``) or, for users who are online, from the hub through ``datasets`` (``openai/gsm8k``, config
-``main``). A 200-problem excerpt of the training split ships with the package (:data:`EXCERPT_PATH`, MIT).
+Problems come from a local JSONL file (fields ``question`` and ``answer``, the final number after ``#### ``) or, for
+users who are online, from the hub (``openai/gsm8k``, config ``main``), both read with ``datasets``
+(rl/data_task.py). A 200-problem excerpt of the training split ships with the package (:data:`EXCERPT_PATH`, MIT).
+The reward is math equivalence (math-verify, rl/reward_funcs.py); :func:`gsm8k_reward` is the earlier exact
+final-number check, kept for recipes that name it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_codraft.rl.data_task import FILE_FORMATS, DatasetTask
+from lightning_codraft.rl.reward_funcs import math_equivalence
 from lightning_codraft.rl.tasks import TaskSample
 
 EXCERPT_PATH = Path(__file__).parent / "data" / "gsm8k_excerpt.jsonl"
@@ -57,112 +58,39 @@ def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if got is not None and got == ref else 0.0
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "question" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{lineno} lacks 'question'/'answer' fields (has {sorted(row)})")
-            rows.append(row)
-    return rows
+def _solution(row: dict) -> str:
+    return " " + row["answer"]
 
 
-def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", limit: int | None = None,
-               template: str = PROMPT_TEMPLATE) -> list[TaskSample]:
-    """Load GSM8K problems as :class:`TaskSample` items.
+class GSM8KTask(DatasetTask):
+    """GSM8K as one configuration of :class:`~lightning_codraft.rl.data_task.DatasetTask`: the ``question`` column
+    through :data:`PROMPT_TEMPLATE`, the reference answer the final number of the ``answer`` column
+    (:func:`extract_answer`), the worked solution that column itself, the reward math equivalence
+    (``reward_funcs.math_equivalence``, math-verify).
 
     Args:
-        source: a local ``.jsonl`` path, ``"excerpt"`` for the bundled excerpt, or a hub dataset name
-            (``"openai/gsm8k"``) read with ``datasets.load_dataset(name, "main", split=split)``.
+        source: a local JSONL path, ``"excerpt"`` (the bundled excerpt) or a hub name (``openai/gsm8k``, read with
+            its ``main`` configuration).
         split: the hub split (ignored for local files).
-        limit: keep only the first ``limit`` problems.
-        template: prompt format with a ``{question}`` field.
-
-    Returns:
-        One sample per problem: ``prompt`` = template applied, ``answer`` = the normalised final number,
-        ``solution`` = ``" " + answer text`` (worked steps ending in ``#### N``).
-    """
-    src = str(source)
-    if src == "excerpt":
-        src = str(EXCERPT_PATH)
-    if src.endswith(".jsonl") or os.path.exists(src):
-        if not os.path.exists(src):
-            raise FileNotFoundError(f"GSM8K file {src!r} does not exist; pass a JSONL path, 'excerpt' or "
-                                    f"'openai/gsm8k'")
-        rows = _read_jsonl(Path(src))
-    else:
-        try:
-            import datasets  # optional: only the hub path needs it
-        except ImportError as e:
-            raise ImportError(f"GSM8K source {src!r} is a hub dataset, which needs the `datasets` package: "
-                              f'pip install "lightning_codraft[hub]" (or use a local JSONL path / "excerpt")') from e
-
-        rows = list(datasets.load_dataset(src, "main", split=split))
-    if limit is not None:
-        rows = rows[:limit]
-    out = []
-    for row in rows:
-        ans = extract_answer(row["answer"])
-        if ans is None:
-            raise ValueError(f"GSM8K answer has no final number: {row['answer'][-80:]!r}")
-        out.append(TaskSample(prompt=template.format(question=row["question"]), answer=ans,
-                              solution=" " + row["answer"]))
-    if not out:
-        raise ValueError(f"no GSM8K problems loaded from {src!r} (limit={limit})")
-    return out
-
-
-@dataclass
-class GSM8KTask:
-    """GSM8K as a task: ``sample(n, seed)`` draws training problems, ``reward`` verifies the final number.
-
-    Attributes:
-        source: local JSONL path, ``"excerpt"`` or a hub name (see :func:`load_gsm8k`).
-        split: hub split.
         limit: use only the first ``limit`` problems.
         heldout: the last ``heldout`` problems are reserved: :meth:`sample` never draws them and
             :meth:`heldout_samples` returns them, so evaluation (and a speed-up measured on them) uses problems
             neither the policy nor the draft trained on.
+        template: the prompt format, over the row's columns.
     """
 
-    source: str = "excerpt"
-    split: str = "train"
-    limit: int | None = None
-    heldout: int = 0
-    samples: list[TaskSample] = field(init=False, repr=False)
+    def __init__(self, source: str | os.PathLike = "excerpt", split: str = "train", limit: int | None = None,
+                 heldout: int = 0, template: str = PROMPT_TEMPLATE):
+        src = str(EXCERPT_PATH) if str(source) == "excerpt" else str(source)
+        local = Path(src).suffix.lower() in FILE_FORMATS or os.path.exists(src)
+        super().__init__(source=src, prompt_column="question", answer_column="answer", template=template,
+                         split=split, subset=None if local else "main", limit=limit, heldout=heldout,
+                         answer_fn=extract_answer, solution_fn=_solution, reward_fn=math_equivalence)
 
-    def __post_init__(self):
-        self.samples = load_gsm8k(self.source, self.split, self.limit)
-        if not 0 <= self.heldout < len(self.samples):
-            raise ValueError(f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {self.source!r} "
-                             f"problems (limit={self.limit}) must leave at least one to train on")
 
-    @property
-    def num_train(self) -> int:
-        """Problems :meth:`sample` draws from (the first ``len(samples) - heldout``)."""
-        return len(self.samples) - self.heldout
-
-    def sample(self, n: int, seed: int) -> list[TaskSample]:
-        """``n`` training problems drawn without replacement (reshuffled once exhausted), a pure function of
-        ``seed``; never one of the held-out tail."""
-        rng = random.Random(seed)
-        idx = []
-        while len(idx) < n:
-            perm = list(range(self.num_train))
-            rng.shuffle(perm)
-            idx.extend(perm)
-        return [self.samples[i] for i in idx[:n]]
-
-    def heldout_samples(self, n: int) -> list[TaskSample]:
-        """The first ``n`` held-out problems (a fixed set: the same ones every call)."""
-        if n > self.heldout:
-            raise ValueError(f"{n} held-out problems asked for, but the task holds out heldout={self.heldout}; "
-                             f"raise task.heldout")
-        return self.samples[self.num_train:self.num_train + n]
-
-    def reward(self, prompt: str, completion: str, answer: str) -> float:
-        """:func:`gsm8k_reward`."""
-        return gsm8k_reward(prompt, completion, answer)
+def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", limit: int | None = None,
+               template: str = PROMPT_TEMPLATE) -> list[TaskSample]:
+    """GSM8K problems as :class:`TaskSample` items (:class:`GSM8KTask`'s ``samples``): ``prompt`` = the template
+    applied, ``answer`` = the normalised final number, ``solution`` = ``" " + answer text`` (worked steps ending in
+    ``#### N``)."""
+    return GSM8KTask(source, split, limit, template=template).samples

@@ -35,12 +35,16 @@ class MetricsLogger:
         out_dir: run directory.
         tensorboard: also write TensorBoard scalars (``rl/<column>``) under ``out_dir/tb``.
         resume_step: keep only existing rows with ``step <= resume_step`` (0 = start a fresh file).
+        extra_columns: columns beyond :data:`~lightning_codraft.rl.step.COLUMNS` (the ``reward/<name>`` of each of
+            ``task.rewards``).
 
     Attributes:
         rows: every row of the run so far (kept ones included), as dicts of floats.
     """
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
+                 extra_columns: Sequence[str] = ()):
+        self.columns = (*COLUMNS, *extra_columns)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(out_dir / "metrics.csv") if r["step"] <= resume_step] if resume_step else []
@@ -61,10 +65,10 @@ class MetricsLogger:
         return Path(self.csv.log_dir) / "metrics.csv"
 
     def _write(self, row: Mapping[str, float], tensorboard: bool = True) -> None:
-        unknown = set(row) - set(COLUMNS)
+        unknown = set(row) - set(self.columns)
         if unknown:
-            raise KeyError(f"unknown metric(s) {sorted(unknown)}; metrics.csv has columns {COLUMNS}")
-        values = {k: float(row[k]) if row.get(k) is not None else math.nan for k in COLUMNS}
+            raise KeyError(f"unknown metric(s) {sorted(unknown)}; metrics.csv has columns {self.columns}")
+        values = {k: float(row[k]) if row.get(k) is not None else math.nan for k in self.columns}
         step = int(values.pop("step"))
         self.csv.log_metrics(values, step=step)
         if tensorboard and self.tb is not None:

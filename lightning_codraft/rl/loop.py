@@ -42,6 +42,7 @@ from lightning_codraft.rl.build import (build_draft, build_policy, build_reward,
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
+from lightning_codraft.rl.reward_set import RewardSet, as_reward_set
 from lightning_codraft.rl.rollout_worker import RolloutWorker, rollout_seed
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
@@ -78,10 +79,17 @@ class CoDraftRun:
     Args:
         cfg: the validated config.
         print_fn: where status lines go (rank 0 only).
+        task: the task object instead of the recipe's ``task`` section (e.g. a
+            :class:`~lightning_codraft.rl.data_task.DatasetTask` built in Python); it must have ``sample(n, seed)``,
+            ``reward(prompt, completion, answer)`` and, for held-out evaluation, ``heldout`` / ``heldout_samples``.
+        rewards: reward terms instead of the recipe's (a :class:`~lightning_codraft.rl.reward_set.RewardSet`, a
+            list of :class:`~lightning_codraft.rl.reward_set.RewardTerm`, or one ``fn(prompt, completion, answer)``).
     """
 
-    def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print):
+    def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print, task=None, rewards=None):
         self.cfg = cfg
+        self._given_task = task
+        self._given_rewards = RewardSet(rewards) if isinstance(rewards, (list, tuple)) else rewards
         self.out = Path(cfg.run.out_dir)
         self._print = print_fn
         self.fabric: Optional[Fabric] = None
@@ -122,8 +130,9 @@ class CoDraftRun:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer, policy, self.context = build_policy(cfg.model, seed=cfg.run.seed)
         check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
-        self.task = build_task(cfg.task)
-        self.reward_fn = build_reward(cfg.task, self.task)
+        self.task = self._given_task if self._given_task is not None else build_task(cfg.task)
+        self.reward_fn = (as_reward_set(self._given_rewards) if self._given_rewards is not None
+                          else build_reward(cfg.task, self.task))
         keep = cfg.rl.kl_coef > 0 or cfg.rl.track_drift
         reference = copy.deepcopy(policy) if keep else None  # sharded like the policy
         self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg), reference=reference,
@@ -164,7 +173,9 @@ class CoDraftRun:
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
                               self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
         if self.fabric.global_rank == 0:
-            self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step)
+            parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
+            self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
+                                        extra_columns=parts)
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.steps_done = self.start_step
         return self.start_step
@@ -305,10 +316,12 @@ class CoDraftRun:
             self.worker.close()
 
 
-def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print) -> FitResult:
-    """Run the config end to end (see the module docstring); returns the :class:`FitResult`. A rollout engine
-    that runs its own processes (vLLM) is shut down before returning, also when the run fails."""
-    run = CoDraftRun(cfg, print_fn=print_fn)
+def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print, task=None,
+        rewards=None) -> FitResult:
+    """Run the config end to end (see the module docstring); returns the :class:`FitResult`. ``task`` / ``rewards``:
+    Python objects instead of the recipe's (see :class:`CoDraftRun`). A rollout engine that runs its own processes
+    (vLLM) is shut down before returning, also when the run fails."""
+    run = CoDraftRun(cfg, print_fn=print_fn, task=task, rewards=rewards)
     try:
         return run.run(stop_after=stop_after)
     finally:

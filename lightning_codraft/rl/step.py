@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,7 +21,8 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-from lightning_codraft.rl.rewards import check_failure_budget, score_completions
+from lightning_codraft.rl.reward_set import as_reward_set
+from lightning_codraft.rl.rewards import check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step
@@ -97,12 +98,16 @@ class StepMetrics:
     """Seconds of the whole step."""
     tokens_per_s: float
     """Completion tokens per rollout second."""
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    """With ``task.rewards``: each reward function's mean score (over the step's scored samples, unweighted), by
+    name; logged as the columns ``reward/<name>``."""
 
     def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "reward_parts"}
+        return {**row, **{f"reward/{k}": v for k, v in self.reward_parts.items()}}
 
 
-COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics))
+COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "reward_parts")
 """Columns of ``metrics.csv``, in order."""
 TIME_COLUMNS = ("rollout_s", "train_s", "refit_s", "refit_share", "step_s", "tokens_per_s")
 """Columns that depend on wall time (excluded when comparing runs for equality)."""
@@ -138,7 +143,9 @@ class RLStep:
         cfg: the run's config.
         fabric: the launched ``Fabric``.
         dims: this process' (dp, pp, cp) layout.
-        task, reward_fn, tokenizer, context: the task, its reward, the tokenizer and the usable context length.
+        task, reward_fn, tokenizer, context: the task, its rewards (a
+            :class:`~lightning_codraft.rl.reward_set.RewardSet`, or one ``fn(prompt, completion, answer)``), the
+            tokenizer and the usable context length.
         worker: the :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`.
         model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);
             optimizer / scheduler: its optimizer and LR schedule.
@@ -148,7 +155,7 @@ class RLStep:
     def __init__(self, cfg: CoDraftConfig, fabric, dims, task, reward_fn, tokenizer, context: int, worker, model,
                  optimizer, scheduler, log: Callable[[str], None] = print):
         self.cfg, self.fabric, self.dims = cfg, fabric, dims
-        self.task, self.reward_fn, self.tokenizer, self.context = task, reward_fn, tokenizer, context
+        self.task, self.rewards, self.tokenizer, self.context = task, as_reward_set(reward_fn), tokenizer, context
         self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
         self.log = log
         self.last_rollouts: list[Rollout] = []
@@ -172,9 +179,9 @@ class RLStep:
         self.worker.release()
         # every rank scores in the tolerant mode and the budget (0 for on_reward_error=raise) is checked on the
         # step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting)
-        rewards, failures = score_completions(self.reward_fn, [s.prompt for s in mine for _ in range(G)],
-                                              [tok.decode(o.token_ids) for o in outs],
-                                              [s.answer for s in mine for _ in range(G)], on_error="skip")
+        scores = self.rewards.score([s.prompt for s in mine for _ in range(G)], [tok.decode(o.token_ids) for o in outs],
+                                    [s for s in mine for _ in range(G)])
+        rewards, failures = scores.total, scores.failures
         skip = cfg.task.on_reward_error == "skip"
         for f in failures if skip else ():  # every skipped sample is reported
             self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
@@ -205,6 +212,10 @@ class RLStep:
                  "completion_tokens": float(n_tok), "accepted": float(acc.accepted),
                  "draft_steps": float(acc.draft_steps), "drafted": float(acc.drafted),
                  "policy_forwards": float(acc.policy_forwards)}
+        parts = self.rewards.logged_parts
+        for name in parts:
+            kept = [v for v, keep in zip(scores.parts[name], scored.view(-1).tolist()) if keep]
+            local[f"reward/{name}"] = sum(kept) / len(kept)
         means = self.fabric.all_reduce(torch.tensor(list(local.values()), dtype=torch.float64), reduce_op="mean")
         g = dict(zip(local, means.tolist()))  # replica means, by name
         step_s = time.perf_counter() - t_start
@@ -222,5 +233,6 @@ class RLStep:
             greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
             eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, refit_s=refit_s,
             refit_share=refit_s / step_s, policy_version=float(versions["policy"]),
-            draft_version=float(versions["draft"]), step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9))
+            draft_version=float(versions["draft"]), step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9),
+            reward_parts={name: g[f"reward/{name}"] for name in parts})
 

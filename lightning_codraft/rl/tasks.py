@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 
 #: A reward function: ``(prompt, completion, reference_answer) -> float``.
@@ -31,12 +31,15 @@ class TaskSample:
     Attributes:
         prompt: the text given to the policy.
         answer: the reference final answer the reward checks against (e.g. ``"5"``).
-        solution: a correct completion (worked steps + answer) used by the SFT warm-up.
+        solution: a correct completion (worked steps + answer) used by the SFT warm-up (may be empty for a data set
+            without one).
+        columns: the sample's other data-set columns, passed to batched rewards by name (rl/reward_set.py).
     """
 
     prompt: str
     answer: str
     solution: str
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 _ANSWER_RE = re.compile(r"#\s*(-?\d+)")

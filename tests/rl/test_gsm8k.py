@@ -31,7 +31,7 @@ def test_local_jsonl_and_errors(tmp_path):
     assert s.answer == "2"
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"q": "x"}) + "\n")
-    with pytest.raises(ValueError, match="lacks 'question'"):
+    with pytest.raises(ValueError, match="row 0 has no column 'question'.*its columns are \\['q'\\]"):
         load_gsm8k(bad)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_gsm8k(tmp_path / "missing.jsonl")

@@ -1,0 +1,165 @@
+"""A task over a data set of prompts: local JSON / JSONL / parquet / CSV files or a hub data set, read with Hugging
+Face ``datasets``, with a mapping of which column is the prompt, which the reference answer; every other column
+travels with its sample to the rewards (rl/reward_set.py).
+
+``task.name: dataset`` in a recipe builds one (rl/build.py); GSM8K is one configuration of it (rl/gsm8k.py).
+Sampling is a pure function of the seed, and the last ``heldout`` rows (or the rows of ``eval_source``) are
+reserved for evaluation, never drawn for training.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning_codraft.rl.reward_funcs import math_equivalence
+from lightning_codraft.rl.tasks import TaskSample
+
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File suffixes a local source may have, and the ``datasets`` builder that reads each."""
+
+
+def _datasets():
+    try:
+        import datasets  # a dependency of the package; imported here, when a data set is read
+    except ImportError as e:  # pragma: no cover - installed with the package
+        raise ImportError("a data-set task needs the `datasets` package: pip install datasets") from e
+    return datasets
+
+
+def load_rows(source: str, split: str = "train", subset: Optional[str] = None) -> list[dict[str, Any]]:
+    """The rows of ``source`` as dicts: a local file (by its suffix, :data:`FILE_FORMATS`), a local directory
+    ``datasets`` can read, or a hub name (``subset``: its configuration; needs network access).
+
+    Raises:
+        FileNotFoundError: ``source`` looks like a file (a known suffix) that does not exist.
+        ValueError: the hub data set could not be loaded (offline, unknown name or split).
+    """
+    path = Path(source).expanduser()
+    ds = _datasets()
+    if path.suffix.lower() in FILE_FORMATS:
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist (task.source)")
+        data = ds.load_dataset(FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+    elif path.is_dir():
+        data = ds.load_dataset(str(path), subset, split=split)
+    else:
+        try:
+            data = ds.load_dataset(source, subset, split=split)
+        except Exception as e:  # noqa: BLE001 - hub errors take many types; say which source and what to do
+            raise ValueError(f"could not load the data set {source!r} (subset {subset!r}, split {split!r}): "
+                             f"{type(e).__name__}: {e}. task.source must be a local .json/.jsonl/.parquet/.csv "
+                             f"file, a directory, or a hub name reachable from this machine") from e
+    return [dict(row) for row in data]
+
+
+def solution_column(name: str) -> Callable[[dict], str]:
+    """A ``solution_fn`` reading the worked solution from column ``name``."""
+    def solution(row: dict) -> str:
+        if name not in row:
+            raise ValueError(f"no column {name!r} (task.solution_column); the columns are {sorted(row)}")
+        return str(row[name])
+    return solution
+
+
+@dataclass
+class DatasetTask:
+    """Prompts and reference answers from a data set (see the module docstring).
+
+    Attributes:
+        source: a local file / directory or a hub name (:func:`load_rows`).
+        prompt_column: the column holding the prompt (used by ``template``'s default).
+        answer_column: the column holding the reference answer (None: no answer; rewards see ``answer=""``).
+        template: the prompt text, ``str.format`` over the row's columns (e.g. ``"Question: {question}\\nAnswer:"``);
+            None: the prompt column as it is.
+        split, subset: the hub split and configuration (local files: ignored).
+        limit: use only the first ``limit`` rows.
+        heldout: reserve the last ``heldout`` rows for evaluation.
+        eval_source: evaluation rows from another file / split instead (then ``heldout`` counts its rows).
+        answer_fn: maps the answer column's text to the reference answer (e.g. GSM8K's final number).
+        solution_fn: the worked solution of a row for the SFT warm-up (default: none, ``""``).
+        reward_fn: the task's built-in batched reward (TRL signature), used when the recipe names none.
+    """
+
+    source: str
+    prompt_column: str = "prompt"
+    answer_column: Optional[str] = "answer"
+    template: Optional[str] = None
+    split: str = "train"
+    subset: Optional[str] = None
+    limit: Optional[int] = None
+    heldout: int = 0
+    eval_source: Optional[str] = None
+    answer_fn: Optional[Callable[[str], Optional[str]]] = None
+    solution_fn: Optional[Callable[[dict], str]] = None
+    reward_fn: Callable = math_equivalence
+    samples: list[TaskSample] = field(init=False, repr=False)
+    eval_samples: list[TaskSample] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        rows = load_rows(self.source, self.split, self.subset)
+        if self.limit is not None:
+            rows = rows[:self.limit]
+        if not rows:
+            raise ValueError(f"no rows in {self.source!r} (split {self.split!r}, limit={self.limit})")
+        self.samples = [self._sample(row, i, self.source) for i, row in enumerate(rows)]
+        if self.eval_source is not None:
+            self.eval_samples = [self._sample(r, i, self.eval_source) for i, r in enumerate(load_rows(
+                self.eval_source, self.split, self.subset))]
+            if self.heldout > len(self.eval_samples):
+                raise ValueError(f"heldout={self.heldout} exceeds the {len(self.eval_samples)} rows of "
+                                 f"eval_source {self.eval_source!r}")
+            return
+        if not 0 <= self.heldout < len(self.samples):
+            raise ValueError(f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {len(self.samples)} "
+                             f"rows of {self.source!r} (limit={self.limit}) must leave at least one to train on")
+        self.eval_samples = self.samples[len(self.samples) - self.heldout:]
+
+    def _sample(self, row: dict, index: int, source: str) -> TaskSample:
+        needed = [c for c in (self.prompt_column, self.answer_column) if c is not None]
+        missing = [c for c in needed if c not in row]
+        if missing:
+            raise ValueError(f"{source!r} row {index} has no column {missing[0]!r} (task.prompt_column / "
+                           f"task.answer_column); its columns are {sorted(row)}")
+        try:
+            prompt = str(row[self.prompt_column]) if self.template is None else self.template.format(**row)
+        except KeyError as e:
+            raise ValueError(f"task.template {self.template!r} names the column {e.args[0]!r}, which {source!r} does "
+                           f"not have; its columns are {sorted(row)}") from None
+        answer = "" if self.answer_column is None else str(row[self.answer_column])
+        if self.answer_fn is not None:
+            got = self.answer_fn(answer)
+            if got is None:
+                raise ValueError(f"{source!r} row {index}: no reference answer in {answer[-80:]!r}")
+            answer = got
+        solution = self.solution_fn(row) if self.solution_fn is not None else ""
+        return TaskSample(prompt=prompt, answer=answer, solution=solution, columns=row)
+
+    @property
+    def num_train(self) -> int:
+        """Rows :meth:`sample` draws from."""
+        return len(self.samples) - (0 if self.eval_source is not None else self.heldout)
+
+    def sample(self, n: int, seed: int) -> list[TaskSample]:
+        """``n`` training rows drawn without replacement (reshuffled once exhausted), a pure function of ``seed``;
+        never a held-out one."""
+        rng = random.Random(seed)
+        idx: list[int] = []
+        while len(idx) < n:
+            perm = list(range(self.num_train))
+            rng.shuffle(perm)
+            idx.extend(perm)
+        return [self.samples[i] for i in idx[:n]]
+
+    def heldout_samples(self, n: int) -> list[TaskSample]:
+        """The first ``n`` held-out rows (a fixed set: the same ones every call)."""
+        if n > self.heldout:
+            raise ValueError(f"{n} held-out problems asked for, but the task holds out heldout={self.heldout}; "
+                             f"raise task.heldout")
+        return self.eval_samples[:n]
+
+    def reward(self, prompt: str, completion: str, answer: str) -> float:
+        """The built-in reward of one sample (``reward_fn`` on a batch of one)."""
+        return self.reward_fn([prompt], [completion], answer=[answer])[0]
