@@ -162,3 +162,28 @@ def test_a_fresh_optimizer_is_saved_and_restored_fresh(tmp_path):
     assert not other_opt.state
     for m, o in ((model, opt), (other, other_opt)):
         torch.testing.assert_close(first_update(m, o), ref, rtol=1e-6, atol=0)
+
+
+def test_optimizer_state_loads_although_the_parameters_hold_gradients(tmp_path):
+    """A load into a fresh optimizer whose parameters already hold gradients (a Trainer's setup leaves some) must
+    restore the moments: torch only creates the state tensors it loads into when no gradient is present, and the
+    load once restored nothing, silently (the resumed run then differed from the uninterrupted one)."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+    ckpt.save_checkpoint(tmp_path / "c", {"model": model, "optimizer": opt})
+    fresh, fresh_opt = build()
+    for p in fresh.parameters():
+        p.grad = torch.ones_like(p)
+    ckpt.load_checkpoint(tmp_path / "c", {"model": fresh, "optimizer": fresh_opt})
+    want, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert len(got) == len(want) == 4
+    for i in want:
+        assert all(torch.equal(want[i][k], got[i][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in fresh.parameters())  # put back

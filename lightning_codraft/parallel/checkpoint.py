@@ -332,7 +332,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
                 group.update(saved)
     for key, opt in optimizers.items():
         owner = _owner(opt, modules)
-        osd = get_optimizer_state_dict(owner, opt)  # initialises the state tensors DCP loads into
+        osd = _initialised_state_dict(owner, opt)  # the state tensors DCP loads into
         loaded, renames[key] = {}, {}
         for fqn, value in osd["state"].items():
             src = fqn if any(k.startswith(f"{key}.{fqn}.") for k in available) else _tied_alias(
@@ -365,6 +365,24 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     rngs = meta["rng"]
     restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
     return rest
+
+
+def _initialised_state_dict(owner: nn.Module, opt: Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` with the optimizer's state tensors created. Torch creates them (a step at lr 0
+    on zero gradients) only when no parameter holds a gradient: a gradient left from before the load (e.g. a
+    Trainer's setup) would make it skip that, and the load would silently restore nothing. Gradients are set aside
+    for the call and put back."""
+    if opt.state:
+        return get_optimizer_state_dict(owner, opt)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        return get_optimizer_state_dict(owner, opt)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import copy
 import functools
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -23,9 +26,10 @@ from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.data_task import DatasetTask, solution_column
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.reward_funcs import BUILTINS
-from lightning_codraft.rl.reward_set import RewardSet, RewardTerm
+from lightning_codraft.rl.reward_set import RewardSet, RewardTerm, as_reward_set
 from lightning_codraft.rl.rewards import resolve_reward
 from lightning_codraft.rl.tasks import ArithmeticTask
+from lightning_codraft.training.module import CoDraftModule
 from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
                                                shared_fields)
 
@@ -200,3 +204,45 @@ def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> 
                              f"or lower rl.max_new_tokens")
     return prompts
 
+
+
+@dataclass
+class RunParts:
+    """The objects one RL run is made of, built from a recipe the same way by both front ends (``codraft fit``'s
+    Fabric loop and the Trainer's :class:`~lightning_codraft.rl.trainer.GRPOModule`)."""
+
+    tokenizer: Any
+    """The tokenizer (the project's protocol: ``encode``, ``encode_prompt``, ``decode``, special ids)."""
+    context: int
+    """The usable context length."""
+    task: Any
+    """The task: ``sample(n, seed)``, ``reward``; held-out rows where it has them."""
+    rewards: RewardSet
+    """The run's rewards."""
+    policy: Policy
+    """The policy."""
+    draft: Eagle3Draft
+    """The draft."""
+    reference: Optional[Policy]
+    """The frozen start policy (``rl.kl_coef > 0`` or ``rl.track_drift``), else None."""
+
+
+def build_parts(cfg: CoDraftConfig, task=None, rewards=None) -> RunParts:
+    """Seed with ``run.seed`` and build a run's parts in a fixed order (so both front ends draw the same initial
+    weights); ``task`` / ``rewards``: Python objects instead of the recipe's ``task`` section (``rewards``: a
+    :class:`RewardSet`, a list of :class:`RewardTerm` or one per-sample function)."""
+    torch.manual_seed(cfg.run.seed)
+    tokenizer, policy, context = build_policy(cfg.model, seed=cfg.run.seed)
+    check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
+    task = task if task is not None else build_task(cfg.task)
+    if rewards is None:
+        rewards = build_reward(cfg.task, task)
+    rewards = RewardSet(rewards) if isinstance(rewards, (list, tuple)) else as_reward_set(rewards)
+    reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 or cfg.rl.track_drift else None
+    return RunParts(tokenizer, context, task, rewards, policy, build_draft(cfg, policy), reference)
+
+
+def build_module(cfg: CoDraftConfig, parts: RunParts, cls: type = CoDraftModule, **kwargs) -> CoDraftModule:
+    """The run's module (``cls``: ``CoDraftModule`` or a subclass) over ``parts``."""
+    return cls(parts.policy, parts.draft, module_config(cfg), reference=parts.reference,
+               max_nonfinite_steps=cfg.run.max_nonfinite_steps, **kwargs)

@@ -13,7 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.reward_set import RewardSet, as_reward_set
+from lightning_codraft.rl.rollout_worker import rollout_seed
+from lightning_codraft.rl.step import weight_versions
 from lightning_codraft.rl.rewards import RewardError
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
@@ -34,6 +37,36 @@ def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[T
         raise RewardError(first.index, first.prompt, first.reason, first.function)
     ok = [r for r in scores.total if math.isfinite(r)]
     return sum(ok) / len(ok) if ok else float("nan")
+
+
+EVAL_SEED = 10**6
+"""Seed offset of the held-out evaluation prompts (the training steps never use it)."""
+
+
+def heldout_samples(task, seed: int, n: int, offset: int = 0) -> list[TaskSample]:
+    """``n`` fixed problems no step trains on: the task's reserved rows when it has them (``task.heldout``; at most
+    that many), else draws of a generated task under an evaluation seed (``offset`` picks another draw)."""
+    if getattr(task, "heldout", 0):
+        return task.heldout_samples(min(n, task.heldout))
+    return task.sample(n, seed=seed + EVAL_SEED + offset)
+
+
+def evaluate_heldout(cfg, worker, tokenizer, task, rewards, steps_done: int, n: int, temperature: float = 0.0,
+                     release: bool = True, final: bool = False) -> float:
+    """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample per
+    prompt with fixed seeds) with the weights after ``steps_done`` optimizer steps, every rank of the world decoding
+    a share through ``worker`` (an ``rl.rollout_worker.RolloutWorker``; call on every rank); the same value on every
+    rank. ``release=False`` leaves the engine's weights filled for a measurement that follows; ``final``: the run's
+    last refit, fully verified."""
+    samples = heldout_samples(task, cfg.run.seed, n)
+    prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
+    seeds = [rollout_seed(cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
+    worker.prepare(weight_versions(cfg, steps_done), full_verify=final)
+    worker.policy.eval()
+    outs, _, _ = worker.generate(prompts, seeds, temperature=temperature, group="world")
+    if release:
+        worker.release()
+    return mean_reward(outs, tokenizer, samples, rewards, on_error=cfg.task.on_reward_error)
 
 
 @dataclass

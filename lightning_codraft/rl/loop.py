@@ -22,7 +22,6 @@ whole modules; greedy evaluation and the speed-up run on global rank 0 (the lead
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from datetime import timedelta
@@ -37,20 +36,15 @@ from lightning_codraft.config import CoDraftConfig, to_yaml
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.build import (build_draft, build_policy, build_reward, build_task, check_pipeline_split,
-                                        fit_prompts, module_config)
+from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.checkpoints import RunCheckpoints
-from lightning_codraft.rl.evaluate import SpeedupResult, mean_reward, measure_speedup
+from lightning_codraft.rl.evaluate import (EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples,
+                                           measure_speedup)
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
-from lightning_codraft.rl.reward_set import RewardSet, as_reward_set
-from lightning_codraft.rl.rollout_worker import RolloutWorker, rollout_seed
+from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
 from lightning_codraft.training.module import CoDraftModule
-
-EVAL_SEED = 10**6
-"""Seed offset of the held-out evaluation prompts (the training steps never use it)."""
-
 
 @dataclass
 class FitResult:
@@ -89,7 +83,7 @@ class CoDraftRun:
     def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print, task=None, rewards=None):
         self.cfg = cfg
         self._given_task = task
-        self._given_rewards = RewardSet(rewards) if isinstance(rewards, (list, tuple)) else rewards
+        self._given_rewards = rewards
         self.out = Path(cfg.run.out_dir)
         self._print = print_fn
         self.fabric: Optional[Fabric] = None
@@ -127,16 +121,10 @@ class CoDraftRun:
     def build(self) -> None:
         """Tokenizer, policy, draft, module, task, reward, reference policy and rollout worker of the recipe."""
         cfg = self.cfg
-        torch.manual_seed(cfg.run.seed)
-        self.tokenizer, policy, self.context = build_policy(cfg.model, seed=cfg.run.seed)
-        check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
-        self.task = self._given_task if self._given_task is not None else build_task(cfg.task)
-        self.reward_fn = (as_reward_set(self._given_rewards) if self._given_rewards is not None
-                          else build_reward(cfg.task, self.task))
-        keep = cfg.rl.kl_coef > 0 or cfg.rl.track_drift
-        reference = copy.deepcopy(policy) if keep else None  # sharded like the policy
-        self.module = CoDraftModule(policy, build_draft(cfg, policy), module_config(cfg), reference=reference,
-                                    max_nonfinite_steps=cfg.run.max_nonfinite_steps)
+        parts = build_parts(cfg, self._given_task, self._given_rewards)
+        self.tokenizer, self.context, self.task, self.reward_fn = parts.tokenizer, parts.context, parts.task, \
+            parts.rewards
+        self.module = build_module(cfg, parts)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)
 
     def fit_prompts(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -181,16 +169,7 @@ class CoDraftRun:
         return self.start_step
 
     def _warm_start(self) -> dict[str, Any]:
-        """The warm-ups (or the weights of ``run.init_from``); the reference policy starts from the result."""
-        init = self.cfg.run.init_from
-        if init:
-            extra = RunCheckpoints.load_warm(init, self.module.policy, self.module.draft)
-            self.log(f"warm-started policy and draft from {init}")
-        else:
-            extra = run_warmups(self.cfg, self.module, self.tokenizer, self.task, self.context, log=self.log)
-        if self.module.reference is not None:
-            self.module.reference.load_state_dict(self.module.policy.state_dict())
-        return extra
+        return warm_start(self.cfg, self.module, self.tokenizer, self.task, self.context, log=self.log)
 
     def _state(self, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         return {"module": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler, **(extra or {})}
@@ -233,27 +212,13 @@ class CoDraftRun:
 
     # ------------------------------------------------------------------ evaluation and the summary
     def heldout_samples(self, n: int, offset: int = 0) -> list:
-        """``n`` fixed problems no step trains on: the task's reserved tail when it has one (GSM8K ``task.heldout``;
-        at most that many), else draws of a generated task under an evaluation seed (``offset`` picks another
-        draw)."""
-        if getattr(self.task, "heldout", 0):
-            return self.task.heldout_samples(min(n, self.task.heldout))
-        return self.task.sample(n, seed=self.cfg.run.seed + EVAL_SEED + offset)
+        """:func:`~lightning_codraft.rl.evaluate.heldout_samples` of this run's task."""
+        return heldout_samples(self.task, self.cfg.run.seed, n, offset)
 
     def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False) -> float:
-        """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample
-        per prompt with fixed seeds), every rank of the world decoding a share (call on every rank); the same value
-        on every rank. ``release=False`` leaves the engine's weights filled for a measurement that follows;
-        ``final``: the run's last refit, fully verified."""
-        samples = self.heldout_samples(n)
-        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in samples]
-        seeds = [rollout_seed(self.cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
-        self.worker.prepare(weight_versions(self.cfg, self.steps_done), full_verify=final)
-        self.worker.policy.eval()
-        outs, _, _ = self.worker.generate(prompts, seeds, temperature=temperature, group="world")
-        if release:
-            self.worker.release()
-        return mean_reward(outs, self.tokenizer, samples, self.reward_fn, on_error=self.cfg.task.on_reward_error)
+        """:func:`~lightning_codraft.rl.evaluate.evaluate_heldout` after this run's steps (call on every rank)."""
+        return evaluate_heldout(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,
+                                n, temperature, release=release, final=final)
 
     def finish(self, completed: bool = True) -> FitResult:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
@@ -314,6 +279,21 @@ class CoDraftRun:
         """Stop engines that run processes of their own (vLLM)."""
         if self.worker is not None:
             self.worker.close()
+
+
+def warm_start(cfg: CoDraftConfig, module: CoDraftModule, tokenizer, task, context: int,
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The warm-ups of a run (SFT, the draft's warm start) or the weights of ``run.init_from``, on the whole
+    modules; the reference policy starts from the result. Returns what they report (kept in checkpoints)."""
+    init = cfg.run.init_from
+    if init:
+        extra = RunCheckpoints.load_warm(init, module.policy, module.draft)
+        log(f"warm-started policy and draft from {init}")
+    else:
+        extra = run_warmups(cfg, module, tokenizer, task, context, log=log)
+    if module.reference is not None:
+        module.reference.load_state_dict(module.policy.state_dict())
+    return extra
 
 
 def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print, task=None,

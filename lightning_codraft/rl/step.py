@@ -116,6 +116,11 @@ SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_pe
 rollouts themselves do not): compare them only between runs with ``draft.adaptive=false``."""
 
 
+def step_prompts(task, cfg: CoDraftConfig, step: int) -> list:
+    """The prompts of RL step ``step`` (0-based): a pure function of the run's seed and the step."""
+    return task.sample(cfg.rl.prompts_per_step, seed=step_seed(cfg.run.seed, step))
+
+
 def weight_versions(cfg: CoDraftConfig, step: int) -> dict[str, int]:
     """The versions of the training state after ``step`` optimizer steps: the policy's is ``step``; the draft's
     counts the steps that trained it (``draft.mode=cotrain`` with ``loss_weight > 0``: every ``train_every``-th step
@@ -160,11 +165,16 @@ class RLStep:
         self.log = log
         self.last_rollouts: list[Rollout] = []
 
-    def __call__(self, step: int) -> StepMetrics:
+    def __call__(self, step: int, samples=None) -> StepMetrics:
+        """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
+        of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``."""
         cfg, tok, dims = self.cfg, self.tokenizer, self.dims
-        seed = step_seed(cfg.run.seed, step)
         t_start = time.perf_counter()
-        samples = self.task.sample(cfg.rl.prompts_per_step, seed=seed)
+        if samples is None:
+            samples = step_prompts(self.task, cfg, step)
+        if len(samples) != cfg.rl.prompts_per_step:
+            raise ValueError(f"step {step + 1} got {len(samples)} prompts; rl.prompts_per_step="
+                             f"{cfg.rl.prompts_per_step}")
         per_rank = cfg.rl.prompts_per_step // dims.dp
         mine = samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
         G = cfg.rl.group_size

@@ -1,0 +1,75 @@
+"""GRPO inside Trainer.fit (rl/trainer.py) is `codraft fit` in a second front end: on the same recipe and seeds the
+same rewards, losses and weights; resuming from a ModelCheckpoint after a kill repeats the uninterrupted run."""
+
+import math
+
+import pytest
+import torch
+from test_loop import micro_config
+
+from lightning_codraft.rl.step import SCHEDULE_COLUMNS, TIME_COLUMNS
+
+FAST = ["task.eval_prompts=0", "run.plots=false", "draft.adaptive=false"]
+COMPARED = ("reward", "reward_std", "accuracy", "completion_tokens", "acceptance_length", "draft_loss", "draft_acc0",
+            "policy_loss", "clip_frac", "kl", "greedy_agreement", "policy_version", "draft_version")
+
+
+def _fabric(cfg):
+    from lightning_codraft.rl.loop import CoDraftRun
+
+    run = CoDraftRun(cfg, print_fn=lambda s: None)
+    try:
+        res = run.run()
+        return [{k: r[k] for k in COMPARED} for r in res.rows], _weights(run.module)
+    finally:
+        run.close()
+
+
+def _weights(module):
+    return {f"{k}.{n}": v.detach().clone() for k in ("policy", "draft")
+            for n, v in getattr(module, k).state_dict().items()}
+
+
+def _trainer(cfg, steps=None, ckpt_dir=None, ckpt_path=None):
+    import lightning.pytorch as pl
+
+    from lightning_codraft.pytorch import CoDraftStrategy
+    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+
+    module = GRPOModule(cfg, print_fn=lambda s: None)
+    rows = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            rows.append({k: getattr(pl_module.last_metrics, k) for k in COMPARED})
+
+    callbacks = [Record()]
+    if ckpt_dir is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CoDraftStrategy(), max_steps=steps or cfg.rl.steps,
+                         logger=False, enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks)
+    trainer.fit(module, datamodule=PromptData.from_module(module), ckpt_path=ckpt_path)
+    return rows, _weights(module)
+
+
+def _same(a, b):
+    return all((math.isnan(x[k]) and math.isnan(y[k])) or x[k] == y[k] for x, y in zip(a, b) for k in COMPARED) \
+        and len(a) == len(b)
+
+
+def test_trainer_fit_equals_codraft_fit_on_one_process(tmp_path):
+    rows_f, w_f = _fabric(micro_config(tmp_path / "fabric", *FAST))
+    rows_t, w_t = _trainer(micro_config(tmp_path / "trainer", *FAST))
+    assert len(rows_f) == 3 and _same(rows_f, rows_t), (rows_f, rows_t)
+    assert w_f.keys() == w_t.keys() and all(torch.equal(w_f[k], w_t[k]) for k in w_f)
+
+
+def test_resume_from_a_model_checkpoint_repeats_the_uninterrupted_run(tmp_path):
+    cfg = micro_config(tmp_path / "run", *FAST)
+    full, w_full = _trainer(cfg)
+    first, _ = _trainer(cfg, steps=2, ckpt_dir=tmp_path / "ckpt")  # killed after step 2
+    ckpt = sorted((tmp_path / "ckpt").iterdir())[-1]
+    rest, w_rest = _trainer(cfg, ckpt_path=str(ckpt))
+    assert _same(first + rest, full), (first + rest, full)
+    assert all(torch.equal(w_full[k], w_rest[k]) for k in w_full)
