@@ -26,7 +26,7 @@ from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.data_task import DatasetTask, solution_column
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.reward_funcs import BUILTINS
-from lightning_codraft.rl.reward_set import RewardSet, RewardTerm, as_reward_set
+from lightning_codraft.rl.rewards import RewardSet, RewardTerm, as_reward_set
 from lightning_codraft.rl.rewards import resolve_reward
 from lightning_codraft.rl.tasks import ArithmeticTask
 from lightning_codraft.training.module import CoDraftModule

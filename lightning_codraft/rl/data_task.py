@@ -1,6 +1,6 @@
 """A task over a data set of prompts: local JSON / JSONL / parquet / CSV files or a hub data set, read with Hugging
 Face ``datasets``, with a mapping of which column is the prompt, which the reference answer; every other column
-travels with its sample to the rewards (rl/reward_set.py).
+travels with its sample to the rewards (rl/rewards.py).
 
 ``task.name: dataset`` in a recipe builds one (rl/build.py); GSM8K is one configuration of it (rl/gsm8k.py).
 Sampling is a pure function of the seed, and the last ``heldout`` rows (or the rows of ``eval_source``) are

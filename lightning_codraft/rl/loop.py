@@ -76,8 +76,8 @@ class CoDraftRun:
         task: the task object instead of the recipe's ``task`` section (e.g. a
             :class:`~lightning_codraft.rl.data_task.DatasetTask` built in Python); it must have ``sample(n, seed)``,
             ``reward(prompt, completion, answer)`` and, for held-out evaluation, ``heldout`` / ``heldout_samples``.
-        rewards: reward terms instead of the recipe's (a :class:`~lightning_codraft.rl.reward_set.RewardSet`, a
-            list of :class:`~lightning_codraft.rl.reward_set.RewardTerm`, or one ``fn(prompt, completion, answer)``).
+        rewards: reward terms instead of the recipe's (a :class:`~lightning_codraft.rl.rewards.RewardSet`, a
+            list of :class:`~lightning_codraft.rl.rewards.RewardTerm`, or one ``fn(prompt, completion, answer)``).
     """
 
     def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print, task=None, rewards=None):

@@ -21,7 +21,7 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-from lightning_codraft.rl.reward_set import as_reward_set
+from lightning_codraft.rl.rewards import as_reward_set
 from lightning_codraft.rl.rewards import check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
@@ -149,7 +149,7 @@ class RLStep:
         fabric: the launched ``Fabric``.
         dims: this process' (dp, pp, cp) layout.
         task, reward_fn, tokenizer, context: the task, its rewards (a
-            :class:`~lightning_codraft.rl.reward_set.RewardSet`, or one ``fn(prompt, completion, answer)``), the
+            :class:`~lightning_codraft.rl.rewards.RewardSet`, or one ``fn(prompt, completion, answer)``), the
             tokenizer and the usable context length.
         worker: the :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`.
         model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);
@@ -224,8 +224,8 @@ class RLStep:
                  "policy_forwards": float(acc.policy_forwards)}
         parts = self.rewards.logged_parts
         for name in parts:
-            kept = [v for v, keep in zip(scores.parts[name], scored.view(-1).tolist()) if keep]
-            local[f"reward/{name}"] = sum(kept) / len(kept)
+            kept = [v for v, keep in zip(scores.parts[name], scored.view(-1).tolist()) if keep and not math.isnan(v)]
+            local[f"reward/{name}"] = sum(kept) / len(kept) if kept else math.nan
         means = self.fabric.all_reduce(torch.tensor(list(local.values()), dtype=torch.float64), reduce_op="mean")
         g = dict(zip(local, means.tolist()))  # replica means, by name
         step_s = time.perf_counter() - t_start

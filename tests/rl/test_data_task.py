@@ -91,7 +91,7 @@ def test_sft_needs_worked_solutions_from_a_dataset():
 def test_the_same_task_and_rewards_built_in_python(tmp_path):
     """A user's task object and reward terms passed to fit() directly: the same metrics as the recipe's."""
     from lightning_codraft.rl.reward_funcs import length_penalty, math_equivalence
-    from lightning_codraft.rl.reward_set import RewardTerm
+    from lightning_codraft.rl.rewards import RewardTerm
 
     path = _write(tmp_path / "q.jsonl")
     common = ["sft.steps=0", "rl.steps=2", "run.plots=false"]

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from lightning_codraft.rl.reward_funcs import exact_answer, format_match, length_penalty, math_equivalence
-from lightning_codraft.rl.reward_set import RewardSet, RewardTerm, as_reward_set
+from lightning_codraft.rl.rewards import RewardSet, RewardTerm, as_reward_set
 from lightning_codraft.rl.tasks import TaskSample
 
 EQUIVALENT = [("0.5", "1/2"), ("1/2", "\\frac{1}{2}"), ("The answer is \\boxed{\\frac{1}{2}}.", "0.5"),
@@ -66,7 +66,8 @@ def test_a_failing_reward_is_localised_to_its_sample_and_prompt():
     assert err.index == 1 and err.prompt == "q1" and "fragile" in str(err) and "RuntimeError: cannot parse" in str(err)
 
 
-@pytest.mark.parametrize("bad, reason", [(lambda prompts, completions, **_: [1.0], "returned 1 values for a batch of 2"),
+@pytest.mark.parametrize("bad, reason", [(lambda prompts, completions, **_: [1.0],
+                                          "returned 1 values for a batch of 2"),
                                          (lambda prompts, completions, **_: [1.0, float("nan")], "non-finite"),
                                          (lambda prompts, completions, **_: [1.0, "x"], "not a number")])
 def test_wrong_length_nan_or_non_numbers_fail_loudly(bad, reason):
@@ -82,3 +83,12 @@ def test_a_per_sample_reward_and_set_validation():
         RewardSet([RewardTerm("a", exact_answer), RewardTerm("a", math_equivalence)])
     with pytest.raises(ValueError, match="at least one"):
         RewardSet([])
+
+
+def test_none_means_the_reward_does_not_apply_as_in_trl():
+    def only_even(prompts, completions, **_):
+        return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+
+    rs = RewardSet([RewardTerm("even", only_even, 2.0), RewardTerm("math", math_equivalence, 1.0)])
+    out = rs.score(["a", "b"], ["0", "1"], _samples(2))
+    assert out.total == [3.0, 1.0] and out.failures == [] and math.isnan(out.parts["even"][1])

@@ -3,11 +3,9 @@ same rewards, losses and weights; resuming from a ModelCheckpoint after a kill r
 
 import math
 
-import pytest
 import torch
 from test_loop import micro_config
 
-from lightning_codraft.rl.step import SCHEDULE_COLUMNS, TIME_COLUMNS
 
 FAST = ["task.eval_prompts=0", "run.plots=false", "draft.adaptive=false"]
 COMPARED = ("reward", "reward_std", "accuracy", "completion_tokens", "acceptance_length", "draft_loss", "draft_acc0",
