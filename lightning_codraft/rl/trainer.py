@@ -144,6 +144,14 @@ class GRPOModule(CoDraftModule):
         self.worker = RolloutWorker(self.cfg, dims, strategy.root_device, eos_token_id=self.tokenizer.eos_token_id)
         self.worker.start(self)
 
+    def on_fit_start(self) -> None:
+        """Refuse a Trainer whose length is not the run's: one RL step per optimizer step, ``rl.steps`` of them."""
+        t, steps = self.trainer, self.cfg.rl.steps
+        if t.max_steps > steps or (t.max_steps == -1 and t.max_epochs != 1):
+            raise ValueError(f"Trainer(max_steps={t.max_steps}, max_epochs={t.max_epochs}) for a run of rl.steps="
+                             f"{steps}: one training step is one RL step; pass max_steps={steps} (or fewer, to stop "
+                             f"early and resume later)")
+
     def training_step(self, batch: StepBatch, batch_idx: int = 0) -> torch.Tensor:
         """One RL step: ``batch`` is a :class:`StepBatch` of :class:`PromptData`."""
         step, samples = batch.step, batch.samples

@@ -3,9 +3,9 @@ same rewards, losses and weights; resuming from a ModelCheckpoint after a kill r
 
 import math
 
+import pytest
 import torch
 from test_loop import micro_config
-
 
 FAST = ["task.eval_prompts=0", "run.plots=false", "draft.adaptive=false"]
 COMPARED = ("reward", "reward_std", "accuracy", "completion_tokens", "acceptance_length", "draft_loss", "draft_acc0",
@@ -71,3 +71,17 @@ def test_resume_from_a_model_checkpoint_repeats_the_uninterrupted_run(tmp_path):
     rest, w_rest = _trainer(cfg, ckpt_path=str(ckpt))
     assert _same(first + rest, full), (first + rest, full)
     assert all(torch.equal(w_full[k], w_rest[k]) for k in w_full)
+
+
+def test_a_trainer_longer_than_the_run_is_refused(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_codraft.pytorch import CoDraftStrategy
+    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+
+    cfg = micro_config(tmp_path / "run", *FAST, "sft.steps=0", "draft.warmup_steps=0")
+    module = GRPOModule(cfg, print_fn=lambda s: None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CoDraftStrategy(), max_steps=5, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="pass max_steps=3"):
+        trainer.fit(module, datamodule=PromptData.from_module(module))
