@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,7 +199,8 @@ class CoDraftRun:
         and no evaluation, as a killed process would (used to test resume)."""
         cfg = self.cfg
         start = self.setup()
-        with StepProgress(cfg.rl.steps, start, enabled=cfg.run.progress and self.fabric.global_rank == 0) as bar:
+        bar_on = cfg.run.progress and self.fabric.global_rank == 0 and sys.stdout.isatty()  # else plain lines
+        with StepProgress(cfg.rl.steps, start, enabled=bar_on) as bar:
             for done, step in enumerate(range(start, cfg.rl.steps), start=1):
                 metrics = self.step(step)
                 if self.fabric.global_rank == 0:
@@ -233,7 +235,7 @@ class CoDraftRun:
 
     def _summarize(self, result: FitResult) -> None:
         cfg, tok = self.cfg, self.tokenizer
-        measure = cfg.draft.mode != "none"
+        measure = cfg.draft.mode != "none" and cfg.run.measure_speedup
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
             result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
