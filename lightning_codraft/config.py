@@ -174,6 +174,9 @@ class RunConfig:
     progress: bool = True
     """A progress bar when stdout is a terminal; otherwise (a file, a pipe, ``nohup``, SLURM, CI) and with false,
     one plain line per step, written as the step ends."""
+    log_completions: int = 4
+    """Completions of every step written to ``out_dir/completions.jsonl`` with their prompt and rewards (0: none),
+    to see what the policy writes."""
     measure_speedup: bool = True
     """End with the rollout speed-up measurement: plain against speculative decoding of held-out prompts (minutes
     on a CPU); false skips it (a smoke run)."""
@@ -406,3 +409,21 @@ def config_from_dict(d: dict) -> CoDraftConfig:
     """Rebuild and validate a config from ``dataclasses.asdict`` output (checkpoints store this)."""
     _check_keys(d, CoDraftConfig, "")
     return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CoDraftConfig), d)))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_changes(old_yaml: str | Path, cfg: CoDraftConfig) -> list[str]:
+    """``key: old -> new`` for every setting of ``cfg`` that differs from the config written at ``old_yaml`` (a run
+    directory's ``config.yaml``), in key order; empty when none does."""
+    old = _flat(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
+    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
