@@ -21,17 +21,16 @@ import argparse
 import json
 import sys
 import traceback
+from pathlib import Path
 from typing import Sequence
 
 from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
-from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.plan import PlanSpec, format_bytes, parse_bytes, plan_dict, plan_memory, render_text
-from lightning_codraft.rl.compare import compare_arms, write_report
-from lightning_codraft.rl.loop import fit, load_for_rollout
+from lightning_codraft.rl.preflight import preflight
 from lightning_codraft.rl.rewards import RewardError
-from lightning_codraft.rollout.engine import AcceptanceStats
 
+# The commands' own modules (torch, Lightning: seconds to import) are imported when a command runs, so that
+# `codraft --version`, `--help` and a config error answer at once (tests/test_first_run.py times them).
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
 
@@ -72,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
 def memory_plan(cfg: CoDraftConfig, device_memory: int = DEFAULT_DEVICE_MEMORY):
     """The recipe's :class:`~lightning_codraft.plan.MemoryPlan`; a split or vocabulary the model cannot take is a
     config error."""
+    from lightning_codraft.plan import PlanSpec, plan_memory
+
     try:
         return plan_memory(PlanSpec.from_config(cfg), device_memory)
     except ConfigError:
@@ -100,6 +101,8 @@ def dry_run(cfg: CoDraftConfig) -> str:
 
 def _memory_lines(cfg: CoDraftConfig) -> list[str]:
     """The dry run's memory section: each kind of rank's training and rollout phase (``codraft plan`` details)."""
+    from lightning_codraft.plan import format_bytes
+
     try:
         plan = memory_plan(cfg)
     except (ConfigError, FileNotFoundError) as e:
@@ -129,17 +132,33 @@ def _placement(cfg: CoDraftConfig) -> str:
 
 
 def _cmd_plan(cfg: CoDraftConfig, device_memory: int, as_json: bool) -> int:
+    from lightning_codraft.plan import plan_dict, render_text
+
     plan = memory_plan(cfg, device_memory)
     print(json.dumps(plan_dict(plan), indent=2) if as_json else render_text(plan))
     return 0
 
 
+def _check_before_launch(cfg: CoDraftConfig) -> None:
+    """:func:`~lightning_codraft.rl.preflight.preflight`: raise :class:`ConfigError` listing every problem."""
+    problems = preflight(cfg)
+    if problems:
+        raise ConfigError("checked before launch:\n  " + "\n  ".join(problems))
+
+
 def _cmd_fit(cfg: CoDraftConfig) -> int:
+    from lightning_codraft.rl.loop import fit
+
+    _check_before_launch(cfg)
     fit(cfg)
     return 0
 
 
 def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
+    from lightning_codraft.models.tokenizer import encode_prompt
+    from lightning_codraft.rl.loop import load_for_rollout
+    from lightning_codraft.rollout.engine import AcceptanceStats
+
     run = load_for_rollout(cfg)
     tok = run.tokenizer
     if args.prompt is not None:
@@ -165,6 +184,8 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
 
 
 def _cmd_bench(cfg: CoDraftConfig, args) -> int:
+    from lightning_codraft.rl.compare import compare_arms, write_report
+
     res = compare_arms(cfg)
     print(res.table())
     if args.out:
@@ -173,17 +194,33 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
     return 0
 
 
+def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
+    """Where an interrupted ``fit`` stopped and how to go on, in one sentence."""
+    if cfg is None or args.command != "fit":
+        return "Nothing was saved."
+    done = sorted(p.name for p in (Path(cfg.run.out_dir) / "checkpoints").glob("step-*"))
+    if not done:
+        return f"No checkpoint was written yet in {cfg.run.out_dir}; the same command starts over."
+    step = int(done[-1].split("-")[1])
+    return (f"The last checkpoint is step {step} in {cfg.run.out_dir}/checkpoints; the same command resumes from it"
+            f"{'' if cfg.run.resume else ' (with run.resume=true)'}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``codraft`` console script; returns the exit status.
 
-    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid (the message names
-    it). 3: a reward function failed (``task.on_reward_error=raise``) or a step's failures exceeded
-    ``task.reward_failure_budget`` (``skip``). 1: anything else (the error and where it
-    happened; ``--debug`` prints the full traceback).
+    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid, or a check before
+    launch failed (the message names the recipe key or the file and line). 3: a reward function failed
+    (``task.on_reward_error=raise``) or a step's failures exceeded ``task.reward_failure_budget`` (``skip``).
+    130: interrupted (Ctrl-C; one line says where ``fit`` stopped and how to resume). 1: anything else (the error
+    and where it happened; ``--debug`` prints the full traceback).
     """
     args = _parser().parse_args(argv)
+    cfg = None
     try:
         if args.command == "plan":
+            from lightning_codraft.plan import parse_bytes
+
             try:
                 device_memory = parse_bytes(args.device_memory)
             except ValueError as e:
@@ -191,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_plan(load_config(args.config, args.overrides), device_memory, args.json)
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
+            if args.command == "fit":
+                _check_before_launch(cfg)
             print(dry_run(cfg))
             return 0
         if args.command == "fit":
@@ -204,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "config error" if isinstance(e, ConfigError) else "error"
         print(f"codraft {args.command}: {kind}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ncodraft {args.command}: interrupted. {_resume_hint(cfg, args)}", file=sys.stderr)
+        return 130
     except RewardError as e:
         if args.debug:
             traceback.print_exc()

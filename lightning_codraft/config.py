@@ -172,7 +172,14 @@ class RunConfig:
     resume: bool = True
     """Continue from the last checkpoint in out_dir when there is one."""
     progress: bool = True
-    """Rich progress bars."""
+    """A progress bar when stdout is a terminal; otherwise (a file, a pipe, ``nohup``, SLURM, CI) and with false,
+    one plain line per step, written as the step ends."""
+    log_completions: int = 4
+    """Completions of every step written to ``out_dir/completions.jsonl`` with their prompt and rewards (0: none),
+    to see what the policy writes."""
+    measure_speedup: bool = True
+    """End with the rollout speed-up measurement: plain against speculative decoding of held-out prompts (minutes
+    on a CPU); false skips it (a smoke run)."""
     plots: bool = True
     """Write PNG plots of reward and acceptance length per step at the end."""
     tensorboard: bool = True
@@ -301,6 +308,12 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     if d.draft_vocab_size is not None:
         _positive("draft.draft_vocab_size", d.draft_vocab_size)
     r = cfg.rl
+    for name, lr in (("rl.lr", r.lr), ("draft.lr", d.lr), ("draft.warmup_lr", d.warmup_lr), ("sft.lr", cfg.sft.lr)):
+        if not lr > 0:
+            raise ConfigError(f"{name}={lr} must be > 0 (a learning rate)")
+    if not r.temperature > 0:
+        raise ConfigError(f"rl.temperature={r.temperature} makes every sample of a group the same (greedy): GRPO's "
+                          f"advantages are then all 0 and the policy learns nothing; use a temperature > 0 (e.g. 1.0)")
     _positive("rl.steps", r.steps, 0)
     _positive("rl.prompts_per_step", r.prompts_per_step)
     _positive("rl.group_size", r.group_size, 2)
@@ -396,3 +409,21 @@ def config_from_dict(d: dict) -> CoDraftConfig:
     """Rebuild and validate a config from ``dataclasses.asdict`` output (checkpoints store this)."""
     _check_keys(d, CoDraftConfig, "")
     return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CoDraftConfig), d)))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_changes(old_yaml: str | Path, cfg: CoDraftConfig) -> list[str]:
+    """``key: old -> new`` for every setting of ``cfg`` that differs from the config written at ``old_yaml`` (a run
+    directory's ``config.yaml``), in key order; empty when none does."""
+    old = _flat(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
+    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]

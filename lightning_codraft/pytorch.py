@@ -17,6 +17,7 @@ zigzag-shards it.
 from __future__ import annotations
 
 import shutil
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -52,6 +53,10 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
                          timeout=timeout, start_method=start_method)
         self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs,
                                 checkpoint_io=checkpoint_io)
+        # CoDraftModule optimises manually and a step's checkpoint is meant to hold the weights AFTER that step's
+        # update (what a resume continues from); ModelCheckpoint warns about exactly that on every save.
+        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and "
+                                                  "every_n_train_steps")
         self._checkpoint_path: Optional[Path] = None
         self._optimizers_loaded = False
 

@@ -118,6 +118,8 @@ def test_layers_import_only_downward_and_modules_without_cycles():
 def test_imports_at_module_top_except_heavy_optional_packages():
     for name, path in _modules().items():
         for module, at_top in _imports(path, name):
+            if name == "lightning_codraft.cli" and module.startswith("lightning_codraft."):
+                continue  # the CLI imports its commands' modules when a command runs: --version, a config error
             if not at_top:
                 assert module.split(".")[0] in LAZY_OK, (
                     f"{name} imports {module} inside a function; move it to the module top (only {LAZY_OK} are "

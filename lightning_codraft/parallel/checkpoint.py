@@ -25,6 +25,7 @@ import json
 import os
 import pickle
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -237,7 +238,10 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
             meta["entries"][key] = _jsonable(obj, key)
     _check_finite(tensors, dims)
     meta["rng"] = _gather_rngs(dims)
-    dcp.save(tensors, checkpoint_id=path)
+    with warnings.catch_warnings():  # both deliberate: saving over a step's directory, one process without a group
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True))
     if dims.rank == 0:
         tmp = path / f".{META_FILE}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
@@ -345,7 +349,9 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     for key in meta["tensor_entries"]:
         if key in state and isinstance(state[key], Tensor):
             to_load[f"entry.{key}"] = state[key]
-    dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
+    with warnings.catch_warnings():  # one process without a group: deliberate
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
     for key, module in modules.items():
         if key in to_load:
             set_model_state_dict(module, to_load[key], options=StateDictOptions(strict=False))

@@ -7,13 +7,10 @@ the config; nothing here holds state.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Sequence
-
 import copy
-import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -25,13 +22,11 @@ from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.parallel.pipeline import StageLayout
 from lightning_codraft.rl.data_task import DatasetTask, solution_column
 from lightning_codraft.rl.gsm8k import GSM8KTask
-from lightning_codraft.rl.reward_funcs import BUILTINS
-from lightning_codraft.rl.rewards import RewardSet, RewardTerm, as_reward_set
-from lightning_codraft.rl.rewards import resolve_reward
+from lightning_codraft.rl.rewards import RewardSet, as_reward_set, build_reward
 from lightning_codraft.rl.tasks import ArithmeticTask
-from lightning_codraft.training.module import CoDraftModule
 from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
                                                shared_fields)
+from lightning_codraft.training.module import CoDraftModule
 
 
 class HFTokenizer:
@@ -83,24 +78,6 @@ def build_task(cfg) -> ArithmeticTask | DatasetTask:
                            heldout=heldout, eval_source=cfg.eval_source,
                            solution_fn=None if cfg.solution_column is None else solution_column(cfg.solution_column))
     raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k', 'dataset')")
-
-
-def build_reward(cfg, task) -> RewardSet:
-    """The rewards of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`): ``task.rewards`` (built-ins by
-    name, others imported from their dotted path, each with its ``kwargs``), else ``task.reward``, else the task's
-    built-in reward (batched where the task has one: ``reward_fn``)."""
-    if cfg.rewards:
-        terms = []
-        for i, r in enumerate(cfg.rewards):
-            fn = BUILTINS[r.fn] if r.fn in BUILTINS else resolve_reward(r.fn)
-            if r.kwargs:
-                fn = functools.partial(fn, **r.kwargs)
-            terms.append(RewardTerm(r.label, fn, float(r.weight), batched=True))
-        return RewardSet(terms)
-    if cfg.reward:
-        return RewardSet([RewardTerm("reward", resolve_reward(cfg.reward), 1.0, batched=False)])
-    batched = getattr(task, "reward_fn", None)
-    return RewardSet([RewardTerm("reward", batched or task.reward, 1.0, batched=batched is not None)])
 
 
 def policy_config(cfg) -> PolicyConfig:

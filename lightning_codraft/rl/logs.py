@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import warnings
 from pathlib import Path
@@ -83,6 +84,20 @@ class MetricsLogger:
         self.csv.finalize("success")
         if self.tb is not None:
             self.tb.finalize("success")
+
+
+def write_completions(path: str | Path, step: int, samples: Sequence[Mapping], n: int) -> None:
+    """Append the first ``n`` of a step's ``samples`` (prompt, completion, reward, each reward's) to the JSON Lines
+    file ``path``, one object per sample with its ``step``; rows of later steps than ``step - 1`` are dropped first,
+    so a resumed run's file equals an uninterrupted one's."""
+    if n <= 0:
+        return
+    path = Path(path)
+    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+            if line.strip() and json.loads(line)["step"] < step]
+    rows = [json.dumps({"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                          for k, v in s.items()}}) for s in list(samples)[:n]]
+    path.write_text("".join(line + "\n" for line in kept + rows))
 
 
 def plot_curves(series: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path,

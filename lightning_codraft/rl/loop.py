@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.fabric import Fabric
 
-from lightning_codraft.config import CoDraftConfig, to_yaml
+from lightning_codraft.config import CoDraftConfig, config_changes, to_yaml
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
@@ -40,7 +41,7 @@ from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import (EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples,
                                            measure_speedup)
-from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
+from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize, write_completions
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
@@ -138,9 +139,14 @@ class CoDraftRun:
         self.launch()
         self.build()
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.fabric.global_rank == 0:
-            (self.out / "config.yaml").write_text(to_yaml(cfg))
         last = self.checkpoints.last() if cfg.run.resume else None
+        written = self.out / "config.yaml"
+        if last is not None and written.is_file():
+            changed = config_changes(written, cfg)
+            self.log(f"resuming {self.out} with {len(changed)} changed setting(s){':' if changed else ''}"
+                     + "".join(f"\n  {c}" for c in changed))
+        if self.fabric.global_rank == 0:
+            written.write_text(to_yaml(cfg))
         if last is None:  # warm-ups on every rank, on the whole modules (before the strategy prunes PP stages)
             self.extra = self._warm_start()
         self.worker.start(self.module)  # before the strategy prunes / shards the module
@@ -189,6 +195,8 @@ class CoDraftRun:
         """Record a finished step and checkpoint on schedule."""
         if self.logger is not None:
             self.logger.log(metrics)
+            write_completions(self.out / "completions.jsonl", step + 1, self.rl_step.last_completions,
+                              self.cfg.run.log_completions)
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
             self.checkpoints.save(step + 1, self._state(self.extra))
@@ -198,7 +206,8 @@ class CoDraftRun:
         and no evaluation, as a killed process would (used to test resume)."""
         cfg = self.cfg
         start = self.setup()
-        with StepProgress(cfg.rl.steps, start, enabled=cfg.run.progress and self.fabric.global_rank == 0) as bar:
+        bar_on = cfg.run.progress and self.fabric.global_rank == 0 and sys.stdout.isatty()  # else plain lines
+        with StepProgress(cfg.rl.steps, start, enabled=bar_on) as bar:
             for done, step in enumerate(range(start, cfg.rl.steps), start=1):
                 metrics = self.step(step)
                 if self.fabric.global_rank == 0:
@@ -233,7 +242,7 @@ class CoDraftRun:
 
     def _summarize(self, result: FitResult) -> None:
         cfg, tok = self.cfg, self.tokenizer
-        measure = cfg.draft.mode != "none"
+        measure = cfg.draft.mode != "none" and cfg.run.measure_speedup
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
             result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True)
         if measure:  # every rank refills its copies (a collective); rank 0 measures

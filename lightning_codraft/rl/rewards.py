@@ -20,12 +20,14 @@ sample's reward is NaN and its :class:`RewardError` goes to the caller, which ap
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from lightning_codraft.rl.reward_funcs import BUILTINS
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 
 ON_ERROR = ("raise", "skip")
@@ -291,3 +293,21 @@ def as_reward_set(reward) -> RewardSet:
         raise TypeError(f"a reward must be a RewardSet or a callable fn(prompt, completion, answer), got "
                         f"{type(reward).__name__}")
     return RewardSet([RewardTerm("reward", reward, 1.0, batched=False)])
+
+
+def build_reward(cfg, task) -> RewardSet:
+    """The rewards of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`): ``task.rewards`` (built-ins by
+    name, others imported from their dotted path, each with its ``kwargs``), else ``task.reward``, else the task's
+    built-in reward (batched where the task has one: ``reward_fn``)."""
+    if cfg.rewards:
+        terms = []
+        for i, r in enumerate(cfg.rewards):
+            fn = BUILTINS[r.fn] if r.fn in BUILTINS else resolve_reward(r.fn)
+            if r.kwargs:
+                fn = functools.partial(fn, **r.kwargs)
+            terms.append(RewardTerm(r.label, fn, float(r.weight), batched=True))
+        return RewardSet(terms)
+    if cfg.reward:
+        return RewardSet([RewardTerm("reward", resolve_reward(cfg.reward), 1.0, batched=False)])
+    batched = getattr(task, "reward_fn", None)
+    return RewardSet([RewardTerm("reward", batched or task.reward, 1.0, batched=batched is not None)])

@@ -164,6 +164,8 @@ class RLStep:
         self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
         self.log = log
         self.last_rollouts: list[Rollout] = []
+        self.last_completions: list[dict] = []
+        """This replica's samples of the last step: prompt text, completion text, reward (and each reward's)."""
 
     def __call__(self, step: int, samples=None) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
@@ -189,8 +191,11 @@ class RLStep:
         self.worker.release()
         # every rank scores in the tolerant mode and the budget (0 for on_reward_error=raise) is checked on the
         # step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting)
-        scores = self.rewards.score([s.prompt for s in mine for _ in range(G)], [tok.decode(o.token_ids) for o in outs],
-                                    [s for s in mine for _ in range(G)])
+        texts, per_sample = [tok.decode(o.token_ids) for o in outs], [s for s in mine for _ in range(G)]
+        scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
+        self.last_completions = [{"prompt": s.prompt, "completion": text, "reward": scores.total[i],
+                                  **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts}}
+                                 for i, (s, text) in enumerate(zip(per_sample, texts))]
         rewards, failures = scores.total, scores.failures
         skip = cfg.task.on_reward_error == "skip"
         for f in failures if skip else ():  # every skipped sample is reported

@@ -42,6 +42,11 @@ from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient
 from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
 
 
+PROGRESS_BAR = ("loss", "draft/acceptance_length")
+"""The metrics ``training_step`` shows in Lightning's progress bar (the joint loss, the draft's implied acceptance
+length on the step's batch)."""
+
+
 class CoDraftModule(LightningModule):
     """Policy + EAGLE-3 draft with the joint objective ``L_rl + lambda * L_draft`` (one backward).
 
@@ -415,6 +420,6 @@ class CoDraftModule(LightningModule):
     def training_step(self, batch: RLBatch, batch_idx: int = 0) -> Tensor:
         """Trainer path (manual optimisation): ``training.step.optimizer_step``, then log the metrics."""
         metrics = optimizer_step(self, self, batch, self.optimizers(), self.lr_schedulers(), self.manual_backward)
-        self.log_dict({k: v.float() for k, v in metrics.items()}, on_step=True, prog_bar=False, logger=True,
-                      batch_size=1, sync_dist=False)
+        for name, value in metrics.items():  # the logger's default (logged where there is one, no warning if none)
+            self.log(name, value.float(), on_step=True, prog_bar=name in PROGRESS_BAR, batch_size=1, sync_dist=False)
         return metrics["loss"]

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import math
 import shutil
 
@@ -80,11 +81,19 @@ def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
     cfg2 = micro_config(killed, "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4",
                         "task.eval_every=2", "run.plots=false")
     # kill again after one resumed step (no checkpoint written for it), then resume to the end
-    part = fit(cfg2, stop_after=1, print_fn=lambda s: None)
+    lines = []
+    part = fit(cfg2, stop_after=1, print_fn=lines.append)
     assert not part.completed and [r["step"] for r in part.rows] == [1.0, 2.0]
+    said = next(line for line in lines if line.startswith("resuming"))  # a resume says which settings changed
+    assert "run.plots: True -> False" in said and "task.on_reward_error: 'skip' -> 'raise'" in said
     again = fit(cfg2, print_fn=lambda s: None)
     assert again.completed
     assert _comparable(read_metrics(killed / "metrics.csv")) == _comparable(res.rows)
+    # what the policy wrote: 4 completions per step, the same ones after the kills and resumes
+    logged = [json.loads(line) for line in (res.out_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1] * 4 + [2] * 4 + [3] * 4
+    assert all(isinstance(r["prompt"], str) and isinstance(r["completion"], str) for r in logged)
+    assert (killed / "completions.jsonl").read_text() == (res.out_dir / "completions.jsonl").read_text()
 
 
 def test_failing_reward_can_stop_the_run(tmp_path):
