@@ -56,9 +56,12 @@ def test_ctrl_c_ends_with_one_line_saying_how_to_resume(tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert "interrupted" in lines[0] and "resumes from it" in lines[0] and str(tmp_path / "run") in lines[0]
+    lines = [line for line in err.splitlines() if line.strip()]  # Lightning's start-up lines come first
+    said = [line for line in lines if "interrupted" in line]
+    assert "Traceback" not in err and len(said) == 1 and said[0] == lines[-1], err
+    assert "resumes from it" in said[0] and str(tmp_path / "run") in said[0]
+    done = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert done and all((d / "codraft.json").is_file() for d in done)  # never a checkpoint cut in the middle
 
 
 def _bad_inputs(tmp):

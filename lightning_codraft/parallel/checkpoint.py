@@ -20,11 +20,14 @@ file raises ``CheckpointError`` instead of running code.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import pickle
 import random
+import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -202,8 +205,26 @@ def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
                               f"the last checkpoint written is the last finite state")
 
 
+@contextlib.contextmanager
+def _interrupt_after():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block is done, then raise it: a checkpoint
+    is written whole or not started, never cut in the middle (in the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None) -> None:
-    """Write ``state`` (modules, optimizers, schedulers, plain entries) to directory ``path``; call on every rank.
+    """Write ``state`` (modules, optimizers, schedulers, plain entries) to directory ``path``; call on every rank. A
+    Ctrl-C during the write takes effect once the checkpoint is whole.
 
     Args:
         path: checkpoint directory (created).
@@ -211,8 +232,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
             entries go through DCP, everything else must be JSON data.
         dims: the mesh (None: one process).
     """
-    dims = dims or ParallelDims()
-    path = Path(path)
+    with _interrupt_after():
+        _save(Path(path), state, dims or ParallelDims())
+
+
+def _save(path: Path, state: dict[str, Any], dims: ParallelDims) -> None:
     modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp},
