@@ -49,9 +49,10 @@ def test_trainer_fit_equals_codraft_fit_on_two_processes(tmp_path, layout):
              "task.reward=rewards_for_tests:digit_share_reward", *LAYOUTS[layout]]
     results = run_distributed(_both, world_size=2, timeout=900, args=(
         micro_config(tmp_path / "fabric", *extra), micro_config(tmp_path / "trainer", *extra)))
+    assert len(results[0][0]) == 3  # codraft fit's rows are rank 0's (its logger); the Trainer's metrics are global
     for rank, (rows_f, rows_t, same) in enumerate(results):
-        assert len(rows_f) == len(rows_t) == 3, rank
-        for a, b in zip(rows_f, rows_t):
+        assert len(rows_t) == 3 and len(rows_f) in (0, 3), rank
+        for a, b in zip(rows_f or rows_t, rows_t):
             for k in COMPARED:
                 assert (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k], (rank, k, a[k], b[k])
         assert same in (None, True), f"rank {rank}: the weights differ"
