@@ -155,6 +155,29 @@ class RLBatch:
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)
 
     @classmethod
+    def concat(cls, batches: Sequence["RLBatch"]) -> "RLBatch":
+        """Whole batches packed into one (their documents one after the other): what a ``DataLoader`` with a
+        ``batch_size`` collates (``lightning_codraft.pytorch`` registers it with torch's ``default_collate``).
+        Batches already normalised for a step (``loss_weight``) or sharded cannot be merged."""
+        if not batches:
+            raise ValueError("RLBatch.concat of no batches")
+        if any(b.is_sharded or b.loss_weight is not None for b in batches):
+            raise ValueError("RLBatch.concat takes whole batches not yet normalised for a step (cp_size 1, no "
+                             "loss_weight)")
+        if len(batches) == 1:
+            return batches[0]
+        keys = set(batches[0].row_tensors())
+        if any(set(b.row_tensors()) != keys for b in batches):
+            raise ValueError("RLBatch.concat: the batches set different optional fields (draft_mask, ref_logprobs, "
+                             "ref_greedy)")
+        rows = {k: torch.cat([b.row_tensors()[k] for b in batches]) for k in keys}
+        cu, offset = [0], 0
+        for b in batches:
+            cu.extend((b.cu_seqlens[1:].long() + offset).tolist())
+            offset += b.num_tokens
+        return cls.from_dict({**rows, "cu_seqlens": torch.tensor(cu, dtype=batches[0].cu_seqlens.dtype)})
+
+    @classmethod
     def coerce(cls, batch: "RLBatch | Mapping[str, Any]") -> "RLBatch":
         """``batch`` itself, or a whole batch built from the dict layout."""
         if isinstance(batch, cls):

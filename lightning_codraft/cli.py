@@ -6,12 +6,14 @@
     codraft rollout --config recipes/tiny-cpu.yaml [--prompt TEXT ...] [--num-prompts N] [key=value ...]
     codraft bench   --config recipes/tiny-cpu.yaml [--out docs/benchmarks] [key=value ...]
     codraft plan    --config recipes/qwen3-8b-cluster.yaml [--json] [--device-memory 80GiB] [key=value ...]
+    codraft export  RUN_DIR OUT_DIR [--step N]
 
 ``fit`` runs the RL loop (resuming from the last checkpoint of ``run.out_dir``); ``rollout`` generates with
 speculative decoding from the run's last checkpoint (or the fresh models when there is none) and prints the
 acceptance statistics; ``bench`` runs the no-draft / frozen-draft / co-trained-draft comparison; ``plan`` prints
 the per-rank memory of the training and the rollout phase against a device's memory (``lightning_codraft.plan``,
-models built on the meta device: nothing is loaded). ``--dry-run`` validates the config and prints the resolved run
+models built on the meta device: nothing is loaded); ``export`` writes a run's trained policy (Hugging Face, with its
+tokenizer) and draft (vLLM EAGLE-3). ``--dry-run`` validates the config and prints the resolved run
 and its memory plan without building anything.
 """
 
@@ -60,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="no draft vs frozen vs co-trained draft, same seeds")
     common(b)
     b.add_argument("--out", default=None, help="write codraft_vs_frozen.md + PNG plots here (e.g. docs/benchmarks)")
+    e = sub.add_parser("export", help="write a run's policy (Hugging Face, with its tokenizer) and draft (vLLM "
+                                      "EAGLE-3) to a directory")
+    e.add_argument("run_dir", help="the run directory (run.out_dir)")
+    e.add_argument("out_dir", help="where to write policy/ and draft/")
+    e.add_argument("--step", type=int, default=None, help="a checkpoint's RL step (default: the newest)")
     m = sub.add_parser("plan", help="per-rank memory of the training and rollout phases (meta device, no weights)")
     m.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/qwen3-8b-cluster.yaml); defaults if omitted")
     m.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -194,6 +201,15 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
     return 0
 
 
+def _cmd_export(args) -> int:
+    from lightning_codraft.rl.export import export_run
+
+    paths = export_run(args.run_dir, args.out_dir, args.step)
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
 def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
     """Where an interrupted ``fit`` stopped and how to go on, in one sentence."""
     if cfg is None or args.command != "fit":
@@ -226,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ValueError as e:
                 raise UsageError(f"--device-memory: {e}") from None
             return _cmd_plan(load_config(args.config, args.overrides), device_memory, args.json)
+        if args.command == "export":
+            return _cmd_export(args)
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
             if args.command == "fit":

@@ -27,7 +27,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from torch import Tensor
+from torch.utils.data._utils.collate import default_collate_fn_map
 
+from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.strategy_core import CoDraftCore, CoDraftMeshMixin
 from lightning_codraft.rollout.engine import RolloutEngine
@@ -59,6 +61,21 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
                                                   "every_n_train_steps")
         self._checkpoint_path: Optional[Path] = None
         self._optimizers_loaded = False
+
+    def connect(self, model) -> None:
+        """Refuse the Trainer flags a manually optimising ``CoDraftModule`` cannot honour, naming its own setting."""
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None:
+            if trainer.gradient_clip_val:
+                raise ValueError(f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): the module clips inside its "
+                                 f"own step; pass CoDraftModule(grad_clip={trainer.gradient_clip_val}) (recipes: "
+                                 f"rl.grad_clip) and leave gradient_clip_val unset")
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the module "
+                                 f"splits each batch into microbatches itself; pass CoDraftModule(num_microbatches="
+                                 f"{trainer.accumulate_grad_batches}) (recipes: parallel.num_microbatches) and leave "
+                                 f"accumulate_grad_batches at 1")
+        super().connect(model)
 
     def configure_ddp(self) -> None:
         """Install the mesh into the CoDraftModule (CP groups, PP stage), then DDP over dp x cp."""
@@ -127,6 +144,15 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
 
 
 CoDraftStrategy.register_strategies(StrategyRegistry)
+
+
+def _collate_rl_batches(batch, *, collate_fn_map=None) -> RLBatch:
+    return RLBatch.concat(batch)
+
+
+default_collate_fn_map.setdefault(RLBatch, _collate_rl_batches)
+"""A ``DataLoader`` of ``RLBatch`` items works with its default ``batch_size=1`` (one batch per step) and with a
+larger one (the items packed into one batch: ``RLBatch.concat``), not only with ``batch_size=None``."""
 
 
 def _plain(value: Any) -> Any:

@@ -54,14 +54,7 @@ def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int
 
 def concat_batches(batches: list[RLBatch]) -> RLBatch:
     """The batches of several dp replicas as one packed batch (what one process trains on)."""
-    rows = [b.row_tensors() for b in batches]
-    out = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
-    cu, offset = [0], 0
-    for b in batches:
-        cu.extend((b.cu_seqlens[1:].long() + offset).tolist())
-        offset += b.num_tokens
-    out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
-    return RLBatch.from_dict(out)
+    return RLBatch.concat(batches)
 
 
 def step_batches(num_steps: int, dp: int, seed: int = 100, num_docs: int = 4) -> list[list[RLBatch]]:
