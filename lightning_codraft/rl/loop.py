@@ -153,7 +153,7 @@ class CoDraftRun:
         if last is None and "eval_before" not in self.extra:
             n_eval = cfg.task.eval_prompts
             self.extra["eval_before"] = self.evaluate(n_eval) if n_eval else math.nan
-            self.log(f"greedy accuracy before RL: {self.extra['eval_before']:.3f} on {n_eval} held-out prompts")
+            self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
             self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra)
         self.model = self.fabric.setup_module(self.module)
@@ -266,7 +266,7 @@ class CoDraftRun:
         r0, r1 = summarize(result.rows, "reward")
         a0, a1 = summarize(result.rows, "acceptance_length")
         lines = [f"reward (mean of first / last steps): {r0:.3f} -> {r1:.3f}",
-                 f"greedy accuracy on held-out prompts: {result.eval_before:.3f} -> {result.eval_after:.3f}"]
+                 f"held-out mean reward (greedy): {result.eval_before:.3f} -> {result.eval_after:.3f}"]
         if cfg.draft.mode != "none":
             lines.append(f"acceptance length (K={cfg.draft.num_speculative_tokens}): {a0:.2f} -> {a1:.2f}")
         if result.speedup is not None:
@@ -297,6 +297,7 @@ def warm_start(cfg: CoDraftConfig, module: CoDraftModule, tokenizer, task, conte
     init = cfg.run.init_from
     if init:
         extra = RunCheckpoints.load_warm(init, module.policy, module.draft)
+        extra.pop("eval_before", None)  # scored on that run's task: this run scores its own
         log(f"warm-started policy and draft from {init}")
     else:
         extra = run_warmups(cfg, module, tokenizer, task, context, log=log)
