@@ -184,6 +184,10 @@ class RunConfig:
     """Write PNG plots of reward and acceptance length per step at the end."""
     tensorboard: bool = True
     """Write TensorBoard event files next to the CSV."""
+    loggers: list[Any] = field(default_factory=list)
+    """More Lightning loggers for the per-step metrics: ``wandb``, ``mlflow``, ``comet``, ``neptune`` (Lightning's,
+    when their package is installed, saving under ``out_dir``), or ``{class_path: package.module.Class,
+    init_args: {...}}`` for any class with Lightning's ``log_metrics(metrics, step)``."""
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
     init_from: Optional[str] = None

@@ -12,7 +12,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -38,14 +38,16 @@ class MetricsLogger:
         resume_step: keep only existing rows with ``step <= resume_step`` (0 = start a fresh file).
         extra_columns: columns beyond :data:`~lightning_codraft.rl.step.COLUMNS` (the ``reward/<name>`` of each of
             ``task.rewards``).
+        loggers: more Lightning loggers the rows also go to (``build_loggers``: ``run.loggers``).
 
     Attributes:
         rows: every row of the run so far (kept ones included), as dicts of floats.
     """
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
-                 extra_columns: Sequence[str] = ()):
+                 extra_columns: Sequence[str] = (), loggers: Sequence[Any] = ()):
         self.columns = (*COLUMNS, *extra_columns)
+        self.loggers = list(loggers)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(out_dir / "metrics.csv") if r["step"] <= resume_step] if resume_step else []
@@ -74,6 +76,9 @@ class MetricsLogger:
         self.csv.log_metrics(values, step=step)
         if tensorboard and self.tb is not None:
             self.tb.log_metrics({f"rl/{k}": v for k, v in values.items() if not math.isnan(v)}, step=step)
+        if tensorboard:  # (rows kept from before a resume were logged by the first run)
+            for logger in self.loggers:
+                logger.log_metrics({k: v for k, v in values.items() if not math.isnan(v)}, step=step)
         self.rows.append({"step": float(step), **values})
 
     def log(self, metrics: StepMetrics | Mapping[str, float]) -> None:
@@ -82,6 +87,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.csv.finalize("success")
+        for logger in self.loggers:
+            logger.finalize("success")
         if self.tb is not None:
             self.tb.finalize("success")
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from datetime import timedelta
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,13 +39,14 @@ from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.checkpoints import RunCheckpoints
-from lightning_codraft.rl.evaluate import (EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples,
-                                           measure_speedup)
+from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
+from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize, write_completions
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
 from lightning_codraft.training.module import CoDraftModule
+
 
 @dataclass
 class FitResult:
@@ -169,7 +170,7 @@ class CoDraftRun:
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
-                                        extra_columns=parts)
+                                        extra_columns=parts, loggers=build_loggers(cfg.run.loggers, self.out))
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.steps_done = self.start_step
         return self.start_step

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.gsm8k import EXCERPT_PATH, PROMPT_TEMPLATE, extract_answer
+from lightning_codraft.rl.loggers import logger_class
 from lightning_codraft.rl.reward_funcs import BUILTINS
 from lightning_codraft.rl.rewards import build_reward
 from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
@@ -91,6 +92,11 @@ def _reward_key(cfg: CoDraftConfig, name: str) -> str:
 def preflight(cfg: CoDraftConfig) -> list[str]:
     """What would fail once the run started (see the module docstring); empty when nothing would."""
     t, problems, row = cfg.task, [], None
+    for i, entry in enumerate(cfg.run.loggers):
+        try:
+            logger_class(entry, i)
+        except ValueError as e:
+            problems.append(str(e))
     if t.name in ("gsm8k", "dataset"):
         source = str(EXCERPT_PATH) if (t.name == "gsm8k" and t.source == "excerpt") else t.source
         path = Path(source).expanduser()

@@ -108,3 +108,23 @@ def test_the_same_task_and_rewards_built_in_python(tmp_path):
     a, b = read_metrics(tmp_path / "a" / "metrics.csv"), read_metrics(tmp_path / "b" / "metrics.csv")
     keys = ["reward", "reward/correct", "reward/length_penalty", "policy_loss", "draft_loss"]
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+
+
+def test_the_loop_logs_to_any_lightning_logger_from_the_recipe(tmp_path):
+    import importlib.util
+
+    from lightning_codraft.rl.preflight import preflight
+
+    extra = tmp_path / "extra"
+    cfg = micro_config(tmp_path / "run", "rl.steps=2", "sft.steps=0", "task.eval_prompts=0", "run.plots=false",
+                       f"run.loggers=[{{class_path: lightning.fabric.loggers.CSVLogger, init_args: "
+                       f"{{root_dir: '{extra}', name: rl}}}}]")
+    assert preflight(cfg) == []
+    fit(cfg, print_fn=lambda s: None)
+    rows = read_metrics(next(extra.rglob("metrics.csv")))
+    assert [r["step"] for r in rows] == [1.0, 2.0] and all(0 <= r["reward"] <= 1 for r in rows)
+    if importlib.util.find_spec("wandb") is None:  # a logger whose package is missing is found before launch
+        problems = preflight(micro_config(tmp_path / "w", "run.loggers=[wandb]"))
+        assert problems == ["run.loggers[0]='wandb' needs the 'wandb' package: pip install wandb"]
+    bad = preflight(micro_config(tmp_path / "b", "run.loggers=[tensorbored]"))
+    assert bad and "run.loggers[0]='tensorbored' is not one of" in bad[0]
