@@ -104,7 +104,7 @@ def test_failing_reward_can_stop_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("fn,match", [("batched_reward", "looks like a batched"), ("nan_reward", "non-finite")])
-def test_a_failing_reward_stops_the_run_with_exit_3(tmp_path, capsys, fn, match):
+def test_a_reward_failing_on_one_sample_is_refused_before_launch_with_exit_2(tmp_path, capsys, fn, match):
     from conftest import REPO
 
     from lightning_codraft.cli import main
@@ -112,8 +112,22 @@ def test_a_failing_reward_stops_the_run_with_exit_3(tmp_path, capsys, fn, match)
     code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
                  f"task.reward=rewards_for_tests:{fn}", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0"])
     err = capsys.readouterr().err
+    assert code == 2, err
+    assert "checked before launch" in err and f"task.reward (rewards_for_tests:{fn}): a one-sample call failed" in err
+    assert match in err and not (tmp_path / "checkpoints").exists()  # nothing ran
+
+
+def test_a_reward_failing_during_the_run_stops_it_with_exit_3(tmp_path, capsys):
+    from conftest import REPO
+
+    from lightning_codraft.cli import main
+
+    code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
+                 "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=8", "sft.steps=0",
+                 "draft.warmup_steps=0", "task.eval_prompts=0"])
+    err = capsys.readouterr().err
     assert code == 3, err
-    assert match in err and f"reward function rewards_for_tests:{fn} failed on sample 0" in err
+    assert "reward function rewards_for_tests:flaky_reward failed on sample" in err and "prompt '7" in err
     assert "task.on_reward_error=skip" in err and "resumes the run" in err
 
 
