@@ -85,6 +85,22 @@ class MetricsLogger:
         """Write one step's row (``step`` is required; unknown keys are rejected)."""
         self._write(metrics.as_dict() if isinstance(metrics, StepMetrics) else metrics)
 
+    def log_completions(self, step: int, samples: Sequence[Mapping], n: int) -> None:
+        """The first ``n`` of a step's ``samples`` as a table in TensorBoard's text tab (``completions``) and in
+        every extra logger that has a table (``log_text``, e.g. W&B)."""
+        rows = [{k: ("" if v is None else v) for k, v in s.items()} for s in list(samples)[:n]]
+        if not rows:
+            return
+        keys = list(rows[0])
+        table = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
+                           *("| " + " | ".join(str(r[k]).replace("|", "\\|").replace("\n", " ") for k in keys) + " |"
+                             for r in rows)])
+        if self.tb is not None:
+            self.tb.experiment.add_text("completions", table, global_step=step)
+        for logger in self.loggers:
+            if callable(getattr(logger, "log_text", None)):
+                logger.log_text(key="completions", columns=keys, data=[[r[k] for k in keys] for r in rows], step=step)
+
     def close(self) -> None:
         self.csv.finalize("success")
         for logger in self.loggers:

@@ -198,6 +198,7 @@ class CoDraftRun:
             self.logger.log(metrics)
             write_completions(self.out / "completions.jsonl", step + 1, self.rl_step.last_completions,
                               self.cfg.run.log_completions)
+            self.logger.log_completions(step + 1, self.rl_step.last_completions, self.cfg.run.log_completions)
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
             self.checkpoints.save(step + 1, self._state(self.extra))

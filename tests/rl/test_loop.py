@@ -94,6 +94,13 @@ def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
     assert [r["step"] for r in logged] == [1] * 4 + [2] * 4 + [3] * 4
     assert all(isinstance(r["prompt"], str) and isinstance(r["completion"], str) for r in logged)
     assert (killed / "completions.jsonl").read_text() == (res.out_dir / "completions.jsonl").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # and in TensorBoard's text
+
+    events = EventAccumulator(str(res.out_dir / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("completions/text_summary")
+    assert [t.step for t in texts] == [1, 2, 3]
+    assert b"| prompt | completion | reward |" in texts[0].tensor_proto.string_val[0]
 
 
 def test_failing_reward_can_stop_the_run(tmp_path):
