@@ -89,7 +89,7 @@ def test_version_and_only_config_errors_say_config_error(monkeypatch, capsys):
     def deep_failure(cfg):
         raise ValueError("a shape mismatch deep inside training")
 
-    monkeypatch.setattr("lightning_codraft.cli.fit", deep_failure)
+    monkeypatch.setattr("lightning_codraft.rl.loop.fit", deep_failure)  # the CLI imports it when fit runs
     assert main(["fit", "--config", TINY]) == 1
     err = capsys.readouterr().err
     assert "config error" not in err and "ValueError: a shape mismatch deep inside training" in err
