@@ -315,9 +315,6 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     for name, lr in (("rl.lr", r.lr), ("draft.lr", d.lr), ("draft.warmup_lr", d.warmup_lr), ("sft.lr", cfg.sft.lr)):
         if not lr > 0:
             raise ConfigError(f"{name}={lr} must be > 0 (a learning rate)")
-    if not r.temperature > 0:
-        raise ConfigError(f"rl.temperature={r.temperature} makes every sample of a group the same (greedy): GRPO's "
-                          f"advantages are then all 0 and the policy learns nothing; use a temperature > 0 (e.g. 1.0)")
     _positive("rl.steps", r.steps, 0)
     _positive("rl.prompts_per_step", r.prompts_per_step)
     _positive("rl.group_size", r.group_size, 2)

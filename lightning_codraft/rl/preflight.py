@@ -1,5 +1,6 @@
 """Check what a run will touch before it launches, in a second and without torch: the task's data file parses
-(a bad record is named by file and line), its columns are there, and every reward imports and scores one sample.
+(a bad record is named by file and line), its columns are there, every reward imports and scores one sample, the
+loggers' packages are installed, and no setting makes GRPO learn nothing (a greedy ``rl.temperature``).
 
 ``codraft fit --dry-run`` and the start of every ``codraft fit`` call :func:`preflight`; a problem is a message
 naming the recipe key or the file and line, and the CLI exits 2 on any. Only local JSON Lines files are read here
@@ -92,6 +93,10 @@ def _reward_key(cfg: CoDraftConfig, name: str) -> str:
 def preflight(cfg: CoDraftConfig) -> list[str]:
     """What would fail once the run started (see the module docstring); empty when nothing would."""
     t, problems, row = cfg.task, [], None
+    if not cfg.rl.temperature > 0:  # valid for a test of the mechanics (greedy rollouts), never for a real run
+        problems.append(f"rl.temperature={cfg.rl.temperature} makes every sample of a group the same (greedy): "
+                        f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
+                        f"(e.g. 1.0)")
     for i, entry in enumerate(cfg.run.loggers):
         try:
             logger_class(entry, i)
