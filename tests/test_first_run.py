@@ -104,3 +104,21 @@ def test_version_answers_without_importing_torch():
     code = "import sys; from lightning_codraft.cli import main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_every_problem_is_reported_together(tmp_path):
+    """A missing data file does not hide the other problems found before it (a greedy temperature, a logger)."""
+    from lightning_codraft.config import load_config
+    from lightning_codraft.rl.preflight import preflight
+
+    cfg = load_config(SMOKE, ["task.name=dataset", "task.prompt_column=question", "sft.steps=0", "rl.temperature=0",
+                              "run.loggers=[tensorbored]", f"task.source={tmp_path / 'missing.jsonl'}"])
+    problems = preflight(cfg)
+    assert len(problems) == 3 and "rl.temperature=0.0" in problems[0] and "run.loggers[0]" in problems[1]
+    assert "missing.jsonl' does not exist" in problems[2]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "b", "answer": \n')
+    cfg = load_config(SMOKE, ["task.name=dataset", "task.prompt_column=question", "sft.steps=0", "rl.temperature=0",
+                              f"task.source={broken}"])
+    problems = preflight(cfg)
+    assert len(problems) == 2 and "broken.jsonl:1: not valid JSON" in problems[1]

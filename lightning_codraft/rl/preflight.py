@@ -106,11 +106,11 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
         source = str(EXCERPT_PATH) if (t.name == "gsm8k" and t.source == "excerpt") else t.source
         path = Path(source).expanduser()
         if path.suffix.lower() in (".json", ".jsonl", ".parquet", ".csv") and not path.is_file():
-            return [f"task.source: the data file {str(path)!r} does not exist"]
+            return problems + [f"task.source: the data file {str(path)!r} does not exist"]
         if path.suffix.lower() == ".jsonl":
-            problems, row = check_jsonl(path, cfg)
-            if problems:
-                return problems
+            bad_rows, row = check_jsonl(path, cfg)
+            if bad_rows:
+                return problems + bad_rows
     for i, r in enumerate(t.rewards or ()):
         if r.fn not in BUILTINS and ":" not in r.fn and "." not in r.fn:
             problems.append(f"task.rewards[{i}].fn={r.fn!r} is not a built-in reward {sorted(BUILTINS)}")
