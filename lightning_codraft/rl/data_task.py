@@ -64,6 +64,44 @@ def solution_column(name: str) -> Callable[[dict], str]:
     return solution
 
 
+@dataclass(frozen=True)
+class RowFormat:
+    """How a data set's row becomes a :class:`TaskSample` (the same for a run and for the checks before launch)."""
+
+    prompt_column: str = "prompt"
+    """The column holding the prompt (its text, unless ``template`` says otherwise)."""
+    answer_column: Optional[str] = "answer"
+    """The column holding the reference answer (None: no answer; rewards see ``answer=""``)."""
+    template: Optional[str] = None
+    """The prompt text, ``str.format`` over the row's columns; None: the prompt column as it is."""
+    answer_fn: Optional[Callable[[str], Optional[str]]] = None
+    """Maps the answer column's text to the reference answer (e.g. GSM8K's final number)."""
+    solution_fn: Optional[Callable[[dict], str]] = None
+    """The worked solution of a row for the SFT warm-up (None: ``""``)."""
+
+    def sample(self, row: dict, where: str) -> TaskSample:
+        """``row`` as a sample; ``ValueError`` naming ``where`` (e.g. ``"'data.jsonl' row 3"``) and the row's
+        columns when a column is missing, the template names another, or the answer has no reference in it."""
+        needed = [c for c in (self.prompt_column, self.answer_column) if c is not None]
+        missing = [c for c in needed if c not in row]
+        if missing:
+            raise ValueError(f"{where} has no column {missing[0]!r} (task.prompt_column / task.answer_column); its "
+                             f"columns are {sorted(row)}")
+        try:
+            prompt = str(row[self.prompt_column]) if self.template is None else self.template.format(**row)
+        except KeyError as e:
+            raise ValueError(f"task.template {self.template!r} names the column {e.args[0]!r}, which {where} does "
+                             f"not have; its columns are {sorted(row)}") from None
+        answer = "" if self.answer_column is None else str(row[self.answer_column])
+        if self.answer_fn is not None:
+            got = self.answer_fn(answer)
+            if got is None:
+                raise ValueError(f"{where}: no reference answer in {answer[-80:]!r}")
+            answer = got
+        solution = self.solution_fn(row) if self.solution_fn is not None else ""
+        return TaskSample(prompt=prompt, answer=answer, solution=solution, columns=row)
+
+
 @dataclass
 class DatasetTask:
     """Prompts and reference answers from a data set (see the module docstring).
@@ -104,9 +142,10 @@ class DatasetTask:
             rows = rows[:self.limit]
         if not rows:
             raise ValueError(f"no rows in {self.source!r} (split {self.split!r}, limit={self.limit})")
-        self.samples = [self._sample(row, i, self.source) for i, row in enumerate(rows)]
+        fmt = self.format
+        self.samples = [fmt.sample(row, f"{self.source!r} row {i}") for i, row in enumerate(rows)]
         if self.eval_source is not None:
-            self.eval_samples = [self._sample(r, i, self.eval_source) for i, r in enumerate(load_rows(
+            self.eval_samples = [fmt.sample(r, f"{self.eval_source!r} row {i}") for i, r in enumerate(load_rows(
                 self.eval_source, self.split, self.subset))]
             if self.heldout > len(self.eval_samples):
                 raise ValueError(f"heldout={self.heldout} exceeds the {len(self.eval_samples)} rows of "
@@ -117,25 +156,10 @@ class DatasetTask:
                              f"rows of {self.source!r} (limit={self.limit}) must leave at least one to train on")
         self.eval_samples = self.samples[len(self.samples) - self.heldout:]
 
-    def _sample(self, row: dict, index: int, source: str) -> TaskSample:
-        needed = [c for c in (self.prompt_column, self.answer_column) if c is not None]
-        missing = [c for c in needed if c not in row]
-        if missing:
-            raise ValueError(f"{source!r} row {index} has no column {missing[0]!r} (task.prompt_column / "
-                           f"task.answer_column); its columns are {sorted(row)}")
-        try:
-            prompt = str(row[self.prompt_column]) if self.template is None else self.template.format(**row)
-        except KeyError as e:
-            raise ValueError(f"task.template {self.template!r} names the column {e.args[0]!r}, which {source!r} does "
-                           f"not have; its columns are {sorted(row)}") from None
-        answer = "" if self.answer_column is None else str(row[self.answer_column])
-        if self.answer_fn is not None:
-            got = self.answer_fn(answer)
-            if got is None:
-                raise ValueError(f"{source!r} row {index}: no reference answer in {answer[-80:]!r}")
-            answer = got
-        solution = self.solution_fn(row) if self.solution_fn is not None else ""
-        return TaskSample(prompt=prompt, answer=answer, solution=solution, columns=row)
+    @property
+    def format(self) -> RowFormat:
+        """How this task's rows become samples."""
+        return RowFormat(self.prompt_column, self.answer_column, self.template, self.answer_fn, self.solution_fn)
 
     @property
     def num_train(self) -> int:

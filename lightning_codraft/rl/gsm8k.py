@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from lightning_codraft.rl.data_task import FILE_FORMATS, DatasetTask
+from lightning_codraft.rl.data_task import FILE_FORMATS, DatasetTask, RowFormat
 from lightning_codraft.rl.reward_funcs import math_equivalence
 from lightning_codraft.rl.tasks import TaskSample
 
@@ -62,6 +62,12 @@ def _solution(row: dict) -> str:
     return " " + row["answer"]
 
 
+GSM8K_FORMAT = RowFormat(prompt_column="question", answer_column="answer", template=PROMPT_TEMPLATE,
+                         answer_fn=extract_answer, solution_fn=_solution)
+"""How a GSM8K row becomes a sample: the question through :data:`PROMPT_TEMPLATE`, the answer's final number, the
+worked answer as the solution."""
+
+
 class GSM8KTask(DatasetTask):
     """GSM8K as one configuration of :class:`~lightning_codraft.rl.data_task.DatasetTask`: the ``question`` column
     through :data:`PROMPT_TEMPLATE`, the reference answer the final number of the ``answer`` column
@@ -83,9 +89,10 @@ class GSM8KTask(DatasetTask):
                  heldout: int = 0, template: str = PROMPT_TEMPLATE):
         src = str(EXCERPT_PATH) if str(source) == "excerpt" else str(source)
         local = Path(src).suffix.lower() in FILE_FORMATS or os.path.exists(src)
-        super().__init__(source=src, prompt_column="question", answer_column="answer", template=template,
+        f = GSM8K_FORMAT
+        super().__init__(source=src, prompt_column=f.prompt_column, answer_column=f.answer_column, template=template,
                          split=split, subset=None if local else "main", limit=limit, heldout=heldout,
-                         answer_fn=extract_answer, solution_fn=_solution, reward_fn=math_equivalence)
+                         answer_fn=f.answer_fn, solution_fn=f.solution_fn, reward_fn=math_equivalence)
 
 
 def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", limit: int | None = None,
