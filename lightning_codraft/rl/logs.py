@@ -39,17 +39,25 @@ class MetricsLogger:
         extra_columns: columns beyond :data:`~lightning_codraft.rl.step.COLUMNS` (the ``reward/<name>`` of each of
             ``task.rewards``).
         loggers: more Lightning loggers the rows also go to (``build_loggers``: ``run.loggers``).
+        completions: completions of every step kept in ``out_dir/completions.jsonl`` (``run.log_completions``; cut
+            back to ``resume_step`` like metrics.csv) and shown as a table (:meth:`log_completions`).
 
     Attributes:
         rows: every row of the run so far (kept ones included), as dicts of floats.
     """
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
-                 extra_columns: Sequence[str] = (), loggers: Sequence[Any] = ()):
+                 extra_columns: Sequence[str] = (), loggers: Sequence[Any] = (), completions: int = 0):
         self.columns = (*COLUMNS, *extra_columns)
         self.loggers = list(loggers)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.completions, self.completions_path = int(completions), out_dir / "completions.jsonl"
+        if self.completions > 0:  # a resumed run's file equals an uninterrupted one's
+            old = self.completions_path.read_text().splitlines() if resume_step and self.completions_path.exists() \
+                else []
+            self.completions_path.write_text("".join(line + "\n" for line in old
+                                                     if line.strip() and json.loads(line)["step"] <= resume_step))
         kept = [r for r in read_metrics(out_dir / "metrics.csv") if r["step"] <= resume_step] if resume_step else []
         self.csv = CSVLogger(root_dir=out_dir, name="", version="", flush_logs_every_n_steps=1)
         with warnings.catch_warnings():  # "directory exists and is not empty": the run dir holds checkpoints too
@@ -85,12 +93,17 @@ class MetricsLogger:
         """Write one step's row (``step`` is required; unknown keys are rejected)."""
         self._write(metrics.as_dict() if isinstance(metrics, StepMetrics) else metrics)
 
-    def log_completions(self, step: int, samples: Sequence[Mapping], n: int) -> None:
-        """The first ``n`` of a step's ``samples`` as a table in TensorBoard's text tab (``completions``) and in
-        every extra logger that has a table (``log_text``, e.g. W&B)."""
-        rows = [{k: ("" if v is None else v) for k, v in s.items()} for s in list(samples)[:n]]
-        if not rows:
+    def log_completions(self, step: int, samples: Sequence[Mapping]) -> None:
+        """The first ``completions`` of a step's ``samples`` (prompt, completion, reward, each reward's): appended
+        to completions.jsonl with their ``step``, and as a table in TensorBoard's text tab (``completions``) and in
+        every extra logger that has one (``log_text``, e.g. W&B)."""
+        picked = list(samples)[:self.completions]
+        if not picked:
             return
+        with open(self.completions_path, "a") as f:
+            f.writelines(json.dumps({"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                                      for k, v in s.items()}}) + "\n" for s in picked)
+        rows = [{k: ("" if v is None else v) for k, v in s.items()} for s in picked]
         keys = list(rows[0])
         table = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
                            *("| " + " | ".join(str(r[k]).replace("|", "\\|").replace("\n", " ") for k in keys) + " |"
@@ -107,20 +120,6 @@ class MetricsLogger:
             logger.finalize("success")
         if self.tb is not None:
             self.tb.finalize("success")
-
-
-def write_completions(path: str | Path, step: int, samples: Sequence[Mapping], n: int) -> None:
-    """Append the first ``n`` of a step's ``samples`` (prompt, completion, reward, each reward's) to the JSON Lines
-    file ``path``, one object per sample with its ``step``; rows of later steps than ``step - 1`` are dropped first,
-    so a resumed run's file equals an uninterrupted one's."""
-    if n <= 0:
-        return
-    path = Path(path)
-    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-            if line.strip() and json.loads(line)["step"] < step]
-    rows = [json.dumps({"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                          for k, v in s.items()}}) for s in list(samples)[:n]]
-    path.write_text("".join(line + "\n" for line in kept + rows))
 
 
 def plot_curves(series: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path,

@@ -41,7 +41,7 @@ from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
 from lightning_codraft.rl.loggers import build_loggers
-from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize, write_completions
+from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
@@ -170,7 +170,8 @@ class CoDraftRun:
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
-                                        extra_columns=parts, loggers=build_loggers(cfg.run.loggers, self.out))
+                                        extra_columns=parts, loggers=build_loggers(cfg.run.loggers, self.out),
+                                        completions=cfg.run.log_completions)
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.steps_done = self.start_step
         return self.start_step
@@ -196,9 +197,7 @@ class CoDraftRun:
         """Record a finished step and checkpoint on schedule."""
         if self.logger is not None:
             self.logger.log(metrics)
-            write_completions(self.out / "completions.jsonl", step + 1, self.rl_step.last_completions,
-                              self.cfg.run.log_completions)
-            self.logger.log_completions(step + 1, self.rl_step.last_completions, self.cfg.run.log_completions)
+            self.logger.log_completions(step + 1, self.rl_step.last_completions)
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
             self.checkpoints.save(step + 1, self._state(self.extra))
