@@ -206,6 +206,16 @@ def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
 
 
 @contextlib.contextmanager
+def _deliberate_dcp_use():
+    """Silence DCP's warnings about what this module does on purpose: saving over a step's directory, and saving or
+    loading in one process without a process group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+@contextlib.contextmanager
 def _interrupt_after():
     """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block is done, then raise it: a checkpoint
     is written whole or not started, never cut in the middle (in the main thread; elsewhere nothing changes)."""
@@ -262,9 +272,7 @@ def _save(path: Path, state: dict[str, Any], dims: ParallelDims) -> None:
             meta["entries"][key] = _jsonable(obj, key)
     _check_finite(tensors, dims)
     meta["rng"] = _gather_rngs(dims)
-    with warnings.catch_warnings():  # both deliberate: saving over a step's directory, one process without a group
-        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with _deliberate_dcp_use():
         dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True))
     if dims.rank == 0:
         tmp = path / f".{META_FILE}.tmp"
@@ -373,8 +381,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     for key in meta["tensor_entries"]:
         if key in state and isinstance(state[key], Tensor):
             to_load[f"entry.{key}"] = state[key]
-    with warnings.catch_warnings():  # one process without a group: deliberate
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with _deliberate_dcp_use():
         dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
     for key, module in modules.items():
         if key in to_load:

@@ -182,7 +182,6 @@ def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> 
     return prompts
 
 
-
 @dataclass
 class RunParts:
     """The objects one RL run is made of, built from a recipe the same way by both front ends (``codraft fit``'s
@@ -212,14 +211,16 @@ def build_parts(cfg: CoDraftConfig, task=None, rewards=None) -> RunParts:
     tokenizer, policy, context = build_policy(cfg.model, seed=cfg.run.seed)
     check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
     task = task if task is not None else build_task(cfg.task)
-    if rewards is None:
-        rewards = build_reward(cfg.task, task)
-    rewards = RewardSet(rewards) if isinstance(rewards, (list, tuple)) else as_reward_set(rewards)
+    rewards = build_reward(cfg.task, task) if rewards is None else as_reward_set(rewards)
     reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 or cfg.rl.track_drift else None
     return RunParts(tokenizer, context, task, rewards, policy, build_draft(cfg, policy), reference)
 
 
-def build_module(cfg: CoDraftConfig, parts: RunParts, cls: type = CoDraftModule, **kwargs) -> CoDraftModule:
-    """The run's module (``cls``: ``CoDraftModule`` or a subclass) over ``parts``."""
-    return cls(parts.policy, parts.draft, module_config(cfg), reference=parts.reference,
-               max_nonfinite_steps=cfg.run.max_nonfinite_steps, **kwargs)
+def module_arguments(cfg: CoDraftConfig, parts: RunParts) -> dict[str, Any]:
+    """The keyword arguments of the run's ``CoDraftModule`` (or a subclass of it) besides ``policy`` / ``draft``."""
+    return dict(config=module_config(cfg), reference=parts.reference, max_nonfinite_steps=cfg.run.max_nonfinite_steps)
+
+
+def build_module(cfg: CoDraftConfig, parts: RunParts) -> CoDraftModule:
+    """The run's module over ``parts``."""
+    return CoDraftModule(parts.policy, parts.draft, **module_arguments(cfg, parts))

@@ -17,7 +17,6 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.rewards import RewardSet, as_reward_set
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.step import weight_versions
-from lightning_codraft.rl.rewards import RewardError
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
@@ -33,8 +32,7 @@ def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[T
     texts = [tokenizer.decode(o.token_ids) for o in outputs]
     scores = as_reward_set(reward_fn).score([s.prompt for s in samples], texts, samples)
     if scores.failures and on_error == "raise":
-        first = scores.failures[0]
-        raise RewardError(first.index, first.prompt, first.reason, first.function)
+        raise scores.failures[0]
     ok = [r for r in scores.total if math.isfinite(r)]
     return sum(ok) / len(ok) if ok else float("nan")
 

@@ -286,9 +286,12 @@ class RewardSet:
 
 
 def as_reward_set(reward) -> RewardSet:
-    """``reward`` as a :class:`RewardSet`: a set as it is; a per-sample function as one term named ``reward``."""
+    """``reward`` as a :class:`RewardSet`: a set as it is; a list of :class:`RewardTerm` as a set of them; a
+    per-sample function as one term named ``reward``."""
     if isinstance(reward, RewardSet):
         return reward
+    if isinstance(reward, (list, tuple)):
+        return RewardSet(reward)
     if not callable(reward):
         raise TypeError(f"a reward must be a RewardSet or a callable fn(prompt, completion, answer), got "
                         f"{type(reward).__name__}")
@@ -301,7 +304,7 @@ def build_reward(cfg, task) -> RewardSet:
     built-in reward (batched where the task has one: ``reward_fn``)."""
     if cfg.rewards:
         terms = []
-        for i, r in enumerate(cfg.rewards):
+        for r in cfg.rewards:
             fn = BUILTINS[r.fn] if r.fn in BUILTINS else resolve_reward(r.fn)
             if r.kwargs:
                 fn = functools.partial(fn, **r.kwargs)

@@ -21,8 +21,7 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-from lightning_codraft.rl.rewards import as_reward_set
-from lightning_codraft.rl.rewards import check_failure_budget
+from lightning_codraft.rl.rewards import as_reward_set, check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step

@@ -27,7 +27,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.rl.build import build_parts, module_config
+from lightning_codraft.rl.build import build_parts, module_arguments
 from lightning_codraft.rl.evaluate import evaluate_heldout
 from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -118,8 +118,7 @@ class GRPOModule(CoDraftModule):
 
     def __init__(self, cfg: CoDraftConfig, task=None, rewards=None, print_fn: Callable[[str], None] = print):
         parts = build_parts(cfg, task, rewards)
-        super().__init__(parts.policy, parts.draft, module_config(cfg), reference=parts.reference,
-                         max_nonfinite_steps=cfg.run.max_nonfinite_steps)
+        super().__init__(parts.policy, parts.draft, **module_arguments(cfg, parts))
         self.cfg, self.tokenizer, self.context = cfg, parts.tokenizer, parts.context
         self.task, self.rewards = parts.task, parts.rewards
         self._print = print_fn
