@@ -23,7 +23,6 @@ import argparse
 import json
 import sys
 import traceback
-from pathlib import Path
 from typing import Sequence
 
 from lightning_codraft import __version__
@@ -214,10 +213,12 @@ def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
     """Where an interrupted ``fit`` stopped and how to go on, in one sentence."""
     if cfg is None or args.command != "fit":
         return "Nothing was saved."
-    done = sorted(p.name for p in (Path(cfg.run.out_dir) / "checkpoints").glob("step-*"))
-    if not done:
+    from lightning_codraft.rl.checkpoints import RunCheckpoints
+
+    last = RunCheckpoints(cfg.run.out_dir, fabric=None).last()  # a complete one: what a resume would load
+    if last is None:
         return f"No checkpoint was written yet in {cfg.run.out_dir}; the same command starts over."
-    step = int(done[-1].split("-")[1])
+    step = last[0]
     return (f"The last checkpoint is step {step} in {cfg.run.out_dir}/checkpoints; the same command resumes from it"
             f"{'' if cfg.run.resume else ' (with run.resume=true)'}.")
 

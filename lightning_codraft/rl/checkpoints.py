@@ -32,10 +32,15 @@ class RunCheckpoints:
     def directory(self) -> Path:
         return self.out / "checkpoints"
 
+    def complete(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete checkpoint (its ``COMPLETE`` marker written), oldest first."""
+        return sorted((int(p.name.split("-")[1]), p) for p in self.directory.glob("step-*")
+                      if (p / "COMPLETE").exists())
+
     def last(self) -> Optional[tuple[int, Path]]:
         """``(step, path)`` of the newest complete checkpoint, or None."""
-        found = [(int(p.name.split("-")[1]), p) for p in self.directory.glob("step-*") if (p / "COMPLETE").exists()]
-        return max(found) if found else None
+        found = self.complete()
+        return found[-1] if found else None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write ``state`` (modules, optimizer, scheduler, plain entries) as checkpoint ``step``; call on every rank."""

@@ -57,8 +57,7 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
     cfg = load_config(run_dir / "config.yaml")
     parts = build_parts(cfg)
     module = build_module(cfg, parts)
-    found = sorted((int(p.name.split("-")[1]), p) for p in (run_dir / "checkpoints").glob("step-*")
-                   if (p / "COMPLETE").exists())
+    found = RunCheckpoints(run_dir, fabric=None).complete()
     if step is not None:
         found = [f for f in found if f[0] == step]
         if not found:
