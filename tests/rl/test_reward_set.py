@@ -92,3 +92,11 @@ def test_none_means_the_reward_does_not_apply_as_in_trl():
     rs = RewardSet([RewardTerm("even", only_even, 2.0), RewardTerm("math", math_equivalence, 1.0)])
     out = rs.score(["a", "b"], ["0", "1"], _samples(2))
     assert out.total == [3.0, 1.0] and out.failures == [] and math.isnan(out.parts["even"][1])
+
+
+def test_the_config_layer_names_exactly_the_built_in_rewards():
+    """task_config.REWARD_BUILTINS (the config imports nothing of the library) mirrors reward_funcs.BUILTINS."""
+    from lightning_codraft.rl.reward_funcs import BUILTINS
+    from lightning_codraft.task_config import REWARD_BUILTINS
+
+    assert set(REWARD_BUILTINS) == set(BUILTINS)
