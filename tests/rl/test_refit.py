@@ -46,7 +46,8 @@ def _refit_worker(rank, world_size, cfg):
     _, peak = _rss()
     open("/proc/self/clear_refs", "w").write("5")  # the instrument: a whole copy, as the earlier path made, shows
     control, _ = _rss()
-    whole = {k: v.clone() for k, v in policy.items()}
+    # one fresh allocation (above the mmap threshold), so no freed heap chunk already resident can hide part of it
+    whole = torch.cat([v.reshape(-1).view(torch.uint8) for v in policy.values()])
     _, control_peak = _rss()
     del whole
     out = {"peak_extra": peak - before, "whole_copy_extra": control_peak - control,
@@ -73,6 +74,7 @@ def _refit_worker(rank, world_size, cfg):
                          ids=["pp2", "fsdp_dp2"])
 def test_a_bucketed_refit_delivers_the_trained_weights_within_two_buckets(tmp_path, layout, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed large blocks leave the resident set: RSS is faithful
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # the packing thread shares the main heap: no second arena's leftovers
     cfg = micro_config(tmp_path, "rl.steps=1", "run.threads=1", "run.plots=false", "run.tensorboard=false",
                        "task.eval_prompts=0", "parallel.devices=2", f"parallel.refit_bucket_mb={BUCKET_MB}",
                        "model.hidden_size=128", "model.intermediate_size=512", *layout)
@@ -92,6 +94,6 @@ def test_a_bucketed_refit_delivers_the_trained_weights_within_two_buckets(tmp_pa
         # the whole policy would be model_bytes extra (the earlier path cloned it, then serialised it)
         assert r["model_bytes"] > 8 * bucket and r["whole_copy_extra"] >= 0.75 * r["model_bytes"], r
         # beyond what gathering the weights one tensor at a time costs (the same with or without buckets): two
-        # buckets, the checksum's workspace (a quarter bucket) and 256 KiB of slack
-        assert r["peak_extra"] <= r["gather_extra"] + 2.25 * bucket + 2**18, r
+        # buckets, the checksum's workspace (a quarter bucket) and 512 KiB of slack (the heap's own noise)
+        assert r["peak_extra"] <= r["gather_extra"] + 2.25 * bucket + 2**19, r
         assert r["peak_extra"] <= planned + 2**19, (r, planned)  # the plan's refit line, within 512 KiB
