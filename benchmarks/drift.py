@@ -152,8 +152,8 @@ def run_main(cfg, args) -> str:
 ABLATION = {
     "frozen (lambda = 0)": {"mode": "frozen"},
     "every step, lambda = 1": {"mode": "cotrain"},
-    "every 2 steps": {"mode": "cotrain", "train_every": 2},
-    "every 4 steps": {"mode": "cotrain", "train_every": 4},
+    "every 2 steps": {"mode": "cotrain", "schedule": "every_n", "train_every": 2},
+    "every 4 steps": {"mode": "cotrain", "schedule": "every_n", "train_every": 4},
     "lambda = 0.1": {"mode": "cotrain", "loss_weight": 0.1},
     "lambda = 10": {"mode": "cotrain", "loss_weight": 10.0},
     "draft lr / 3": {"mode": "cotrain", "lr_scale": 1 / 3},

@@ -70,7 +70,16 @@ class DraftConfig(DraftLossConfig):
     """lambda in L = L_rl + lambda * L_draft (0 = frozen). The draft's gradient comes from lambda * L_draft alone and
     AdamW normalises lambda away: any lambda > 0 trains alike (docs/benchmarks/drift.md); tune ``lr`` instead."""
     train_every: int = 1
-    """Co-train the draft on every N-th RL step only (its loss is still scored every step)."""
+    """With ``schedule: every_n``: co-train the draft on every N-th RL step only (its loss is still scored)."""
+    schedule: str = "every_step"
+    """When the co-trained draft trains: ``every_step``, ``every_n`` (``train_every``) or ``adaptive`` (only when
+    the draft's measured acceptance has fallen from its recent best by more than the rollout time it costs over
+    ``schedule_horizon`` steps is worth one draft update: rl/draft_schedule.py; a skipped step runs no draft)."""
+    schedule_horizon: int = 10
+    """``adaptive``: steps over which a recovered acceptance deficit is counted against one update's cost."""
+    reference: str = "start"
+    """The live A/B's reference draft, scored beside the current one on every step's rollouts (implied acceptance,
+    training/implied.py): ``start`` (the draft as RL began), ``none``, or a ``warm`` directory / weights.pt file."""
     warmup_steps: int = 200
     """Offline warm-start steps of the draft on the policy's own features before RL (0 = none)."""
     warmup_batch_size: int = 32
@@ -218,6 +227,7 @@ class CoDraftConfig:
 _CHOICES = {
     ("draft", "mode"): ("cotrain", "frozen", "none"),
     ("draft", "sampling"): ("coupled", "rejection"),
+    ("draft", "schedule"): ("every_step", "every_n", "adaptive"),
     ("task", "name"): ("arithmetic", "gsm8k", "dataset"),
     ("task", "on_reward_error"): ("raise", "skip"),
     ("rl", "std"): ("population", "sample"),
@@ -303,6 +313,9 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
     _positive("draft.loss_weight", d.loss_weight, 0)
     _positive("draft.warmup_steps", d.warmup_steps, 0)
+    _positive("draft.schedule_horizon", d.schedule_horizon)
+    if d.train_every != 1 and d.schedule != "every_n":
+        raise ConfigError(f"draft.train_every={d.train_every} needs draft.schedule=every_n (got {d.schedule!r})")
     if d.adaptive and p.engine == "vllm" and d.mode != "none":
         raise ConfigError("draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
                           "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm")

@@ -59,3 +59,16 @@ def count_tokens(token_ids: Tensor, vocab_size: int) -> Tensor:
         raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
     return torch.bincount(ids.cpu(), minlength=vocab_size)
+
+
+def check_vocabularies(policy: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Raise ``ValueError`` unless ``draft`` was built for ``policy``'s vocabulary (its ``vocab_size`` and ``t2d``)."""
+    pv = getattr(getattr(policy, "config", None), "vocab_size", None)
+    dv = getattr(getattr(draft, "config", None), "vocab_size", None)
+    t2d = getattr(draft, "t2d", None)
+    if pv is not None and dv is not None and pv != dv:
+        raise ValueError(f"mismatched vocabularies: the policy has vocab_size={pv} but the draft was built for "
+                         f"vocab_size={dv}; build the draft with Eagle3Draft.from_policy(policy)")
+    if pv is not None and isinstance(t2d, Tensor) and t2d.numel() != pv:
+        raise ValueError(f"mismatched vocabularies: draft.t2d has {t2d.numel()} entries but the policy has "
+                         f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy")

@@ -73,12 +73,18 @@ class RunCheckpoints:
     @staticmethod
     def load_warm(path: str | Path, policy: nn.Module, draft: nn.Module) -> dict[str, Any]:
         """Load warmed-up weights from a ``warm`` directory (or its ``weights.pt``); returns their extra entries."""
-        path = Path(path)
-        f = path / "weights.pt" if path.is_dir() else path
-        if not f.is_file():
-            raise FileNotFoundError(f"run.init_from={str(path)!r} has no weights.pt; point it at the 'warm' "
-                                    f"directory of an earlier run")
-        state = torch.load(f, map_location="cpu", weights_only=True)
+        state = warm_state(path, "run.init_from")
         policy.load_state_dict(state["policy"])
         draft.load_state_dict(state["draft"])
         return dict(state.get("extra", {}))
+
+
+def warm_state(path: str | Path, key: str = "run.init_from") -> dict[str, Any]:
+    """The contents of a ``warm`` directory's ``weights.pt`` (or of that file): ``policy``, ``draft``, ``extra``;
+    ``key`` names the setting that pointed at it in the error."""
+    path = Path(path).expanduser()
+    f = path / "weights.pt" if path.is_dir() else path
+    if not f.is_file():
+        raise FileNotFoundError(f"{key}={str(path)!r} has no weights.pt; point it at the 'warm' directory of an "
+                                f"earlier run")
+    return torch.load(f, map_location="cpu", weights_only=True)

@@ -50,16 +50,16 @@ def heldout_samples(task, seed: int, n: int, offset: int = 0) -> list[TaskSample
 
 
 def evaluate_heldout(cfg, worker, tokenizer, task, rewards, steps_done: int, n: int, temperature: float = 0.0,
-                     release: bool = True, final: bool = False) -> float:
+                     release: bool = True, final: bool = False, draft_updates: int | None = None) -> float:
     """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample per
     prompt with fixed seeds) with the weights after ``steps_done`` optimizer steps, every rank of the world decoding
     a share through ``worker`` (an ``rl.rollout_worker.RolloutWorker``; call on every rank); the same value on every
     rank. ``release=False`` leaves the engine's weights filled for a measurement that follows; ``final``: the run's
-    last refit, fully verified."""
+    last refit, fully verified; ``draft_updates``: the steps that trained the draft (the schedule's count)."""
     samples = heldout_samples(task, cfg.run.seed, n)
     prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
     seeds = [rollout_seed(cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
-    worker.prepare(weight_versions(cfg, steps_done), full_verify=final)
+    worker.prepare(weight_versions(cfg, steps_done, draft_updates), full_verify=final)
     worker.policy.eval()
     outs, _, _ = worker.generate(prompts, seeds, temperature=temperature, group="world")
     if release:

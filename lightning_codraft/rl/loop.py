@@ -22,7 +22,9 @@ whole modules; greedy evaluation and the speed-up run on global rank 0 (the lead
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
-from lightning_codraft.rl.checkpoints import RunCheckpoints
+from lightning_codraft.rl.checkpoints import RunCheckpoints, warm_state
 from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
 from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
@@ -157,6 +159,7 @@ class CoDraftRun:
             self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
             self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra)
+        self.module.set_reference_draft(self._reference_draft(resumed=last is not None))
         self.model = self.fabric.setup_module(self.module)
         self.optimizer, self.scheduler = self.module.build_optimizer()
         self.optimizer = self.fabric.setup_optimizers(self.optimizer)
@@ -167,6 +170,7 @@ class CoDraftRun:
             self.log(f"resumed from {last[1]} (step {self.start_step})")
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
                               self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
+        self.rl_step.schedule.load_state_dict(self.extra.pop("draft_schedule", []))
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
@@ -175,6 +179,19 @@ class CoDraftRun:
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.steps_done = self.start_step
         return self.start_step
+
+    def _reference_draft(self, resumed: bool) -> Optional[torch.nn.Module]:
+        """The A/B's reference draft (``draft.reference``): the draft as RL began (the warm start, re-read from
+        ``warm/weights.pt`` on a resume) or a user's ``warm`` directory / weights file; None when not co-training."""
+        ref = self.cfg.draft.reference
+        if ref == "none" or self.cfg.draft.mode != "cotrain":
+            return None
+        if ref == "start" and not resumed:
+            return self.module.draft
+        draft = copy.deepcopy(self.module.draft)
+        source = self.checkpoints.warm_file if ref == "start" else ref
+        draft.load_state_dict(warm_state(source, "draft.reference")["draft"])
+        return draft
 
     def _warm_start(self) -> dict[str, Any]:
         return warm_start(self.cfg, self.module, self.tokenizer, self.task, self.context, log=self.log)
@@ -195,9 +212,12 @@ class CoDraftRun:
 
     def end_step(self, step: int, metrics: StepMetrics) -> None:
         """Record a finished step and checkpoint on schedule."""
+        schedule = self.rl_step.schedule.state_dict()
+        self.extra["draft_schedule"] = schedule  # a checkpoint entry: a resumed schedule continues this one
         if self.logger is not None:
             self.logger.log(metrics)
             self.logger.log_completions(step + 1, self.rl_step.last_completions)
+            (self.out / "draft_schedule.jsonl").write_text("".join(json.dumps(r) + "\n" for r in schedule))
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
             self.checkpoints.save(step + 1, self._state(self.extra))
@@ -227,8 +247,9 @@ class CoDraftRun:
 
     def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False) -> float:
         """:func:`~lightning_codraft.rl.evaluate.evaluate_heldout` after this run's steps (call on every rank)."""
+        updates = self.rl_step.schedule.updates if self.rl_step is not None else 0
         return evaluate_heldout(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,
-                                n, temperature, release=release, final=final)
+                                n, temperature, release=release, final=final, draft_updates=updates)
 
     def finish(self, completed: bool = True) -> FitResult:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
@@ -248,7 +269,8 @@ class CoDraftRun:
             result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
             if not cfg.task.eval_prompts:
-                self.worker.prepare(weight_versions(cfg, self.steps_done), full_verify=True)
+                self.worker.prepare(weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates),
+                                    full_verify=True)
             if self.fabric.global_rank == 0:
                 samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
                 prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -20,6 +20,7 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
+from lightning_codraft.rl.draft_schedule import DraftSchedule, ab_difference
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import as_reward_set, check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
@@ -93,6 +94,19 @@ class StepMetrics:
     """The policy version every rollout of the step was generated with (optimizer steps of its weights)."""
     draft_version: float
     """The draft version that proposed (steps that trained it: a frozen draft stays at 0, the warm start)."""
+    draft_trained: float
+    """1 when this step updated the draft (``draft.schedule``), else 0."""
+    implied_acceptance: float
+    """The current draft's implied acceptance length on the step's rollouts (training/implied.py; NaN when the draft
+    did not run)."""
+    reference_acceptance: float
+    """The A/B's reference draft's implied acceptance length on the same rollouts (NaN without ``draft.reference``)."""
+    ab_gain: float
+    """``implied_acceptance - reference_acceptance`` on this step (NaN where either is missing)."""
+    ab_gain_low: float
+    """Lower bound of the 95% confidence interval of the mean A/B gain over the run's steps so far."""
+    ab_gain_high: float
+    """Upper bound of that interval."""
     step_s: float
     """Seconds of the whole step."""
     tokens_per_s: float
@@ -120,13 +134,17 @@ def step_prompts(task, cfg: CoDraftConfig, step: int) -> list:
     return task.sample(cfg.rl.prompts_per_step, seed=step_seed(cfg.run.seed, step))
 
 
-def weight_versions(cfg: CoDraftConfig, step: int) -> dict[str, int]:
+def weight_versions(cfg: CoDraftConfig, step: int, draft_updates: Optional[int] = None) -> dict[str, int]:
     """The versions of the training state after ``step`` optimizer steps: the policy's is ``step``; the draft's
-    counts the steps that trained it (``draft.mode=cotrain`` with ``loss_weight > 0``: every ``train_every``-th step
-    from the first), 0 for a frozen or absent draft (the warm start)."""
+    counts the steps that trained it (``draft_updates``: the schedule's count; without it, every step, or every
+    ``train_every``-th from the first under ``every_n``), 0 for a frozen or absent draft (the warm start)."""
     d = cfg.draft
-    trained = d.mode == "cotrain" and d.loss_weight > 0
-    return {"policy": int(step), "draft": -(-int(step) // d.train_every) if trained else 0}
+    if not (d.mode == "cotrain" and d.loss_weight > 0):
+        return {"policy": int(step), "draft": 0}
+    if draft_updates is None and d.schedule == "adaptive":
+        raise ValueError("under draft.schedule=adaptive the draft's version is its update count: pass draft_updates")
+    every = d.train_every if d.schedule == "every_n" else 1
+    return {"policy": int(step), "draft": -(-int(step) // every) if draft_updates is None else int(draft_updates)}
 
 
 def check_versions(outputs, versions: dict[str, int], drafts: bool) -> None:
@@ -138,6 +156,13 @@ def check_versions(outputs, versions: dict[str, int], drafts: bool) -> None:
             raise RolloutError(f"rollout {i} was generated with policy version {o.policy_version} and draft version "
                                f"{o.draft_version}; the training state is policy {versions['policy']}, draft "
                                f"{versions['draft']}: the engine was not refitted (a stale engine)")
+
+
+def draft_schedule(cfg: CoDraftConfig) -> DraftSchedule:
+    """The run's draft update schedule from ``cfg.draft``."""
+    d = cfg.draft
+    return DraftSchedule(d.schedule, cfg.rl.steps, d.train_every, d.schedule_horizon,
+                         trains=d.mode == "cotrain" and d.loss_weight > 0)
 
 
 class RLStep:
@@ -154,14 +179,18 @@ class RLStep:
         model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);
             optimizer / scheduler: its optimizer and LR schedule.
         log: where status lines go.
+        schedule: the draft's :class:`~lightning_codraft.rl.draft_schedule.DraftSchedule` (kept across steps by a
+            front end that builds a step object per step); default: a new one from ``cfg.draft``.
     """
 
     def __init__(self, cfg: CoDraftConfig, fabric, dims, task, reward_fn, tokenizer, context: int, worker, model,
-                 optimizer, scheduler, log: Callable[[str], None] = print):
+                 optimizer, scheduler, log: Callable[[str], None] = print, schedule: Optional[DraftSchedule] = None):
         self.cfg, self.fabric, self.dims = cfg, fabric, dims
         self.task, self.rewards, self.tokenizer, self.context = task, as_reward_set(reward_fn), tokenizer, context
         self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
         self.log = log
+        self.schedule = schedule if schedule is not None else draft_schedule(cfg)
+        """The draft's update schedule; its history is the run's ``draft_schedule.jsonl`` and a checkpoint entry."""
         self.last_rollouts: list[Rollout] = []
         self.last_completions: list[dict] = []
         """This replica's samples of the last step: prompt text, completion text, reward (and each reward's)."""
@@ -183,7 +212,7 @@ class RLStep:
         requests = [p for p in prompts for _ in range(G)]
         first = dims.dp_rank * per_rank  # the step's index of this replica's first prompt
         seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
-        versions = weight_versions(cfg, step)  # the training state after `step` updates
+        versions = weight_versions(cfg, step, self.schedule.updates)  # the training state after `step` updates
         refit_s = self.worker.prepare(versions)
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
         check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
@@ -214,11 +243,24 @@ class RLStep:
         rollouts, adv = zip(*[(ro, a) for ro, a, keep in zip(rollouts, adv, scored.view(-1).tolist()) if keep])
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
-        self.model.train_draft_this_step = step % self.cfg.draft.train_every == 0
+        module = unwrap_module(self.model)
+        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s],
+                                                   dtype=torch.float64), reduce_op="sum").tolist()
+        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size)
+        if cfg.draft.schedule == "adaptive" and self.schedule.trains:
+            self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
+        module.train_draft_this_step = decision.train
+        module.run_draft_this_step = decision.train or not (self.schedule.trains and cfg.draft.schedule == "adaptive")
+        if self.schedule.last_rates:  # the live per-position rates (restored with the schedule on a resume)
+            module.live_position_rates = torch.tensor(self.schedule.last_rates, dtype=torch.float32)
         t0 = time.perf_counter()
-        m = {k: float(v) for k, v in optimizer_step(self.model, unwrap_module(self.model), batch, self.optimizer,
+        m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}
         train_s = time.perf_counter() - t0
+        implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
+        rates = [m[f"draft/implied_rate{k}"] for k in range(cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
+        self.schedule.record(decision, train_s, implied - reference, rates)
+        _, ab_low, ab_high = ab_difference([d.ab_gain for d in self.schedule.history])
         n_tok = sum(len(o.token_ids) for o in outs)
         ok = r[scored].tolist()
         local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
@@ -247,6 +289,8 @@ class RLStep:
             greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
             eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, refit_s=refit_s,
             refit_share=refit_s / step_s, policy_version=float(versions["policy"]),
-            draft_version=float(versions["draft"]), step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9),
+            draft_version=float(versions["draft"]), draft_trained=float(decision.train),
+            implied_acceptance=implied, reference_acceptance=reference, ab_gain=implied - reference,
+            ab_gain_low=ab_low, ab_gain_high=ab_high, step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9),
             reward_parts={name: g[f"reward/{name}"] for name in parts})
 

@@ -19,6 +19,8 @@ same recipe and seeds the two front ends give the same rewards, losses and weigh
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from typing import Callable, Optional
 
@@ -28,10 +30,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.build import build_parts, module_arguments
+from lightning_codraft.rl.checkpoints import warm_state
 from lightning_codraft.rl.evaluate import evaluate_heldout
 from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
-from lightning_codraft.rl.step import RLStep, StepMetrics, step_prompts
+from lightning_codraft.rl.step import RLStep, StepMetrics, draft_schedule, step_prompts
 from lightning_codraft.training.module import CoDraftModule
 
 PROGRESS_BAR = ("reward", "acceptance_length", "draft_loss")
@@ -125,6 +128,8 @@ class GRPOModule(CoDraftModule):
         self.worker: Optional[RolloutWorker] = None
         self.extra: dict = {}
         self.last_metrics: Optional[StepMetrics] = None
+        self.draft_schedule = draft_schedule(cfg)
+        """The draft's update schedule across steps (saved in and restored from Lightning's checkpoints)."""
 
     def log_line(self, msg: str) -> None:
         if self._trainer is None or self.trainer.is_global_zero:
@@ -138,10 +143,28 @@ class GRPOModule(CoDraftModule):
             return
         if self.trainer.ckpt_path is None:
             self.extra = warm_start(self.cfg, self, self.tokenizer, self.task, self.context, log=self.log_line)
+        if self.cfg.draft.mode == "cotrain" and self.cfg.draft.reference != "none":  # the A/B's reference draft:
+            self.set_reference_draft(self.draft)  # the warm start, or restored from the checkpoint (below)
+            if self.cfg.draft.reference != "start":
+                state = warm_state(self.cfg.draft.reference, "draft.reference")
+                self.reference_draft.module.load_state_dict(state["draft"])
         strategy = self.trainer.strategy
         dims = strategy.parallel_dims
         self.worker = RolloutWorker(self.cfg, dims, strategy.root_device, eos_token_id=self.tokenizer.eos_token_id)
         self.worker.start(self)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["draft_schedule"] = self.draft_schedule.state_dict()
+        if self.reference_draft is not None:  # the checkpoint's non-tensor part is JSON: the tensors as bytes
+            buf = io.BytesIO()
+            torch.save(self.reference_draft.module.state_dict(), buf)
+            checkpoint["reference_draft"] = base64.b64encode(buf.getvalue()).decode("ascii")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.draft_schedule.load_state_dict(checkpoint.get("draft_schedule", []))
+        if self.reference_draft is not None and "reference_draft" in checkpoint:
+            raw = io.BytesIO(base64.b64decode(checkpoint["reference_draft"]))
+            self.reference_draft.module.load_state_dict(torch.load(raw, map_location="cpu", weights_only=True))
 
     def on_fit_start(self) -> None:
         """Refuse a Trainer whose length is not the run's: one RL step per optimizer step, ``rl.steps`` of them."""
@@ -159,7 +182,7 @@ class GRPOModule(CoDraftModule):
                                f"optimizer steps; feed GRPOModule with PromptData (it resumes at global_step)")
         rl_step = RLStep(self.cfg, _StrategyCollectives(self), self.worker.dims, self.task, self.rewards,
                          self.tokenizer, self.context, self.worker, self, self.optimizers(), self.lr_schedulers(),
-                         log=self.log_line)
+                         log=self.log_line, schedule=self.draft_schedule)
         metrics = rl_step(step, samples)
         self.last_metrics = metrics
         row = {k: float(v) for k, v in metrics.as_dict().items() if k != "step"}
@@ -174,7 +197,7 @@ class GRPOModule(CoDraftModule):
         if not n or self.worker is None:
             return
         value = evaluate_heldout(self.cfg, self.worker, self.tokenizer, self.task, self.rewards,
-                                 int(self.trainer.global_step), int(n))
+                                 int(self.trainer.global_step), int(n), draft_updates=self.draft_schedule.updates)
         self.log("eval_accuracy", value, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
     def teardown(self, stage: str) -> None:

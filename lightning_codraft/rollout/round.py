@@ -266,4 +266,4 @@ def _emit(b: LiveRows, chunk: Chunk, v: Verified, done: list[bool]) -> None:
         chunk.logprobs[r].extend(lp_i[:n])
         b.emitted[i] += n
         done[i] = stop_at is not None or b.emitted[i] >= b.budget[i]
-        chunk.stats[r].record_round(v.k, a)
+        chunk.stats[r].record_round(v.k, n - 1)  # proposals accepted past a stop or the budget are not emitted

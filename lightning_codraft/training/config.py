@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 AGGREGATIONS = ("sequence", "token", "constant")
 PP_SCHEDULES = ("gpipe", "1f1b")
+DRAFT_LOSSES = ("ce", "tv", "lk_alpha", "lk_lambda")  # training/draft_loss.py defines each
+POSITION_WEIGHTS = ("decay", "uniform", "acceptance")
 
 
 def shared_fields(section: Any, base: type) -> dict[str, Any]:
@@ -67,6 +69,14 @@ class DraftLossConfig:
     """K: training-time-test unroll depth of the draft loss."""
     ttt_decay: float = 0.8
     """Weight ratio between consecutive unroll steps (step k weighs decay**k)."""
+    loss_type: str = "ce"
+    """The draft's per-row loss against the policy: ``ce`` (soft cross-entropy, EAGLE-3), ``tv`` (total variation,
+    1 - acceptance), ``lk_alpha`` (-log acceptance) or ``lk_lambda`` (cross-entropy blended into TV as the overlap
+    grows): training/draft_loss.py."""
+    position_weights: str = "decay"
+    """Weight of unroll step k: ``decay`` (ttt_decay**k), ``uniform`` (1), or ``acceptance`` (the live probability that
+    the engine verifies position k at all: the product of the draft's implied acceptance rates of the positions
+    before it on the last step it ran, D-PACE-style; decay**k until one is measured)."""
 
     def check_draft_loss(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
@@ -74,6 +84,10 @@ class DraftLossConfig:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay={self.ttt_decay} must be in (0, 1]")
+        if self.loss_type not in DRAFT_LOSSES:
+            raise ValueError(f"loss_type={self.loss_type!r} must be one of {DRAFT_LOSSES}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"position_weights={self.position_weights!r} must be one of {POSITION_WEIGHTS}")
 
 
 @dataclass

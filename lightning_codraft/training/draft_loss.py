@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_codraft.attention.packing import validate_cu_seqlens
 from lightning_codraft.attention.zigzag import shift_left
+from lightning_codraft.training.config import DRAFT_LOSSES as _LOSS_NAMES
 
 
 @dataclass
@@ -101,6 +102,79 @@ def soft_cross_entropy_sum(logits: Tensor, target: Tensor, weight: Tensor) -> Te
     return _SoftCrossEntropySum.apply(logits, target.detach(), weight.detach())
 
 
+DRAFT_LOSSES = _LOSS_NAMES
+"""Per-row draft losses against the policy distribution ``p`` (over the draft vocabulary) with ``q = softmax(z)``
+and the overlap ``alpha = sum_v min(p_v, q_v)``, the probability that rejection sampling accepts the draft's proposal:
+
+- ``ce``: soft cross-entropy ``-sum_v p_v log q_v`` (EAGLE-3; a proxy: KL's optimum is acceptance's, but a small
+  draft's KL-optimal fit is not its acceptance-optimal one);
+- ``tv``: total variation ``1 - alpha`` (acceptance itself; its gradient vanishes where the overlap is small);
+- ``lk_alpha``: ``-log alpha`` (LK^alpha, Samarin et al. 2026): TV's gradient scaled by ``1 / alpha``, so it trains
+  from a poor start;
+- ``lk_lambda``: ``lam * CE + (1 - lam) * TV`` with ``lam = exp(-eta * alpha)`` (detached, eta = 3): cross-entropy
+  where the overlap is small, TV as the draft aligns (LK^lambda)."""
+
+LK_ETA = 3.0
+"""eta of the ``lk_lambda`` blend (the paper's best setting)."""
+
+
+class _OverlapLossSum(torch.autograd.Function):
+    """``sum_i w_i loss(p_i, softmax(z_i))`` for the overlap losses of :data:`DRAFT_LOSSES`, gradient in closed form.
+
+    With ``m_v = [q_v < p_v]`` and ``S = sum_v m_v q_v``: ``d alpha / d z = q * (m - S)``, so ``tv``'s gradient is
+    ``q (S - m)``, ``lk_alpha``'s ``q (S - m) / alpha`` and ``lk_lambda``'s ``lam (q - p) + (1 - lam) q (S - m)``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, weight: Tensor, kind: str) -> Tensor:
+        z = logits.float()
+        q = torch.softmax(z, dim=-1)
+        alpha = torch.minimum(q, target).sum(-1)
+        if kind == "tv":
+            per_row = 1 - alpha
+        elif kind == "lk_alpha":
+            per_row = -alpha.clamp(min=1e-6).log()
+        else:
+            lam = torch.exp(-LK_ETA * alpha)
+            per_row = lam * (torch.logsumexp(z, -1) - (target * z).sum(-1)) + (1 - lam) * (1 - alpha)
+        ctx.kind = kind
+        ctx.save_for_backward(logits, target, weight)
+        return (weight * per_row).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, target, weight = ctx.saved_tensors
+        q = torch.softmax(logits.float(), dim=-1)
+        m = (q < target).float()
+        alpha = torch.minimum(q, target).sum(-1, keepdim=True)
+        dz = q * ((m * q).sum(-1, keepdim=True) - m)  # d(1 - alpha) / dz
+        if ctx.kind == "lk_alpha":
+            dz = dz / alpha.clamp(min=1e-6)
+        elif ctx.kind == "lk_lambda":
+            lam = torch.exp(-LK_ETA * alpha)
+            dz = lam * (q - target) + (1 - lam) * dz
+        return (dz * (grad * weight)[:, None]).to(logits.dtype), None, None, None
+
+
+def draft_loss_sum(logits: Tensor, target: Tensor, weight: Tensor, kind: str = "ce") -> Tensor:
+    """Weighted sum over rows of the per-row draft loss ``kind`` (:data:`DRAFT_LOSSES`), in fp32.
+
+    Args:
+        logits: ``(T, V)`` draft logits ``z``.
+        target: ``(T, V)`` fp32 target probabilities ``p`` (rows of weight 0 may hold anything finite).
+        weight: ``(T,)`` fp32 row weights.
+        kind: one of :data:`DRAFT_LOSSES`.
+
+    Returns:
+        Scalar fp32.
+    """
+    if kind == "ce":
+        return soft_cross_entropy_sum(logits, target, weight)
+    if kind not in DRAFT_LOSSES:
+        raise ValueError(f"draft loss {kind!r} must be one of {DRAFT_LOSSES}")
+    return _OverlapLossSum.apply(logits, target.detach(), weight.detach(), kind)
+
+
 def _group_size(group) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
         return 1
@@ -117,6 +191,8 @@ def ttt_draft_loss(
     decay: float = 0.8,
     group=None,
     denominators: Optional[Tensor] = None,
+    loss_type: str = "ce",
+    step_weights: Optional[Tensor] = None,
 ) -> DraftLossOutput:
     """TTT draft loss of K unroll steps.
 
@@ -135,11 +211,16 @@ def ttt_draft_loss(
         denominators: ``(K,)`` what each step's summed loss is divided by (the whole step's scored rows over every
             microbatch and dp rank, ``RLBatch.norm.draft``): the result is then this batch's share; None: this
             batch's own scored rows.
+        loss_type: the per-row loss, one of :data:`DRAFT_LOSSES`.
+        step_weights: ``(K,)`` weight of each unroll step instead of ``decay ** k`` (e.g. the live probability that
+            the engine verifies position k).
 
     Returns:
         :class:`DraftLossOutput`.
     """
     num_steps = len(step_logits)
+    if loss_type not in DRAFT_LOSSES:
+        raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
     if num_steps < 1:
         raise ValueError("ttt_draft_loss needs at least one unroll step (K >= 1), got an empty step_logits")
     if policy_logits.dim() != 2:
@@ -181,9 +262,9 @@ def ttt_draft_loss(
         if world == 1:
             # rows i and i + s of the packed batch: views, no shifted copy; a row whose i + s leaves its
             # document has mask 0, and the last s rows have no source row at all
-            nums.append(soft_cross_entropy_sum(logits[:T - s], target_p[s:], mask[:T - s]))
+            nums.append(draft_loss_sum(logits[:T - s], target_p[s:], mask[:T - s], loss_type))
         else:
-            nums.append(soft_cross_entropy_sum(logits, shifted[:, :Vd], mask))
+            nums.append(draft_loss_sum(logits, shifted[:, :Vd], mask, loss_type))
         with torch.no_grad():
             hit = (target_ids[logits.max(-1).indices] == target_top).float() * row_scored
             stats.append(torch.stack([row_scored.sum(), hit.sum(), mask.sum()]))
@@ -201,5 +282,9 @@ def ttt_draft_loss(
         raise ValueError(f"denominators has shape {tuple(denominators.shape)}, expected ({num_steps},), one per step")
     per_step = global_num / denominators.to(global_num)
     weights = decay ** torch.arange(num_steps, device=device, dtype=torch.float32)
+    if step_weights is not None:
+        if tuple(step_weights.shape) != (num_steps,):
+            raise ValueError(f"step_weights has shape {tuple(step_weights.shape)}, expected ({num_steps},)")
+        weights = step_weights.to(device=device, dtype=torch.float32)
     return DraftLossOutput(loss=(weights * per_step).sum(), per_step_loss=per_step.detach(),
                            correct=correct, total=total, in_vocab=in_vocab)

@@ -20,6 +20,7 @@ pipeline's last stage alike. The optimizer and schedule come from :meth:`build_o
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -28,15 +29,17 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_codraft.batch import RLBatch
+from lightning_codraft.models.vocab import check_vocabularies
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pipeline import gather_stage_states, prune_unowned
 from lightning_codraft.parallel.pp_runner import PipelineRunner
 from lightning_codraft.parallel.strategy_core import reduce_gradients
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
+from lightning_codraft.training.implied import ReferenceDraft, implied_counts
 from lightning_codraft.training.objective import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
-                                                  step_metrics)
+                                                  step_metrics, unroll_weights)
 from lightning_codraft.training.optim import adamw, cosine_decay
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
@@ -70,7 +73,7 @@ class CoDraftModule(LightningModule):
         for old in set(overrides) & set(renamed):  # "warm-up" alone names the SFT and draft phases before RL
             raise TypeError(f"CoDraftModule({old}=...) is now {renamed[old]} (the learning rate's warm-up)")
         self.config = replace(config or CoDraftModuleConfig(), **overrides)
-        self._check_vocabularies(policy, draft)
+        check_vocabularies(policy, draft)
         self.policy = policy
         self.draft = draft
         self.reference = None if reference is None else reference.requires_grad_(False).eval()
@@ -90,23 +93,18 @@ class CoDraftModule(LightningModule):
         """False skips the draft's update in the coming optimizer step (its loss is still scored; its gradients are
         dropped after the backward, so AdamW leaves the draft and its moments untouched): co-training every N-th
         step (``draft.train_every``). Set it to the same value on every rank."""
+        self.run_draft_this_step = True
+        """False runs no draft at all this step (no forward, no backward, no update: ``draft.schedule=adaptive``'s
+        off steps); the reference draft, if any, is still scored. Set it to the same value on every rank."""
+        self.reference_draft: Optional[ReferenceDraft] = None
+        """The A/B's frozen reference draft (:meth:`set_reference_draft`), scored beside the draft on every batch."""
+        self.live_position_rates: Optional[Tensor] = None
+        """``(K,)`` the draft's implied acceptance rate per position, last step it ran (``acceptance`` weights)."""
         self._stage_binding: Optional[tuple] = None  # (pp, stage, layers_per_stage) once pruned to a stage
         self.nonfinite_guard = NonFiniteGuard(self.config.max_nonfinite_steps)
         """Skips steps with a non-finite loss or gradient; stops after ``max_nonfinite_steps`` in a row."""
         if not self.config.trains_draft:
             self.draft.requires_grad_(False)
-
-    @staticmethod
-    def _check_vocabularies(policy: nn.Module, draft: nn.Module) -> None:
-        pv = getattr(getattr(policy, "config", None), "vocab_size", None)
-        dv = getattr(getattr(draft, "config", None), "vocab_size", None)
-        t2d = getattr(draft, "t2d", None)
-        if pv is not None and dv is not None and pv != dv:
-            raise ValueError(f"mismatched vocabularies: the policy has vocab_size={pv} but the draft was built for "
-                             f"vocab_size={dv}; build the draft with Eagle3Draft.from_policy(policy)")
-        if pv is not None and isinstance(t2d, Tensor) and t2d.numel() != pv:
-            raise ValueError(f"mismatched vocabularies: draft.t2d has {t2d.numel()} entries but the policy has "
-                             f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy")
 
     # ------------------------------------------------------------------ parallel plumbing
     def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp",
@@ -234,10 +232,11 @@ class CoDraftModule(LightningModule):
             batch: this rank's microbatch (``batch.norm.draft``: the step's scored rows, each step's divisor; without
                 ``norm`` the batch's own).
         """
+        c = self.config
         return ttt_draft_loss(list(step_logits), policy_logits, batch.cu_seqlens, batch.draft_targets,
-                              self.draft.d2t, self.draft.t2d, decay=self.config.ttt_decay,
-                              group=self.parallel_dims.cp_group,
-                              denominators=None if batch.norm is None else batch.norm.draft)
+                              self.draft.d2t, self.draft.t2d, decay=c.ttt_decay, group=self.parallel_dims.cp_group,
+                              denominators=None if batch.norm is None else batch.norm.draft, loss_type=c.loss_type,
+                              step_weights=self.draft_step_weights())
 
     # ------------------------------------------------------------------ the joint objective
     def normalize(self, batch: RLBatch) -> RLBatch:
@@ -273,23 +272,43 @@ class CoDraftModule(LightningModule):
             metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
                                                                  self.parallel_dims.dp_cp_group, batch.norm.tokens)
         value, loss = rl_stats["loss"].detach(), rl
-        if not c.runs_draft:
+        dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
+        if not run and self.reference_draft is None:
             metrics["loss"] = value
             return loss, MicrobatchRecord(metrics)
-        with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
-            embeds = self.draft_token_embeds(taps[0].detach(), batch)
-            step_logits = self.draft_step_logits([taps[t].detach() for t in self.configure_taps()], embeds, batch)
-            policy_logits = logits.detach()
-            d = global_draft_objective(lambda lg: self.draft_loss(lg, policy_logits, batch), step_logits,
-                                       c.ttt_decay, self.parallel_dims.dp_group)
-        metrics["draft/loss"] = d.loss.detach().float()
-        for k in range(d.per_step.numel()):
-            metrics[f"draft/loss_step{k}"] = d.per_step[k]
-        if c.trains_draft:
-            loss = loss + c.draft_loss_weight * d.loss
-            value = value + c.draft_loss_weight * d.loss.detach()
+        embeds = self.draft_token_embeds(taps[0].detach(), batch)
+        feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
+        implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,
+                          cp_group=dims.cp_group, dp_group=dims.dp_group)
+        if self.reference_draft is not None:  # the A/B: one forward of the frozen reference on the same taps
+            ref = self.reference_draft
+            record.reference_implied = implied(ref.step_logits(feats, embeds, batch, dims.cp_group), d2t=ref.module.d2t)
+        if run:
+            with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
+                step_logits = self.draft_step_logits(feats, embeds, batch)
+                policy_logits = logits.detach()
+                d = global_draft_objective(lambda lg: self.draft_loss(lg, policy_logits, batch), step_logits,
+                                           self.draft_step_weights(), dims.dp_group)
+            record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
+            record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
+            metrics["draft/loss"] = d.loss.detach().float()
+            for k in range(d.per_step.numel()):
+                metrics[f"draft/loss_step{k}"] = d.per_step[k]
+            if c.trains_draft:
+                loss = loss + c.draft_loss_weight * d.loss
+                value = value + c.draft_loss_weight * d.loss.detach()
         metrics["loss"] = value
-        return loss, MicrobatchRecord(metrics, d.correct, d.total, d.in_vocab)
+        return loss, record
+
+    def draft_step_weights(self) -> Tensor:
+        """``(K,)`` weight of each unroll step in the draft loss (``config.position_weights``)."""
+        c = self.config
+        return unroll_weights(c.position_weights, c.ttt_decay, c.ttt_steps, self.live_position_rates)
+
+    def set_reference_draft(self, draft: Optional[nn.Module]) -> None:
+        """Score a frozen copy of ``draft`` beside the live draft on every batch (the A/B's reference; None: stop).
+        Pass the whole, unsharded draft (e.g. before the strategy wraps the module)."""
+        self.reference_draft = None if draft is None else ReferenceDraft(draft)
 
     def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
         """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
@@ -360,6 +379,9 @@ class CoDraftModule(LightningModule):
                 records.append(record)
             loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
         metrics, counts = step_metrics(records)
+        if "draft/implied_rate0" in metrics:
+            rates = [metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)]
+            self.live_position_rates = torch.stack(rates).float().nan_to_num(0.0)
         return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
                                  microbatch_losses=[float(r.metrics["loss"]) for r in records])
 
@@ -412,7 +434,7 @@ class CoDraftModule(LightningModule):
         groups = {"policy": self.policy.parameters()}
         if self.config.trains_draft and self.train_draft_this_step:
             groups["draft"] = self.draft.parameters()
-        elif self.config.trains_draft:  # an off step: AdamW skips parameters without a gradient
+        elif self.config.trains_draft:  # an off step: AdamW skips parameters without a gradient (none if not run)
             for p in self.draft.parameters():
                 p.grad = None
         return grad_norms(groups, self.config.grad_clip, dims.pp_group)

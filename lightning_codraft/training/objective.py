@@ -48,6 +48,7 @@ from torch import Tensor
 
 from lightning_codraft.batch import RLBatch, StepNorm
 from lightning_codraft.training.config import AGGREGATIONS
+from lightning_codraft.training.implied import RoundCounts
 from lightning_codraft.training.metrics import DraftAcceptance
 
 
@@ -79,12 +80,17 @@ class MicrobatchRecord:
         draft_correct: ``(K,)`` rows whose draft top-1 equals the policy's, per unroll step (None without a draft).
         draft_total: ``(K,)`` scored rows per unroll step (None without a draft).
         draft_in_vocab: ``(K,)`` scored rows whose policy top-1 is in the draft vocabulary (None without a draft).
+        implied: ``(K + 2,)`` the draft's implied verification rounds on the microbatch's rollouts
+            (``training.implied.RoundCounts.as_tensor``, over every replica); None when the draft did not run.
+        reference_implied: the same for the A/B's reference draft; None without one.
     """
 
     metrics: dict[str, Tensor]
     draft_correct: Optional[Tensor] = None
     draft_total: Optional[Tensor] = None
     draft_in_vocab: Optional[Tensor] = None
+    implied: Optional[Tensor] = None
+    reference_implied: Optional[Tensor] = None
 
 
 @dataclass
@@ -115,8 +121,22 @@ def sum_over(x: Tensor, group: Optional[Any]) -> Tensor:
     return x
 
 
+def unroll_weights(kind: str, decay: float, num_steps: int, rates: Optional[Tensor] = None) -> Tensor:
+    """``(K,)`` fp32 weight of each unroll step: ``decay`` -> ``decay ** k``; ``uniform`` -> 1; ``acceptance`` ->
+    ``prod_{j<k} rates_j``, the probability that the engine verifies position k at all given the draft's live
+    per-position acceptance ``rates`` (``decay ** k`` until they are measured)."""
+    if kind == "uniform":
+        return torch.ones(num_steps)
+    if kind == "acceptance" and rates is not None:
+        r = rates.detach().float().cpu().clamp(0, 1)
+        return torch.cat([torch.ones(1), torch.cumprod(r[:num_steps - 1], 0)])
+    if kind not in ("decay", "acceptance"):
+        raise ValueError(f"position weights {kind!r} must be decay, uniform or acceptance")
+    return decay ** torch.arange(num_steps, dtype=torch.float32)
+
+
 def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_logits: Sequence[Tensor],
-                           decay: float, dp_group: Optional[Any]) -> DraftObjective:
+                           weights: Tensor, dp_group: Optional[Any]) -> DraftObjective:
     """The draft loss of one microbatch, summed over the CP group, made its share over dp x cp.
 
     Args:
@@ -124,17 +144,15 @@ def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_l
             group divided by the STEP's global scored rows (``ttt_draft_loss(..., group=cp_group,
             denominators=batch.norm.draft)``), so the data-parallel replicas' values add up.
         step_logits: K tensors ``(T, Vd)``, the draft logits of each unroll step on this rank.
-        decay: weight ratio between consecutive unroll steps (step k weighs ``decay ** k``).
+        weights: ``(K,)`` weight of each unroll step (:func:`unroll_weights`; the draft loss must use the same).
         dp_group: the data-parallel group, or None.
     """
-    K = len(step_logits)
     out = draft_loss(step_logits)
     in_vocab = out.total if out.in_vocab is None else out.in_vocab
     packed = sum_over(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
                                    out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
     per_step = packed[0].float()
-    weights = decay ** torch.arange(K, dtype=torch.float32)
-    value = (weights * per_step).sum()
+    value = (weights.to(per_step) * per_step).sum()
     local = out.loss + (value.to(out.loss) - out.loss).detach()
     return DraftObjective(loss=local, per_step=per_step, correct=packed[1].float(), total=packed[2].float(),
                           in_vocab=packed[3].float())
@@ -158,7 +176,7 @@ def step_metrics(records: Sequence[MicrobatchRecord]) -> tuple[dict[str, Tensor]
         vocabulary lacks: each is a miss) when the draft ran; ``counts`` = ``(correct (K,), total (K,))`` summed
         over microbatches, or None.
     """
-    metrics = merge_microbatch_stats([r.metrics for r in records])
+    metrics = {**merge_microbatch_stats([r.metrics for r in records]), **implied_metrics(records)}
     if not records or records[0].draft_correct is None:
         return metrics, None
     correct = sum(r.draft_correct for r in records)
@@ -171,6 +189,21 @@ def step_metrics(records: Sequence[MicrobatchRecord]) -> tuple[dict[str, Tensor]
         in_vocab = sum(r.draft_in_vocab for r in records)
         metrics["draft/oov_share"] = (1 - in_vocab.sum() / total.sum().clamp(min=1)).float()
     return metrics, (correct, total)
+
+
+def implied_metrics(records: Sequence[MicrobatchRecord]) -> dict[str, Tensor]:
+    """``draft/implied_acceptance`` and ``draft/implied_rate{k}`` (the draft's implied acceptance length and per
+    position rates on the step's rollouts), and ``draft/reference_*`` the same for the A/B's reference draft, from
+    the microbatches' summed round counts; empty where neither ran."""
+    out = {}
+    for name, key in (("implied", "implied"), ("reference", "reference_implied")):
+        parts = [getattr(r, key) for r in records if getattr(r, key) is not None]
+        if parts:
+            counts = RoundCounts.from_tensor(sum(parts))
+            out[f"draft/{name}_acceptance"] = torch.tensor(counts.acceptance_length)
+            for k, rate in enumerate(counts.position_rates):
+                out[f"draft/{name}_rate{k}"] = torch.tensor(rate)
+    return out
 
 
 # ---------------------------------------------------------------- the step's normalisation

@@ -285,7 +285,8 @@ def test_rollouts_carry_versions_and_an_engine_left_one_version_behind_fails(tmp
     from lightning_codraft.rl.step import weight_versions
     from lightning_codraft.rollout import RolloutError
 
-    cfg = micro_config(tmp_path, "rl.steps=2", "run.plots=false", "task.eval_prompts=0", "draft.train_every=2")
+    cfg = micro_config(tmp_path, "rl.steps=2", "run.plots=false", "task.eval_prompts=0", "draft.train_every=2",
+                       "draft.schedule=every_n")
     assert [weight_versions(cfg, s) for s in range(4)] == [{"policy": s, "draft": (s + 1) // 2} for s in range(4)]
     res = fit(cfg, print_fn=lambda s: None)
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))

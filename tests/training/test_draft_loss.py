@@ -215,3 +215,40 @@ def _cp_worker(rank, world_size):
 def test_loss_under_context_parallelism_equals_single_process():
     losses = run_distributed(_cp_worker, world_size=2, timeout=120)
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("kind", ["tv", "lk_alpha", "lk_lambda"])
+def test_overlap_losses_value_and_gradient_equal_their_definitions(kind):
+    """The closed-form backward of the acceptance losses equals autograd through the direct formula (fp64)."""
+    from lightning_codraft.training.draft_loss import LK_ETA, draft_loss_sum
+
+    torch.manual_seed(0)
+    z = torch.randn(7, 11, dtype=torch.float64) * 2
+    p = torch.softmax(torch.randn(7, 11, dtype=torch.float64) * 2, -1)
+    w = torch.rand(7, dtype=torch.float64)
+    z1 = z.clone().requires_grad_(True)
+    got = draft_loss_sum(z1, p, w, kind)
+    got.backward()
+    z2 = z.clone().requires_grad_(True)
+    q = torch.softmax(z2, -1)
+    alpha = torch.minimum(p, q).sum(-1)
+    if kind == "tv":
+        per_row = 1 - alpha
+    elif kind == "lk_alpha":
+        per_row = -alpha.log()
+    else:
+        lam = torch.exp(-LK_ETA * alpha.detach())
+        per_row = lam * -(p * torch.log_softmax(z2, -1)).sum(-1) + (1 - lam) * (1 - alpha)
+    want = (w * per_row).sum()
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_tv_loss_of_a_draft_equal_to_its_target_is_zero_and_unknown_losses_are_refused():
+    from lightning_codraft.training.draft_loss import draft_loss_sum
+
+    p = torch.softmax(torch.randn(3, 5), -1)
+    assert draft_loss_sum(p.log(), p, torch.ones(3), "tv").item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="must be one of"):
+        draft_loss_sum(p.log(), p, torch.ones(3), "kl")

@@ -338,3 +338,50 @@ def test_the_rl_loss_scores_tokens_at_the_rollouts_temperature():
     assert abs(untempered["policy/ratio"].item() - 1.0) > 1e-3 and untempered["policy/clip_frac"].item() > 0
     with pytest.raises(ValueError, match="temperature=-1 must be >= 0"):
         CoDraftModuleConfig(temperature=-1)
+
+
+def test_a_skipped_draft_runs_nothing_and_stays_bit_identical_with_its_optimizer_state():
+    """``run_draft_this_step = False`` (the adaptive schedule's off step): no draft forward at all, the policy
+    updates, the draft's weights and AdamW state stay bit-identical; the reference draft is still scored."""
+    from lightning_codraft.training.step import optimizer_step
+
+    module = CoDraftModule(*make_models(), draft_lr=1e-2, policy_lr=1e-2)
+    module.set_reference_draft(module.draft)
+    optimizer, scheduler = module.build_optimizer()
+    batch = make_batch(5, num_docs=4)
+    optimizer_step(module, module, batch, optimizer, scheduler)  # an on-step: the draft has Adam state now
+    draft_state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in module.draft.parameters()}
+    before = {n: p.detach().clone() for n, p in module.draft.named_parameters()}
+    calls = []
+    hook = module.draft.register_forward_pre_hook(lambda *a: calls.append(1))
+    module.run_draft_this_step = module.train_draft_this_step = False
+    metrics = optimizer_step(module, module, batch, optimizer, scheduler)
+    hook.remove()
+    assert calls == [] and "draft/loss" not in metrics and "draft/implied_acceptance" not in metrics
+    assert math.isfinite(metrics["draft/reference_acceptance"].item())
+    for n, p in module.draft.named_parameters():
+        assert torch.equal(p, before[n]), n
+        for k, v in optimizer.state[p].items():
+            assert torch.equal(v, draft_state[id(p)][k]), (n, k)
+
+
+def test_the_reference_draft_is_the_draft_as_it_was_and_outside_the_module_tree():
+    """The A/B's reference equals the live draft's implied acceptance before any update, differs after the draft
+    trains, and adds nothing to the state dict or the optimizer."""
+    from lightning_codraft.training.step import optimizer_step
+
+    module = CoDraftModule(*make_models(), draft_lr=3e-2, policy_lr=1e-3)
+    keys = set(module.state_dict())
+    module.set_reference_draft(module.draft)
+    assert set(module.state_dict()) == keys
+    optimizer, scheduler = module.build_optimizer()
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(
+        p.numel() for p in module.parameters() if p.requires_grad)
+    batch = make_batch(5, num_docs=4)
+    first = optimizer_step(module, module, batch, optimizer, scheduler)
+    assert first["draft/implied_acceptance"].item() == first["draft/reference_acceptance"].item()
+    for _ in range(3):
+        later = optimizer_step(module, module, batch, optimizer, scheduler)
+    assert later["draft/implied_acceptance"].item() != later["draft/reference_acceptance"].item()
+    assert later["draft/reference_acceptance"].item() == pytest.approx(first["draft/reference_acceptance"].item(),
+                                                                       abs=0.5)  # the reference did not train
