@@ -276,6 +276,26 @@ class RLBatch:
             d0 = d1
         return out
 
+    def every_nth_document(self, n: int) -> tuple["RLBatch", Tensor]:
+        """Documents ``0, n, 2n, ...`` of this batch and ``(T',)`` the rows they occupy in it.
+
+        Works on the whole batch and on a CP shard alike: a rank holds ``len / cp`` rows of every document, so its rows
+        of the chosen documents are its zigzag shard of the smaller batch. ``norm.draft`` is divided by ``n`` (the
+        chosen rows' expected share of the step's scored rows).
+        """
+        if n < 1:
+            raise ValueError(f"every_nth_document needs n >= 1, got {n}")
+        cu = self.cu_seqlens.long()
+        lengths = cu[1:] - cu[:-1]
+        local = lengths // self.cp_size
+        starts = torch.cumsum(local, 0) - local
+        keep = torch.arange(self.num_docs, device=cu.device) % n == 0
+        rows = torch.cat([torch.arange(int(s), int(s + m), device=cu.device)
+                          for s, m in zip(starts[keep].tolist(), local[keep].tolist())])
+        new_cu = torch.cat([cu.new_zeros(1), torch.cumsum(lengths[keep], 0)]).to(self.cu_seqlens.dtype)
+        norm = None if self.norm is None else dataclasses.replace(self.norm, draft=self.norm.draft / n)
+        return self._with_rows({k: v[rows] for k, v in self.row_tensors().items()}, new_cu, norm=norm), rows
+
     def pad_to(self, num_tokens: int, pad_id: int = 0) -> "RLBatch":
         """The whole batch with one padding document appended so it has ``num_tokens`` tokens.
 

@@ -99,3 +99,17 @@ def test_shift_left_on_shards_equals_the_shift_of_the_whole_batch():
         assert whole == want
         for r in range(2):
             assert results[r][k_i] == [want[i] for i in _zigzag_rows(cu, r, 2)]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_every_nth_document_of_a_shard_is_the_shard_of_every_nth_document(cp):
+    whole = _batch([12, 24, 12, 36, 24], seed=3)  # multiples of 2 cp
+    chosen, rows = whole.every_nth_document(2)
+    assert chosen.num_docs == 3 and chosen.cu_seqlens.tolist() == [0, 12, 24, 48]
+    assert torch.equal(chosen.input_ids, whole.input_ids[rows])
+    for r in range(cp):
+        got, _ = whole.shard(r, cp).every_nth_document(2)
+        want = chosen.shard(r, cp)
+        for k, v in want.row_tensors().items():
+            assert torch.equal(getattr(got, k), v), (r, k)
+        assert torch.equal(got.cu_seqlens, want.cu_seqlens)

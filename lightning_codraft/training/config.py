@@ -73,6 +73,9 @@ class DraftLossConfig:
     """The draft's per-row loss against the policy: ``ce`` (soft cross-entropy, EAGLE-3), ``tv`` (total variation,
     1 - acceptance), ``lk_alpha`` (-log acceptance) or ``lk_lambda`` (cross-entropy blended into TV as the overlap
     grows): training/draft_loss.py."""
+    sample_every: int = 1
+    """Run the draft (train it, score it, and the A/B's reference) on every n-th sample of each microbatch only:
+    co-training then costs about 1/n of its price, from a noisier gradient (1 = every sample)."""
     position_weights: str = "decay"
     """Weight of unroll step k: ``decay`` (ttt_decay**k), ``uniform`` (1), or ``acceptance`` (the live probability that
     the engine verifies position k at all: the product of the draft's implied acceptance rates of the positions
@@ -84,6 +87,8 @@ class DraftLossConfig:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay={self.ttt_decay} must be in (0, 1]")
+        if self.sample_every < 1:
+            raise ValueError(f"sample_every={self.sample_every} must be >= 1")
         if self.loss_type not in DRAFT_LOSSES:
             raise ValueError(f"loss_type={self.loss_type!r} must be one of {DRAFT_LOSSES}")
         if self.position_weights not in POSITION_WEIGHTS:

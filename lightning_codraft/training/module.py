@@ -276,6 +276,9 @@ class CoDraftModule(LightningModule):
         if not run and self.reference_draft is None:
             metrics["loss"] = value
             return loss, MicrobatchRecord(metrics)
+        if c.sample_every > 1:  # the draft's share of the step: every n-th sample (whole documents, any CP shard)
+            batch, rows = batch.every_nth_document(c.sample_every)
+            logits, taps = logits[rows], {t: x[rows] for t, x in taps.items()}
         embeds = self.draft_token_embeds(taps[0].detach(), batch)
         feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
         implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,

@@ -199,3 +199,16 @@ def test_refit_smoke(tmp_path):
     rows = json.loads((tmp_path / "refit.json").read_text())["rows"]
     assert [(r["processes"], r["bucket_mb"]) for r in rows] == [(1, 1), (1, 4), (2, 1)]
     assert all(r["before_s"] > 0 and r["after_s"] > 0 and r["weights_mb"] > 1 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["schedule", "losses"])
+def test_cotrain_schedule_smoke(tmp_path, mode):
+    flags = ["--losses"] if mode == "losses" else []
+    text = _run("cotrain_schedule.py", *flags, "--out", tmp_path, "--name", "c", f"run.out_dir={tmp_path / 'run'}",
+                "rl.steps=4", *_TINY_RL)
+    md = (tmp_path / "c.md").read_text()
+    if mode == "losses":
+        assert "| lk_lambda |" in text and "| ce, acceptance weights |" in md
+    else:
+        assert "| adaptive |" in text and "implied vs measured acceptance" in md and "within 0.1" in md
+    assert (tmp_path / "c.png").is_file() and (tmp_path / "c.json").is_file()

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from codraft_fixtures import make_batch, make_models
+from codraft_fixtures import VOCAB, make_batch, make_models
 
 from lightning_codraft.attention.packing import shift_left_local
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
@@ -385,3 +385,29 @@ def test_the_reference_draft_is_the_draft_as_it_was_and_outside_the_module_tree(
     assert later["draft/implied_acceptance"].item() != later["draft/reference_acceptance"].item()
     assert later["draft/reference_acceptance"].item() == pytest.approx(first["draft/reference_acceptance"].item(),
                                                                        abs=0.5)  # the reference did not train
+
+
+def test_sample_every_trains_the_draft_on_every_nth_sample_only():
+    """``sample_every=2``: the draft's gradient depends on samples 0, 2, ... only (changing the others moves the
+    policy's gradient, never the draft's); with 1 it sees them all."""
+    def grads(batch, every):
+        module = CoDraftModule(*make_models(), sample_every=every)
+        module.set_reference_draft(module.draft)
+        out = module(batch)
+        out.loss.backward()
+        assert math.isfinite(out.metrics["draft/implied_acceptance"].item())
+        return ({n: p.grad.clone() for n, p in module.draft.named_parameters()},
+                {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None})
+
+    batch = make_batch(5, num_docs=4)
+    other = batch.input_ids.clone()
+    cu = batch.cu_seqlens.long()
+    for d in (1, 3):  # new tokens in samples 1 and 3 (their targets follow)
+        other[int(cu[d]):int(cu[d + 1])] = (other[int(cu[d]):int(cu[d + 1])] + 1) % VOCAB
+    changed = dataclasses.replace(batch, input_ids=other)
+    d1, p1 = grads(batch, 2)
+    d2, p2 = grads(changed, 2)
+    assert all(torch.equal(d1[n], d2[n]) for n in d1)
+    assert any(not torch.equal(p1[n], p2[n]) for n in p1)
+    d3, _ = grads(changed, 1)
+    assert any(not torch.equal(d2[n], d3[n]) for n in d2)
