@@ -5,7 +5,11 @@ schedule decides on each RL step, after its rollouts and before its update, from
 
 - ``a``: the acceptance length the engine measured on this step's rollouts (decoded with the current draft);
 - its smoothed value ``s = 0.5 a + 0.5 s_prev`` and the draft's recent best ``best`` (the highest ``s`` of the last
-  ``window`` steps): the deficit ``d = best - s`` is what drift has cost since the draft was last in shape;
+  ``window`` steps): the deficit ``best - s`` is what drift has cost since the draft was last in shape, less its
+  noise: each step's prompts differ in how predictable they are, so ``a`` moves by ``sigma`` (the spread of ``a``
+  around the previous ``s`` over the window) without any drift; ``s`` moves by about ``0.58 sigma`` and the best of
+  a window of them sits above their mean by about as much, so the deficit counted is ``d = best - s - 2 x 0.58
+  sigma`` (and nothing before three steps have measured ``sigma``);
 - what a unit of acceptance is worth: rollouts take about ``rollout_s / a`` seconds more per step for each unit of
   acceptance lost (rounds per token are ``1 / a``); over the next ``H`` steps (``draft.schedule_horizon``, at most
   the steps left) the deficit costs ``gain = d * rollout_s / a * H`` seconds;
@@ -48,6 +52,8 @@ class Decision:
     """Smoothed acceptance ``s``."""
     best: float = math.nan
     """The draft's recent best smoothed acceptance."""
+    noise: float = math.nan
+    """The deficit's allowance for noise (``2 x 0.58 sigma``; inf before three steps measured ``sigma``)."""
     gain_s: float = math.nan
     """Rollout seconds the deficit costs over the horizon."""
     cost_s: float = math.nan
@@ -105,7 +111,12 @@ class DraftSchedule:
     def _adaptive(self, step: int, a: float, rollout_s: float) -> Decision:
         prev = self.history[-1] if self.history else None
         s = a if prev is None or math.isnan(prev.smoothed) else 0.5 * a + 0.5 * prev.smoothed
-        best = max([d.smoothed for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)] + [s])
+        recent = [d for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)]
+        best = max([d.smoothed for d in recent] + [s])
+        resid = [b.acceptance - a0.smoothed for a0, b in zip(recent, recent[1:])] + (
+            [a - recent[-1].smoothed] if recent else [])
+        sigma = math.sqrt(sum(x * x for x in resid) / len(resid)) if len(resid) >= 3 else math.inf
+        noise = 2 * math.sqrt(1 / 3) * sigma
         trained = [d.train_s for d in self.history[-20:] if d.train and not math.isnan(d.train_s)][-5:]
         skipped = [d.train_s for d in self.history[-20:] if not d.train and not math.isnan(d.train_s)][-5:]
         if trained and skipped:
@@ -115,16 +126,16 @@ class DraftSchedule:
         else:
             cost = math.inf  # the first step: nothing measured, and nothing has drifted yet
         H = max(1, min(self.horizon, self.total_steps - step))
-        gain = (best - s) * rollout_s / max(a, 1.0) * H
+        gain = max(best - s - noise, 0.0) * rollout_s / max(a, 1.0) * H if math.isfinite(noise) else 0.0
         training = prev is not None and prev.train
         need = cost / 2 if training else cost
         train = gain >= need and gain > 0
-        fig = (f"acceptance {a:.2f} (smoothed {s:.2f}, recent best {best:.2f}): the deficit costs {gain:.2f} s of "
-               f"rollouts over {H} steps")
+        fig = (f"acceptance {a:.2f} (smoothed {s:.2f}, recent best {best:.2f}, noise {noise:.2f}): the deficit "
+               f"costs {gain:.2f} s of rollouts over {H} steps")
         verdict = (f">= {'half ' if training else ''}one update's {cost:.2f} s: train" if train else
                    f"< {'half ' if training else ''}one update's {cost:.2f} s: skip")
         return Decision(step + 1, train, f"{fig} {verdict}", acceptance=a, rollout_s=rollout_s, smoothed=s,
-                        best=best, gain_s=gain, cost_s=cost)
+                        best=best, noise=noise, gain_s=gain, cost_s=cost)
 
     def record(self, decision: Decision, train_s: float, ab_gain: float = math.nan,
                implied_rates: Sequence[float] = ()) -> None:
