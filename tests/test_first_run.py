@@ -122,3 +122,12 @@ def test_every_problem_is_reported_together(tmp_path):
                               f"task.source={broken}"])
     problems = preflight(cfg)
     assert len(problems) == 2 and "broken.jsonl:1: not valid JSON" in problems[1]
+
+
+def test_a_missing_reference_draft_is_found_before_launch(tmp_path):
+    from lightning_codraft.config import load_config
+    from lightning_codraft.rl.preflight import preflight
+
+    cfg = load_config(SMOKE, [f"draft.reference={tmp_path / 'nowhere'}"])
+    assert any("draft.reference=" in p and "weights.pt" in p for p in preflight(cfg))
+    assert not any("draft.reference" in p for p in preflight(load_config(SMOKE, ["draft.reference=start"])))

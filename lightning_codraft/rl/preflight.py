@@ -72,6 +72,12 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
         problems.append(f"rl.temperature={cfg.rl.temperature} makes every sample of a group the same (greedy): "
                         f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
                         f"(e.g. 1.0)")
+    ref = cfg.draft.reference
+    if cfg.draft.mode == "cotrain" and ref not in ("start", "none"):
+        f = Path(ref).expanduser()
+        if not (f / "weights.pt" if f.is_dir() else f).is_file():
+            problems.append(f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
+                            f"earlier run (or its weights.pt), or use start / none")
     for i, entry in enumerate(cfg.run.loggers):
         try:
             logger_class(entry, i)

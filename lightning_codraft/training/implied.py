@@ -2,7 +2,7 @@
 
 A step's rollouts are already in its training batch, with the policy's taps computed by the training forward. One
 forward of a draft on those taps (its K training-time-test steps) therefore tells, for every row, whether its
-proposals would have been accepted — without decoding again (docs/design/cotraining.md). Two pieces:
+proposals would have been accepted — without decoding again (docs/cotraining.md). Two pieces:
 
 **Row acceptance** (:func:`row_acceptance`). Row ``i`` of unroll step ``k`` proposes the token ``x = x_{i+2+k}``
 (the rollout's token after row ``i + 1 + k``) given that the proposals of steps ``< k`` were accepted, which makes
