@@ -28,7 +28,8 @@ from test_loop import micro_config
 from lightning_codraft.rl.step import SCHEDULE_COLUMNS
 
 EXACT = ("reward", "reward_std", "accuracy", "reward_failures", "completion_tokens") + SCHEDULE_COLUMNS
-CLOSE = ("draft_loss", "draft_acc0", "policy_loss", "clip_frac", "kl", "greedy_agreement")
+CLOSE = ("draft_loss", "draft_acc0", "policy_loss", "clip_frac", "kl", "greedy_agreement", "implied_acceptance",
+         "reference_acceptance")
 
 
 def loop_config(out, *extra):
