@@ -286,12 +286,24 @@ class CoDraftRun:
         if cfg.run.plots and result.rows:
             plot_curves({cfg.draft.mode: result.rows}, self.out / "curves.png",
                         title=f"{cfg.task.name}: reward and acceptance length per RL step")
+            if any(math.isfinite(r.get("reference_acceptance", math.nan)) for r in result.rows):
+                ab = {label: [{"step": r["step"], "acceptance": r[key]} for r in result.rows]
+                      for label, key in (("engine, live draft", "acceptance_length"),
+                                         ("implied, live draft", "implied_acceptance"),
+                                         ("implied, reference draft", "reference_acceptance"))}
+                plot_curves(ab, self.out / "ab.png", keys=("acceptance",), title="the live A/B")
         r0, r1 = summarize(result.rows, "reward")
         a0, a1 = summarize(result.rows, "acceptance_length")
         lines = [f"reward (mean of first / last steps): {r0:.3f} -> {r1:.3f}",
                  f"held-out mean reward (greedy): {result.eval_before:.3f} -> {result.eval_after:.3f}"]
         if cfg.draft.mode != "none":
             lines.append(f"acceptance length (K={cfg.draft.num_speculative_tokens}): {a0:.2f} -> {a1:.2f}")
+        last = result.rows[-1] if result.rows else {}
+        if math.isfinite(last.get("ab_gain_low", math.nan)):
+            mean = sum(r["ab_gain"] for r in result.rows if math.isfinite(r["ab_gain"])) / max(
+                1, sum(math.isfinite(r["ab_gain"]) for r in result.rows))
+            lines.append(f"live A/B, implied acceptance of the co-trained draft minus the reference's: {mean:+.3f} "
+                         f"(95% CI {last['ab_gain_low']:+.3f} .. {last['ab_gain_high']:+.3f}; ab.png)")
         if result.speedup is not None:
             s = result.speedup
             batch = cfg.parallel.engine_batch_size or s.sequences

@@ -69,6 +69,12 @@ def test_fit_writes_metrics_plots_and_checkpoints(micro_run):
     assert (out / "warm" / "weights.pt").is_file()
     assert res.speedup is not None and res.speedup.speedup > 0
     assert "acceptance length" in (out / "summary.txt").read_text()
+    # the live A/B: the reference draft (the warm start) equals the live draft before its first update, then both
+    # are scored every step, plotted and summarised with the gain's interval
+    assert rows[0]["implied_acceptance"] == rows[0]["reference_acceptance"] and rows[0]["ab_gain"] == 0.0
+    assert all(1.0 <= r["reference_acceptance"] <= cfg.draft.num_speculative_tokens + 1 for r in rows)
+    assert math.isfinite(rows[2]["ab_gain_low"]) and rows[2]["ab_gain_low"] <= rows[2]["ab_gain_high"]
+    assert (out / "ab.png").stat().st_size > 1000 and "live A/B" in (out / "summary.txt").read_text()
 
 
 def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
