@@ -140,7 +140,8 @@ class DraftSchedule:
     def record(self, decision: Decision, train_s: float, ab_gain: float = math.nan,
                implied_rates: Sequence[float] = ()) -> None:
         """Append the step's decision with its measured training seconds and A/B figures."""
-        decision.train_s, decision.ab_gain, decision.implied_rates = float(train_s), float(ab_gain), tuple(implied_rates)
+        decision.train_s, decision.ab_gain = float(train_s), float(ab_gain)
+        decision.implied_rates = tuple(implied_rates)
         self.history.append(decision)
 
     @property
