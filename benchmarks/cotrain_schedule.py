@@ -27,7 +27,8 @@ from pathlib import Path
 
 from lightning_codraft.config import load_config
 from lightning_codraft.rl.compare import CompareResult, run_side_by_side
-from lightning_codraft.rl.logs import plot_curves
+from lightning_codraft.rl.logs import plot_curves, read_metrics
+from lightning_codraft.rl.loop import FitResult
 from pages import command, write_json, write_page
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +68,17 @@ def tracking(implied, measured) -> tuple[float, float, int]:
 
 def configs_for(cfg, arms: dict) -> dict:
     return {name: dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, **kw)) for name, kw in arms.items()}
+
+
+def from_runs(arms: dict, root: Path, cfg) -> CompareResult:
+    """The arms' results from their ``metrics.csv`` (each arm writes one row per finished step), cut to the steps
+    every arm finished: a run stopped early still gives its page."""
+    rows = {name: read_metrics(root / name / "metrics.csv") for name in arms}
+    n = min(len(r) for r in rows.values())
+    if n < 4:
+        raise SystemExit(f"only {n} steps finished in every arm under {root}; the paired statistics need 4")
+    return CompareResult(cfg=cfg, results={name: FitResult(out_dir=root / name, rows=r[:n], completed=False)
+                                           for name, r in rows.items()})
 
 
 def schedule_report(res: CompareResult, args) -> tuple[str, list[str]]:
@@ -133,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     ap.add_argument("--name", default=None)
     ap.add_argument("--losses", action="store_true", help="compare the draft losses instead of the schedules")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild the page from the arms' metrics.csv under run.out_dir (the steps every arm finished)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
@@ -141,7 +155,8 @@ def main(argv=None) -> None:
     if cfg.rl.steps < 4:
         ap.error(f"rl.steps={cfg.rl.steps}: the paired statistics over the last half need rl.steps >= 4")
     arms = configs_for(cfg, LOSS_ARMS if args.losses else SCHEDULE_ARMS)
-    res = run_side_by_side(arms, Path(cfg.run.out_dir) / "arms", cfg)
+    res = (from_runs(arms, Path(cfg.run.out_dir) / "arms", cfg) if args.report_only else
+           run_side_by_side(arms, Path(cfg.run.out_dir) / "arms", cfg))
     table, goals = loss_report(res) if args.losses else schedule_report(res, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +172,10 @@ def main(argv=None) -> None:
                       "step's rollouts; implied acceptance = the same figure computed from one draft forward on the "
                       "step's taps (training/implied.py).", "", table, "",
                       *([f"- {g}" for g in goals] + [""] if goals else []), f"![curves]({png.name})", "",
-                      f"Reproduce: `{command('cotrain_schedule.py', argv)}`."])
+                      f"Reproduce: `{command('cotrain_schedule.py', [a for a in argv if a != '--report-only'])}`"
+                      + (" (this page was rebuilt with `--report-only` from the arms' metrics.csv: the run's final "
+                         "held-out evaluation and speed-up measurement per arm were cut short)." if args.report_only
+                         else ".")])
     write_page(out / f"{args.name}.md", text)
     write_json(out / f"{args.name}.json", {a: r.rows for a, r in res.results.items()})
     print(table)
