@@ -212,3 +212,8 @@ def test_cotrain_schedule_smoke(tmp_path, mode):
     else:
         assert "| adaptive |" in text and "implied vs measured acceptance" in md and "within 0.1" in md
     assert (tmp_path / "c.png").is_file() and (tmp_path / "c.json").is_file()
+    again = _run("cotrain_schedule.py", *flags, "--report-only", "--out", tmp_path / "again", "--name", "c",
+                 f"run.out_dir={tmp_path / 'run'}", "rl.steps=4", *_TINY_RL)  # the page from the arms' CSVs
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert table and table == [line for line in again.splitlines() if line.startswith("|")]
+    assert "rebuilt with `--report-only`" in (tmp_path / "again" / "c.md").read_text()
