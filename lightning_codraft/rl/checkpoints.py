@@ -9,6 +9,7 @@ warm-ups (safetensors-free plain tensors, read with ``weights_only=True``), so a
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Optional
 
@@ -88,3 +89,17 @@ def warm_state(path: str | Path, key: str = "run.init_from") -> dict[str, Any]:
         raise FileNotFoundError(f"{key}={str(path)!r} has no weights.pt; point it at the 'warm' directory of an "
                                 f"earlier run")
     return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def reference_draft(cfg, draft: nn.Module, start_file: Optional[Path] = None) -> Optional[nn.Module]:
+    """The A/B's reference draft of a run (``cfg.draft.reference``): None when not co-training or ``none``; for
+    ``start``, ``draft`` itself (the draft as RL begins) or, given ``start_file`` (a resumed run's
+    ``warm/weights.pt``), a copy holding the draft stored there; for a path, a copy holding the draft stored there."""
+    ref = cfg.draft.reference
+    if ref == "none" or cfg.draft.mode != "cotrain":
+        return None
+    if ref == "start" and start_file is None:
+        return draft
+    copied = copy.deepcopy(draft)
+    copied.load_state_dict(warm_state(start_file if ref == "start" else ref, "draft.reference")["draft"])
+    return copied

@@ -91,6 +91,11 @@ class DraftSchedule:
         self.history: list[Decision] = []
 
     @property
+    def skips_draft(self) -> bool:
+        """Whether a step this schedule does not train runs no draft at all (the adaptive schedule's off steps)."""
+        return self.trains and self.schedule == "adaptive"
+
+    @property
     def updates(self) -> int:
         """Steps that trained the draft so far (its version)."""
         return sum(d.train for d in self.history)

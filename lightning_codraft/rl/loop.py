@@ -22,7 +22,6 @@ whole modules; greedy evaluation and the speed-up run on global rank 0 (the lead
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -40,7 +39,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
-from lightning_codraft.rl.checkpoints import RunCheckpoints, warm_state
+from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft
 from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
 from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
@@ -159,7 +158,8 @@ class CoDraftRun:
             self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
             self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra)
-        self.module.set_reference_draft(self._reference_draft(resumed=last is not None))
+        self.module.set_reference_draft(reference_draft(cfg, self.module.draft,
+                                                        self.checkpoints.warm_file if last is not None else None))
         self.model = self.fabric.setup_module(self.module)
         self.optimizer, self.scheduler = self.module.build_optimizer()
         self.optimizer = self.fabric.setup_optimizers(self.optimizer)
@@ -170,7 +170,7 @@ class CoDraftRun:
             self.log(f"resumed from {last[1]} (step {self.start_step})")
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
                               self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
-        self.rl_step.schedule.load_state_dict(self.extra.pop("draft_schedule", []))
+        self.rl_step.restore_schedule(self.extra.pop("draft_schedule", []))
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
@@ -179,19 +179,6 @@ class CoDraftRun:
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.steps_done = self.start_step
         return self.start_step
-
-    def _reference_draft(self, resumed: bool) -> Optional[torch.nn.Module]:
-        """The A/B's reference draft (``draft.reference``): the draft as RL began (the warm start, re-read from
-        ``warm/weights.pt`` on a resume) or a user's ``warm`` directory / weights file; None when not co-training."""
-        ref = self.cfg.draft.reference
-        if ref == "none" or self.cfg.draft.mode != "cotrain":
-            return None
-        if ref == "start" and not resumed:
-            return self.module.draft
-        draft = copy.deepcopy(self.module.draft)
-        source = self.checkpoints.warm_file if ref == "start" else ref
-        draft.load_state_dict(warm_state(source, "draft.reference")["draft"])
-        return draft
 
     def _warm_start(self) -> dict[str, Any]:
         return warm_start(self.cfg, self.module, self.tokenizer, self.task, self.context, log=self.log)

@@ -195,6 +195,11 @@ class RLStep:
         self.last_completions: list[dict] = []
         """This replica's samples of the last step: prompt text, completion text, reward (and each reward's)."""
 
+    def restore_schedule(self, rows) -> None:
+        """Resume the draft's schedule from its saved history (and the draft's live per-position rates with it)."""
+        self.schedule.load_state_dict(rows)
+        unwrap_module(self.model).set_live_position_rates(self.schedule.last_rates)
+
     def __call__(self, step: int, samples=None) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
         of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``."""
@@ -247,12 +252,10 @@ class RLStep:
         seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s],
                                                    dtype=torch.float64), reduce_op="sum").tolist()
         decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size)
-        if cfg.draft.schedule == "adaptive" and self.schedule.trains:
+        if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
         module.train_draft_this_step = decision.train
-        module.run_draft_this_step = decision.train or not (self.schedule.trains and cfg.draft.schedule == "adaptive")
-        if self.schedule.last_rates:  # the live per-position rates (restored with the schedule on a resume)
-            module.live_position_rates = torch.tensor(self.schedule.last_rates, dtype=torch.float32)
+        module.run_draft_this_step = decision.train or not self.schedule.skips_draft
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}

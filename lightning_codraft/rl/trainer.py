@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.build import build_parts, module_arguments
-from lightning_codraft.rl.checkpoints import warm_state
+from lightning_codraft.rl.checkpoints import reference_draft
 from lightning_codraft.rl.evaluate import evaluate_heldout
 from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -143,11 +143,8 @@ class GRPOModule(CoDraftModule):
             return
         if self.trainer.ckpt_path is None:
             self.extra = warm_start(self.cfg, self, self.tokenizer, self.task, self.context, log=self.log_line)
-        if self.cfg.draft.mode == "cotrain" and self.cfg.draft.reference != "none":  # the A/B's reference draft:
-            self.set_reference_draft(self.draft)  # the warm start, or restored from the checkpoint (below)
-            if self.cfg.draft.reference != "start":
-                state = warm_state(self.cfg.draft.reference, "draft.reference")
-                self.reference_draft.module.load_state_dict(state["draft"])
+        # the A/B's reference draft: the warm start (a resume restores it from the checkpoint, below) or a user's
+        self.set_reference_draft(reference_draft(self.cfg, self.draft))
         strategy = self.trainer.strategy
         dims = strategy.parallel_dims
         self.worker = RolloutWorker(self.cfg, dims, strategy.root_device, eos_token_id=self.tokenizer.eos_token_id)
@@ -162,6 +159,7 @@ class GRPOModule(CoDraftModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.draft_schedule.load_state_dict(checkpoint.get("draft_schedule", []))
+        self.set_live_position_rates(self.draft_schedule.last_rates)
         if self.reference_draft is not None and "reference_draft" in checkpoint:
             raw = io.BytesIO(base64.b64decode(checkpoint["reference_draft"]))
             self.reference_draft.module.load_state_dict(torch.load(raw, map_location="cpu", weights_only=True))

@@ -37,9 +37,8 @@ from lightning_codraft.parallel.strategy_core import reduce_gradients
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
 from lightning_codraft.training.implied import ReferenceDraft, implied_counts
-from lightning_codraft.training.objective import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
-                                                  step_metrics, unroll_weights)
+                                                  normalize_step, step_metrics, unroll_weights)
 from lightning_codraft.training.optim import adamw, cosine_decay
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
@@ -91,11 +90,9 @@ class CoDraftModule(LightningModule):
         """Bytes of parameters this rank dropped under PP (the other stages' slices)."""
         self.train_draft_this_step = True
         """False skips the draft's update in the coming optimizer step (its loss is still scored; its gradients are
-        dropped after the backward, so AdamW leaves the draft and its moments untouched): co-training every N-th
-        step (``draft.train_every``). Set it to the same value on every rank."""
+        dropped, so AdamW leaves the draft and its moments untouched). Set both flags alike on every rank."""
         self.run_draft_this_step = True
-        """False runs no draft at all this step (no forward, no backward, no update: ``draft.schedule=adaptive``'s
-        off steps); the reference draft, if any, is still scored. Set it to the same value on every rank."""
+        """False runs no draft at all this step (the adaptive schedule's off steps; a reference is still scored)."""
         self.reference_draft: Optional[ReferenceDraft] = None
         """The A/B's frozen reference draft (:meth:`set_reference_draft`), scored beside the draft on every batch."""
         self.live_position_rates: Optional[Tensor] = None
@@ -305,12 +302,16 @@ class CoDraftModule(LightningModule):
 
     def draft_step_weights(self) -> Tensor:
         """``(K,)`` weight of each unroll step in the draft loss (``config.position_weights``)."""
-        c = self.config
-        return unroll_weights(c.position_weights, c.ttt_decay, c.ttt_steps, self.live_position_rates)
+        return unroll_weights(self.config.position_weights, self.config.ttt_decay, self.config.ttt_steps,
+                              self.live_position_rates)
+
+    def set_live_position_rates(self, rates: Sequence[float | Tensor]) -> None:
+        """Set :attr:`live_position_rates` (a position never reached counts 0); empty: unchanged."""
+        if len(rates):
+            self.live_position_rates = torch.tensor([float(r) for r in rates]).nan_to_num(0.0)
 
     def set_reference_draft(self, draft: Optional[nn.Module]) -> None:
-        """Score a frozen copy of ``draft`` beside the live draft on every batch (the A/B's reference; None: stop).
-        Pass the whole, unsharded draft (e.g. before the strategy wraps the module)."""
+        """Score a frozen copy of ``draft`` (whole, unsharded) beside the live draft on every batch; None: stop."""
         self.reference_draft = None if draft is None else ReferenceDraft(draft)
 
     def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
@@ -383,8 +384,7 @@ class CoDraftModule(LightningModule):
             loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
         metrics, counts = step_metrics(records)
         if "draft/implied_rate0" in metrics:
-            rates = [metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)]
-            self.live_position_rates = torch.stack(rates).float().nan_to_num(0.0)
+            self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)])
         return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
                                  microbatch_losses=[float(r.metrics["loss"]) for r in records])
 

@@ -411,3 +411,12 @@ def test_sample_every_trains_the_draft_on_every_nth_sample_only():
     assert any(not torch.equal(p1[n], p2[n]) for n in p1)
     d3, _ = grads(changed, 1)
     assert any(not torch.equal(d2[n], d3[n]) for n in d2)
+
+
+def test_acceptance_position_weights_follow_the_live_rates_and_never_go_nan():
+    module = CoDraftModule(*make_models(), position_weights="acceptance", ttt_steps=3)
+    assert torch.allclose(module.draft_step_weights(), torch.tensor([1.0, 0.8, 0.64]))  # decay until measured
+    module.set_live_position_rates([0.5, float("nan"), 0.9])  # position 1 never reached on that step
+    assert torch.equal(module.draft_step_weights(), torch.tensor([1.0, 0.5, 0.0]))
+    module.set_live_position_rates([])  # nothing measured (a skipped step): unchanged
+    assert torch.equal(module.draft_step_weights(), torch.tensor([1.0, 0.5, 0.0]))
