@@ -29,6 +29,7 @@ from lightning_codraft.config import load_config
 from lightning_codraft.rl.compare import CompareResult, run_side_by_side
 from lightning_codraft.rl.logs import plot_curves, read_metrics
 from lightning_codraft.rl.loop import FitResult
+from lightning_codraft.rl.stats import paired_difference
 from pages import command, write_json, write_page
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ SCHEDULE_ARMS = {"none": {"mode": "none"}, "frozen": {"mode": "frozen"},
                  "every_step": {"mode": "cotrain", "schedule": "every_step"},
                  "adaptive": {"mode": "cotrain", "schedule": "adaptive"},
                  "every_step, 1/4 of samples": {"mode": "cotrain", "schedule": "every_step", "sample_every": 4},
-                 "adaptive, 1/2 of samples": {"mode": "cotrain", "schedule": "adaptive", "sample_every": 2}}
+                 "adaptive, 1/4 of samples": {"mode": "cotrain", "schedule": "adaptive", "sample_every": 4}}
 LOSS_ARMS = {"ce": {}, "tv": {"loss_type": "tv"}, "lk_alpha": {"loss_type": "lk_alpha"},
              "lk_lambda": {"loss_type": "lk_lambda"}, "ce, uniform weights": {"position_weights": "uniform"},
              "ce, acceptance weights": {"position_weights": "acceptance"}}
@@ -94,17 +95,23 @@ def schedule_report(res: CompareResult, args) -> tuple[str, list[str]]:
         lines.append(f"| {arm} | {acc:.2f} | {train:.2f} | {train / frozen_train:.3f}x | {updates} | {ro:.2f}x | "
                      f"{e2e:.2f}x |")
     goals = []
-    d = res.paired("adaptive", "every_step", "acceptance_length")
-    goals.append(f"adaptive - every-step acceptance, last half (paired): {d} -> within 0.1: "
-                 f"{'yes' if d.low >= -0.1 else 'NO'}")
-    ratio = _mean(res.series("adaptive", "train_s")) / frozen_train
-    goals.append(f"adaptive training step vs frozen, mean over the run: {ratio:.3f}x -> <= 1.15x: "
-                 f"{'yes' if ratio <= 1.15 else 'NO'}")
+    for arm in [a for a in res.results if a.startswith("adaptive")]:
+        if "every_step" in res.results:
+            d = res.paired(arm, "every_step", "acceptance_length")
+            goals.append(f"{arm} - every-step acceptance, last half (paired): {d} -> within 0.1: "
+                         f"{'yes' if d.low >= -0.1 else 'NO'}")
+        ratio = _mean(res.series(arm, "train_s")) / frozen_train
+        goals.append(f"{arm}: training step vs frozen, mean over the run: {ratio:.3f}x -> <= 1.15x: "
+                     f"{'yes' if ratio <= 1.15 else 'NO'}")
+        if "frozen" in res.results and "none" in res.results:
+            e2e, e2e_frozen = res.speedups(arm)[1], res.speedups("frozen")[1]
+            goals.append(f"{arm}: end-to-end speed-up over no draft {e2e:.3f}x vs frozen {e2e_frozen:.3f}x -> "
+                         f"{'at least' if e2e >= e2e_frozen else 'BELOW'} the frozen arm's")
     for arm in [a for a in res.results if a not in ("none",)]:
         c, mad, n = tracking(res.series(arm, "implied_acceptance"), res.series(arm, "acceptance_length"))
         goals.append(f"{arm}: the current draft's implied vs measured acceptance over {n} steps: correlation "
                      f"{c:.3f}, mean |difference| {mad:.3f} -> {'yes' if c >= 0.9 and mad <= 0.15 else 'NO'}")
-    for arm in [a for a in res.results if a not in ("none", "frozen")]:
+    for arm in [a for a in res.results if a not in ("none", "frozen") and "frozen" in res.results]:
         c, mad, n = tracking(res.series(arm, "reference_acceptance"), res.series("frozen", "acceptance_length"))
         goals.append(f"{arm}: the reference draft's implied acceptance vs the frozen arm's measured one over {n} "
                      f"steps: correlation {c:.3f}, mean |difference| {mad:.3f} -> "
@@ -139,6 +146,35 @@ def setup_line(cfg, args) -> str:
             f"seed {c.run.seed}.")
 
 
+def seeds_report(results: dict[int, CompareResult]) -> tuple[str, list[str]]:
+    """Across seeds (each a whole side-by-side run): every arm's end-to-end speed-up over no draft per seed, and
+    each co-trained arm against the frozen one, paired over seeds."""
+    arms = [a for a in next(iter(results.values())).results if a != "none"]
+    seeds = list(results)
+    lines = ["| arm | " + " | ".join(f"seed {s}: e2e speed-up / acceptance, last half" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
+    half = lambda xs: xs[len(xs) // 2:]  # noqa: E731
+    e2e = {a: [results[s].speedups(a)[1] for s in seeds] for a in arms}
+    acc = {a: [_mean(half(results[s].series(a, "acceptance_length"))) for s in seeds] for a in arms}
+    for a in arms:
+        lines.append(f"| {a} | " + " | ".join(f"{x:.3f}x / {y:.2f}" for x, y in zip(e2e[a], acc[a])) + " |")
+    goals = []
+    for a in [a for a in arms if a != "frozen" and "frozen" in arms]:
+        d = paired_difference(e2e[a], e2e["frozen"])
+        goals.append(f"{a} - frozen end-to-end speed-up over {len(seeds)} seeds (paired): {d.mean:+.3f} (95% CI "
+                     f"{d.low:+.3f} .. {d.high:+.3f}; {d.wins}/{d.n} seeds higher) -> "
+                     f"{'at least the frozen arm' if d.mean >= 0 else 'BELOW the frozen arm'} on average")
+        d = paired_difference(acc[a], acc["frozen"])
+        goals.append(f"{a} - frozen acceptance over the last half, over seeds (paired): {d.mean:+.3f} (95% CI "
+                     f"{d.low:+.3f} .. {d.high:+.3f})")
+    return "\n".join(lines), goals
+
+
+def run_arms(args, cfg, arms) -> CompareResult:
+    root = Path(cfg.run.out_dir) / "arms"
+    return from_runs(arms, root, cfg) if args.report_only else run_side_by_side(arms, root, cfg)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "recipes" / "tiny-drift.yaml"))
@@ -147,6 +183,10 @@ def main(argv=None) -> None:
     ap.add_argument("--losses", action="store_true", help="compare the draft losses instead of the schedules")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild the page from the arms' metrics.csv under run.out_dir (the steps every arm finished)")
+    ap.add_argument("--arm", action="append", dest="arms", default=None,
+                    help="an arm to run, by name (repeat it; default: every arm of the mode)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="run the arms once per seed (run.seed) and pair the arms over seeds (needs none and frozen)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
@@ -154,10 +194,26 @@ def main(argv=None) -> None:
     cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides])
     if cfg.rl.steps < 4:
         ap.error(f"rl.steps={cfg.rl.steps}: the paired statistics over the last half need rl.steps >= 4")
-    arms = configs_for(cfg, LOSS_ARMS if args.losses else SCHEDULE_ARMS)
-    res = (from_runs(arms, Path(cfg.run.out_dir) / "arms", cfg) if args.report_only else
-           run_side_by_side(arms, Path(cfg.run.out_dir) / "arms", cfg))
-    table, goals = loss_report(res) if args.losses else schedule_report(res, args)
+    table = LOSS_ARMS if args.losses else SCHEDULE_ARMS
+    chosen = table if args.arms is None else {n: table.get(n) for n in args.arms}
+    if unknown := [n for n, kw in chosen.items() if kw is None]:
+        ap.error(f"--arm: unknown arm(s) {unknown}; arms are {list(table)}")
+    if args.seeds is not None and (args.losses or len(args.seeds) < 2 or not {"none", "frozen"} <= set(chosen)):
+        ap.error("--seeds compares schedules over >= 2 seeds and needs the arms none and frozen")
+    if args.seeds is None:
+        res = run_arms(args, cfg, configs_for(cfg, chosen))
+        table, goals = loss_report(res) if args.losses else schedule_report(res, args)
+    else:
+        per_seed = {}
+        for seed in args.seeds:
+            c = load_config(args.config, [*args.overrides, f"run.seed={seed}",
+                                          f"run.out_dir={Path(cfg.run.out_dir) / f'seed{seed}'}"])
+            per_seed[seed] = run_arms(args, c, configs_for(c, chosen))
+            print(f"seed {seed}:\n" + schedule_report(per_seed[seed], args)[0])
+        res = per_seed[args.seeds[0]]
+        table, goals = seeds_report(per_seed)
+        table += "".join(f"\n\nSeed {s}:\n\n" + schedule_report(r, args)[0] for s, r in per_seed.items())
+        goals += [f"seed {s}: {g}" for s, r in per_seed.items() for g in schedule_report(r, args)[1]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     keys = ("acceptance_length", "implied_acceptance", "train_s") if args.losses else (
@@ -177,7 +233,8 @@ def main(argv=None) -> None:
                          "held-out evaluation and speed-up measurement per arm were cut short)." if args.report_only
                          else ".")])
     write_page(out / f"{args.name}.md", text)
-    write_json(out / f"{args.name}.json", {a: r.rows for a, r in res.results.items()})
+    write_json(out / f"{args.name}.json", {a: r.rows for a, r in res.results.items()} if args.seeds is None else
+               {f"seed {s}": {a: r.rows for a, r in pr.results.items()} for s, pr in per_seed.items()})
     print(table)
     print("\n".join(goals))
     print(f"wrote {out / f'{args.name}.md'}")

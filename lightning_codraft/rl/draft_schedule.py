@@ -1,26 +1,36 @@
-"""When the co-trained draft trains: every step, every N-th step, or only when drift costs acceptance (adaptive).
+"""When the co-trained draft trains: every step, every N-th step, or only when an update pays (adaptive).
 
-Co-training is worth its cost only when the policy drifts away from the draft (docs/cotraining.md). The adaptive
-schedule decides on each RL step, after its rollouts and before its update, from figures the step measured anyway:
+Co-training is worth its cost only when an update buys more rollout time than it costs (docs/cotraining.md). The
+adaptive schedule decides on each RL step, after its rollouts and before its update, from figures the steps measured
+anyway:
 
-- ``a``: the acceptance length the engine measured on this step's rollouts (decoded with the current draft);
-- its smoothed value ``s = 0.5 a + 0.5 s_prev`` and the draft's recent best ``best`` (the highest ``s`` of the last
-  ``window`` steps): the deficit ``best - s`` is what drift has cost since the draft was last in shape, less its
-  noise: each step's prompts differ in how predictable they are, so ``a`` moves by ``sigma`` (the spread of ``a``
-  around the previous ``s`` over the window) without any drift; ``s`` moves by about ``0.58 sigma`` and the best of
-  a window of them sits above their mean by about as much, so the deficit counted is ``d = best - s - 2 x 0.58
-  sigma`` (and nothing before three steps have measured ``sigma``);
-- what a unit of acceptance is worth: rollouts take about ``rollout_s / a`` seconds more per step for each unit of
-  acceptance lost (rounds per token are ``1 / a``); over the next ``H`` steps (``draft.schedule_horizon``, at most
-  the steps left) the deficit costs ``gain = d * rollout_s / a * H`` seconds;
-- what one draft update costs: the mean training seconds of the recent steps that trained the draft minus those of
-  the steps that did not (before both were seen: half a skipped step's training time, the prior from
-  docs/benchmarks/codraft_step.md, where co-training made the step 1.4-1.6x as long).
+- **What an update buys**, ``u``: the margin of the current draft over the A/B's frozen reference, ``m = a - r``
+  (``a`` the acceptance length the engine measured on the step's rollouts, decoded with the current draft; ``r`` the
+  reference's implied acceptance on the same rollouts; without a reference, ``m = a``), moves from one step to the
+  next by what the update between them did plus what drift did. Its mean change after steps that trained, less its
+  mean change after steps that did not (0 before two such steps), over the last ``window`` of each, is the margin
+  one update adds: continued learning as well as recovered drift, measured on the same rollouts for both drafts,
+  so the step's prompts cancel. The first ``WARMUP`` + 1 steps train to measure it, and a draft left untrained for
+  ``window`` steps trains once to measure it again (a probe).
+- **What drift has cost**, ``d``: the smoothed acceptance ``s = 0.5 a + 0.5 s_prev`` below the draft's recent best
+  (the highest ``s`` of the last ``window`` steps), less its noise: each step's prompts differ in how predictable
+  they are, so ``a`` moves by ``sigma`` (its spread around the previous ``s`` over the window) without any drift;
+  ``s`` moves by about ``0.58 sigma`` and the best of a window of them sits above their mean by about as much, so
+  ``d = best - s - 2 x 0.58 sigma`` (0 before three steps have measured ``sigma``).
+- **What a unit of acceptance is worth**: rollouts take about ``rollout_s / a`` seconds more per step for each unit
+  lost (rounds per token are ``1 / a``; ``rollout_s`` the mean of the recent steps'); over the next ``H`` steps
+  (``draft.schedule_horizon``, at most the steps left) the update is worth ``gain = (max(u, 0) + d) x rollout_s /
+  a x H`` seconds.
+- **What one update costs**: the recent trained steps' training seconds per completion token less the skipped
+  steps', times this step's tokens (before both were seen: a third of a trained step, or half a skipped one, the
+  prior from docs/benchmarks/codraft_step.md, where co-training made the step 1.4-1.6x as long). How large an
+  update is, is ``draft.sample_every`` (docs/benchmarks/cotrain_schedule.md: a quarter of the samples held the
+  acceptance of all of them on tiny-drift at a fraction of the cost).
 
 It trains when ``gain >= cost`` and, once training, keeps training while ``gain >= cost / 2`` (hysteresis: one noisy
-step neither starts nor stops it). A skipped step runs no draft at all (no forward, no backward; the draft and its
-optimizer state stay bit-identical). Every decision is logged with its reason and figures, and :func:`replay`
-recomputes the decisions from those logged figures alone.
+step neither starts nor stops it). A skipped step runs no draft update (no forward or backward of the trained draft;
+it and its optimizer state stay bit-identical; the reference is still scored). Every decision is logged with its
+reason and figures, and :func:`replay` recomputes the decisions from those logged figures alone.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from typing import Any, Sequence
 from lightning_codraft.rl.stats import paired_difference
 
 SCHEDULES = ("every_step", "every_n", "adaptive")
+WARMUP = 3
+"""Changes of the margin after trained steps the adaptive schedule measures before it trusts what an update buys."""
 
 
 @dataclass
@@ -48,18 +60,24 @@ class Decision:
     """The engine's acceptance length on the step's rollouts (the current draft)."""
     rollout_s: float = math.nan
     """Seconds the step's rollouts took."""
+    tokens: float = math.nan
+    """Completion tokens of the step's rollouts (the update's cost scales with them)."""
     smoothed: float = math.nan
     """Smoothed acceptance ``s``."""
     best: float = math.nan
     """The draft's recent best smoothed acceptance."""
     noise: float = math.nan
     """The deficit's allowance for noise (``2 x 0.58 sigma``; inf before three steps measured ``sigma``)."""
+    update_gain: float = math.nan
+    """What one update adds to the draft's margin over the reference, measured (``u``)."""
     gain_s: float = math.nan
-    """Rollout seconds the deficit costs over the horizon."""
+    """Rollout seconds an update is worth over the horizon."""
     cost_s: float = math.nan
     """Estimated seconds of one draft update."""
     train_s: float = math.nan
     """Seconds the step's update took (filled after it)."""
+    reference: float = math.nan
+    """The reference draft's implied acceptance on the step's rollouts (NaN without one; filled after the step)."""
     ab_gain: float = math.nan
     """The A/B: the current draft's implied acceptance minus the reference's on the step's rollouts (NaN where
     either did not run; filled after the step)."""
@@ -100,10 +118,10 @@ class DraftSchedule:
         """Steps that trained the draft so far (its version)."""
         return sum(d.train for d in self.history)
 
-    def decide(self, step: int, acceptance: float, rollout_s: float) -> Decision:
-        """The decision for RL step ``step`` (0-based) from its measured acceptance and rollout seconds; call
-        :meth:`record` after the step. Every rank must pass the same (global) figures."""
-        figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s))
+    def decide(self, step: int, acceptance: float, rollout_s: float, tokens: float = math.nan) -> Decision:
+        """The decision for RL step ``step`` (0-based) from its measured acceptance, rollout seconds and completion
+        tokens; call :meth:`record` after the step. Every rank must pass the same (global) figures."""
+        figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s), tokens=float(tokens))
         if not self.trains:
             return Decision(step + 1, False, "the draft is not co-trained (draft.mode)", **figures)
         if self.schedule == "every_step":
@@ -111,9 +129,43 @@ class DraftSchedule:
         if self.schedule == "every_n":
             on = step % self.every == 0
             return Decision(step + 1, on, f"every {self.every} steps: {'on' if on else 'off'}", **figures)
-        return self._adaptive(step, float(acceptance), float(rollout_s))
+        return self._adaptive(step, float(acceptance), float(rollout_s), float(tokens))
 
-    def _adaptive(self, step: int, a: float, rollout_s: float) -> Decision:
+    def _update_gain(self) -> tuple[float, int]:
+        """``(u, n)``: what one update adds to the margin over the reference (module docstring), and how many
+        changes after trained steps measured it."""
+        rows = self.history
+        paired = rows and all(math.isfinite(d.reference) for d in rows)
+        margin = [d.acceptance - (d.reference if paired else 0.0) for d in rows]
+        after = {True: [], False: []}
+        for prev, m0, m1 in zip(rows, margin, margin[1:]):
+            if math.isfinite(m1 - m0):
+                after[prev.train].append(m1 - m0)
+        trained, skipped = after[True][-self.window:], after[False][-self.window:]
+        if not trained:
+            return math.nan, 0
+        base = sum(skipped) / len(skipped) if len(skipped) >= 2 else 0.0
+        return sum(trained) / len(trained) - base, len(after[True])
+
+    def _cost(self, tokens: float) -> float:
+        """Estimated seconds of one draft update on a step of ``tokens`` completion tokens (module docstring)."""
+        scaled = math.isfinite(tokens) and tokens > 0 and all(math.isfinite(d.tokens) for d in self.history)
+        per = [(d.train, d.train_s / d.tokens if scaled else d.train_s) for d in self.history[-20:]
+               if math.isfinite(d.train_s)]
+        trained = [x for t, x in per if t][-5:]
+        skipped = [x for t, x in per if not t][-5:]
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        if trained and skipped:
+            unit = max(mean(trained) - mean(skipped), 0.0)
+        elif trained:
+            unit = mean(trained) / 3
+        elif skipped:
+            unit = 0.5 * mean(skipped)
+        else:
+            return math.inf
+        return unit * (tokens if scaled else 1.0)
+
+    def _adaptive(self, step: int, a: float, rollout_s: float, tokens: float) -> Decision:
         prev = self.history[-1] if self.history else None
         s = a if prev is None or math.isnan(prev.smoothed) else 0.5 * a + 0.5 * prev.smoothed
         recent = [d for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)]
@@ -122,30 +174,35 @@ class DraftSchedule:
             [a - recent[-1].smoothed] if recent else [])
         sigma = math.sqrt(sum(x * x for x in resid) / len(resid)) if len(resid) >= 3 else math.inf
         noise = 2 * math.sqrt(1 / 3) * sigma
-        trained = [d.train_s for d in self.history[-20:] if d.train and not math.isnan(d.train_s)][-5:]
-        skipped = [d.train_s for d in self.history[-20:] if not d.train and not math.isnan(d.train_s)][-5:]
-        if trained and skipped:
-            cost = max(sum(trained) / len(trained) - sum(skipped) / len(skipped), 0.0)
-        elif skipped:
-            cost = 0.5 * sum(skipped) / len(skipped)
-        else:
-            cost = math.inf  # the first step: nothing measured, and nothing has drifted yet
+        deficit = max(best - s - noise, 0.0) if math.isfinite(noise) else 0.0
+        u, measured = self._update_gain()
+        cost = self._cost(tokens)
         H = max(1, min(self.horizon, self.total_steps - step))
-        gain = max(best - s - noise, 0.0) * rollout_s / max(a, 1.0) * H if math.isfinite(noise) else 0.0
+        per_unit = (sum(d.rollout_s for d in recent) + rollout_s) / (len(recent) + 1) / max(a, 1.0)
+        gain = ((max(u, 0.0) if math.isfinite(u) else 0.0) + deficit) * per_unit * H
         training = prev is not None and prev.train
+        figures = dict(acceptance=a, rollout_s=rollout_s, tokens=tokens, smoothed=s, best=best, noise=noise,
+                       update_gain=u, gain_s=gain, cost_s=cost)
+        if measured < WARMUP:
+            return Decision(step + 1, True, f"measuring what an update buys ({measured} of {WARMUP} measured)",
+                            **figures)
+        if len(self.history) >= self.window and not any(d.train for d in self.history[-self.window:]):
+            return Decision(step + 1, True, f"no update in {self.window} steps: a probe of what one buys now",
+                            **figures)
         need = cost / 2 if training else cost
         train = gain >= need and gain > 0
-        fig = (f"acceptance {a:.2f} (smoothed {s:.2f}, recent best {best:.2f}, noise {noise:.2f}): the deficit "
-               f"costs {gain:.2f} s of rollouts over {H} steps")
+        fig = (f"an update adds {u:+.3f} to the margin over the reference, drift cost {deficit:.2f} (acceptance "
+               f"{a:.2f}, smoothed {s:.2f}, recent best {best:.2f}, noise {noise:.2f}): worth {gain:.2f} s of "
+               f"rollouts over {H} steps")
         verdict = (f">= {'half ' if training else ''}one update's {cost:.2f} s: train" if train else
                    f"< {'half ' if training else ''}one update's {cost:.2f} s: skip")
-        return Decision(step + 1, train, f"{fig} {verdict}", acceptance=a, rollout_s=rollout_s, smoothed=s,
-                        best=best, noise=noise, gain_s=gain, cost_s=cost)
+        return Decision(step + 1, train, f"{fig} {verdict}", **figures)
 
     def record(self, decision: Decision, train_s: float, ab_gain: float = math.nan,
-               implied_rates: Sequence[float] = ()) -> None:
-        """Append the step's decision with its measured training seconds and A/B figures."""
-        decision.train_s, decision.ab_gain = float(train_s), float(ab_gain)
+               implied_rates: Sequence[float] = (), reference: float = math.nan) -> None:
+        """Append the step's decision with its measured training seconds (the same on every rank) and A/B figures
+        (``reference``: the reference draft's implied acceptance)."""
+        decision.train_s, decision.ab_gain, decision.reference = float(train_s), float(ab_gain), float(reference)
         decision.implied_rates = tuple(implied_rates)
         self.history.append(decision)
 
@@ -167,8 +224,9 @@ def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool
     """The decisions ``schedule`` (fresh) makes from the logged figures ``rows`` (``draft_schedule.jsonl``)."""
     out = []
     for r in rows:
-        d = schedule.decide(int(r["step"]) - 1, float(r["acceptance"]), float(r["rollout_s"]))
-        schedule.record(d, float(r["train_s"]), float(r.get("ab_gain", math.nan)), r.get("implied_rates", ()))
+        num = lambda k: math.nan if r.get(k) is None else float(r[k])  # noqa: E731
+        d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"))
+        schedule.record(d, num("train_s"), num("ab_gain"), r.get("implied_rates", ()), num("reference"))
         out.append(d.train)
     return out
 

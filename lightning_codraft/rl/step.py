@@ -249,9 +249,11 @@ class RLStep:
         batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
         self.model.train()
         module = unwrap_module(self.model)
-        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s],
-                                                   dtype=torch.float64), reduce_op="sum").tolist()
-        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size)
+        n_tok = sum(len(o.token_ids) for o in outs)
+        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s,
+                                                    float(n_tok)], dtype=torch.float64), reduce_op="sum").tolist()
+        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size,
+                                        seen[3] * dims.dp / dims.world_size)  # a replica's ranks hold the same rollouts
         if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
         module.train_draft_this_step = decision.train
@@ -259,12 +261,13 @@ class RLStep:
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}
-        train_s = time.perf_counter() - t0
+        # the slowest rank's seconds: every rank's schedule must see the same figures to decide alike
+        train_s = self.fabric.all_reduce(torch.tensor(time.perf_counter() - t0, dtype=torch.float64),
+                                         reduce_op="max").item()
         implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
         rates = [m[f"draft/implied_rate{k}"] for k in range(cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
-        self.schedule.record(decision, train_s, implied - reference, rates)
+        self.schedule.record(decision, train_s, implied - reference, rates, reference)
         _, ab_low, ab_high = ab_difference([d.ab_gain for d in self.schedule.history])
-        n_tok = sum(len(o.token_ids) for o in outs)
         ok = r[scored].tolist()
         local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
                  "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(failures)),

@@ -217,3 +217,14 @@ def test_cotrain_schedule_smoke(tmp_path, mode):
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert table and table == [line for line in again.splitlines() if line.startswith("|")]
     assert "rebuilt with `--report-only`" in (tmp_path / "again" / "c.md").read_text()
+
+
+def test_cotrain_schedule_over_seeds_smoke(tmp_path):
+    arms = [x for a in ("none", "frozen", "adaptive, 1/4 of samples") for x in ("--arm", a)]
+    text = _run("cotrain_schedule.py", "--seeds", 0, 1, *arms, "--out", tmp_path, "--name", "s",
+                f"run.out_dir={tmp_path / 'run'}", "rl.steps=4", *_TINY_RL)
+    md = (tmp_path / "s.md").read_text()
+    assert "| adaptive, 1/4 of samples | " in md and "seed 1: e2e speed-up" in md and "Seed 1:" in md
+    assert "adaptive, 1/4 of samples - frozen end-to-end speed-up over 2 seeds (paired)" in text
+    assert (tmp_path / "run" / "seed0" / "arms" / "frozen" / "metrics.csv").is_file()
+    assert (tmp_path / "run" / "seed1" / "arms" / "none" / "metrics.csv").is_file()
