@@ -22,7 +22,7 @@ from lightning_codraft.distill.cache import (PRECISION_NAMES, PRECISIONS, Featur
                                                     pack_batches)
 from lightning_codraft.distill.compiled import compiled_draft
 from lightning_codraft.models.precision import resolve_precision
-from lightning_codraft.training.draft_loss import ttt_draft_loss
+from lightning_codraft.training.draft_loss import DRAFT_LOSSES, ttt_draft_loss
 from lightning_codraft.training.optim import adamw, cosine_decay
 
 
@@ -79,6 +79,10 @@ class DraftFitConfig:
     """``"32-true"``, ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: faster where bf16
     matmuls are, with gradients close to fp32's: docs/design/measurements.md) or ``"auto"`` (bf16-mixed where bf16 is
     fast: :func:`~lightning_codraft.models.precision.resolve_precision`)."""
+    loss_type: str = "ce"
+    """The per-row draft loss (:data:`~lightning_codraft.training.draft_loss.DRAFT_LOSSES`): ``ce`` (EAGLE-3's
+    soft cross-entropy), ``tv`` (total variation ``1 - sum min(p, q)``), ``lk_alpha`` / ``lk_lambda`` (LK-style);
+    the comparison is docs/benchmarks/draft_fit_ablation.md and docs/benchmarks/cotrain_losses.md."""
     compile: bool = False
     """``torch.compile(dynamic=True)`` the draft layer's q/k/v and output blocks and its final norm while fitting,
     fusing their elementwise work (docs/design/measurements.md); the first batches pay the compilation, the module
@@ -92,6 +96,8 @@ class DraftFitConfig:
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio="
                              f"{self.min_lr_ratio} in [0, 1]")
+        if self.loss_type not in DRAFT_LOSSES:
+            raise ValueError(f"DraftFitConfig.loss_type={self.loss_type!r} must be one of {DRAFT_LOSSES}")
         if self.precision not in PRECISION_NAMES:
             raise ValueError(f"DraftFitConfig.precision={self.precision!r} must be one of {PRECISION_NAMES}")
         if self.val_docs < 0 or self.eval_every < 1:
@@ -175,16 +181,18 @@ def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tens
 
 
 def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                     decay: float = 0.8, precision: str = "32-true", target_temperature: float = 1.0):
-    """:func:`ttt_draft_loss` (step weight ratio ``decay``) of :func:`draft_unroll` on the same arguments, both
-    distributions taken at ``target_temperature`` (:attr:`DraftFitConfig.target_temperature`)."""
+                     decay: float = 0.8, precision: str = "32-true", target_temperature: float = 1.0,
+                     loss_type: str = "ce"):
+    """:func:`ttt_draft_loss` (per-row loss ``loss_type``, step weight ratio ``decay``) of :func:`draft_unroll` on
+    the same arguments, both distributions taken at ``target_temperature``
+    (:attr:`DraftFitConfig.target_temperature`)."""
     steps, rows = draft_unroll(draft, embed, batch, ttt_steps, precision)
     compact = rows["compact_logits"]
     if target_temperature != 1.0:  # the last column is the argmax-outside flag, not a logit
         steps = [z / target_temperature for z in steps]
         compact = torch.cat([compact[:, :-1] / target_temperature, compact[:, -1:]], dim=1)
     return ttt_draft_loss(steps, compact, rows["cu_seqlens"], rows["loss_mask"],
-                          *compact_vocab(steps[0].shape[-1]), decay=decay)
+                          *compact_vocab(steps[0].shape[-1]), decay=decay, loss_type=loss_type)
 
 
 @torch.no_grad()
@@ -302,7 +310,7 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
 
     def loss(batch):
         return draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision,
-                                config.target_temperature)
+                                config.target_temperature, config.loss_type)
 
     def report(step: int, result: FitResult, window: list[float]) -> float:
         t0 = time.perf_counter()

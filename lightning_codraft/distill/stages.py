@@ -66,8 +66,12 @@ def features_key(corpus: str, target_ids: torch.Tensor, taps, settings: WarmStar
 
 
 def draft_key(corpus: str, draft, settings: WarmStartSettings) -> str:
-    """Stage 4's key: the corpus' key, the draft's config, every setting."""
-    return _digest(corpus, asdict(draft.config), asdict(settings))
+    """Stage 4's key: the corpus' key, the draft's config, every setting (the fit's ``loss_type`` only when it is not
+    the default ``ce``, so drafts fitted before the setting existed keep their key)."""
+    every = asdict(settings)
+    if every["fit"].get("loss_type") == "ce":
+        del every["fit"]["loss_type"]
+    return _digest(corpus, asdict(draft.config), every)
 
 
 def sample_corpus(policy, tokenizer, prompts: list[list[int]], taps, settings: WarmStartSettings, cache_dir: Path,

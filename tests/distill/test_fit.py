@@ -93,6 +93,28 @@ def test_cached_loss_equals_full_logit_loss(tmp_path, K):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["tv", "lk_alpha", "lk_lambda"])
+def test_every_draft_loss_on_the_cache_equals_it_on_full_logits(tmp_path, loss_type):
+    """DraftFitConfig.loss_type: the offline fit's loss on the cache's compact logits is the co-training loss of
+    that type on full logits, values and gradients, and it is not the cross-entropy."""
+    policy, docs = _policy(sharpen=4.0), _docs(7, seed=2)
+    draft = _draft(policy)
+    cache = build_feature_cache(policy, docs, _target_ids(draft), draft.config.taps, tmp_path / "c",
+                                batch_tokens=40, dtype="float32")
+    out, steps, cu, mask = _reference_unroll(policy, draft, docs, 3)
+    ref = ttt_draft_loss(steps, out.logits, cu, mask.float(), draft.d2t, draft.t2d, loss_type=loss_type)
+    got = draft_batch_loss(draft, policy.embed, cache.batch(list(range(len(docs)))), 3, loss_type=loss_type)
+    ce = draft_batch_loss(draft, policy.embed, cache.batch(list(range(len(docs)))), 3)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.per_step_loss, ref.per_step_loss, rtol=1e-5, atol=1e-5)
+    assert abs(float(got.loss.detach()) - float(ce.loss.detach())) > 1e-2
+    for a, b in zip(torch.autograd.grad(got.loss, list(draft.parameters())),
+                    torch.autograd.grad(ref.loss, list(draft.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="loss_type='kl' must be one of"):
+        DraftFitConfig(loss_type="kl")
+
+
 def test_unroll_skips_prompt_rows_without_changing_loss_or_gradients(tmp_path):
     """Long prompts: the fit unrolls only the rows a loss row can reach (from K rows before each completion), yet
     its loss, accuracies and gradients are the full unroll's (the reference unrolls every row)."""

@@ -221,7 +221,9 @@ def test_each_stage_owns_its_cache_key():
     feature storage dtype only the features' key."""
     from dataclasses import replace
 
-    from lightning_codraft.distill.stages import GENERATION_FIELDS, corpus_key, draft_key, features_key
+    from dataclasses import asdict
+
+    from lightning_codraft.distill.stages import GENERATION_FIELDS, _digest, corpus_key, draft_key, features_key
 
     torch.manual_seed(0)
     policy = Policy(PolicyConfig.tiny(vocab_size=40, num_hidden_layers=4))
@@ -240,3 +242,9 @@ def test_each_stage_owns_its_cache_key():
     assert "temperature" in GENERATION_FIELDS and c2 != c0 and f2 != f0 and d2 != d0
     c3, f3, _ = keys(replace(base, feature_dtype="float32"))
     assert c3 == c0 and f3 != f0
+    # the draft loss: a new key only when it is not the default (drafts fitted before the setting keep theirs)
+    _, _, d4 = keys(replace(base, fit=replace(base.fit, loss_type="tv")))
+    assert d4 != d0
+    legacy = asdict(base)
+    del legacy["fit"]["loss_type"]
+    assert d0 == _digest(c0, asdict(draft.config), legacy)
