@@ -52,12 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ws.add_cached_run_options(ap)
     ap.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), metavar="KEY=VALUE[,KEY=VALUE]",
                     help="DraftFitConfig changes per arm (the first is the reference), e.g. 'ttt_steps=3,lr=0.003'")
-    ap.add_argument("--budget-min", type=float, default=5.0, help="fit wall time of every arm")
+    ap.add_argument("--budget-min", type=float, default=5.0,
+                    help="fit wall time of every arm; 0: none, every arm fits its epochs (the same steps)")
     ap.add_argument("--unroll-batches", type=int, default=30, help="batches timed for the suffix-unroll comparison")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.smoke:
-        args.budget_min, args.unroll_batches = 0.02, 2
+        args.budget_min, args.unroll_batches = (0.02 if args.budget_min > 0 else 0.0), 2
         if args.arms == list(DEFAULT_ARMS):
             args.arms = ["ttt_steps=2", "ttt_steps=1"]
     return args
@@ -119,7 +120,8 @@ def main(argv=None) -> None:
     out, wsargs, policy, settings, cache = Path(args.out_dir), run.args, run.policy, run.settings, run.cache
     template = Eagle3Draft.from_pretrained(run.draft_dir)
     names = {f.name for f in dataclasses.fields(settings.fit)}
-    base = dataclasses.replace(settings.fit, time_budget_s=args.budget_min * 60, eval_every=10**9,
+    base = dataclasses.replace(settings.fit, time_budget_s=args.budget_min * 60 if args.budget_min > 0 else None,
+                               eval_every=10**9,
                                eval_steps=wsargs.k)
     probe = Eagle3Draft(template.config)
     install_vocab(policy, probe, cache.corpus(), settings)
@@ -159,11 +161,16 @@ def main(argv=None) -> None:
 def write_report(out: Path, res: dict) -> str:
     """Write ``draft_fit_ablation.md`` and its plot from a run's results."""
     arms, first = res["arms"], res["arms"][0]
-    lines = ["# Draft fit settings side by side (SmolLM2-135M / GSM8K): same fit wall time, held-out prompts", "",
+    timed = res["budget_min"] > 0
+    budget = (f"fitted for {res['budget_min']:g} min (the warm start's fit settings plus the arm's changes; the "
+              "schedule decays within the budget)" if timed else
+              f"fitted for {res['base']['epochs']:g} epochs unless the arm says otherwise, no wall-time budget (the "
+              "warm start's fit settings plus the arm's changes: every arm the same steps)")
+    lines = ["# Draft fit settings side by side (SmolLM2-135M / GSM8K): same fit "
+             f"{'wall time' if timed else 'steps'}, held-out prompts", "",
              f"Command: `{res['command']}`" + (" (smoke run: tiny random policy)" if res["smoke"] else ""), "",
              f"Feature cache `{Path(res['features_dir']).name}`; every arm a fresh draft initialised as the warm start "
-             f"does, fitted for {res['budget_min']:g} min (the warm start's fit settings plus the arm's changes; "
-             f"the schedule decays within the budget). Held-out step accuracies unroll K={res['k']} steps whatever "
+             f"does, {budget}. Held-out step accuracies unroll K={res['k']} steps whatever "
              f"depth is trained. Engine: K={res['k']}, T={res['temperature']}, coupled sampling, "
              f"{res['eval_prompts']} held-out GSM8K prompts, at most {res['eval_max_new_tokens']} new tokens (every "
              "arm decodes the same tokens).", ""]

@@ -177,6 +177,15 @@ def test_draft_fit_ablation_smoke(tmp_path):
     assert res["unroll_timing"]["batches"] == 2 and "every row (prompt rows included)" in text
     assert (tmp_path / "draft_fit_ablation.md").is_file() and (tmp_path / "draft_fit_ablation.png").is_file()
 
+
+def test_draft_fit_ablation_of_the_losses_at_the_same_steps_smoke(tmp_path):
+    """The SmolLM2 loss comparison's form: loss arms, no wall-time budget (every arm the same epochs)."""
+    text = _run("draft_fit_ablation.py", "--smoke", "--out-dir", tmp_path, "--cache-dir", tmp_path / "cache",
+                "--budget-min", 0, "--arms", "loss_type=ce,epochs=1", "loss_type=tv,epochs=1")
+    res = json.loads((tmp_path / "draft_fit_ablation.json").read_text())
+    assert [a["arm"] for a in res["arms"]] == ["loss_type=ce,epochs=1", "loss_type=tv,epochs=1"]
+    assert res["arms"][0]["steps"] == res["arms"][1]["steps"] >= 1 and "same fit steps" in text
+
 def test_recipe_run_smoke(tmp_path):
     text = _run("recipe_run.py", "--config", "recipes/tiny-cpu.yaml", "--name", "page", "--out", tmp_path,
                 f"run.out_dir={tmp_path / 'run'}", "model.num_hidden_layers=4", "sft.steps=2", "draft.warmup_steps=2",
