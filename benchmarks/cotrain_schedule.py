@@ -146,7 +146,9 @@ def setup_line(cfg, args) -> str:
             f"{c.rl.temperature}, K = {c.draft.num_speculative_tokens} "
             f"({'adaptive' if c.draft.adaptive else 'fixed'}), draft lr {c.draft.lr}, {c.draft.sampling} sampling, "
             f"rollouts on prompts the draft never trained on (fresh prompts every step), {c.parallel.accelerator}, "
-            f"seed {c.run.seed}.")
+            + (f"seed {c.run.seed}." if args.seeds is None else
+               f"seeds {', '.join(map(str, args.seeds))} (each a whole side-by-side run with its own SFT and draft "
+               "warm-up; arms paired over seeds)."))
 
 
 def seeds_report(results: dict[int, CompareResult]) -> tuple[str, list[str]]:

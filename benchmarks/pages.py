@@ -4,6 +4,7 @@ the page itself, its JSON data and its PNG plots (matplotlib without a display).
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -13,7 +14,7 @@ def command(script: str, argv: Sequence[str] | None = None) -> str:
     """``python benchmarks/<script> <args>``: the line a page quotes to reproduce itself (``argv``: the script's
     arguments, default this process's)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join(["python", f"benchmarks/{script}", *map(str, args)])
+    return " ".join(["python", f"benchmarks/{script}", *(shlex.quote(str(a)) for a in args)])
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
