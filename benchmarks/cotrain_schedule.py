@@ -49,6 +49,10 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def _last_half(xs):
+    return xs[len(xs) // 2:]
+
+
 def correlation(x, y) -> float:
     """Pearson correlation of the finite pairs (NaN with fewer than 3 or no spread)."""
     pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
@@ -83,12 +87,11 @@ def from_runs(arms: dict, root: Path, cfg) -> CompareResult:
 
 
 def schedule_report(res: CompareResult, args) -> tuple[str, list[str]]:
-    half = lambda xs: xs[len(xs) // 2:]  # noqa: E731
     frozen_train = _mean(res.series("frozen", "train_s")) if "frozen" in res.results else math.nan
     lines = ["| arm | acceptance, last half | train s per step | train s vs frozen | draft updates | rollout "
              "speed-up | end-to-end speed-up |", "|---|---|---|---|---|---|---|"]
     for arm in res.results:
-        acc = _mean(half(res.series(arm, "acceptance_length")))
+        acc = _mean(_last_half(res.series(arm, "acceptance_length")))
         train = _mean(res.series(arm, "train_s"))
         updates = int(sum(res.series(arm, "draft_trained")))
         ro, e2e = (f"{x:.2f}x" for x in res.speedups(arm)) if "none" in res.results else ("- (no arm none)",) * 2
@@ -132,8 +135,8 @@ def loss_report(res: CompareResult) -> tuple[str, list[str]]:
     for arm in res.results:
         acc = res.series(arm, "acceptance_length")
         vs = "-" if arm == "ce" else str(res.paired(arm, "ce", "acceptance_length"))
-        lines.append(f"| {arm} | {_mean(acc[len(acc) // 2:]):.3f} | {vs} | "
-                     f"{_mean(res.series(arm, 'implied_acceptance')[len(acc) // 2:]):.3f} | "
+        lines.append(f"| {arm} | {_mean(_last_half(acc)):.3f} | {vs} | "
+                     f"{_mean(_last_half(res.series(arm, 'implied_acceptance'))):.3f} | "
                      f"{_mean(res.series(arm, 'train_s')):.2f} |")
     return "\n".join(lines), []
 
@@ -158,9 +161,8 @@ def seeds_report(results: dict[int, CompareResult]) -> tuple[str, list[str]]:
     seeds = list(results)
     lines = ["| arm | " + " | ".join(f"seed {s}: e2e speed-up / acceptance, last half" for s in seeds) + " |",
              "|---|" + "---|" * len(seeds)]
-    half = lambda xs: xs[len(xs) // 2:]  # noqa: E731
     e2e = {a: [results[s].speedups(a)[1] for s in seeds] for a in arms}
-    acc = {a: [_mean(half(results[s].series(a, "acceptance_length"))) for s in seeds] for a in arms}
+    acc = {a: [_mean(_last_half(results[s].series(a, "acceptance_length"))) for s in seeds] for a in arms}
     for a in arms:
         lines.append(f"| {a} | " + " | ".join(f"{x:.3f}x / {y:.2f}" for x, y in zip(e2e[a], acc[a])) + " |")
     goals = []
@@ -199,26 +201,27 @@ def main(argv=None) -> None:
     cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides])
     if cfg.rl.steps < 4:
         ap.error(f"rl.steps={cfg.rl.steps}: the paired statistics over the last half need rl.steps >= 4")
-    table = LOSS_ARMS if args.losses else SCHEDULE_ARMS
-    chosen = table if args.arms is None else {n: table.get(n) for n in args.arms}
+    catalogue = LOSS_ARMS if args.losses else SCHEDULE_ARMS
+    chosen = catalogue if args.arms is None else {n: catalogue.get(n) for n in args.arms}
     if unknown := [n for n, kw in chosen.items() if kw is None]:
-        ap.error(f"--arm: unknown arm(s) {unknown}; arms are {list(table)}")
+        ap.error(f"--arm: unknown arm(s) {unknown}; arms are {list(catalogue)}")
     if args.seeds is not None and (args.losses or len(args.seeds) < 2 or not {"none", "frozen"} <= set(chosen)):
         ap.error("--seeds compares schedules over >= 2 seeds and needs the arms none and frozen")
     if args.seeds is None:
         res = run_arms(args, cfg, configs_for(cfg, chosen))
         table, goals = loss_report(res) if args.losses else schedule_report(res, args)
     else:
-        per_seed = {}
+        per_seed, reports = {}, {}
         for seed in args.seeds:
             c = load_config(args.config, [*args.overrides, f"run.seed={seed}",
                                           f"run.out_dir={Path(cfg.run.out_dir) / f'seed{seed}'}"])
             per_seed[seed] = run_arms(args, c, configs_for(c, chosen))
-            print(f"seed {seed}:\n" + schedule_report(per_seed[seed], args)[0])
+            reports[seed] = schedule_report(per_seed[seed], args)
+            print(f"seed {seed}:\n" + reports[seed][0])
         res = per_seed[args.seeds[0]]
         table, goals = seeds_report(per_seed)
-        table += "".join(f"\n\nSeed {s}:\n\n" + schedule_report(r, args)[0] for s, r in per_seed.items())
-        goals += [f"seed {s}: {g}" for s, r in per_seed.items() for g in schedule_report(r, args)[1]]
+        table += "".join(f"\n\nSeed {s}:\n\n" + seed_table for s, (seed_table, _) in reports.items())
+        goals += [f"seed {s}: {g}" for s, (_, seed_goals) in reports.items() for g in seed_goals]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     keys = ("acceptance_length", "implied_acceptance", "train_s") if args.losses else (
