@@ -68,9 +68,11 @@ class StepMetrics:
     policy_loss: float
     """Clipped policy-gradient loss."""
     clip_frac: float
-    """Share of completion tokens whose ratio was clipped."""
+    """Share of the step's completion tokens whose ratio was clipped: a token mean whatever the aggregation (TRL's
+    ``clip_ratio/region_mean``, verl's ``actor/pg_clipfrac``)."""
     kl: float
-    """Drift: KL(policy || start policy), the k3 estimate on the step's completion tokens before the update (the
+    """Drift: KL(policy || start policy), the k3 estimate's token mean over the step's completion tokens before the
+    update, whatever the aggregation (TRL's ``kl``, verl's ``low_var_kl`` mean) (the
     start policy is the frozen reference; NaN without one: ``rl.track_drift=false`` and ``rl.kl_coef=0``)."""
     greedy_agreement: float
     """Drift: share of the step's completion positions where the policy's and the start policy's most likely next

@@ -186,10 +186,10 @@ class CoDraftModule(LightningModule):
             ``(loss, stats)``: loss = this rank's share of the step's objective (the sum over dp x cp ranks and
             microbatches is the objective); stats are this microbatch's global shares of the step's values.
         """
-        c = self.config
+        c, tokens = self.config, None if batch.norm is None else max(batch.norm.tokens, 1.0)
         return policy_gradient_loss(
             logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=c.clip_eps,
-            clip_eps_high=c.clip_eps_high, ref_logprobs=batch.ref_logprobs, kl_coef=c.kl_coef,
+            clip_eps_high=c.clip_eps_high, ref_logprobs=batch.ref_logprobs, kl_coef=c.kl_coef, num_tokens=tokens,
             group=self.parallel_dims.dp_cp_group, loss_weight=batch.loss_weight, dual_clip=c.dual_clip)
 
     def draft_token_embeds(self, embeds: Tensor, batch: RLBatch) -> list[Tensor]:

@@ -51,6 +51,7 @@ def policy_gradient_loss(
     group: Optional[Any] = None,
     loss_weight: Optional[Tensor] = None,
     dual_clip: Optional[float] = None,
+    num_tokens: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO / GRPO clipped surrogate (+ optional k3 KL to a reference policy), a weighted sum over tokens.
 
@@ -74,13 +75,16 @@ def policy_gradient_loss(
         group: process group over which the batch is split (the flattened dp x cp group), or ``None``.
         loss_weight: ``(T,)`` per-row weights of the objective (0 off-mask), or None for the token mean.
         dual_clip: verl's ``clip_ratio_c`` (> 1): caps the loss of a negative-advantage token at ``-A c``; None: off.
+        num_tokens: the step's completion tokens over every rank and microbatch (``RLBatch.norm.tokens``): the
+            token-mean statistics are then this batch's share of the step's; None: this batch's own token means.
 
     Returns:
         ``(loss, stats)``. ``loss`` is THIS rank's share (the sum of ``loss`` over ``group`` is the objective,
         value and gradient); a data-parallel wrapper that AVERAGES gradients over ``group`` needs
-        ``loss * group_size``. ``stats`` holds detached global ``w``-weighted sums (the same weights as the loss:
-        token means without ``loss_weight``, this batch's share of the step's weighted means with it):
-        ``loss``, ``pg_loss``, ``kl``, ``clip_frac``, ``ratio``, ``approx_kl``, and ``num_tokens`` (scored rows).
+        ``loss * group_size``. ``stats`` holds detached global sums: ``loss`` and ``pg_loss`` with the loss's
+        weights ``w``; ``kl``, ``clip_frac``, ``ratio`` and ``approx_kl`` as **token means** whatever the
+        aggregation (TRL's ``kl`` / ``clip_ratio/region_mean``, verl's ``pg_clipfrac``: docs/rl.md); and
+        ``num_tokens`` (scored rows).
     """
     shape = logprobs.shape
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
@@ -127,9 +131,11 @@ def policy_gradient_loss(
 
     with torch.no_grad():
         clipped = (pg_clipped > pg_unclipped).to(dtype)
+        per_tok = mask / (num_tokens if num_tokens is not None else  # the statistics' weights: token means
+                          _all_reduce_sum(mask.sum(), group).clamp(min=1.0))
         sums = torch.stack([
-            (per_token * weight).sum(), (pg * weight).sum(), (kl * weight).sum(), (clipped * weight).sum(),
-            (ratio * weight).sum(), (0.5 * log_ratio.square() * weight).sum(), mask.sum(),
+            (per_token * weight).sum(), (pg * weight).sum(), (kl * per_tok).sum(), (clipped * per_tok).sum(),
+            (ratio * per_tok).sum(), (0.5 * log_ratio.square() * per_tok).sum(), mask.sum(),
         ])
         sums = _all_reduce_sum(sums, group)
     stats = {

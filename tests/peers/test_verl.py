@@ -3,6 +3,7 @@ dual-clipped) surrogate and every loss aggregation equal ours on the same inputs
 (`.ci/run` set ``peers``); its package imports ray / tensordict at import time, which these functions never use, so
 the missing ones are stood in by empty modules. Skipped where verl is not installed."""
 
+import dataclasses
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -102,3 +103,40 @@ def test_policy_loss_and_aggregation_equal_verl(core_algos, ours_agg, theirs_agg
         batch.old_logprobs[rows] * mat_mask, logp[rows] * mat_mask, batch.advantages[rows] * mat_mask, mat_mask,
         loss_agg_mode=theirs_agg, config=config)
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ours_agg", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_clip_frac_and_kl_are_the_token_means_verl_and_trl_log(core_algos, ours_agg, microbatches):
+    """Whatever the loss aggregation and microbatching: our ``clip_frac`` is verl's ``actor/pg_clipfrac`` (and TRL's
+    ``clip_ratio/region_mean``), our ``kl`` verl's ``low_var_kl`` (TRL's k3 ``kl``) token mean — the step's shares
+    of the microbatches add up to them."""
+    from verl.utils.torch_functional import masked_mean
+
+    batch, logp, rows, mat_mask = _case()
+    ref = batch.old_logprobs - 0.3 * torch.rand(batch.num_tokens, generator=torch.Generator().manual_seed(3))
+    batch = normalize_step(dataclasses.replace(batch, ref_logprobs=ref), ours_agg, 1, max_new_tokens=8)
+    clip_frac = kl = 0.0
+    for mb, rows_mb in zip(batch.split(microbatches), _split_rows(batch, microbatches)):
+        _, stats = policy_gradient_loss(logp[rows_mb], mb.old_logprobs, mb.advantages, mb.loss_mask, clip_eps=0.2,
+                                        clip_eps_high=0.28, ref_logprobs=mb.ref_logprobs, loss_weight=mb.loss_weight,
+                                        num_tokens=batch.norm.tokens)
+        clip_frac, kl = clip_frac + stats["clip_frac"], kl + stats["kl"]
+    config = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={})
+    config.get = lambda key, default=None: 1e9 if key == "clip_ratio_c" else default
+    _, metrics = core_algos.compute_policy_loss_vanilla(
+        batch.old_logprobs[rows] * mat_mask, logp[rows] * mat_mask, batch.advantages[rows] * mat_mask, mat_mask,
+        loss_agg_mode="token-mean", config=config)
+    their_kl = masked_mean(core_algos.kl_penalty(logp[rows], ref[rows], "low_var_kl"), mat_mask)
+    assert metrics["actor/pg_clipfrac"] > 0
+    torch.testing.assert_close(float(clip_frac), metrics["actor/pg_clipfrac"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(float(kl), their_kl.item(), rtol=1e-6, atol=1e-7)
+
+
+def _split_rows(batch, n):
+    """The packed rows of each of ``batch.split(n)``'s microbatches (whole documents, in order)."""
+    out, start = [], 0
+    for mb in batch.split(n):
+        out.append(torch.arange(start, start + mb.num_tokens))
+        start += mb.num_tokens
+    return out

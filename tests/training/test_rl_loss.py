@@ -106,3 +106,37 @@ def test_token_level_average_over_group():
     assert sum(r[0] for r in res) == pytest.approx(full.item(), rel=1e-12)
     assert res[0][1] == pytest.approx(full.item(), rel=1e-12)
     torch.testing.assert_close(torch.tensor(res[0][2] + res[1][2], dtype=torch.float64), x.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
+def test_statistics_are_token_means_under_every_aggregation(aggregation):
+    """``kl`` and ``clip_frac`` are TRL's ``global_masked_mean`` (``(x * mask).sum() / mask.sum()``) of the k3 KL and
+    of the region-clipped indicator (``r < 1 - eps`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``), while
+    the loss keeps the aggregation's weights (tests/peers holds them against verl's own functions)."""
+    from lightning_codraft.batch import RLBatch
+    from lightning_codraft.training.objective import normalize_step
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [2, 7, 3]
+    adv = [1.0, -0.5, 0.7]
+    old = [(-torch.rand(n, generator=g) * 2).tolist() for n in lengths]
+    batch = RLBatch.pack([[1]] * 3, [[2] * n for n in lengths], old, adv)
+    logp = batch.old_logprobs + 0.6 * torch.randn(batch.num_tokens, generator=g) * batch.loss_mask
+    ref = batch.old_logprobs - 0.3 * torch.rand(batch.num_tokens, generator=g)
+    batch = normalize_step(batch, aggregation, 1, max_new_tokens=8)
+    loss, stats = policy_gradient_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=0.2,
+                                       clip_eps_high=0.28, ref_logprobs=ref, loss_weight=batch.loss_weight,
+                                       num_tokens=batch.norm.tokens)
+    m = batch.loss_mask.float()
+    r = torch.exp(logp - batch.old_logprobs)
+    clipped = ((r < 0.8) & (batch.advantages < 0)) | ((r > 1.28) & (batch.advantages > 0))
+    d = ref - logp
+    trl_kl = ((torch.exp(d) - d - 1) * m).sum() / m.sum()
+    trl_clip = (clipped.float() * m).sum() / m.sum()
+    assert 0 < trl_clip < 1
+    torch.testing.assert_close(stats["clip_frac"].float(), trl_clip, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(stats["kl"].float(), trl_kl, rtol=1e-6, atol=1e-7)
+    # without the step's count: this batch's own token means, the same numbers here
+    _, own = policy_gradient_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=0.2,
+                                  clip_eps_high=0.28, ref_logprobs=ref, loss_weight=batch.loss_weight)
+    torch.testing.assert_close(own["clip_frac"], stats["clip_frac"])
