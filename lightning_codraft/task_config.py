@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 REWARD_BUILTINS = ("exact_answer", "math_equivalence", "format_match", "length_penalty")
 """Names of the built-in rewards (rl/reward_funcs.py ``BUILTINS``; this module imports nothing of the library)."""
+ANSWER_REWARDS = ("exact_answer", "math_equivalence")
+"""The built-ins that score against the reference answer: they need ``task.answer_column``."""
 
 
 @dataclass
@@ -101,6 +103,12 @@ class TaskConfig:
     on one fixed set. 0 = only before and after RL."""
 
 
+def answer_problem(key: str, fn: str) -> str:
+    """The message refusing the answer-based reward ``fn`` (named by ``key``) on a task without answers."""
+    return (f"{key} ({fn}) scores against the reference answer, but task.answer_column is null: name the column "
+            f"holding the answers, or use rewards that need none (format_match, length_penalty, your own)")
+
+
 def task_problems(t: TaskConfig) -> list[str]:
     """What is wrong with ``t`` (messages naming the recipe key and the fix); empty when nothing is."""
     out = []
@@ -119,6 +127,12 @@ def task_problems(t: TaskConfig) -> list[str]:
                            f"dotted path 'package.module:function'")
             if labels.count(r.label) > 1:
                 out.append(f"task.rewards[{i}]: the name {r.label!r} repeats; give each entry a distinct `name`")
+    if t.name == "dataset" and t.answer_column is None:
+        if t.rewards:
+            out += [answer_problem(f"task.rewards[{i}]", r.fn) for i, r in enumerate(t.rewards)
+                    if r.fn in ANSWER_REWARDS]
+        elif t.reward is None:
+            out.append(answer_problem("the task's built-in reward", "math_equivalence"))
     if t.name == "dataset" and t.source == "excerpt":
         out.append("task.name=dataset needs task.source: a .json / .jsonl / .parquet / .csv file, a directory or a "
                    "hub name ('excerpt' is GSM8K's bundled file)")

@@ -29,10 +29,20 @@ def _final_answer(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def _reference(a) -> str:
+    """A reference answer, stripped; ``ValueError`` for an empty one (a data problem, reported with its sample)."""
+    ref = "" if a is None else str(a).strip()
+    if not ref:
+        raise ValueError(f"the reference answer {a!r} is empty: an answer-based reward needs task.answer_column")
+    return ref
+
+
 def exact_answer(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_) -> list[float]:
     """1.0 where the completion's final answer (after the last ``####`` / ``#``, else the last ``\\boxed{}``,
-    else its last line) equals the reference ``answer`` character for character after stripping, else 0.0."""
-    return [1.0 if _final_answer(c) == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
+    else its last line) equals the reference ``answer`` character for character after stripping, else 0.0. An empty
+    final answer never matches; an empty reference raises ``ValueError``."""
+    refs = [_reference(a) for a in answer]
+    return [1.0 if _final_answer(completion_text(c)) == ref else 0.0 for c, ref in zip(completions, refs)]
 
 
 def _math_verify():
@@ -55,10 +65,11 @@ def math_equivalence(prompts: Sequence[str], completions: Sequence[str], answer:
     timeout: Optional[int] = 5 if threading.current_thread() is threading.main_thread() else None  # signal-based
     out = []
     for c, a in zip(completions, answer):
-        gold = mv.parse(str(a), parsing_timeout=timeout)
+        gold = mv.parse(_reference(a), parsing_timeout=timeout)
         if not gold:
             raise ValueError(f"the reference answer {a!r} is not a mathematical expression math-verify can parse")
-        out.append(1.0 if mv.verify(gold, mv.parse(c, parsing_timeout=timeout), timeout_seconds=timeout) else 0.0)
+        guess = mv.parse(completion_text(c), parsing_timeout=timeout)
+        out.append(1.0 if guess and mv.verify(gold, guess, timeout_seconds=timeout) else 0.0)
     return out
 
 
@@ -68,7 +79,7 @@ def format_match(prompts: Sequence[str], completions: Sequence[str], pattern: st
     completion, else anywhere in it), else 0.0: a format check (e.g. ``"<think>.*</think>.*"``)."""
     rx = re.compile(pattern)
     match = rx.fullmatch if full else rx.search
-    return [1.0 if match(c.strip()) else 0.0 for c in completions]
+    return [1.0 if match(completion_text(c).strip()) else 0.0 for c in completions]
 
 
 def length_penalty(prompts: Sequence[str], completions: Sequence[str], max_chars: int = 512, **_) -> list[float]:
@@ -76,7 +87,15 @@ def length_penalty(prompts: Sequence[str], completions: Sequence[str], max_chars
     that length (and staying there)."""
     if max_chars <= 0:
         raise ValueError(f"length_penalty: max_chars={max_chars} must be > 0")
-    return [-min(1.0, max(0, len(c) - max_chars) / max_chars) for c in completions]
+    return [-min(1.0, max(0, len(completion_text(c)) - max_chars) / max_chars) for c in completions]
+
+
+def completion_text(completion) -> str:
+    """A completion's text: itself, or the content of its messages in TRL's conversational form
+    (``[{"role": "assistant", "content": ...}]``)."""
+    if isinstance(completion, (list, tuple)):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return completion
 
 
 BUILTINS = {"exact_answer": exact_answer, "math_equivalence": math_equivalence, "format_match": format_match,

@@ -12,23 +12,29 @@ reported, and :func:`check_failure_budget` stops the run once a step's failures 
 ``sum_i weight_i * r_i(sample)``. Each term is either *batched* (TRL's signature,
 ``fn(prompts, completions, **columns) -> list[float]``, rl/reward_funcs.py) or a per-sample function as above
 (``task.reward``, a task's built-in reward). A term that raises, returns the wrong number of values, or returns
-anything but a finite number for a sample fails that sample: a batched call that raises is repeated one sample at a
-time so the failure names its sample and prompt. A batched term may return ``None`` for a sample it does not apply
-to (TRL's convention): it adds nothing to that sample's reward and is left out of the term's logged mean. A failed
-sample's reward is NaN and its :class:`RewardError` goes to the caller, which applies ``task.on_reward_error``.
+anything but a finite number for a sample fails that sample; a batched call that raises fails every sample of its
+batch, naming the exception (each sample is then tried alone only to say which ones also fail by themselves). A
+batched term may return ``None`` for a sample it does not apply to (TRL's convention): it adds nothing to that
+sample's reward and is left out of the term's logged mean; a sample no term applies to fails, and a term that
+applies to no sample of a batch is reported (:attr:`RewardScores.not_applied`). A failed sample's reward is NaN and
+its :class:`RewardError` goes to the caller, which applies ``task.on_reward_error``. A recipe's reward options
+(``kwargs``) are checked against the function's signature before any call (:func:`check_options`).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lightning_codraft.rl.reward_funcs import BUILTINS
 from lightning_codraft.rl.tasks import RewardFn, TaskSample
+from lightning_codraft.task_config import ANSWER_REWARDS, answer_problem
 
 ON_ERROR = ("raise", "skip")
 
@@ -176,6 +182,8 @@ class RewardScores:
     """Each term's own scores, by name (NaN where it failed or did not apply)."""
     failures: list[RewardError] = field(default_factory=list)
     """One per failed sample (its first failing term), in sample order."""
+    not_applied: list[str] = field(default_factory=list)
+    """Terms that returned ``None`` (does not apply) for every sample of the batch: reported by the caller."""
 
 
 def _label(term: RewardTerm, function: str) -> str:
@@ -220,26 +228,28 @@ class RewardSet:
         ``reward`` (``task.reward`` or a task's built-in reward: its scores are the reward itself)."""
         return [] if self.names == ["reward"] else self.names
 
-    def _batched(self, term: RewardTerm, prompts: Sequence[str], completions: Sequence[str],
+    def _batched(self, term: RewardTerm, prompts: Sequence, completions: Sequence,
                  columns: Mapping[str, list]) -> tuple[list[float], dict[int, str]]:
-        """``(scores, {sample: reason})`` of one batched term."""
+        """``(scores, {sample: reason})`` of one batched term; never raises.
+
+        A batched call that raises fails every sample of the batch (the report names the exception): the scores of
+        a reward that fails on batches are not taken from another kind of call. Each sample is then tried alone,
+        only to say which ones fail by themselves."""
         n = len(prompts)
         try:
             values = term.fn(prompts=list(prompts), completions=list(completions), **columns)
-        except Exception:  # noqa: BLE001 - localise: one sample at a time
+        except Exception as e:  # noqa: BLE001 - a user's reward may raise anything
+            raised = f"raised {type(e).__name__}: {e}"
             if n == 1:
-                raise
-            scores, reasons = [math.nan] * n, {}
+                return [math.nan], {0: raised}
+            reasons = {}
             for i in range(n):
-                try:
-                    s, r = self._batched(term, prompts[i:i + 1], completions[i:i + 1],
+                _, alone = self._batched(term, prompts[i:i + 1], completions[i:i + 1],
                                          {k: v[i:i + 1] for k, v in columns.items()})
-                    scores[i] = s[0]
-                    if r:
-                        reasons[i] = r[0]
-                except Exception as e:  # noqa: BLE001 - a user's reward may raise anything
-                    reasons[i] = f"raised {type(e).__name__}: {e}"
-            return scores, reasons
+                reasons[i] = (f"the batched call on {n} samples {raised}; "
+                              + (f"alone, this sample also fails ({alone[0]})" if alone else
+                                 "alone, this sample scores: the function fails only on batches"))
+            return [math.nan] * n, reasons
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
             got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
             return [math.nan] * n, {i: f"returned {got} for a batch of {n} samples; return one number per sample"
@@ -266,12 +276,10 @@ class RewardSet:
         columns = sample_columns(samples)
         first: dict[int, RewardError] = {}
         parts: dict[str, list[float]] = {}
+        none: list[str] = []
         for term in self.terms:
             if term.batched:
-                try:
-                    scores, reasons = self._batched(term, prompts, completions, columns)
-                except Exception as e:  # noqa: BLE001 - a batch of one that raised
-                    scores, reasons = [math.nan], {0: f"raised {type(e).__name__}: {e}"}
+                scores, reasons = self._batched(term, prompts, completions, columns)
                 errors = [RewardError(i, prompts[i], why, _label(term, _name(term.fn)))
                           for i, why in sorted(reasons.items())]
             else:
@@ -280,9 +288,17 @@ class RewardSet:
             for e in errors:
                 first.setdefault(e.index, e)
             parts[term.name] = scores
-        total = [math.nan if i in first else sum(t.weight * parts[t.name][i] for t in self.terms
-                                                 if not math.isnan(parts[t.name][i])) for i in range(len(prompts))]
-        return RewardScores(total=total, parts=parts, failures=[first[i] for i in sorted(first)])
+            if scores and not errors and all(math.isnan(v) for v in scores):
+                none.append(term.name)
+        applied = [[not math.isnan(parts[t.name][i]) for t in self.terms] for i in range(len(prompts))]
+        for i, row in enumerate(applied):  # TRL's None: no function applies to this sample, so it has no reward
+            if i not in first and not any(row):
+                first[i] = RewardError(i, prompts[i], "no reward function applies to it (every one returned None, "
+                                       "TRL's 'does not apply'); a sample needs at least one reward",
+                                       " / ".join(self.names))
+        total = [math.nan if i in first else sum(t.weight * parts[t.name][i] for t, on in zip(self.terms, row) if on)
+                 for i, row in enumerate(applied)]
+        return RewardScores(total=total, parts=parts, failures=[first[i] for i in sorted(first)], not_applied=none)
 
 
 def as_reward_set(reward) -> RewardSet:
@@ -298,14 +314,49 @@ def as_reward_set(reward) -> RewardSet:
     return RewardSet([RewardTerm("reward", reward, 1.0, batched=False)])
 
 
+RESERVED = ("prompts", "completions", "answer")
+"""Arguments every batched reward receives from the run, never from a recipe's ``kwargs``."""
+
+
+def check_options(fn: Callable, options: Mapping[str, Any], key: str) -> None:
+    """Refuse ``options`` (a reward's ``kwargs``) that ``fn`` does not name, before any call.
+
+    An option must be a named keyword parameter of ``fn`` (``def r(prompts, completions, scale=1.0, **columns)``
+    takes ``scale``): a function's ``**kwargs`` receive the data set's columns, so a name it does not spell out is
+    refused even there, and a misspelt option never runs with the default.
+
+    Raises:
+        ValueError: naming ``key`` (e.g. ``task.rewards[0].kwargs``), the unknown option and the ones ``fn`` has.
+    """
+    params = inspect.signature(fn).parameters
+    named = [p for p, v in params.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY) and p not in RESERVED]
+    for option in options:
+        if option in RESERVED:
+            raise ValueError(f"{key}.{option}: {option!r} is what the run passes every reward; it cannot be an option")
+        if option not in named:
+            close = difflib.get_close_matches(option, named, n=1)
+            raise ValueError(f"{key}.{option}: {_name(fn)} has no option {option!r}"
+                             f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options are {named} (an "
+                             f"option must be a named parameter of the function)")
+
+
 def build_reward(cfg, task) -> RewardSet:
     """The rewards of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`): ``task.rewards`` (built-ins by
-    name, others imported from their dotted path, each with its ``kwargs``), else ``task.reward``, else the task's
-    built-in reward (batched where the task has one: ``reward_fn``)."""
+    name, others imported from their dotted path, each with its ``kwargs``, checked by :func:`check_options`), else
+    ``task.reward``, else the task's built-in reward (batched where the task has one: ``reward_fn``).
+
+    Raises:
+        ValueError: a reward cannot be imported, an option is unknown, or an answer-based built-in reward is asked
+            of a data-set task without an answer column (``task.answer_column: null``).
+    """
+    no_answers = getattr(task, "answer_column", "answer") is None
     if cfg.rewards:
         terms = []
-        for r in cfg.rewards:
+        for i, r in enumerate(cfg.rewards):
             fn = BUILTINS[r.fn] if r.fn in BUILTINS else resolve_reward(r.fn)
+            check_options(fn, r.kwargs, f"task.rewards[{i}].kwargs")
+            if no_answers and r.fn in ANSWER_REWARDS:
+                raise ValueError(answer_problem(f"task.rewards[{i}]", r.fn))
             if r.kwargs:
                 fn = functools.partial(fn, **r.kwargs)
             terms.append(RewardTerm(r.label, fn, float(r.weight), batched=True))
@@ -313,4 +364,6 @@ def build_reward(cfg, task) -> RewardSet:
     if cfg.reward:
         return RewardSet([RewardTerm("reward", resolve_reward(cfg.reward), 1.0, batched=False)])
     batched = getattr(task, "reward_fn", None)
+    if no_answers and getattr(batched, "__name__", None) in ANSWER_REWARDS:
+        raise ValueError(answer_problem("the task's built-in reward", batched.__name__))
     return RewardSet([RewardTerm("reward", batched or task.reward, 1.0, batched=batched is not None)])

@@ -232,6 +232,8 @@ class RLStep:
                                   **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts}}
                                  for i, (s, text) in enumerate(zip(per_sample, texts))]
         rewards, failures = scores.total, scores.failures
+        for name in scores.not_applied:  # TRL's None for every sample: legal, but never silent
+            self.log(f"step {step + 1}: reward {name!r} returned None (does not apply) for every sample of the step")
         skip = cfg.task.on_reward_error == "skip"
         for f in failures if skip else ():  # every skipped sample is reported
             self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "

@@ -29,3 +29,8 @@ def nan_reward(prompt: str, completion: str, answer: str) -> float:
 def two_args_reward(text, other):
     """A reward with a signature the loop cannot call (neither TRL's nor per-sample)."""
     return 1.0
+
+
+def scaled_length(prompts, completions, scale: float = 1.0, **columns):
+    """A batched reward with one option (``scale``)."""
+    return [scale * len(c) for c in completions]

@@ -61,9 +61,46 @@ def test_a_failing_reward_is_localised_to_its_sample_and_prompt():
 
     rs = RewardSet([RewardTerm("fragile", fragile, 1.0)])
     out = rs.score(["q0", "q1", "q2"], ["ok", "boom", "ok"], _samples(3))
-    assert out.total[0] == 1.0 and math.isnan(out.total[1]) and out.total[2] == 1.0
-    (err,) = out.failures
-    assert err.index == 1 and err.prompt == "q1" and "fragile" in str(err) and "RuntimeError: cannot parse" in str(err)
+    assert all(math.isnan(t) for t in out.total)  # the batched call failed: no score comes from another call
+    assert [e.index for e in out.failures] == [0, 1, 2]
+    assert all("the batched call on 3 samples raised RuntimeError: cannot parse" in str(e) for e in out.failures)
+    err = out.failures[1]
+    assert err.prompt == "q1" and "fragile" in str(err) and "alone, this sample also fails" in str(err)
+    assert "alone, this sample scores" in str(out.failures[0])
+
+
+def test_s1_a_reward_that_fails_only_on_batches_is_reported_never_rerun_silently():
+    """S1: TRL calls a reward on the whole batch; one that raises there (API limits, batch normalisation, a shape
+    bug) fails every sample, naming the exception, though each sample alone would score."""
+    def batch_limited(prompts, completions, **_):
+        if len(completions) > 1:
+            raise RuntimeError("rate limit: batches over 1")
+        return [1.0]
+
+    out = RewardSet([RewardTerm("api", batch_limited, 1.0)]).score(["a", "b"], ["x", "y"], _samples(2))
+    assert len(out.failures) == 2 and all(math.isnan(t) for t in out.total)
+    assert all("RuntimeError: rate limit: batches over 1" in str(e) and "fails only on batches" in str(e)
+               for e in out.failures)
+
+
+def test_s6_a_sample_no_reward_applies_to_fails_and_a_reward_that_never_applies_is_reported():
+    def never(prompts, completions, **_):
+        return [None] * len(completions)
+
+    alone = RewardSet([RewardTerm("never", never, 1.0)]).score(["a", "b"], ["0", "1"], _samples(2))
+    assert [e.index for e in alone.failures] == [0, 1] and "no reward function applies" in str(alone.failures[0])
+    assert all(math.isnan(t) for t in alone.total) and alone.not_applied == ["never"]
+    beside = RewardSet([RewardTerm("never", never, 1.0), RewardTerm("math", math_equivalence, 1.0)]).score(
+        ["a", "b"], ["0", "1"], _samples(2))
+    assert beside.failures == [] and beside.total == [1.0, 1.0] and beside.not_applied == ["never"]
+
+
+def test_an_empty_final_answer_never_matches_and_an_empty_reference_is_an_error():
+    assert exact_answer(["p"] * 2, ["", "#"], answer=["3", "3"]) == [0.0, 0.0]
+    assert math_equivalence(["p"], [""], answer=["3"]) == [0.0]
+    for fn in (exact_answer, math_equivalence):
+        with pytest.raises(ValueError, match="reference answer '' is empty"):
+            fn(["p"], ["#"], answer=[""])
 
 
 @pytest.mark.parametrize("bad, reason", [(lambda prompts, completions, **_: [1.0],
@@ -100,3 +137,44 @@ def test_the_config_layer_names_exactly_the_built_in_rewards():
     from lightning_codraft.task_config import REWARD_BUILTINS
 
     assert set(REWARD_BUILTINS) == set(BUILTINS)
+
+
+def _task_cfg(**kw):
+    from lightning_codraft.task_config import RewardTermConfig, TaskConfig
+
+    rewards = kw.pop("rewards", None)
+    return TaskConfig(rewards=None if rewards is None else [RewardTermConfig(**r) for r in rewards], **kw)
+
+
+def test_s4_reward_options_are_checked_against_the_signature_before_any_call():
+    from lightning_codraft.rl.rewards import build_reward
+
+    with pytest.raises(ValueError, match=r"task.rewards\[0\].kwargs.max_charz: .*length_penalty has no option "
+                                         r"'max_charz' \(did you mean 'max_chars'\?\)"):
+        build_reward(_task_cfg(rewards=[{"fn": "length_penalty", "kwargs": {"max_charz": 1}}]), None)
+    with pytest.raises(ValueError, match="'answer' is what the run passes every reward"):
+        build_reward(_task_cfg(rewards=[{"fn": "format_match", "kwargs": {"answer": "x"}}]), None)
+    rs = build_reward(_task_cfg(rewards=[{"fn": "length_penalty", "kwargs": {"max_chars": 1}}]), None)
+    assert rs.score(["p"], ["abc"], _samples(1)).total == [-1.0]  # the option is used
+    # a user's function: named parameters, or anything through **kwargs
+    with pytest.raises(ValueError, match=r"rewards_for_tests:scaled_length has no option 'scal'"):
+        build_reward(_task_cfg(rewards=[{"fn": "rewards_for_tests:scaled_length", "kwargs": {"scal": 2}}]), None)
+    build_reward(_task_cfg(rewards=[{"fn": "rewards_for_tests:scaled_length", "kwargs": {"scale": 2}}]), None)
+
+
+def test_s5_answer_rewards_need_an_answer_column():
+    from lightning_codraft.rl.rewards import build_reward
+    from lightning_codraft.task_config import task_problems
+
+    for rewards in (None, [{"fn": "exact_answer"}], [{"fn": "format_match"}, {"fn": "math_equivalence"}]):
+        cfg = _task_cfg(name="dataset", source="x.jsonl", answer_column=None, rewards=rewards)
+        (problem,) = task_problems(cfg)
+        assert "task.answer_column is null" in problem and ("task.rewards[" in problem or "built-in" in problem)
+    assert task_problems(_task_cfg(name="dataset", source="x.jsonl", answer_column=None,
+                                   rewards=[{"fn": "format_match"}])) == []
+
+    class NoAnswers:  # a DatasetTask built in Python without an answer column
+        answer_column, reward_fn = None, math_equivalence
+
+    with pytest.raises(ValueError, match="task.answer_column is null"):
+        build_reward(_task_cfg(), NoAnswers())
