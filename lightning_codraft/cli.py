@@ -95,7 +95,7 @@ def dry_run(cfg: CoDraftConfig) -> str:
              f"mesh: world {world} = dp {p.dp} x pp {p.pp} x cp {p.cp} on {p.accelerator} "
              f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
              f"policy: {cfg.model.source} (precision {p.precision}, context {cfg.model.max_position_embeddings}); "
-             f"task: {cfg.task.name}; reward: {cfg.task.reward or 'built-in'}",
+             f"task: {cfg.task.name}; {_rewards_line(cfg)}",
              f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm-start {d.warmup_steps} "
              f"steps; SFT warm-up {cfg.sft.steps} steps",
              f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
@@ -103,6 +103,15 @@ def dry_run(cfg: CoDraftConfig) -> str:
              _placement(cfg), *_memory_lines(cfg),
              "config OK (dry run: nothing was built)"]
     return "\n".join(lines)
+
+
+def _rewards_line(cfg: CoDraftConfig) -> str:
+    """The rewards a run scores with, as the dry run names them (logged as ``reward/<name>``)."""
+    t = cfg.task
+    if t.rewards:
+        return "rewards: " + " + ".join(f"{r.weight:g} x {r.label} ({r.fn}{', ' + str(r.kwargs) if r.kwargs else ''})"
+                                        for r in t.rewards)
+    return f"reward: {t.reward or 'the task built-in'} (on_reward_error={t.on_reward_error})"
 
 
 def _memory_lines(cfg: CoDraftConfig) -> list[str]:
@@ -226,8 +235,9 @@ def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``codraft`` console script; returns the exit status.
 
-    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid, or a check before
-    launch failed (the message names the recipe key or the file and line). 3: a reward function failed
+    0: done (``plan``: whether or not the run fits). 2: the config or an argument is invalid, a check before
+    launch failed (the message names the recipe key or the file and line), or a checkpoint cannot be read (named,
+    with the fix). 3: a reward function failed
     (``task.on_reward_error=raise``) or a step's failures exceeded ``task.reward_failure_budget`` (``skip``).
     130: interrupted (Ctrl-C; one line says where ``fit`` stopped and how to resume). 1: anything else (the error
     and where it happened; ``--debug`` prints the full traceback).
@@ -275,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
             return 1
+        checkpoints = sys.modules.get("lightning_codraft.rl.checkpoints")  # loaded when a checkpoint was read
+        if checkpoints is not None and isinstance(e, checkpoints.CheckpointError):
+            print(f"codraft {args.command}: error: {e}", file=sys.stderr)
+            return 2
         where = traceback.extract_tb(e.__traceback__)[-1]
         print(f"codraft {args.command}: {type(e).__name__}: {e}\n  (raised at {where.filename}:{where.lineno}; "
               f"rerun with --debug for the full traceback)", file=sys.stderr)

@@ -9,6 +9,7 @@ constructors.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -178,6 +179,8 @@ class RunConfig:
     """Seed of models, prompts and sampling; a run is a pure function of it."""
     checkpoint_every: int = 5
     """Save a checkpoint every N RL steps (0 = only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints, deleting older ones once a new one is complete (0 = keep all)."""
     resume: bool = True
     """Continue from the last checkpoint in out_dir when there is one."""
     progress: bool = True
@@ -261,6 +264,24 @@ def _check_keys(node: Any, cls: type, prefix: str) -> None:
         sub = valid[key].default_factory if valid[key].default_factory is not dataclasses.MISSING else None
         if sub is not None and dataclasses.is_dataclass(sub):
             _check_keys(value, sub, name)
+        item = _list_item_type(cls, key)
+        if item is not None and isinstance(value, list):  # e.g. task.rewards: each entry checked under its own key
+            for i, entry in enumerate(value):
+                _check_keys(entry, item, f"{name}[{i}]")
+                try:
+                    OmegaConf.merge(OmegaConf.structured(item), entry)
+                except OmegaConfBaseException as e:
+                    raise ConfigError(f"invalid config value at {name}[{i}].{getattr(e, 'full_key', '')}: "
+                                      f"{str(e).splitlines()[0]}") from None
+
+
+def _list_item_type(cls: type, key: str) -> Optional[type]:
+    """The dataclass a list field's entries are (``task.rewards``: :class:`RewardTermConfig`), else None."""
+    hint = typing.get_type_hints(cls).get(key)
+    for arg in typing.get_args(hint):  # Optional[list[X]] -> list[X]
+        hint = arg if typing.get_origin(arg) is list else hint
+    args = typing.get_args(hint) if typing.get_origin(hint) is list else ()
+    return args[0] if args and dataclasses.is_dataclass(args[0]) else None
 
 
 def _positive(name: str, v: int | float, minimum: int | float = 1) -> None:
@@ -382,6 +403,7 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     for name, v, low in (("task.eval_every", t.eval_every, 0), ("task.heldout", t.heldout or 0, 0),
                          ("draft.train_every", d.train_every, 1), ("sft.steps", cfg.sft.steps, 0),
                          ("run.checkpoint_every", cfg.run.checkpoint_every, 0),
+                         ("run.keep_checkpoints", cfg.run.keep_checkpoints, 0),
                          ("run.max_nonfinite_steps", cfg.run.max_nonfinite_steps, 1)):
         _positive(name, v, low)
     return cfg
@@ -410,7 +432,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         merged = OmegaConf.merge(OmegaConf.structured(CoDraftConfig), *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid config value: {e}".replace("\n", "; ")) from None
+        raise ConfigError(f"invalid config value at {getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from None
     return validate(cfg)
 
 
@@ -423,21 +445,3 @@ def config_from_dict(d: dict) -> CoDraftConfig:
     """Rebuild and validate a config from ``dataclasses.asdict`` output (checkpoints store this)."""
     _check_keys(d, CoDraftConfig, "")
     return validate(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CoDraftConfig), d)))
-
-
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def config_changes(old_yaml: str | Path, cfg: CoDraftConfig) -> list[str]:
-    """``key: old -> new`` for every setting of ``cfg`` that differs from the config written at ``old_yaml`` (a run
-    directory's ``config.yaml``), in key order; empty when none does."""
-    old = _flat(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
-    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]

@@ -47,6 +47,18 @@ class CharTokenizer:
         return "".join(out)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Prompt ids: the tokenizer's ``encode_prompt`` (chat template) when it has one, else ``encode``."""
-    return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(text))
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Prompt ids of a text (the tokenizer's ``encode_prompt``, its chat template, when it has one, else ``encode``)
+    or of a conversation in TRL's form, a list of ``{"role", "content"}`` messages (the tokenizer's
+    ``encode_messages``: its chat template, generation prompt appended).
+
+    Raises:
+        ValueError: a conversation and a tokenizer without a chat template.
+    """
+    if isinstance(prompt, (list, tuple)):
+        encode = getattr(tokenizer, "encode_messages", None)
+        if encode is None:
+            raise ValueError(f"the prompt is a list of chat messages but the tokenizer ({type(tokenizer).__name__}) "
+                             f"has no chat template to render it; use a text prompt column or a chat model")
+        return list(encode(list(prompt)))
+    return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(prompt))

@@ -8,6 +8,7 @@ the config; nothing here holds state.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,9 +19,9 @@ from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
 from lightning_codraft.models.presets import architecture_differences, recipe_architecture
-from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.models.tokenizer import CharTokenizer, encode_prompt
 from lightning_codraft.parallel.pipeline import StageLayout
-from lightning_codraft.rl.data_task import DatasetTask, solution_column
+from lightning_codraft.rl.data_task import DatasetTask, is_conversational, solution_column
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.rewards import RewardSet, as_reward_set, build_reward
 from lightning_codraft.rl.tasks import ArithmeticTask
@@ -52,8 +53,17 @@ class HFTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         if not self.chat:
             return self.encode(text)
-        ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True)
+        return self.encode_messages([{"role": "user", "content": text}])
+
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation (TRL's list of ``{"role", "content"}`` messages) through the chat template, as TRL renders
+        a conversational prompt: the generation prompt appended, or the last message continued where it is the
+        assistant's. ``ValueError`` where the tokenizer has no chat template."""
+        if getattr(self.tok, "chat_template", None) is None:
+            raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template")
+        last = messages[-1].get("role") if messages else None
+        ids = self.tok.apply_chat_template(list(messages), add_generation_prompt=last != "assistant",
+                                           continue_final_message=last == "assistant", tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -63,9 +73,12 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def build_task(cfg) -> ArithmeticTask | DatasetTask:
-    """The task of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`)."""
+def build_task(cfg, source=None) -> ArithmeticTask | DatasetTask:
+    """The task of ``cfg`` (a :class:`~lightning_codraft.config.TaskConfig`); ``source``: a ``datasets.Dataset``
+    (or a list of row dicts) read as ``task.name: dataset`` with the recipe's columns, instead of ``task.source``."""
     heldout = cfg.eval_prompts if cfg.heldout is None else cfg.heldout
+    if source is not None:
+        cfg = dataclasses.replace(cfg, name="dataset", source=source)
     if cfg.name == "arithmetic":
         return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand,
                               styles=tuple(cfg.styles), required_style=cfg.required_style,
@@ -210,10 +223,30 @@ def build_parts(cfg: CoDraftConfig, task=None, rewards=None) -> RunParts:
     torch.manual_seed(cfg.run.seed)
     tokenizer, policy, context = build_policy(cfg.model, seed=cfg.run.seed)
     check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
-    task = task if task is not None else build_task(cfg.task)
+    task = build_task(cfg.task, source=task) if task is None or is_rows(task) else task
+    check_prompts_render(task, tokenizer)
     rewards = build_reward(cfg.task, task) if rewards is None else as_reward_set(rewards)
     reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 or cfg.rl.track_drift else None
     return RunParts(tokenizer, context, task, rewards, policy, build_draft(cfg, policy), reference)
+
+
+def is_rows(task) -> bool:
+    """Whether ``task`` is data rather than a task object: a ``datasets.Dataset`` or a list of row dicts."""
+    return (hasattr(task, "column_names") and not hasattr(task, "sample")) or (
+        isinstance(task, list) and bool(task) and isinstance(task[0], dict))
+
+
+def check_prompts_render(task, tokenizer) -> None:
+    """Refuse, before any work, a task of conversations (TRL's conversational prompt column) whose tokenizer has no
+    chat template to render them (:class:`ConfigError`, naming the column)."""
+    first = next((s for s in getattr(task, "samples", ()) if is_conversational(s)), None)
+    if first is None:
+        return
+    try:
+        encode_prompt(tokenizer, first.prompt)
+    except ValueError as e:
+        raise ConfigError(f"task.prompt_column {getattr(task, 'prompt_column', 'prompt')!r} holds chat messages: "
+                          f"{e}") from None
 
 
 def module_arguments(cfg: CoDraftConfig, parts: RunParts) -> dict[str, Any]:

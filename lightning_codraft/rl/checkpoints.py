@@ -10,11 +10,16 @@ warm-ups (safetensors-free plain tensors, read with ``weights_only=True``), so a
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint of the run directory cannot be read (the message names it and the fix)."""
 
 
 class RunCheckpoints:
@@ -25,9 +30,11 @@ class RunCheckpoints:
         fabric: the launched ``Fabric`` whose strategy writes and reads the checkpoints.
     """
 
-    def __init__(self, out_dir: str | Path, fabric):
+    def __init__(self, out_dir: str | Path, fabric, keep: int = 0):
         self.out = Path(out_dir)
         self.fabric = fabric
+        self.keep = keep
+        """Keep only the newest ``keep`` complete checkpoints (``run.keep_checkpoints``; 0: all)."""
 
     @property
     def directory(self) -> Path:
@@ -50,12 +57,26 @@ class RunCheckpoints:
         self.fabric.barrier()
         if self.fabric.global_rank == 0:
             (path / "COMPLETE").write_text(str(step))
+            for _, old in self.complete()[:-self.keep] if self.keep else ():  # only once the new one is complete
+                shutil.rmtree(old)
         self.fabric.barrier()
         return path
 
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> tuple[int, dict[str, Any]]:
-        """Restore ``state``'s objects from ``path``; returns ``(step, the checkpoint's other plain entries)``."""
-        rest = self.fabric.load(path, state, strict=strict)
+        """Restore ``state``'s objects from ``path``; returns ``(step, the checkpoint's other plain entries)``.
+
+        Raises:
+            CheckpointError: the checkpoint cannot be read (naming it and how to resume from an older one).
+        """
+        try:
+            rest = self.fabric.load(path, state, strict=strict)
+        except Exception as e:  # noqa: BLE001 - a damaged checkpoint fails in many ways; name it and the fix
+            older = [p for _, p in self.complete() if p != path and p.name < path.name]
+            fix = (f"move it aside (mv {path} {path}.unreadable) and run the same command again: it resumes from "
+                   f"{older[-1]}" if older else f"no older complete checkpoint is in {self.directory}: move it "
+                   f"aside and the same command starts the run over (or restore the directory from a backup)")
+            raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); {fix}") from e
         step = int(rest.pop("step", path.name.split("-")[1]))
         return step, rest
 

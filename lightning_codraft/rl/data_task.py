@@ -29,14 +29,20 @@ def _datasets():
     return datasets
 
 
-def load_rows(source: str, split: str = "train", subset: Optional[str] = None) -> list[dict[str, Any]]:
+def load_rows(source, split: str = "train", subset: Optional[str] = None) -> list[dict[str, Any]]:
     """The rows of ``source`` as dicts: a local file (by its suffix, :data:`FILE_FORMATS`), a local directory
-    ``datasets`` can read, or a hub name (``subset``: its configuration; needs network access).
+    ``datasets`` can read, a hub name (``subset``: its configuration; needs network access), or, from Python, a
+    ``datasets.Dataset`` object (or a list of row dicts) itself.
 
     Raises:
         FileNotFoundError: ``source`` looks like a file (a known suffix) that does not exist.
         ValueError: the hub data set could not be loaded (offline, unknown name or split).
     """
+    if not isinstance(source, (str, Path)):  # a datasets.Dataset (or any iterable of row dicts) given in Python
+        rows = [dict(row) for row in source]
+        if rows and not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"task.source: a {type(source).__name__} whose rows are not dicts of columns")
+        return rows
     path = Path(source).expanduser()
     ds = _datasets()
     if path.suffix.lower() in FILE_FORMATS:
@@ -87,19 +93,50 @@ class RowFormat:
         if missing:
             raise ValueError(f"{where} has no column {missing[0]!r} (task.prompt_column / task.answer_column); its "
                              f"columns are {sorted(row)}")
+        raw = row[self.prompt_column]
+        if isinstance(raw, (list, tuple)):  # TRL's conversational form: rendered by the chat template, not repr'd
+            if self.template is not None:
+                raise ValueError(f"{where}: task.template formats text, but column {self.prompt_column!r} holds chat "
+                                 f"messages; drop the template (the tokenizer's chat template renders them)")
+            return TaskSample(prompt=chat_messages(raw, f"{where} column {self.prompt_column!r}"),
+                              answer=self._answer(row, where), solution=self._solution(row), columns=row)
+        if not isinstance(raw, str) and self.template is None:
+            raise ValueError(f"{where}: column {self.prompt_column!r} holds a {type(raw).__name__}, not a prompt text "
+                             f"or a list of chat messages")
         try:
-            prompt = str(row[self.prompt_column]) if self.template is None else self.template.format(**row)
+            prompt = raw if self.template is None else self.template.format(**row)
         except KeyError as e:
             raise ValueError(f"task.template {self.template!r} names the column {e.args[0]!r}, which {where} does "
                              f"not have; its columns are {sorted(row)}") from None
+        return TaskSample(prompt=prompt, answer=self._answer(row, where), solution=self._solution(row), columns=row)
+
+    def _answer(self, row: dict, where: str) -> str:
         answer = "" if self.answer_column is None else str(row[self.answer_column])
         if self.answer_fn is not None:
             got = self.answer_fn(answer)
             if got is None:
                 raise ValueError(f"{where}: no reference answer in {answer[-80:]!r}")
             answer = got
-        solution = self.solution_fn(row) if self.solution_fn is not None else ""
-        return TaskSample(prompt=prompt, answer=answer, solution=solution, columns=row)
+        return answer
+
+    def _solution(self, row: dict) -> str:
+        return self.solution_fn(row) if self.solution_fn is not None else ""
+
+
+def chat_messages(value, where: str) -> list[dict[str, str]]:
+    """``value`` as a conversation in TRL's form (a non-empty list of ``{"role": str, "content": str}``); a
+    ``ValueError`` naming ``where`` and the first bad message otherwise."""
+    if not value:
+        raise ValueError(f"{where} is an empty list of chat messages")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {i} is {m!r}; a chat message is {{'role': str, 'content': str}}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def is_conversational(sample: TaskSample) -> bool:
+    """Whether ``sample``'s prompt is a conversation (TRL's conversational form) rather than a text."""
+    return isinstance(sample.prompt, (list, tuple))
 
 
 @dataclass
@@ -107,7 +144,7 @@ class DatasetTask:
     """Prompts and reference answers from a data set (see the module docstring).
 
     Attributes:
-        source: a local file / directory or a hub name (:func:`load_rows`).
+        source: a local file / directory, a hub name, or a ``datasets.Dataset`` object (:func:`load_rows`).
         prompt_column: the column holding the prompt (used by ``template``'s default).
         answer_column: the column holding the reference answer (None: no answer; rewards see ``answer=""``).
         template: the prompt text, ``str.format`` over the row's columns (e.g. ``"Question: {question}\\nAnswer:"``);
@@ -121,7 +158,7 @@ class DatasetTask:
         reward_fn: the task's built-in batched reward (TRL signature), used when the recipe names none.
     """
 
-    source: str
+    source: Any
     prompt_column: str = "prompt"
     answer_column: Optional[str] = "answer"
     template: Optional[str] = None
@@ -141,9 +178,9 @@ class DatasetTask:
         if self.limit is not None:
             rows = rows[:self.limit]
         if not rows:
-            raise ValueError(f"no rows in {self.source!r} (split {self.split!r}, limit={self.limit})")
+            raise ValueError(f"no rows in {self.where} (split {self.split!r}, limit={self.limit})")
         fmt = self.format
-        self.samples = [fmt.sample(row, f"{self.source!r} row {i}") for i, row in enumerate(rows)]
+        self.samples = [fmt.sample(row, f"{self.where} row {i}") for i, row in enumerate(rows)]
         if self.eval_source is not None:
             self.eval_samples = [fmt.sample(r, f"{self.eval_source!r} row {i}") for i, r in enumerate(load_rows(
                 self.eval_source, self.split, self.subset))]
@@ -153,8 +190,14 @@ class DatasetTask:
             return
         if not 0 <= self.heldout < len(self.samples):
             raise ValueError(f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {len(self.samples)} "
-                             f"rows of {self.source!r} (limit={self.limit}) must leave at least one to train on")
+                             f"rows of {self.where} (limit={self.limit}) must leave at least one to train on")
         self.eval_samples = self.samples[len(self.samples) - self.heldout:]
+
+    @property
+    def where(self) -> str:
+        """How messages name the source: its path or hub name, or the kind of object given in Python."""
+        return repr(str(self.source)) if isinstance(self.source, (str, Path)) else \
+            f"the {type(self.source).__name__} given as the task"
 
     @property
     def format(self) -> RowFormat:

@@ -1,20 +1,23 @@
-"""Run outputs: per-step metrics through Lightning's own loggers (CSV + TensorBoard), rich progress, PNG plots.
+"""Run outputs: per-step metrics (``metrics.csv``, TensorBoard, any Lightning logger), rich progress, PNG plots.
 
-``metrics.csv`` (Lightning's ``CSVLogger``) is the run's record; on resume it is cut back to the checkpointed step
-(the kept rows are logged again through the fresh logger) so a resumed run's file equals an uninterrupted one's
-(time columns aside), and TensorBoard purges the events after that step.
+``metrics.csv`` is the run's record (:class:`MetricsFile`): rows are appended as steps end and nothing is ever
+deleted before what replaces it is on disk. On resume the rows of the steps after the checkpoint (which the resumed
+run recomputes) are replaced, so a resumed run's file equals an uninterrupted one's (time columns aside); a column
+that appears later (a reward added on resume) extends the header and earlier rows keep their values, empty in the
+new column; TensorBoard purges the events after the checkpoint's step. ``completions.jsonl`` follows the same rule.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import warnings
+import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning.fabric.loggers import TensorBoardLogger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_codraft.rl.step import COLUMNS, StepMetrics
@@ -26,11 +29,62 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return [{k: (float(v) if v != "" else math.nan) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: (float(v) if v not in ("", None) else math.nan) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader (or a crash) sees the old file or the new one, never less."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class MetricsFile:
+    """An append-only CSV of per-step rows (see the module docstring).
+
+    Args:
+        path: the file.
+        columns: the columns this run writes; the file's existing columns are kept (first, in their order).
+        resume_step: keep the existing rows with ``step <= resume_step`` (0: start a new file).
+    """
+
+    def __init__(self, path: Path, columns: Sequence[str], resume_step: int = 0):
+        self.path = path
+        old_columns: list[str] = []
+        if resume_step and path.exists():
+            with open(path, newline="") as f:
+                old_columns = list(csv.DictReader(f).fieldnames or [])
+        self.rows = [r for r in read_metrics(path) if r["step"] <= resume_step] if resume_step else []
+        self.columns = [*old_columns, *(c for c in columns if c not in old_columns)]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(self._cells(r) for r in self.rows)
+        replace_file(self.path, text.getvalue())
+
+    def _cells(self, row: Mapping[str, float]) -> dict[str, Any]:
+        return {k: ("" if row.get(k) is None or (isinstance(row[k], float) and math.isnan(row[k])) else
+                    (int(row[k]) if k == "step" else row[k])) for k in self.columns}
+
+    def append(self, row: Mapping[str, float]) -> None:
+        """Append one row; a column the file lacks extends its header (the file is rewritten whole, atomically)."""
+        self.rows.append(dict(row))
+        if set(row) - set(self.columns):
+            self.columns += [k for k in row if k not in self.columns]
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(self._cells(row))
 
 
 class MetricsLogger:
-    """One row per RL step into ``out_dir/metrics.csv`` (and ``out_dir/tb``) through Lightning's loggers.
+    """One row per RL step into ``out_dir/metrics.csv`` (:class:`MetricsFile`), ``out_dir/tb`` and more Lightning
+    loggers.
 
     Args:
         out_dir: run directory.
@@ -56,37 +110,31 @@ class MetricsLogger:
         if self.completions > 0:  # a resumed run's file equals an uninterrupted one's
             old = self.completions_path.read_text().splitlines() if resume_step and self.completions_path.exists() \
                 else []
-            self.completions_path.write_text("".join(line + "\n" for line in old
-                                                     if line.strip() and json.loads(line)["step"] <= resume_step))
-        kept = [r for r in read_metrics(out_dir / "metrics.csv") if r["step"] <= resume_step] if resume_step else []
-        self.csv = CSVLogger(root_dir=out_dir, name="", version="", flush_logs_every_n_steps=1)
-        with warnings.catch_warnings():  # "directory exists and is not empty": the run dir holds checkpoints too
-            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-            self.csv.experiment  # noqa: B018 - creates the writer now (it removes the old metrics.csv)
+            replace_file(self.completions_path, "".join(line + "\n" for line in old
+                                                        if line.strip() and json.loads(line)["step"] <= resume_step))
+        self.file = MetricsFile(out_dir / "metrics.csv", self.columns, resume_step)
         self.tb: Optional[TensorBoardLogger] = None
         if tensorboard:
             self.tb = TensorBoardLogger(root_dir=out_dir, name="tb", version="", default_hp_metric=False,
                                         purge_step=resume_step + 1 if resume_step else None)
-        self.rows: list[dict[str, float]] = []
-        for row in kept:
-            self._write(row, tensorboard=False)
+        self.rows: list[dict[str, float]] = [{k: r.get(k, math.nan) for k in self.file.columns}
+                                             for r in self.file.rows]
 
     @property
     def path(self) -> Path:
-        return Path(self.csv.log_dir) / "metrics.csv"
+        return self.file.path
 
-    def _write(self, row: Mapping[str, float], tensorboard: bool = True) -> None:
+    def _write(self, row: Mapping[str, float]) -> None:
         unknown = set(row) - set(self.columns)
         if unknown:
             raise KeyError(f"unknown metric(s) {sorted(unknown)}; metrics.csv has columns {self.columns}")
         values = {k: float(row[k]) if row.get(k) is not None else math.nan for k in self.columns}
         step = int(values.pop("step"))
-        self.csv.log_metrics(values, step=step)
-        if tensorboard and self.tb is not None:
+        self.file.append({"step": float(step), **values})
+        if self.tb is not None:
             self.tb.log_metrics({f"rl/{k}": v for k, v in values.items() if not math.isnan(v)}, step=step)
-        if tensorboard:  # (rows kept from before a resume were logged by the first run)
-            for logger in self.loggers:
-                logger.log_metrics({k: v for k, v in values.items() if not math.isnan(v)}, step=step)
+        for logger in self.loggers:
+            logger.log_metrics({k: v for k, v in values.items() if not math.isnan(v)}, step=step)
         self.rows.append({"step": float(step), **values})
 
     def log(self, metrics: StepMetrics | Mapping[str, float]) -> None:
@@ -115,7 +163,6 @@ class MetricsLogger:
                 logger.log_text(key="completions", columns=keys, data=[[r[k] for k in keys] for r in rows], step=step)
 
     def close(self) -> None:
-        self.csv.finalize("success")
         for logger in self.loggers:
             logger.finalize("success")
         if self.tb is not None:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.fabric import Fabric
 
-from lightning_codraft.config import CoDraftConfig, config_changes, to_yaml
+from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
@@ -46,6 +46,7 @@ from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, 
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
 from lightning_codraft.rl.warmup import run_warmups
+from lightning_codraft.run_config import config_changes, write_run_config
 from lightning_codraft.training.module import CoDraftModule
 
 
@@ -119,7 +120,7 @@ class CoDraftRun:
         self.dims = self.fabric.strategy.parallel_dims
         if self.cfg.run.threads:
             torch.set_num_threads(self.cfg.run.threads)
-        self.checkpoints = RunCheckpoints(self.out, self.fabric)
+        self.checkpoints = RunCheckpoints(self.out, self.fabric, keep=self.cfg.run.keep_checkpoints)
 
     def build(self) -> None:
         """Tokenizer, policy, draft, module, task, reward, reference policy and rollout worker of the recipe."""
@@ -142,13 +143,13 @@ class CoDraftRun:
         self.build()
         self.out.mkdir(parents=True, exist_ok=True)
         last = self.checkpoints.last() if cfg.run.resume else None
-        written = self.out / "config.yaml"
+        written, changed = self.out / "config.yaml", []
         if last is not None and written.is_file():
             changed = config_changes(written, cfg)
             self.log(f"resuming {self.out} with {len(changed)} changed setting(s){':' if changed else ''}"
                      + "".join(f"\n  {c}" for c in changed))
-        if self.fabric.global_rank == 0:
-            written.write_text(to_yaml(cfg))
+        if last is None and self.fabric.global_rank == 0:
+            write_run_config(self.out, cfg, 0, [])
         if last is None:  # warm-ups on every rank, on the whole modules (before the strategy prunes PP stages)
             self.extra = self._warm_start()
         self.worker.start(self.module)  # before the strategy prunes / shards the module
@@ -168,6 +169,8 @@ class CoDraftRun:
         else:
             self.start_step, self.extra = self.checkpoints.load(last[1], self._state())
             self.log(f"resumed from {last[1]} (step {self.start_step})")
+        if self.fabric.global_rank == 0 and last is not None:  # once the checkpoint read: a failed resume leaves
+            write_run_config(self.out, cfg, self.start_step, changed)  # the record as it was
         self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
                               self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
         self.rl_step.restore_schedule(self.extra.pop("draft_schedule", []))

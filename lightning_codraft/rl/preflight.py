@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.rl.data_task import RowFormat, solution_column
+from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.rl.data_task import RowFormat, is_conversational, solution_column
 from lightning_codraft.rl.gsm8k import EXCERPT_PATH, GSM8K_FORMAT
 from lightning_codraft.rl.loggers import logger_class
 from lightning_codraft.rl.reward_funcs import BUILTINS
@@ -36,8 +37,10 @@ def row_format(cfg: CoDraftConfig) -> RowFormat:
 
 def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[TaskSample]]:
     """``(problems, the first row's sample)`` of a JSON Lines data file: every line one JSON object that the task
-    reads as a sample (:class:`RowFormat`; at most :data:`SCANNED_ROWS` lines; the first problem is reported)."""
-    fmt, first = row_format(cfg), None
+    reads as a sample (:class:`RowFormat`; at most :data:`SCANNED_ROWS` lines; the first problem is reported), the
+    tiny model's tokenizer can encode every prompt, and the held-out rows leave rows to train on."""
+    fmt, first, rows = row_format(cfg), None, 0
+    chars = CharTokenizer() if cfg.model.source == "tiny" else None
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if lineno > SCANNED_ROWS:
@@ -52,10 +55,45 @@ def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[Tas
                 return [f"{path}:{lineno}: a {type(row).__name__}, not a JSON object with columns"], first
             try:
                 sample = fmt.sample(row, f"{path}:{lineno}")
+                if chars is not None and not is_conversational(sample):
+                    chars.encode(sample.prompt)
             except ValueError as e:
-                return [str(e)], first
-            first = first if first is not None else sample
-    return ([] if first is not None else [f"{path}: no rows"]), first
+                return [f"{path}:{lineno}: {e}" if chars is not None and str(e).startswith("character") else str(e)], \
+                    first
+            first, rows = first if first is not None else sample, rows + 1
+    if first is None:
+        return [f"{path}: no rows"], first
+    heldout = cfg.task.eval_prompts if cfg.task.heldout is None else cfg.task.heldout
+    if cfg.task.eval_source is None and heldout >= min(rows, cfg.task.limit or rows):
+        return [f"task.heldout={heldout} holds out every one of the {rows} rows of {path} (task.heldout, or "
+                f"task.eval_prompts when it is null): lower it or add rows, so some are left to train on"], first
+    return [], first
+
+
+def renders_chat(cfg: CoDraftConfig) -> Optional[bool]:
+    """Whether the recipe's tokenizer has a chat template, read without loading it (None: cannot tell here)."""
+    source = cfg.model.source
+    if source == "tiny":
+        return False
+    if source == "smollm2-135m":
+        return True
+    path = Path(source).expanduser()
+    config = path / "tokenizer_config.json"
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    if config.is_file():
+        try:
+            return bool(json.loads(config.read_text()).get("chat_template"))
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _warm_file(path: str) -> bool:
+    """Whether ``path`` is a ``warm`` directory holding ``weights.pt``, or that file (as ``rl.checkpoints.warm_state``
+    reads it; that module imports torch, this one must not)."""
+    f = Path(path).expanduser()
+    return (f / "weights.pt" if f.is_dir() else f).is_file()
 
 
 def _reward_key(cfg: CoDraftConfig, name: str) -> str:
@@ -72,12 +110,13 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
         problems.append(f"rl.temperature={cfg.rl.temperature} makes every sample of a group the same (greedy): "
                         f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
                         f"(e.g. 1.0)")
-    ref = cfg.draft.reference
-    if cfg.draft.mode == "cotrain" and ref not in ("start", "none"):
-        f = Path(ref).expanduser()
-        if not (f / "weights.pt" if f.is_dir() else f).is_file():
-            problems.append(f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
-                            f"earlier run (or its weights.pt), or use start / none")
+    ref, init = cfg.draft.reference, cfg.run.init_from
+    if cfg.draft.mode == "cotrain" and ref not in ("start", "none") and not _warm_file(ref):
+        problems.append(f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
+                        f"earlier run (or its weights.pt), or use start / none")
+    if init and not _warm_file(init):
+        problems.append(f"run.init_from={init!r}: no weights.pt there; point it at the 'warm' directory of an earlier "
+                        f"run (or its weights.pt)")
     for i, entry in enumerate(cfg.run.loggers):
         try:
             logger_class(entry, i)
@@ -90,12 +129,16 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
             return problems + [f"task.source: the data file {str(path)!r} does not exist"]
         if path.suffix.lower() == ".jsonl":
             bad_rows, sample = check_jsonl(path, cfg)
-            if bad_rows:
-                return problems + bad_rows
+            problems += bad_rows
+            if sample is None or bad_rows and not bad_rows[0].startswith("task.heldout"):
+                return problems
     try:
         rewards = build_reward(t, _BuiltinReward(t.name))
     except ValueError as e:  # an import failed: resolve_reward names the path
         return problems + [f"{'task.rewards' if t.rewards else 'task.reward'}: {e}"]
+    if sample is not None and is_conversational(sample) and renders_chat(cfg) is False:
+        problems.append(f"task.prompt_column={t.prompt_column!r} holds chat messages (TRL's conversational form) but "
+                        f"the tokenizer of model.source={cfg.model.source!r} has no chat template to render them")
     if t.name == "arithmetic":
         sample = ArithmeticTask(min_terms=t.min_terms, max_terms=t.max_terms, max_operand=t.max_operand,
                                 styles=tuple(t.styles)).sample(1, seed=0)[0]

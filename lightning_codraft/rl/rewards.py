@@ -268,12 +268,16 @@ class RewardSet:
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], samples: Sequence[TaskSample]
               ) -> RewardScores:
-        """Score ``completions`` of ``prompts`` (``samples``: each one's task sample, for its answer and columns);
-        never raises for a failing reward (see :class:`RewardScores`)."""
+        """Score ``completions`` (texts) of ``prompts`` (``samples``: each one's task sample, for its answer and
+        columns); never raises for a failing reward (see :class:`RewardScores`). Where a prompt is a conversation
+        (TRL's conversational form) its completion reaches the rewards as ``[{"role": "assistant", "content":
+        text}]``, as TRL passes it."""
         if not len(prompts) == len(completions) == len(samples):
             raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples; "
                              f"they must be equal")
         columns = sample_columns(samples)
+        completions = [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
+                       for p, c in zip(prompts, completions)]  # a conversation's completion, as TRL gives it
         first: dict[int, RewardError] = {}
         parts: dict[str, list[float]] = {}
         none: list[str] = []

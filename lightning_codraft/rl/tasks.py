@@ -29,14 +29,15 @@ class TaskSample:
     """One prompt of a verifiable task.
 
     Attributes:
-        prompt: the text given to the policy.
+        prompt: the text given to the policy, or a conversation in TRL's form (a list of ``{"role", "content"}``
+            messages, rendered by the tokenizer's chat template).
         answer: the reference final answer the reward checks against (e.g. ``"5"``).
         solution: a correct completion (worked steps + answer) used by the SFT warm-up (may be empty for a data set
             without one).
         columns: the sample's other data-set columns, passed to batched rewards by name (rl/rewards.py).
     """
 
-    prompt: str
+    prompt: Any
     answer: str
     solution: str
     columns: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)

@@ -34,3 +34,20 @@ def two_args_reward(text, other):
 def scaled_length(prompts, completions, scale: float = 1.0, **columns):
     """A batched reward with one option (``scale``)."""
     return [scale * len(c) for c in completions]
+
+
+def digit_share_batched(prompts, completions, **columns):
+    """:func:`digit_share_reward` with TRL's batched signature."""
+    return [digit_share_reward(p, c, "") for p, c in zip(prompts, completions)]
+
+
+def batch_only_reward(prompts, completions, **columns):
+    """Scores one sample at a time, raises on a batch (an API limit, a batch normalisation bug)."""
+    if len(completions) > 1:
+        raise RuntimeError(f"rate limit: {len(completions)} requests in one call")
+    return [digit_share_reward(p, c, "") for p, c in zip(prompts, completions)]
+
+
+def never_applies(prompts, completions, **columns):
+    """TRL's "does not apply" for every sample."""
+    return [None] * len(completions)

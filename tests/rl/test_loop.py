@@ -308,3 +308,54 @@ def test_rollouts_carry_versions_and_an_engine_left_one_version_behind_fails(tmp
     with pytest.raises(RolloutError, match="generated with policy version 0 .* the training state is policy 1"):
         fit(micro_config(tmp_path / "stale", "rl.steps=2", "run.plots=false", "task.eval_prompts=0"),
             print_fn=lambda s: None)
+
+
+def test_s2_a_resume_with_changed_rewards_keeps_every_earlier_row_and_each_segments_settings(micro_run, tmp_path):
+    """S2: the rewards change on resume: the rows up to the checkpoint stay as they were (their reward column
+    too), the new reward continues under its own column, config.yaml says where its segment began and the first
+    segment's settings stay in config.step-000000.yaml; nothing is deleted first."""
+    cfg, res = micro_run
+    run = tmp_path / "run"
+    shutil.copytree(res.out_dir, run)
+    shutil.rmtree(run / "checkpoints" / "step-000003")  # resume from step 2
+    before = read_metrics(run / "metrics.csv")
+    cfg2 = micro_config(run, "task.rewards=[{fn: 'rewards_for_tests:digit_share_batched', name: digits}]",
+                        "rl.prompts_per_step=4", "task.eval_every=2", "run.plots=false", "run.keep_checkpoints=2")
+    again = fit(cfg2, print_fn=lambda s: None)
+    assert again.completed
+    rows = read_metrics(run / "metrics.csv")
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    for old, kept in zip(before[:2], rows[:2]):  # every earlier row, every value (NaN in the new column)
+        assert {k: v for k, v in kept.items() if k in old} == pytest.approx(old, nan_ok=True)
+        assert math.isnan(kept["reward/digits"])
+    assert 0.0 <= rows[2]["reward/digits"] <= 1.0 and rows[2]["reward_failures"] == 0
+    text = (run / "config.yaml").read_text()
+    assert text.startswith("# segment began at step 2, resumed with") and "task.rewards" in text
+    assert "config.step-000000.yaml" in text
+    first = load_config(run / "config.step-000000.yaml")
+    assert first.task.reward == "rewards_for_tests:flaky_reward" and first.task.rewards is None
+    assert load_config(run / "config.yaml").task.rewards[0].name == "digits"  # still a recipe
+    # run.keep_checkpoints=2: the newest two complete checkpoints are kept
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+
+
+def test_an_unreadable_checkpoint_is_named_with_the_fix(micro_run, tmp_path, capsys):
+    from conftest import REPO
+
+    from lightning_codraft.cli import main
+
+    cfg, res = micro_run
+    run = tmp_path / "run"
+    shutil.copytree(res.out_dir, run)
+    for f in (run / "checkpoints" / "step-000003").iterdir():
+        if f.name != "COMPLETE":
+            f.write_bytes(b"\0" * 16)  # a damaged disk or a copy cut short
+    config_before = (run / "config.yaml").read_text()
+    code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={run}",
+                 "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=4", "task.eval_every=2",
+                 "task.on_reward_error=skip", "task.reward_failure_budget=0.9", "rl.steps=4"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"checkpoint {run / 'checkpoints' / 'step-000003'} cannot be read" in err and "Traceback" not in err
+    assert f"mv {run / 'checkpoints' / 'step-000003'}" in err and "resumes from" in err and "step-000002" in err
+    assert (run / "config.yaml").read_text() == config_before  # nothing was touched
