@@ -36,6 +36,18 @@ class CharTokenizer:
             raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet "
                              f"{self.alphabet!r}") from None
 
+    def to_transformers(self):
+        """This tokenizer as a ``transformers`` ``PreTrainedTokenizerFast`` with the same ids (one per character,
+        pad / bos / eos at 0 / 1 / 2): its ``save_pretrained`` directory loads with ``AutoTokenizer``."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy optional: on export only
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": self.pad_token_id, "<bos>": self.bos_token_id, "<eos>": self.eos_token_id, **self._to_id}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+        tok.decoder = decoders.Fuse()  # characters join without separators
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
     def decode(self, ids: Sequence[int]) -> str:
         out = []
         for i in ids:

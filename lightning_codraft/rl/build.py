@@ -206,8 +206,8 @@ class RunParts:
     """The usable context length."""
     task: Any
     """The task: ``sample(n, seed)``, ``reward``; held-out rows where it has them."""
-    rewards: RewardSet
-    """The run's rewards."""
+    rewards: Optional[RewardSet]
+    """The run's rewards (None when built without the task)."""
     policy: Policy
     """The policy."""
     draft: Eagle3Draft
@@ -216,16 +216,19 @@ class RunParts:
     """The frozen start policy (``rl.kl_coef > 0`` or ``rl.track_drift``), else None."""
 
 
-def build_parts(cfg: CoDraftConfig, task=None, rewards=None) -> RunParts:
+def build_parts(cfg: CoDraftConfig, task=None, rewards=None, with_task: bool = True) -> RunParts:
     """Seed with ``run.seed`` and build a run's parts in a fixed order (so both front ends draw the same initial
-    weights); ``task`` / ``rewards``: Python objects instead of the recipe's ``task`` section (``rewards``: a
-    :class:`RewardSet`, a list of :class:`RewardTerm` or one per-sample function)."""
+    weights); ``task`` / ``rewards``: Python objects instead of the recipe's ``task`` section (``task``: a task, a
+    ``datasets.Dataset`` or a list of row dicts; ``rewards``: a :class:`RewardSet`, a list of :class:`RewardTerm` or
+    one per-sample function). ``with_task=False``: the models only (``task`` and ``rewards`` None: no data read,
+    no reward imported), as exporting a run needs."""
     torch.manual_seed(cfg.run.seed)
     tokenizer, policy, context = build_policy(cfg.model, seed=cfg.run.seed)
     check_pipeline_split(cfg, policy)  # an impossible split fails here, not after the warm-ups
-    task = build_task(cfg.task, source=task) if task is None or is_rows(task) else task
-    check_prompts_render(task, tokenizer)
-    rewards = build_reward(cfg.task, task) if rewards is None else as_reward_set(rewards)
+    if with_task:
+        task = build_task(cfg.task, source=task) if task is None or is_rows(task) else task
+        check_prompts_render(task, tokenizer)
+        rewards = build_reward(cfg.task, task) if rewards is None else as_reward_set(rewards)
     reference = copy.deepcopy(policy) if cfg.rl.kl_coef > 0 or cfg.rl.track_drift else None
     return RunParts(tokenizer, context, task, rewards, policy, build_draft(cfg, policy), reference)
 

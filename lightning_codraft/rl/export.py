@@ -22,7 +22,8 @@ from lightning_codraft.rl.build import build_module, build_parts
 from lightning_codraft.rl.checkpoints import RunCheckpoints
 
 CHAR_TOKENIZER_FILE = "codraft_char_tokenizer.json"
-"""Where an exported tiny policy's character tokenizer is written (its alphabet; ids 0-2 are pad, bos, eos)."""
+"""Where an exported tiny policy's character alphabet is also written (ids 0-2 are pad, bos, eos; the directory's
+``tokenizer.json`` is the same tokenizer for ``AutoTokenizer``)."""
 
 
 @dataclass
@@ -55,7 +56,7 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
         raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (every `codraft fit` "
                                 f"writes one in run.out_dir)")
     cfg = load_config(run_dir / "config.yaml")
-    parts = build_parts(cfg)
+    parts = build_parts(cfg, with_task=False)  # the models only: no data file, no reward code needed
     module = build_module(cfg, parts)
     found = RunCheckpoints(run_dir, fabric=None).complete()
     if step is not None:
@@ -82,7 +83,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
     out = Path(out_dir)
     paths = {"policy": Path(run.policy.save_pretrained(out / "policy"))}
     tok = run.tokenizer
-    if isinstance(tok, CharTokenizer):  # the tiny policy's: no Hugging Face class reads it; its alphabet is enough
+    if isinstance(tok, CharTokenizer):  # the tiny policy's, as a transformers tokenizer with the same ids
+        tok.to_transformers().save_pretrained(paths["policy"])
         (paths["policy"] / CHAR_TOKENIZER_FILE).write_text(json.dumps({"alphabet": tok.alphabet}))
     else:
         tok.tok.save_pretrained(paths["policy"])

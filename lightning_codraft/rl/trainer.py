@@ -183,10 +183,13 @@ class GRPOModule(CoDraftModule):
                          log=self.log_line, schedule=self.draft_schedule)
         metrics = rl_step(step, samples)
         self.last_metrics = metrics
-        row = {k: float(v) for k, v in metrics.as_dict().items() if k != "step"}
-        for name, value in row.items():
-            if not math.isnan(value):
-                self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in PROGRESS_BAR, batch_size=1)
+        row = {k: float(v) for k, v in metrics.as_dict().items() if k != "step" and not math.isnan(float(v))}
+        for name, value in row.items():  # the progress bar and callbacks (e.g. ModelCheckpoint(monitor=...))
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in PROGRESS_BAR, batch_size=1,
+                     logger=False)
+        if self.trainer.is_global_zero:  # every RL step reaches the loggers, whatever Trainer(log_every_n_steps=)
+            for logger in self.loggers:
+                logger.log_metrics(row, step=metrics.step)
         return torch.tensor(metrics.policy_loss)
 
     def validation_step(self, n: int, batch_idx: int = 0) -> None:

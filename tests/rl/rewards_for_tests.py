@@ -51,3 +51,12 @@ def batch_only_reward(prompts, completions, **columns):
 def never_applies(prompts, completions, **columns):
     """TRL's "does not apply" for every sample."""
     return [None] * len(completions)
+
+
+def conversational_only(prompts, completions, answer, **columns):
+    """Scores as TRL's conversational rewards do, and refuses anything else: the prompts are message lists and each
+    completion is ``[{"role": "assistant", "content": text}]``."""
+    for p, c in zip(prompts, completions):
+        if not (isinstance(p, list) and isinstance(c, list) and c[0]["role"] == "assistant"):
+            raise TypeError(f"not TRL's conversational form: prompt {p!r}, completion {c!r}")
+    return [float(answer[i] in c[0]["content"]) for i, c in enumerate(completions)]

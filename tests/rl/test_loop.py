@@ -359,3 +359,42 @@ def test_an_unreadable_checkpoint_is_named_with_the_fix(micro_run, tmp_path, cap
     assert f"checkpoint {run / 'checkpoints' / 'step-000003'} cannot be read" in err and "Traceback" not in err
     assert f"mv {run / 'checkpoints' / 'step-000003'}" in err and "resumes from" in err and "step-000002" in err
     assert (run / "config.yaml").read_text() == config_before  # nothing was touched
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_s1_a_batched_reward_that_raises_stops_the_run_naming_the_exception(tmp_path, capsys, mode):
+    """S1 from the command line: the reward fails only on batches (each sample alone scores, so the check before
+    launch passes); the run never falls back to per-sample calls: it stops with exit 3 naming the function and the
+    exception, and in skip mode every sample is first counted and reported as skipped."""
+    from conftest import REPO
+
+    from lightning_codraft.cli import main
+
+    code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
+                 "task.rewards=[{fn: 'rewards_for_tests:batch_only_reward'}]", f"task.on_reward_error={mode}",
+                 "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0"])
+    captured = capsys.readouterr()
+    assert code == 3, captured.err
+    assert "rewards_for_tests:batch_only_reward" in captured.err
+    assert "the batched call on 4 samples raised RuntimeError: rate limit: 4 requests in one call" in captured.err
+    assert "fails only on batches" in captured.err
+    if mode == "skip":
+        assert captured.out.count("skipped sample") == 4 and "4 of the step's 4 samples failed" in captured.err
+    assert not (tmp_path / "checkpoints" / "step-000001").exists()
+
+
+def test_s6_none_for_a_whole_step_is_reported(tmp_path):
+    """S6: a reward that applies to no sample beside one that does: each step says so; alone, it stops the run."""
+    lines = []
+    cfg = micro_config(tmp_path / "beside", "task.rewards=[{fn: 'rewards_for_tests:never_applies', name: never}, "
+                                            "{fn: 'rewards_for_tests:digit_share_batched', name: digits}]",
+                       "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0", "rl.steps=2")
+    res = fit(cfg, print_fn=lines.append)
+    said = [line for line in lines if "returned None" in line]
+    assert said == [f"step {i}: reward 'never' returned None (does not apply) for every sample of the step"
+                    for i in (1, 2)]
+    assert all(math.isnan(r["reward/never"]) and r["reward_failures"] == 0 for r in res.rows)
+    cfg = micro_config(tmp_path / "alone", "task.rewards=[{fn: 'rewards_for_tests:never_applies', name: never}]",
+                       "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+    with pytest.raises(RewardError, match="no reward function applies to it"):
+        fit(cfg, print_fn=lambda s: None)

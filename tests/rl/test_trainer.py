@@ -85,3 +85,34 @@ def test_a_trainer_longer_than_the_run_is_refused(tmp_path):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="pass max_steps=3"):
         trainer.fit(module, datamodule=PromptData.from_module(module))
+
+
+def test_every_rl_step_reaches_the_logger_whatever_log_every_n_steps(tmp_path):
+    """The README's Trainer leaves Lightning's default log_every_n_steps=50; a 3-step run still logs 3 rows."""
+    import lightning.pytorch as pl
+
+    from lightning_codraft.pytorch import CoDraftStrategy
+    from lightning_codraft.rl.logs import read_metrics
+    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+
+    cfg = micro_config(tmp_path / "run", *FAST)
+    module = GRPOModule(cfg, print_fn=lambda s: None)
+    logger = pl.loggers.CSVLogger(tmp_path / "logs", name="", version="")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CoDraftStrategy(), max_steps=cfg.rl.steps,
+                         logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    assert trainer.log_every_n_steps == 50
+    trainer.fit(module, datamodule=PromptData.from_module(module))
+    rows = read_metrics(tmp_path / "logs" / "metrics.csv")
+    assert [r["step"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(0.0 <= r["reward"] <= 1.0 and math.isfinite(r["policy_loss"]) for r in rows)
+
+
+def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(tmp_path):
+    from lightning_codraft.rl.rewards import RewardError
+
+    cfg = micro_config(tmp_path / "run", *FAST, "task.rewards=[{fn: 'rewards_for_tests:batch_only_reward'}]",
+                       "sft.steps=0", "draft.warmup_steps=0")
+    with pytest.raises(RewardError, match=r"batch_only_reward.*the batched call on 4 samples raised RuntimeError: "
+                                          r"rate limit: 4 requests in one call"):
+        _trainer(cfg)
