@@ -1,6 +1,6 @@
 """Draft warm start on a real model: acceptance length against warm-start time, on HELD-OUT prompts.
 
-SmolLM2-135M-Instruct on GSM8K (the training split in ``../shared/data/gsm8k/train.jsonl``; its last
+SmolLM2-135M-Instruct on GSM8K (the training split bundled with the package, ``rl/gsm8k.TRAIN_PATH``; its last
 ``--heldout`` problems are never trained on). :func:`lightning_codraft.distill.warmstart.warm_start_draft` samples
 the policy's own responses at T=0.8 through the chat template, caches the policy's features, builds the draft
 vocabulary from the corpus and fits the EAGLE-3 draft with the TTT loss. At each held-out report of the fit the
@@ -36,12 +36,13 @@ from lightning_codraft.distill.fit import DraftFitConfig
 from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.rl.gsm8k import TRAIN_PATH
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from pages import command, pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = TRAIN_PATH
 GOAL = 2.0  # issue #14: acceptance length at K=4, T=0.8 on held-out prompts after <= 60 minutes
 PREVIOUS = 1.37  # docs/benchmarks/smollm2_gsm8k.md: the recipe's 100-step warm start, K=4, T=0.8
 

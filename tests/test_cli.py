@@ -169,3 +169,16 @@ def test_dry_run_shows_the_memory_of_both_phases(capsys):
     assert "stage 1 (last): training phase" in out and "rollout phase" in out and "  fits: worst rank needs" in out
     assert main(["fit", "--config", CLUSTER, "--dry-run", "model.config=null"]) == 0  # no config.json here
     assert "memory per rank: not planned (model.source='/checkpoints/Qwen3-8B'" in capsys.readouterr().out
+
+
+def test_the_smollm2_dry_run_works_from_anywhere_without_files_outside_the_repository(tmp_path, monkeypatch, capsys):
+    """The README's SmolLM2 --dry-run from a fresh clone: its GSM8K training split ships with the package."""
+    from lightning_codraft.rl.gsm8k import GSM8KTask
+
+    monkeypatch.chdir(tmp_path)  # no ../shared next to this directory
+    assert main(["fit", "--config", str(REPO / "recipes" / "smollm2-135m-cpu.yaml"), "--dry-run"]) == 0, \
+        capsys.readouterr().err
+    assert "config OK" in capsys.readouterr().out
+    task = GSM8KTask("train", heldout=500)
+    assert len(task.samples) == 7473 and task.num_train == 6973
+    assert task.samples[0].answer == "72" and task.samples[0].prompt.startswith("Question: Natalia sold clips")

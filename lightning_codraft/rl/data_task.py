@@ -18,7 +18,16 @@ from lightning_codraft.rl.reward_funcs import math_equivalence
 from lightning_codraft.rl.tasks import TaskSample
 
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-"""File suffixes a local source may have, and the ``datasets`` builder that reads each."""
+"""File suffixes a local source may have, and the ``datasets`` builder that reads each (JSON, JSON Lines and CSV
+also gzipped: ``.jsonl.gz``)."""
+
+
+def file_format(source) -> Optional[str]:
+    """The ``datasets`` builder of a local file ``source`` by its suffix (:data:`FILE_FORMATS`), else None."""
+    suffixes = [x.lower() for x in Path(str(source)).suffixes]
+    if suffixes[-1:] == [".gz"] and suffixes[-2:-1] != [".parquet"]:
+        suffixes = suffixes[:-1]
+    return FILE_FORMATS.get(suffixes[-1]) if suffixes else None
 
 
 def _datasets():
@@ -45,10 +54,10 @@ def load_rows(source, split: str = "train", subset: Optional[str] = None) -> lis
         return rows
     path = Path(source).expanduser()
     ds = _datasets()
-    if path.suffix.lower() in FILE_FORMATS:
+    if file_format(path) is not None:
         if not path.is_file():
             raise FileNotFoundError(f"data file {str(path)!r} does not exist (task.source)")
-        data = ds.load_dataset(FILE_FORMATS[path.suffix.lower()], data_files=str(path), split="train")
+        data = ds.load_dataset(file_format(path), data_files=str(path), split="train")
     elif path.is_dir():
         data = ds.load_dataset(str(path), subset, split=split)
     else:

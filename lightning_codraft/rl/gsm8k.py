@@ -13,11 +13,20 @@ import os
 import re
 from pathlib import Path
 
-from lightning_codraft.rl.data_task import FILE_FORMATS, DatasetTask, RowFormat
+from lightning_codraft.rl.data_task import DatasetTask, RowFormat, file_format
 from lightning_codraft.rl.reward_funcs import math_equivalence
 from lightning_codraft.rl.tasks import TaskSample
 
 EXCERPT_PATH = Path(__file__).parent / "data" / "gsm8k_excerpt.jsonl"
+TRAIN_PATH = Path(__file__).parent / "data" / "gsm8k_train.jsonl.gz"
+BUNDLED = {"excerpt": EXCERPT_PATH, "train": TRAIN_PATH}
+"""The GSM8K files shipped with the package, by the ``task.source`` that names them: the first 200 problems of the
+training split, and the whole split (7,473 problems, gzipped): a fresh clone runs the GSM8K recipes offline."""
+
+
+def gsm8k_source(source: str | os.PathLike) -> str:
+    """The file or hub name ``source`` stands for (``excerpt`` and ``train``: :data:`BUNDLED`)."""
+    return str(BUNDLED.get(str(source), source))
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 
 _FINAL_RE = re.compile(r"####\s*([-+$0-9.,]+)")
@@ -75,8 +84,8 @@ class GSM8KTask(DatasetTask):
     (``reward_funcs.math_equivalence``, math-verify).
 
     Args:
-        source: a local JSONL path, ``"excerpt"`` (the bundled excerpt) or a hub name (``openai/gsm8k``, read with
-            its ``main`` configuration).
+        source: a local JSONL path, ``"excerpt"`` / ``"train"`` (the bundled excerpt / training split) or a hub
+            name (``openai/gsm8k``, read with its ``main`` configuration).
         split: the hub split (ignored for local files).
         limit: use only the first ``limit`` problems.
         heldout: the last ``heldout`` problems are reserved: :meth:`sample` never draws them and
@@ -87,8 +96,8 @@ class GSM8KTask(DatasetTask):
 
     def __init__(self, source: str | os.PathLike = "excerpt", split: str = "train", limit: int | None = None,
                  heldout: int = 0, template: str = PROMPT_TEMPLATE):
-        src = str(EXCERPT_PATH) if str(source) == "excerpt" else str(source)
-        local = Path(src).suffix.lower() in FILE_FORMATS or os.path.exists(src)
+        src = gsm8k_source(source)
+        local = file_format(src) is not None or os.path.exists(src)
         f = GSM8K_FORMAT
         super().__init__(source=src, prompt_column=f.prompt_column, answer_column=f.answer_column, template=template,
                          split=split, subset=None if local else "main", limit=limit, heldout=heldout,

@@ -9,14 +9,15 @@ naming the recipe key or the file and line, and the CLI exits 2 on any. Only loc
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Optional
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.models.tokenizer import CharTokenizer
-from lightning_codraft.rl.data_task import RowFormat, is_conversational, solution_column
-from lightning_codraft.rl.gsm8k import EXCERPT_PATH, GSM8K_FORMAT
+from lightning_codraft.rl.data_task import RowFormat, file_format, is_conversational, solution_column
+from lightning_codraft.rl.gsm8k import GSM8K_FORMAT, gsm8k_source
 from lightning_codraft.rl.loggers import logger_class
 from lightning_codraft.rl.reward_funcs import BUILTINS
 from lightning_codraft.rl.rewards import build_reward
@@ -41,7 +42,7 @@ def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[Tas
     tiny model's tokenizer can encode every prompt, and the held-out rows leave rows to train on."""
     fmt, first, rows = row_format(cfg), None, 0
     chars = CharTokenizer() if cfg.model.source == "tiny" else None
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.suffix.lower() == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if lineno > SCANNED_ROWS:
                 break
@@ -123,11 +124,10 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
         except ValueError as e:
             problems.append(str(e))
     if t.name in ("gsm8k", "dataset"):
-        source = str(EXCERPT_PATH) if (t.name == "gsm8k" and t.source == "excerpt") else t.source
-        path = Path(source).expanduser()
-        if path.suffix.lower() in (".json", ".jsonl", ".parquet", ".csv") and not path.is_file():
+        path = Path(gsm8k_source(t.source) if t.name == "gsm8k" else t.source).expanduser()
+        if file_format(path) is not None and not path.is_file():
             return problems + [f"task.source: the data file {str(path)!r} does not exist"]
-        if path.suffix.lower() == ".jsonl":
+        if path.name.lower().endswith((".jsonl", ".jsonl.gz")):
             bad_rows, sample = check_jsonl(path, cfg)
             problems += bad_rows
             if sample is None or bad_rows and not bad_rows[0].startswith("task.heldout"):
