@@ -110,8 +110,8 @@ class RowFormat:
             return TaskSample(prompt=chat_messages(raw, f"{where} column {self.prompt_column!r}"),
                               answer=self._answer(row, where), solution=self._solution(row), columns=row)
         if not isinstance(raw, str) and self.template is None:
-            raise ValueError(f"{where}: column {self.prompt_column!r} holds a {type(raw).__name__}, not a prompt text "
-                             f"or a list of chat messages")
+            raise ValueError(f"{where}: column {self.prompt_column!r} holds a value of type {type(raw).__name__} "
+                             f"({raw!r}), not a prompt text or a list of chat messages")
         try:
             prompt = raw if self.template is None else self.template.format(**row)
         except KeyError as e:
