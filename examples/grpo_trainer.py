@@ -37,7 +37,10 @@ def main(argv=None) -> GRPOModule:
     every = cfg.task.eval_every or cfg.rl.steps
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=CoDraftStrategy(dp=args.dp, pp=args.pp),
-        max_steps=cfg.rl.steps, logger=pl.loggers.CSVLogger(out, name="", version=""), log_every_n_steps=1,
+        # a logger version per launch: a resumed fit (--resume) writes version_1/ and version_0/ keeps its rows
+        # (Lightning's CSVLogger starts its file over when a version is reused); every RL step is logged whatever
+        # log_every_n_steps is
+        max_steps=cfg.rl.steps, logger=pl.loggers.CSVLogger(out, name="", version=None),
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=1, save_last=True)],
         val_check_interval=every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         limit_val_batches=1 if cfg.task.eval_prompts else 0, enable_model_summary=False)

@@ -20,20 +20,21 @@ from lightning_codraft.config import CoDraftConfig, to_yaml
 _BEGAN = re.compile(r"^# segment began at step (\d+)", re.MULTILINE)
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict of settings as ``{"section.key": value}``."""
     if not isinstance(d, dict):
         return {prefix: d}
     out: dict[str, Any] = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
 
 
 def config_changes(old_yaml: str | Path, cfg: CoDraftConfig) -> list[str]:
     """``key: old -> new`` for every setting of ``cfg`` that differs from the config written at ``old_yaml`` (a run
     directory's ``config.yaml``), in key order; empty when none does."""
-    old = _flat(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
-    new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    old = flatten(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
+    new = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
 

@@ -10,12 +10,17 @@ warm-ups (safetensors-free plain tensors, read with ``weights_only=True``), so a
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from lightning_codraft.run_config import flatten
 
 
 class CheckpointError(RuntimeError):
@@ -85,12 +90,11 @@ class RunCheckpoints:
     def warm_file(self) -> Path:
         return self.out / "warm" / "weights.pt"
 
-    def save_warm(self, policy: nn.Module, draft: nn.Module, extra: dict[str, Any]) -> None:
-        """Write the warmed-up policy + draft (global rank 0 only); another run starts from them (``init_from``)."""
-        if self.fabric.global_rank != 0:
-            return
-        self.warm_file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"policy": policy.state_dict(), "draft": draft.state_dict(), "extra": extra}, self.warm_file)
+    def save_warm(self, policy: nn.Module, draft: nn.Module, extra: dict[str, Any], key: str = "") -> None:
+        """Write the warmed-up policy + draft (global rank 0 only); another run starts from them (``init_from``);
+        ``key``: :func:`warm_key` of the settings that made them."""
+        if self.fabric.global_rank == 0:
+            write_warm(self.warm_file, policy, draft, extra, key)
 
     @staticmethod
     def load_warm(path: str | Path, policy: nn.Module, draft: nn.Module) -> dict[str, Any]:
@@ -99,6 +103,25 @@ class RunCheckpoints:
         policy.load_state_dict(state["policy"])
         draft.load_state_dict(state["draft"])
         return dict(state.get("extra", {}))
+
+
+WARM_FREE = ("run", "rl.steps", "rl.lr", "task.reward", "task.rewards", "task.on_reward_error",
+             "task.reward_failure_budget", "task.eval_every", "task.eval_prompts")
+"""Settings the warm-ups do not read (run.seed aside): changing them keeps a run's warm start valid."""
+
+
+def warm_key(cfg) -> str:
+    """A digest of the settings the warm-ups depend on (everything but :data:`WARM_FREE`, ``run.seed`` kept)."""
+    flat = {k: v for k, v in flatten(dataclasses.asdict(cfg)).items()
+            if not any(k == f or k.startswith(f + ".") for f in WARM_FREE)}
+    flat["run.seed"] = cfg.run.seed
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_warm(path: Path, policy: nn.Module, draft: nn.Module, extra: dict[str, Any], key: str = "") -> None:
+    """Write warmed-up weights to ``path`` (a ``warm/weights.pt``): ``policy``, ``draft``, ``extra``, ``key``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"policy": policy.state_dict(), "draft": draft.state_dict(), "extra": extra, "key": key}, path)
 
 
 def warm_state(path: str | Path, key: str = "run.init_from") -> dict[str, Any]:

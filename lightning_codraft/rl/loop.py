@@ -39,7 +39,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
-from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft
+from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key
 from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
 from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
@@ -158,7 +158,7 @@ class CoDraftRun:
             self.extra["eval_before"] = self.evaluate(n_eval) if n_eval else math.nan
             self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
-            self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra)
+            self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra, key=warm_key(cfg))
         self.module.set_reference_draft(reference_draft(cfg, self.module.draft,
                                                         self.checkpoints.warm_file if last is not None else None))
         self.model = self.fabric.setup_module(self.module)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.build import build_parts, module_arguments
-from lightning_codraft.rl.checkpoints import reference_draft
+from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
 from lightning_codraft.rl.evaluate import evaluate_heldout
 from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -141,14 +141,31 @@ class GRPOModule(CoDraftModule):
         checkpoint holds the trained weights) and this rank's rollout engine over the whole modules."""
         if stage != "fit" or self.worker is not None:
             return
-        if self.trainer.ckpt_path is None:
-            self.extra = warm_start(self.cfg, self, self.tokenizer, self.task, self.context, log=self.log_line)
+        self.extra = self.warm_up()
         # the A/B's reference draft: the warm start (a resume restores it from the checkpoint, below) or a user's
         self.set_reference_draft(reference_draft(self.cfg, self.draft))
         strategy = self.trainer.strategy
         dims = strategy.parallel_dims
         self.worker = RolloutWorker(self.cfg, dims, strategy.root_device, eos_token_id=self.tokenizer.eos_token_id)
         self.worker.start(self)
+
+    def warm_up(self) -> dict:
+        """The warm-ups (SFT, the draft's warm start), or their result kept in ``run.out_dir/warm/weights.pt`` by an
+        earlier fit of this run with the same warm-up settings (:func:`~lightning_codraft.rl.checkpoints.warm_key`;
+        ``run.resume``): Lightning restores a checkpoint only after the strategy has set the module up, so a
+        resumed ``Trainer.fit`` is told apart from a new one here by that file, and never repeats the warm-ups."""
+        cfg, store = self.cfg, RunCheckpoints(self.cfg.run.out_dir, fabric=None)
+        key, warm = warm_key(cfg), store.warm_file
+        if cfg.run.resume and not cfg.run.init_from and warm.is_file() and warm_state(warm).get("key") == key:
+            extra = RunCheckpoints.load_warm(warm, self.policy, self.draft)
+            if self.reference is not None:
+                self.reference.load_state_dict(self.policy.state_dict())
+            self.log_line(f"warm-ups loaded from {warm} (an earlier fit of this run, same warm-up settings)")
+            return extra
+        extra = warm_start(cfg, self, self.tokenizer, self.task, self.context, log=self.log_line)
+        if self.trainer.is_global_zero:
+            write_warm(warm, self.policy, self.draft, extra, key=key)
+        return extra
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["draft_schedule"] = self.draft_schedule.state_dict()

@@ -46,6 +46,6 @@ def test_gsm8k_with_the_math_reward_in_trainer_fit(tmp_path):
     module = _example("grpo_trainer").main([
         "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "draft.warm_start=null",
         "draft.warmup_steps=0", "task.eval_prompts=2", "task.eval_every=1", f"run.out_dir={tmp_path}"])
-    rows = _rows(tmp_path / "metrics.csv")
+    rows = _rows(tmp_path / "version_0" / "metrics.csv")
     assert any(r.get("reward/correct") for r in rows) and any(r.get("eval_accuracy") for r in rows)
     assert module.cfg.task.name == "gsm8k" and (tmp_path / "checkpoints" / "last.ckpt").is_dir()

@@ -116,3 +116,29 @@ def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(
     with pytest.raises(RewardError, match=r"batch_only_reward.*the batched call on 4 samples raised RuntimeError: "
                                           r"rate limit: 4 requests in one call"):
         _trainer(cfg)
+
+
+def test_a_resumed_trainer_fit_skips_the_warm_ups(tmp_path, monkeypatch):
+    import lightning_codraft.rl.trainer as trainer_module
+
+    cfg = micro_config(tmp_path / "run", *FAST)
+    _trainer(cfg, steps=1, ckpt_dir=tmp_path / "ckpt")
+    ckpt = sorted((tmp_path / "ckpt").iterdir())[-1]
+    calls = []
+    monkeypatch.setattr(trainer_module, "warm_start", lambda *a, **k: calls.append(1) or {})
+    rows, _ = _trainer(cfg, ckpt_path=str(ckpt))
+    assert len(rows) == 2 and calls == []
+
+
+def test_grpo_module_takes_a_datasets_dataset(tmp_path):
+    import datasets
+
+    from lightning_codraft.rl.trainer import GRPOModule
+
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
+    cfg = micro_config(tmp_path / "run", *FAST, "task.name=dataset", "task.source=given", "task.prompt_column=question",
+                       "task.heldout=5", "sft.steps=0", "task.rewards=[{fn: exact_answer}]")
+    module = GRPOModule(cfg, task=datasets.Dataset.from_list(rows), print_fn=lambda s: None)
+    assert module.task.num_train == 20 and module.task.samples[3].prompt == "0+3=" and \
+        module.task.samples[3].answer == "3"
+    assert module.task.heldout_samples(5)[0].prompt == "4+0="
