@@ -4,13 +4,16 @@ Arms of a comparison (``rl.compare``) see the same prompts and sampling seeds st
 values pair up: the difference ``a_s - b_s`` removes what the step's prompts do to both. :func:`paired_difference`
 reports the mean difference over a set of steps with a Student-t confidence interval (steps treated as independent
 draws; successive RL steps are correlated through the policy, so read the interval as optimistic when the
-differences trend). No SciPy: the t quantile is a bisection on the t CDF, integrated with Simpson's rule.
+differences trend). No SciPy: the t CDF is the regularized incomplete beta function (a continued fraction), the
+quantile Newton's method on it, cached: microseconds a call (the live A/B computes an interval every step).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Sequence
 
 
@@ -19,34 +22,69 @@ def _t_pdf(x: float, df: float) -> float:
     return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
 
 
-def t_cdf(x: float, df: float, intervals: int = 4000) -> float:
-    """P(T <= x) for Student's t with ``df`` degrees of freedom (Simpson's rule on [0, |x|], error < 1e-9)."""
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz; relative error 1e-15)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
+                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def beta_inc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` for ``a, b > 0``, ``0 <= x <= 1``."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_fraction(a, b, x) / a
+    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(x: float, df: float) -> float:
+    """P(T <= x) for Student's t with ``df`` degrees of freedom, in closed form:
+    ``1 - I_{df / (df + x^2)}(df / 2, 1 / 2) / 2`` for ``x > 0`` (symmetric below 0)."""
     if df <= 0:
         raise ValueError(f"df={df} must be > 0")
-    a = abs(x)
-    if a == 0:
+    if x == 0:
         return 0.5
-    h = a / intervals
-    s = _t_pdf(0.0, df) + _t_pdf(a, df)
-    for i in range(1, intervals):
-        s += (4 if i % 2 else 2) * _t_pdf(i * h, df)
-    half = s * h / 3
-    return 0.5 + half if x > 0 else 0.5 - half
+    tail = 0.5 * beta_inc(df / 2, 0.5, df / (df + x * x))
+    return 1.0 - tail if x > 0 else tail
 
 
+@functools.lru_cache(maxsize=4096)
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on :func:`t_cdf`)."""
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom: Newton's method on :func:`t_cdf` kept
+    inside a bracket (bisection where a Newton step leaves it), to 1e-12; cached (the live A/B asks for the same
+    few quantiles every step)."""
     if not 0 < p < 1:
         raise ValueError(f"p={p} must be in (0, 1)")
     if p < 0.5:
         return -t_quantile(1 - p, df)
+    if p == 0.5:
+        return 0.0
     lo, hi = 0.0, 1.0
     while t_cdf(hi, df) < p:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
+        lo, hi = hi, hi * 2
+    x = min(max(NormalDist().inv_cdf(p), lo), hi)
+    for _ in range(200):
+        f = t_cdf(x, df) - p
+        if f == 0.0 or hi - lo < 1e-13:
+            break
+        lo, hi = (x, hi) if f < 0 else (lo, x)
+        step = x - f / _t_pdf(x, df)
+        x = step if lo <= step <= hi else (lo + hi) / 2
+    return x
 
 
 @dataclass(frozen=True)
