@@ -4,8 +4,9 @@
 costs as much as the product. Packing the weight once (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's CPU
 freezing does) and calling ``torch.ops.mkldnn._linear_pointwise`` makes a decode-sized projection faster
 (docs/design/decoding.md §3), and in bf16 bitwise equal to ``F.linear`` up to :data:`ROW_BLOCK` rows. The packed call
-has no autograd, so a call that needs a gradient, an input of another dtype, a non-CPU weight or a torch build without
-oneDNN takes ``F.linear`` on the plain weight.
+has no autograd, so a call that needs a gradient, an input of another dtype, a non-CPU weight, a torch build without
+oneDNN or a CPU without oneDNN's kernel for the dtype (bf16 on an AVX2-only CPU) takes ``F.linear`` on the plain
+weight.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _reorder(weight: Tensor) -> Tensor | None:
+    """``weight`` packed for oneDNN, or None where this CPU has no oneDNN kernel for its dtype (bf16 needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU then runs ``F.linear``, slower, never wrong)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    except RuntimeError as e:
+        if "cpu support" not in str(e):
+            raise
+        return None
+
+
 class PackedLinear:
     """A decode-time linear layer.
 
@@ -46,7 +58,7 @@ class PackedLinear:
         self.weight, self.bias = weight, bias
         if pack is None:
             pack = weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and packing_available()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
+        self.packed = _reorder(weight.detach()) if pack else None
 
     def __call__(self, x: Tensor) -> Tensor:
         """``(..., in) -> (..., out)``; a one-row input runs as two copies of the row (a bf16 one-row product over
