@@ -18,6 +18,7 @@ ALLOWED = {
     "_lazy": set(),
     "config": {"training", "task_config"},   # training/config.py: the loss sections the recipe derives from
     "task_config": set(),
+    "run_config": {"config"},  # a run directory's settings across its segments
     "attention": set(),
     "batch": {"attention"},
     "models": {"attention"},
@@ -28,12 +29,13 @@ ALLOWED = {
     "fabric": {"batch", "parallel", "training", "rollout"},
     "pytorch": {"batch", "parallel", "training", "rollout"},
     "plan": {"config", "models", "parallel"},
-    "rl": {"config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric", "distill"},
+    "rl": {"config", "task_config", "run_config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric",
+           "distill"},
     "cli": {"config", "models", "rl", "rollout", "plan"},
     "__init__": set(),
 }
 #: imported inside functions on purpose: optional or heavy, and only on the paths that need them
-LAZY_OK = ("vllm", "flash_attn", "transformers", "datasets", "matplotlib", "math_verify")
+LAZY_OK = ("vllm", "flash_attn", "transformers", "tokenizers", "datasets", "matplotlib", "math_verify")
 
 
 def _modules() -> dict[str, Path]:

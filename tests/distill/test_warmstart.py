@@ -213,7 +213,9 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatc
     # benchmark's cache): compare that, not only dataclass equality
     assert json.dumps(asdict(ours), sort_keys=True) == json.dumps(asdict(theirs), sort_keys=True)
     assert cfg.draft.draft_vocab_size == args.draft_vocab and cfg.run.seed + 1 == 1  # the benchmark's draft seed
-    assert cfg.task.heldout <= args.heldout and cfg.task.source.endswith("gsm8k/train.jsonl")
+    from lightning_codraft.rl.gsm8k import gsm8k_source
+
+    assert cfg.task.heldout <= args.heldout and gsm8k_source(cfg.task.source) == str(args.gsm8k)  # the same file
 
 
 def test_each_stage_owns_its_cache_key():
