@@ -18,9 +18,13 @@ anyway:
   ``s`` moves by about ``0.58 sigma`` and the best of a window of them sits above their mean by about as much, so
   ``d = best - s - 2 x 0.58 sigma`` (0 before three steps have measured ``sigma``).
 - **What a unit of acceptance is worth**: rollouts take about ``rollout_s / a`` seconds more per step for each unit
-  lost (rounds per token are ``1 / a``; ``rollout_s`` the mean of the recent steps'); over the next ``H`` steps
-  (``draft.schedule_horizon``, at most the steps left) the update is worth ``gain = (max(u, 0) + d) x rollout_s /
-  a x H`` seconds.
+  lost (rounds per token are ``1 / a``; ``rollout_s`` the mean of the recent steps'), on the share ``f`` of the
+  rounds' capacity the engine actually drafts (``mean_k / K``; the adaptive engine decodes plainly where verifying
+  drafts costs more than it saves, e.g. a large batch on a CPU): over the next ``H`` steps (``draft.schedule_horizon``,
+  at most the steps left) the update is worth ``gain = (max(u, 0) + d) x rollout_s / a x H x f`` seconds. A step
+  whose rollouts drafted nothing (``f = 0``) skips its update whatever else holds: the same economics as the
+  engine's, so co-training costs nothing while speculation does not pay, and resumes when it pays again (smaller
+  batches, the long tail of a shrinking batch, a drifting policy).
 - **What one update costs**: the recent trained steps' training seconds per completion token less the skipped
   steps', times this step's tokens (before both were seen: a third of a trained step, or half a skipped one, the
   prior from docs/benchmarks/codraft_step.md, where co-training made the step 1.4-1.6x as long). How large an
@@ -83,6 +87,9 @@ class Decision:
     either did not run; filled after the step)."""
     implied_rates: tuple = ()
     """The current draft's implied acceptance rate per position (empty where it did not run; filled after)."""
+    speculation: float = 1.0
+    """The share of the step's verification rounds' capacity the engine drafted (``mean_k / K``: 1 for a fixed
+    engine, 0 where the adaptive engine decoded plainly because speculation did not pay at the step's batch)."""
 
 
 class DraftSchedule:
@@ -118,10 +125,13 @@ class DraftSchedule:
         """Steps that trained the draft so far (its version)."""
         return sum(d.train for d in self.history)
 
-    def decide(self, step: int, acceptance: float, rollout_s: float, tokens: float = math.nan) -> Decision:
-        """The decision for RL step ``step`` (0-based) from its measured acceptance, rollout seconds and completion
-        tokens; call :meth:`record` after the step. Every rank must pass the same (global) figures."""
-        figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s), tokens=float(tokens))
+    def decide(self, step: int, acceptance: float, rollout_s: float, tokens: float = math.nan,
+               speculation: float = 1.0) -> Decision:
+        """The decision for RL step ``step`` (0-based) from its measured acceptance, rollout seconds, completion
+        tokens and the share of its rounds' capacity the engine drafted (:attr:`Decision.speculation`); call
+        :meth:`record` after the step. Every rank must pass the same (global) figures."""
+        figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s), tokens=float(tokens),
+                       speculation=float(speculation))
         if not self.trains:
             return Decision(step + 1, False, "the draft is not co-trained (draft.mode)", **figures)
         if self.schedule == "every_step":
@@ -129,7 +139,7 @@ class DraftSchedule:
         if self.schedule == "every_n":
             on = step % self.every == 0
             return Decision(step + 1, on, f"every {self.every} steps: {'on' if on else 'off'}", **figures)
-        return self._adaptive(step, float(acceptance), float(rollout_s), float(tokens))
+        return self._adaptive(step, float(acceptance), float(rollout_s), float(tokens), float(speculation))
 
     def _update_gain(self) -> tuple[float, int]:
         """``(u, n)``: what one update adds to the margin over the reference (module docstring), and how many
@@ -165,7 +175,7 @@ class DraftSchedule:
             return math.inf
         return unit * (tokens if scaled else 1.0)
 
-    def _adaptive(self, step: int, a: float, rollout_s: float, tokens: float) -> Decision:
+    def _adaptive(self, step: int, a: float, rollout_s: float, tokens: float, speculation: float) -> Decision:
         prev = self.history[-1] if self.history else None
         s = a if prev is None or math.isnan(prev.smoothed) else 0.5 * a + 0.5 * prev.smoothed
         recent = [d for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)]
@@ -179,10 +189,14 @@ class DraftSchedule:
         cost = self._cost(tokens)
         H = max(1, min(self.horizon, self.total_steps - step))
         per_unit = (sum(d.rollout_s for d in recent) + rollout_s) / (len(recent) + 1) / max(a, 1.0)
-        gain = ((max(u, 0.0) if math.isfinite(u) else 0.0) + deficit) * per_unit * H
+        share = min(max(speculation, 0.0), 1.0) if math.isfinite(speculation) else 1.0
+        gain = ((max(u, 0.0) if math.isfinite(u) else 0.0) + deficit) * per_unit * H * share
         training = prev is not None and prev.train
         figures = dict(acceptance=a, rollout_s=rollout_s, tokens=tokens, smoothed=s, best=best, noise=noise,
-                       update_gain=u, gain_s=gain, cost_s=cost)
+                       update_gain=u, gain_s=gain, cost_s=cost, speculation=speculation)
+        if share == 0.0:  # the adaptive engine's own economics: speculation does not pay at this batch
+            return Decision(step + 1, False, "the engine decoded plainly (speculation does not pay at this batch): "
+                                             "an update buys no rollout time, skip", **figures)
         if measured < WARMUP:
             return Decision(step + 1, True, f"measuring what an update buys ({measured} of {WARMUP} measured)",
                             **figures)
@@ -225,7 +239,8 @@ def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool
     out = []
     for r in rows:
         num = lambda k: math.nan if r.get(k) is None else float(r[k])  # noqa: E731
-        d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"))
+        d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"),
+                            1.0 if r.get("speculation") is None else float(r["speculation"]))
         schedule.record(d, num("train_s"), num("ab_gain"), r.get("implied_rates", ()), num("reference"))
         out.append(d.train)
     return out

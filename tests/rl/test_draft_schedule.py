@@ -34,10 +34,10 @@ class World:
     def __init__(self, effect: float, drift: float = 0.0, tokens: float = 1000.0):
         self.margin, self.effect, self.drift, self.tokens = 0.3, effect, drift, tokens
 
-    def run(self, schedule, bases, rollout_s=10.0, seconds=(2.0, 3.0)):
+    def run(self, schedule, bases, rollout_s=10.0, seconds=(2.0, 3.0), speculation=1.0):
         out = []
         for base in bases:
-            d = schedule.decide(len(schedule.history), base + self.margin, rollout_s, self.tokens)
+            d = schedule.decide(len(schedule.history), base + self.margin, rollout_s, self.tokens, speculation)
             scale = self.tokens / 1000.0  # training seconds scale with the step's tokens
             schedule.record(d, seconds[d.train] * scale, reference=base)
             self.margin += self.effect if d.train else -self.drift
@@ -163,3 +163,21 @@ def test_an_adaptive_run_logs_every_decision_and_versions_the_draft_by_its_updat
     for r, m in zip(rows, read_metrics(tmp_path / "metrics.csv")):
         assert math.isnan(m["implied_acceptance"]) != r["train"]
         assert math.isfinite(m["reference_acceptance"])
+
+
+def test_no_update_while_the_engine_decodes_plainly_and_updates_resume_when_speculation_pays():
+    """The adaptive engine's economics: where it drafted nothing (a large batch on a CPU), an update buys no
+    rollout time, so the step skips it (even while warming up); where it drafts on part of its rounds, an update
+    is worth that share; when speculation pays again, updates resume."""
+    s, world = DraftSchedule("adaptive", 100, horizon=10), World(effect=0.05)
+    assert world.run(s, [3.0] * 5, speculation=0.0) == [False] * 5
+    assert all("decoded plainly" in d.reason and d.gain_s == 0.0 for d in s.history)
+    assert world.run(s, [3.0] * 6) == [True] * 6  # speculation pays again: warm-up, then an update pays
+    full = s.decide(len(s.history), 3.3, 10.0, 1000.0, 1.0)
+    part = s.decide(len(s.history), 3.3, 10.0, 1000.0, 0.25)
+    assert part.gain_s == pytest.approx(0.25 * full.gain_s) and part.speculation == 0.25
+    # the fixed schedules are literal: they train whatever the engine did
+    assert DraftSchedule("every_step", 5).decide(0, 1.0, 10.0, 100.0, 0.0).train
+    # and a logged run replays with its speculation figures
+    rows = s.state_dict()
+    assert replay(rows, DraftSchedule("adaptive", 100, horizon=10)) == [d.train for d in s.history]
