@@ -237,3 +237,34 @@ def test_cotrain_schedule_over_seeds_smoke(tmp_path):
     assert "adaptive, 1/4 of samples - frozen end-to-end speed-up over 2 seeds (paired)" in text
     assert (tmp_path / "run" / "seed0" / "arms" / "frozen" / "metrics.csv").is_file()
     assert (tmp_path / "run" / "seed1" / "arms" / "none" / "metrics.csv").is_file()
+
+
+def _trl_python():
+    """A Python that has TRL: this one, or the benchmark's own environment (``.venv-trl``, see vs_trl.py)."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is not None:
+        return sys.executable
+    venv = REPO / ".venv-trl" / "bin" / "python"
+    return str(venv) if venv.is_file() else None
+
+
+def test_vs_trl_smoke(tmp_path):
+    python = _trl_python()
+    if python is None:
+        pytest.skip("TRL is not installed (benchmarks/vs_trl.py runs in an environment of its own)")
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    tiny = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
+            "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
+            "sft.steps=2", "draft.warmup_steps=2"]
+    out = subprocess.run([python, str(REPO / "benchmarks" / "vs_trl.py"), "--seeds", "0", "1", "--steps", "2",
+                          "--batches", "all", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "8",
+                          "--work", str(tmp_path / "work"), "--out", str(tmp_path), *tiny],
+                         capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    md = (tmp_path / "vs_trl.md").read_text()
+    assert "| TRL GRPOTrainer |" in md and "| co-trained draft (default schedule), batch 1 |" in md
+    data = json.loads((tmp_path / "vs_trl.json").read_text())
+    assert len(data["repeats"]) == 2 and all(len(rep["TRL GRPOTrainer"]) == 2 for rep in data["repeats"])
+    assert {t["arm"] for t in data["table"]} >= {"no draft, batch all", "frozen draft, batch 1"}
