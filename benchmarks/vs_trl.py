@@ -210,6 +210,8 @@ def main(argv=None) -> list[dict]:
                       f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
             rep[name] = rows
         repeats.append({name: rep[name] for name, _, _ in arms})
+        write_json(args.out / f"{args.name}.partial.json", repeats)  # what is measured so far, if the run is cut
+    (args.out / f"{args.name}.partial.json").unlink()
     table = summarise(repeats)
     report(args, table, repeats)
     return table
