@@ -5,7 +5,9 @@ warm-ups, run once and reused), the same prompts in the same order (the library'
 unshuffled data set), one shared batched reward (the exact final answer), ``--prompts`` x ``--group`` samples per
 step, ``--max-new-tokens`` new tokens, T=1 (top-k and top-p off), GRPO's per-sequence aggregation (TRL
 ``loss_type="grpo"``), no KL (TRL ``beta=0``; the library's drift tracking, a reference forward TRL does not run, is
-off), a constant learning rate, one thread. TRL decodes with ``transformers``' ``generate`` over the whole batch.
+off), a constant learning rate, one thread, fp32 everywhere (TRL 1.16 defaults to bf16 autocast: on a CPU without
+AVX-512 bf16 is emulated and made TRL's step 8x slower, an unfair arm). TRL decodes with ``transformers``'
+``generate`` over the whole batch.
 
 Arms are run one after another within a repeat (one repeat per seed, the arms' order rotated between repeats); a
 step's time is the median over its measured steps (the first step of every arm is a warm-up and is dropped), and
@@ -145,7 +147,7 @@ def trl_arm(args, policy_dir: Path, seed: int, tmp: Path) -> list[dict]:
                         top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", learning_rate=cfg.rl.lr,
                         lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1, report_to=[],
                         use_cpu=True, save_strategy="no", shuffle_dataset=False, seed=seed, disable_dropout=True,
-                        dataloader_num_workers=0)
+                        dataloader_num_workers=0, bf16=False, fp16=False)  # fp32, as the library arms
     trainer = GRPOTrainer(model=model, reward_funcs=[correct], args=config, processing_class=tok,
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[Timer()])
     trainer.train()
@@ -225,10 +227,10 @@ def report(args, table: list[dict], repeats) -> None:
              f"{t['updates']:.1f}" if t["updates"] == t["updates"] else "-",
              fmt(t["vs_trl"], t["vs_trl_range"]), fmt(t["vs_no_draft"], t["vs_no_draft_range"]))
             for t in table]
-    header = ["arm", "step s", "generation s", "training s", "tokens/s", "acceptance", "draft updates / run",
+    header = ["arm", "step s", "generation s", "training s", "tokens/s", "acceptance", "draft updates (measured steps)",
               "step vs TRL (range)", "step vs no draft, batch all (range)"]
     lines = ["# The same GRPO job in TRL's GRPOTrainer and in the library", "",
-             f"`{command('vs_trl.py')}` (TRL {_trl_version()} in its own environment; this machine's CPU, "
+             f"`{command('vs_trl.py')}` (TRL {_trl_version()} in its own environment; {_cpu()}, "
              f"{args.threads} thread(s)).", "",
              f"Job: the main job's policy after its SFT and draft warm start (recipes/tiny-cpu.yaml's warm-ups), "
              f"{args.prompts} prompts x {args.group} samples per step, {args.max_new_tokens} new tokens, T=1 (no "
@@ -250,6 +252,15 @@ def report(args, table: list[dict], repeats) -> None:
     ax.set_xlabel("median step seconds")
     save_figure(fig, args.out / f"{args.name}.png")
     print("\n".join(md_table(header, rows)))
+
+
+def _cpu() -> str:
+    """The CPU the figures are from (its model and the kernels torch dispatches to)."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "an unknown CPU"
+    return f"{model}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _trl_version() -> str:
