@@ -92,13 +92,6 @@ def _causal_mask(lq: int, lk: int, device) -> Tensor:
     return torch.where(j <= i + (lk - lq), zero, torch.full((), float("-inf"), device=device))
 
 
-def _heads_first(x: Tensor, groups: int) -> Tensor:
-    """``(L, Hx, D)`` -> ``(1, Hx * groups, L, D)`` (a view when ``groups == 1``)."""
-    if groups > 1:
-        x = x.repeat_interleave(groups, dim=1)
-    return x.unsqueeze(0).transpose(1, 2)
-
-
 def _fold_heads(g: Tensor, groups: int) -> Tensor:
     """``(1, H, L, D)`` gradient -> ``(L, H // groups, D)`` summed over each GQA group."""
     g = g[0].transpose(0, 1)
@@ -123,26 +116,49 @@ def _cpu_work(*ts: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in ts)
 
 
+def _same_shape_docs(cq, ck):
+    """The documents grouped by shape: ``{(lq, lk): (query row index, key row index)}``, each index ``(n * l,)``
+    int64 listing the groups' ``n`` documents' rows in order (one kernel call per shape, not per document)."""
+    groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for a, b, c, d in _doc_blocks(cq, ck):
+        starts = groups.setdefault((b - a, d - c), ([], []))
+        starts[0].append(a)
+        starts[1].append(c)
+    return {(lq, lk): (_rows(qs, lq), _rows(ks, lk)) for (lq, lk), (qs, ks) in groups.items()}
+
+
+def _rows(starts: list[int], length: int) -> Tensor:
+    return (torch.tensor(starts).unsqueeze(1) + torch.arange(length).unsqueeze(0)).reshape(-1)
+
+
+def _stack_heads(x: Tensor, rows: Tensor, length: int, groups: int) -> Tensor:
+    """Rows ``rows`` of ``(T, Hx, D)`` as ``(n, Hx * groups, length, D)``: one batch entry per document."""
+    x = x.index_select(0, rows.to(x.device)).unflatten(0, (-1, length))
+    if groups > 1:
+        x = x.repeat_interleave(groups, dim=2)
+    return x.transpose(1, 2)
+
+
 def _fwd_cpu(q, k, v, cq, ck, causal, scale):
     T, H, D = q.shape
     groups = H // k.shape[1]
     out = q.new_zeros(T, H, D)
     q, k, v = _cpu_work(q, k, v)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    for a, b, c, d in _doc_blocks(cq, ck):
-        lq, lk = b - a, d - c
+    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck).items():
         mask = None
         square = causal and lq == lk
         if causal and not square:
             mask = _causal_mask(lq, lk, q.device).to(q.dtype)
-        o, l = _CPU_FWD(_heads_first(q[a:b], 1), _heads_first(k[c:d], groups), _heads_first(v[c:d], groups),
+        o, l = _CPU_FWD(_stack_heads(q, qi, lq, 1), _stack_heads(k, ki, lk, groups), _stack_heads(v, ki, lk, groups),
                         0.0, square, attn_mask=mask, scale=scale)
-        out[a:b] = o[0].transpose(0, 1)
-        l = l[0].transpose(0, 1)
+        l = l.transpose(1, 2)                                                   # (n, lq, H)
         if mask is not None:  # rows with no visible key report lse = 0; make them -inf
             blind = torch.arange(lq, device=q.device) + (lk - lq) < 0
-            l = l.masked_fill(blind.unsqueeze(1), float("-inf"))
-        lse[a:b] = l
+            l = l.masked_fill(blind.view(1, -1, 1), float("-inf"))
+        qi = qi.to(q.device)
+        out.index_copy_(0, qi, o.transpose(1, 2).reshape(-1, H, D).to(out.dtype))
+        lse.index_copy_(0, qi, l.reshape(-1, H))
     return out, lse
 
 
@@ -174,18 +190,26 @@ def _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, scale):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dout, q, k, v, out = _cpu_work(dout, q, k, v, out)
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: P = exp(-inf - 0) = 0
-    for a, b, c, d in _doc_blocks(cq, ck):
-        lq, lk = b - a, d - c
+    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck).items():
         square = causal and lq == lk
         mask = _causal_mask(lq, lk, q.device).to(q.dtype) if causal and not square else None
-        g_q, g_k, g_v = _CPU_BWD(_heads_first(dout[a:b], 1), _heads_first(q[a:b], 1),
-                                 _heads_first(k[c:d], groups), _heads_first(v[c:d], groups),
-                                 _heads_first(out[a:b], 1), lse_safe[a:b].t().unsqueeze(0).contiguous(),
-                                 0.0, square, attn_mask=mask, scale=scale)
-        dq[a:b] = g_q[0].transpose(0, 1)
-        dk[c:d] = _fold_heads(g_k, groups)
-        dv[c:d] = _fold_heads(g_v, groups)
+        lse_g = lse_safe.index_select(0, qi.to(q.device)).unflatten(0, (-1, lq)).transpose(1, 2).contiguous()
+        g_q, g_k, g_v = _CPU_BWD(_stack_heads(dout, qi, lq, 1), _stack_heads(q, qi, lq, 1),
+                                 _stack_heads(k, ki, lk, groups), _stack_heads(v, ki, lk, groups),
+                                 _stack_heads(out, qi, lq, 1), lse_g, 0.0, square, attn_mask=mask, scale=scale)
+        qi, ki = qi.to(q.device), ki.to(q.device)
+        dq.index_copy_(0, qi, g_q.transpose(1, 2).reshape(-1, H, D).to(dq.dtype))
+        dk.index_copy_(0, ki, _fold_batched(g_k, groups).to(dk.dtype))
+        dv.index_copy_(0, ki, _fold_batched(g_v, groups).to(dv.dtype))
     return dq, dk, dv
+
+
+def _fold_batched(g: Tensor, groups: int) -> Tensor:
+    """``(n, H, L, D)`` gradient -> ``(n * L, H // groups, D)`` summed over each GQA group."""
+    g = g.transpose(1, 2)
+    if groups > 1:
+        g = g.unflatten(2, (-1, groups)).sum(3)
+    return g.reshape(-1, *g.shape[2:])
 
 
 def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
