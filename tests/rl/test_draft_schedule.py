@@ -145,7 +145,8 @@ def test_an_adaptive_run_logs_every_decision_and_versions_the_draft_by_its_updat
     # (measuring), steps 3-4 skip, whatever the wall times
     monkeypatch.setattr(draft_schedule, "WARMUP", 1)
     monkeypatch.setattr(DraftSchedule, "_cost", lambda self, tokens: math.inf)
-    cfg = micro_config(tmp_path, "rl.steps=4", "run.plots=false", "task.eval_prompts=0", "draft.schedule=adaptive")
+    cfg = micro_config(tmp_path, "rl.steps=4", "run.plots=false", "task.eval_prompts=0", "draft.schedule=adaptive",
+                       "draft.adaptive=false")  # a fixed K: the engine drafts every round, whatever the wall times
     lines = []
     res = fit(cfg, print_fn=lines.append)
     rows = [json.loads(line) for line in (tmp_path / "draft_schedule.jsonl").read_text().splitlines()]
