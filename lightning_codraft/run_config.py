@@ -1,4 +1,5 @@
-"""A run directory's settings across its segments (the runs of one ``run.out_dir``, each resuming the last).
+"""A run directory's settings across its segments (the runs of one ``run.out_dir``, each resuming the last), and the
+run directory's file handling that needs no torch (atomic rewrites, where a ``warm`` path's weights are).
 
 ``config.yaml`` holds the current segment's full settings (a recipe: ``codraft fit --config RUN/config.yaml``
 continues the run, ``codraft export`` reads its architecture), headed by comment lines saying the step the segment
@@ -8,6 +9,7 @@ began at and what it changed. A resume that changes a setting first keeps the pr
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +20,20 @@ from omegaconf import OmegaConf
 from lightning_codraft.config import CoDraftConfig, to_yaml
 
 _BEGAN = re.compile(r"^# segment began at step (\d+)", re.MULTILINE)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a reader (or a crash) sees the old file or the new one, never less."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def warm_weights(path: str | Path) -> Path:
+    """The weights file a ``warm`` path names: ``<dir>/weights.pt`` for a directory, else the path itself."""
+    path = Path(path).expanduser()
+    return path / "weights.pt" if path.is_dir() else path
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -69,7 +85,5 @@ def write_run_config(out_dir: str | Path, cfg: CoDraftConfig, step: int, changes
                                                   " (a new run)")]
     head += [f"#   {c}" for c in changes if resumed]
     head += [f"# earlier segments' settings: {', '.join(earlier)}"] if earlier else []
-    tmp = path.with_name("config.yaml.tmp")
-    tmp.write_text("\n".join(head) + "\n" + to_yaml(cfg))
-    tmp.replace(path)
+    replace_file(path, "\n".join(head) + "\n" + to_yaml(cfg))
     return path

@@ -116,7 +116,7 @@ def _cpu_work(*ts: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in ts)
 
 
-def _same_shape_docs(cq, ck):
+def _same_shape_docs(cq, ck, device):
     """The documents grouped by shape: ``{(lq, lk): (query row index, key row index)}``, each index ``(n * l,)``
     int64 listing the groups' ``n`` documents' rows in order (one kernel call per shape, not per document)."""
     groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -124,16 +124,16 @@ def _same_shape_docs(cq, ck):
         starts = groups.setdefault((b - a, d - c), ([], []))
         starts[0].append(a)
         starts[1].append(c)
-    return {(lq, lk): (_rows(qs, lq), _rows(ks, lk)) for (lq, lk), (qs, ks) in groups.items()}
+    return {(lq, lk): (_rows(qs, lq, device), _rows(ks, lk, device)) for (lq, lk), (qs, ks) in groups.items()}
 
 
-def _rows(starts: list[int], length: int) -> Tensor:
-    return (torch.tensor(starts).unsqueeze(1) + torch.arange(length).unsqueeze(0)).reshape(-1)
+def _rows(starts: list[int], length: int, device) -> Tensor:
+    return (torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
 
 
 def _stack_heads(x: Tensor, rows: Tensor, length: int, groups: int) -> Tensor:
     """Rows ``rows`` of ``(T, Hx, D)`` as ``(n, Hx * groups, length, D)``: one batch entry per document."""
-    x = x.index_select(0, rows.to(x.device)).unflatten(0, (-1, length))
+    x = x.index_select(0, rows).unflatten(0, (-1, length))
     if groups > 1:
         x = x.repeat_interleave(groups, dim=2)
     return x.transpose(1, 2)
@@ -145,7 +145,7 @@ def _fwd_cpu(q, k, v, cq, ck, causal, scale):
     out = q.new_zeros(T, H, D)
     q, k, v = _cpu_work(q, k, v)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
-    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck).items():
+    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck, q.device).items():
         mask = None
         square = causal and lq == lk
         if causal and not square:
@@ -156,7 +156,6 @@ def _fwd_cpu(q, k, v, cq, ck, causal, scale):
         if mask is not None:  # rows with no visible key report lse = 0; make them -inf
             blind = torch.arange(lq, device=q.device) + (lk - lq) < 0
             l = l.masked_fill(blind.view(1, -1, 1), float("-inf"))
-        qi = qi.to(q.device)
         out.index_copy_(0, qi, o.transpose(1, 2).reshape(-1, H, D).to(out.dtype))
         lse.index_copy_(0, qi, l.reshape(-1, H))
     return out, lse
@@ -190,14 +189,13 @@ def _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, scale):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dout, q, k, v, out = _cpu_work(dout, q, k, v, out)
     lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: P = exp(-inf - 0) = 0
-    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck).items():
+    for (lq, lk), (qi, ki) in _same_shape_docs(cq, ck, q.device).items():
         square = causal and lq == lk
         mask = _causal_mask(lq, lk, q.device).to(q.dtype) if causal and not square else None
-        lse_g = lse_safe.index_select(0, qi.to(q.device)).unflatten(0, (-1, lq)).transpose(1, 2).contiguous()
+        lse_g = lse_safe.index_select(0, qi).unflatten(0, (-1, lq)).transpose(1, 2).contiguous()
         g_q, g_k, g_v = _CPU_BWD(_stack_heads(dout, qi, lq, 1), _stack_heads(q, qi, lq, 1),
                                  _stack_heads(k, ki, lk, groups), _stack_heads(v, ki, lk, groups),
                                  _stack_heads(out, qi, lq, 1), lse_g, 0.0, square, attn_mask=mask, scale=scale)
-        qi, ki = qi.to(q.device), ki.to(q.device)
         dq.index_copy_(0, qi, g_q.transpose(1, 2).reshape(-1, H, D).to(dq.dtype))
         dk.index_copy_(0, ki, _fold_batched(g_k, groups).to(dk.dtype))
         dv.index_copy_(0, ki, _fold_batched(g_v, groups).to(dv.dtype))

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_codraft.run_config import flatten
+from lightning_codraft.run_config import flatten, warm_weights
 
 
 class CheckpointError(RuntimeError):
@@ -127,8 +127,7 @@ def write_warm(path: Path, policy: nn.Module, draft: nn.Module, extra: dict[str,
 def warm_state(path: str | Path, key: str = "run.init_from") -> dict[str, Any]:
     """The contents of a ``warm`` directory's ``weights.pt`` (or of that file): ``policy``, ``draft``, ``extra``;
     ``key`` names the setting that pointed at it in the error."""
-    path = Path(path).expanduser()
-    f = path / "weights.pt" if path.is_dir() else path
+    path, f = Path(path).expanduser(), warm_weights(path)
     if not f.is_file():
         raise FileNotFoundError(f"{key}={str(path)!r} has no weights.pt; point it at the 'warm' directory of an "
                                 f"earlier run")

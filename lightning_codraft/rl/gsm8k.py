@@ -27,6 +27,8 @@ training split, and the whole split (7,473 problems, gzipped): a fresh clone run
 def gsm8k_source(source: str | os.PathLike) -> str:
     """The file or hub name ``source`` stands for (``excerpt`` and ``train``: :data:`BUNDLED`)."""
     return str(BUNDLED.get(str(source), source))
+
+
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 
 _FINAL_RE = re.compile(r"####\s*([-+$0-9.,]+)")

@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -21,6 +20,7 @@ from lightning.fabric.loggers import TensorBoardLogger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_codraft.rl.step import COLUMNS, StepMetrics
+from lightning_codraft.run_config import replace_file
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -31,14 +31,6 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     with open(path, newline="") as f:
         return [{k: (float(v) if v not in ("", None) else math.nan) for k, v in row.items()}
                 for row in csv.DictReader(f)]
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a reader (or a crash) sees the old file or the new one, never less."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class MetricsFile:

@@ -316,11 +316,15 @@ class CoDraftRun:
 
 
 def warm_start(cfg: CoDraftConfig, module: CoDraftModule, tokenizer, task, context: int,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] = print, cached: Optional[Path] = None) -> dict[str, Any]:
     """The warm-ups of a run (SFT, the draft's warm start) or the weights of ``run.init_from``, on the whole
-    modules; the reference policy starts from the result. Returns what they report (kept in checkpoints)."""
+    modules; the reference policy starts from the result. Returns what they report (kept in checkpoints).
+    ``cached``: this run's own warmed-up weights from an earlier launch, loaded instead (with what they reported)."""
     init = cfg.run.init_from
-    if init:
+    if cached is not None:
+        extra = RunCheckpoints.load_warm(cached, module.policy, module.draft)
+        log(f"warm-ups loaded from {cached} (an earlier launch of this run, same warm-up settings)")
+    elif init:
         extra = RunCheckpoints.load_warm(init, module.policy, module.draft)
         extra.pop("eval_before", None)  # scored on that run's task: this run scores its own
         log(f"warm-started policy and draft from {init}")

@@ -22,6 +22,7 @@ from lightning_codraft.rl.loggers import logger_class
 from lightning_codraft.rl.reward_funcs import BUILTINS
 from lightning_codraft.rl.rewards import build_reward
 from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
+from lightning_codraft.run_config import warm_weights
 
 SCANNED_ROWS = 100_000
 """JSON Lines rows checked before launch (each parsed, its columns looked up)."""
@@ -36,10 +37,10 @@ def row_format(cfg: CoDraftConfig) -> RowFormat:
                      solution_fn=None if t.solution_column is None else solution_column(t.solution_column))
 
 
-def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[TaskSample]]:
-    """``(problems, the first row's sample)`` of a JSON Lines data file: every line one JSON object that the task
-    reads as a sample (:class:`RowFormat`; at most :data:`SCANNED_ROWS` lines; the first problem is reported), the
-    tiny model's tokenizer can encode every prompt, and the held-out rows leave rows to train on."""
+def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[TaskSample], int]:
+    """``(problems, the first row's sample, rows read)`` of a JSON Lines data file (gzipped too): every line one JSON
+    object that the task reads as a sample (:class:`RowFormat`; at most :data:`SCANNED_ROWS` lines; the first problem
+    is reported) whose prompt the tiny model's tokenizer can encode."""
     fmt, first, rows = row_format(cfg), None, 0
     chars = CharTokenizer() if cfg.model.source == "tiny" else None
     with (gzip.open if path.suffix.lower() == ".gz" else open)(path, "rt", encoding="utf-8") as f:
@@ -51,24 +52,30 @@ def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[Tas
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                return [f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"], first
+                return [f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"], first, rows
             if not isinstance(row, dict):
-                return [f"{path}:{lineno}: a {type(row).__name__}, not a JSON object with columns"], first
+                return [f"{path}:{lineno}: a {type(row).__name__}, not a JSON object with columns"], first, rows
             try:
                 sample = fmt.sample(row, f"{path}:{lineno}")
-                if chars is not None and not is_conversational(sample):
-                    chars.encode(sample.prompt)
             except ValueError as e:
-                return [f"{path}:{lineno}: {e}" if chars is not None and str(e).startswith("character") else str(e)], \
-                    first
+                return [str(e)], first, rows
+            if chars is not None and not is_conversational(sample):
+                try:
+                    chars.encode(sample.prompt)
+                except ValueError as e:
+                    return [f"{path}:{lineno}: {e}"], first, rows
             first, rows = first if first is not None else sample, rows + 1
-    if first is None:
-        return [f"{path}: no rows"], first
-    heldout = cfg.task.eval_prompts if cfg.task.heldout is None else cfg.task.heldout
-    if cfg.task.eval_source is None and heldout >= min(rows, cfg.task.limit or rows):
-        return [f"task.heldout={heldout} holds out every one of the {rows} rows of {path} (task.heldout, or "
-                f"task.eval_prompts when it is null): lower it or add rows, so some are left to train on"], first
-    return [], first
+    return ([] if first is not None else [f"{path}: no rows"]), first, rows
+
+
+def heldout_problem(cfg: CoDraftConfig, rows: int, path: Path) -> list[str]:
+    """The held-out rows (``task.heldout``, else ``task.eval_prompts``) taking every one of ``rows`` training rows."""
+    t = cfg.task
+    heldout = t.eval_prompts if t.heldout is None else t.heldout
+    if t.eval_source is not None or heldout < min(rows, t.limit or rows):
+        return []
+    return [f"task.heldout={heldout} holds out every one of the {rows} rows of {path} (task.heldout, or "
+            f"task.eval_prompts when it is null): lower it or add rows, so some are left to train on"]
 
 
 def renders_chat(cfg: CoDraftConfig) -> Optional[bool]:
@@ -90,13 +97,6 @@ def renders_chat(cfg: CoDraftConfig) -> Optional[bool]:
     return None
 
 
-def _warm_file(path: str) -> bool:
-    """Whether ``path`` is a ``warm`` directory holding ``weights.pt``, or that file (as ``rl.checkpoints.warm_state``
-    reads it; that module imports torch, this one must not)."""
-    f = Path(path).expanduser()
-    return (f / "weights.pt" if f.is_dir() else f).is_file()
-
-
 def _reward_key(cfg: CoDraftConfig, name: str) -> str:
     for i, r in enumerate(cfg.task.rewards or ()):
         if r.label == name:
@@ -112,10 +112,10 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
                         f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
                         f"(e.g. 1.0)")
     ref, init = cfg.draft.reference, cfg.run.init_from
-    if cfg.draft.mode == "cotrain" and ref not in ("start", "none") and not _warm_file(ref):
+    if cfg.draft.mode == "cotrain" and ref not in ("start", "none") and not warm_weights(ref).is_file():
         problems.append(f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
                         f"earlier run (or its weights.pt), or use start / none")
-    if init and not _warm_file(init):
+    if init and not warm_weights(init).is_file():
         problems.append(f"run.init_from={init!r}: no weights.pt there; point it at the 'warm' directory of an earlier "
                         f"run (or its weights.pt)")
     for i, entry in enumerate(cfg.run.loggers):
@@ -128,10 +128,10 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
         if file_format(path) is not None and not path.is_file():
             return problems + [f"task.source: the data file {str(path)!r} does not exist"]
         if path.name.lower().endswith((".jsonl", ".jsonl.gz")):
-            bad_rows, sample = check_jsonl(path, cfg)
-            problems += bad_rows
-            if sample is None or bad_rows and not bad_rows[0].startswith("task.heldout"):
-                return problems
+            bad_rows, sample, rows = check_jsonl(path, cfg)
+            if bad_rows:
+                return problems + bad_rows
+            problems += heldout_problem(cfg, rows, path)  # the rewards are still checked on the first row
     try:
         rewards = build_reward(t, _BuiltinReward(t.name))
     except ValueError as e:  # an import failed: resolve_reward names the path

@@ -154,16 +154,12 @@ class GRPOModule(CoDraftModule):
         earlier fit of this run with the same warm-up settings (:func:`~lightning_codraft.rl.checkpoints.warm_key`;
         ``run.resume``): Lightning restores a checkpoint only after the strategy has set the module up, so a
         resumed ``Trainer.fit`` is told apart from a new one here by that file, and never repeats the warm-ups."""
-        cfg, store = self.cfg, RunCheckpoints(self.cfg.run.out_dir, fabric=None)
-        key, warm = warm_key(cfg), store.warm_file
-        if cfg.run.resume and not cfg.run.init_from and warm.is_file() and warm_state(warm).get("key") == key:
-            extra = RunCheckpoints.load_warm(warm, self.policy, self.draft)
-            if self.reference is not None:
-                self.reference.load_state_dict(self.policy.state_dict())
-            self.log_line(f"warm-ups loaded from {warm} (an earlier fit of this run, same warm-up settings)")
-            return extra
-        extra = warm_start(cfg, self, self.tokenizer, self.task, self.context, log=self.log_line)
-        if self.trainer.is_global_zero:
+        cfg = self.cfg
+        key, warm = warm_key(cfg), RunCheckpoints(cfg.run.out_dir, fabric=None).warm_file
+        ours = cfg.run.resume and not cfg.run.init_from and warm.is_file() and warm_state(warm).get("key") == key
+        extra = warm_start(cfg, self, self.tokenizer, self.task, self.context, log=self.log_line,
+                           cached=warm if ours else None)
+        if not ours and self.trainer.is_global_zero:
             write_warm(warm, self.policy, self.draft, extra, key=key)
         return extra
 

@@ -119,13 +119,13 @@ def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(
 
 
 def test_a_resumed_trainer_fit_skips_the_warm_ups(tmp_path, monkeypatch):
-    import lightning_codraft.rl.trainer as trainer_module
+    import lightning_codraft.rl.loop as loop_module
 
     cfg = micro_config(tmp_path / "run", *FAST)
     _trainer(cfg, steps=1, ckpt_dir=tmp_path / "ckpt")
     ckpt = sorted((tmp_path / "ckpt").iterdir())[-1]
-    calls = []
-    monkeypatch.setattr(trainer_module, "warm_start", lambda *a, **k: calls.append(1) or {})
+    calls = []  # the warm-ups themselves (SFT, the draft's warm start): none on a resume
+    monkeypatch.setattr(loop_module, "run_warmups", lambda *a, **k: calls.append(1) or {})
     rows, _ = _trainer(cfg, ckpt_path=str(ckpt))
     assert len(rows) == 2 and calls == []
 
