@@ -74,6 +74,7 @@ class HeldOut:
         agreement_last: greedy agreement with the start policy on the last step's completions.
         reward_mean: mean of the steps' own rewards.
         wall_s: seconds the run took.
+        before_scores, after_scores: each held-out prompt's greedy reward before and after RL (in the set's order).
     """
 
     seed: int
@@ -86,6 +87,8 @@ class HeldOut:
     agreement_last: float = math.nan
     reward_mean: float = math.nan
     wall_s: float = math.nan
+    before_scores: list[float] = field(default_factory=list)
+    after_scores: list[float] = field(default_factory=list)
 
     @property
     def change(self) -> float:
@@ -135,7 +138,8 @@ def run_once(cfg: CoDraftConfig, setting: str, reuse: bool, print_fn=print) -> H
     res = HeldOut(seed=cfg.run.seed, setting=setting, before=result.eval_before, after=result.eval_after,
                   reward_before=reward_before, curve=curve, kl_last=rows[-1]["kl"],
                   agreement_last=rows[-1]["greedy_agreement"],
-                  reward_mean=statistics.fmean(r["reward"] for r in rows), wall_s=time.perf_counter() - t0)
+                  reward_mean=statistics.fmean(r["reward"] for r in rows), wall_s=time.perf_counter() - t0,
+                  before_scores=result.eval_before_scores, after_scores=result.eval_after_scores)
     write_json(saved, {"config": config_text, **dataclasses.asdict(res)})
     return res
 
@@ -186,10 +190,22 @@ def seed_table(runs: list[HeldOut]) -> str:
     return "\n".join(lines)
 
 
+def per_prompt(runs: list[HeldOut]):
+    """After - before RL, paired per held-out prompt over every seed's set (None without per-prompt scores)."""
+    if not all(r.before_scores and len(r.before_scores) == len(r.after_scores) for r in runs):
+        return None
+    pairs = [(a, b) for r in runs for a, b in zip(r.after_scores, r.before_scores) if math.isfinite(a - b)]
+    return paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+
+
 def paired_lines(runs: list[HeldOut]) -> list[str]:
     acc = paired_difference([r.after for r in runs], [r.before for r in runs])
     rew = paired_difference([r.reward_after for r in runs], [r.reward_before for r in runs])
-    return [f"- held-out greedy accuracy, after - before RL, paired over {acc.n} seeds: "
+    prompts = per_prompt(runs)
+    by_prompt = [] if prompts is None else [
+        f"- held-out greedy accuracy, after - before RL, paired per prompt over the {len(runs)} seeds' sets "
+        f"({prompts.n} prompts): {str(prompts).replace('steps', 'prompts')}"]
+    return by_prompt + [f"- held-out greedy accuracy, after - before RL, paired over {acc.n} seeds: "
             f"{str(acc).replace('steps', 'seeds')}",
             f"- held-out eval reward (one sample per prompt at the rollout temperature), after - before: "
             f"{str(rew).replace('steps', 'seeds')}"]
@@ -197,9 +213,10 @@ def paired_lines(runs: list[HeldOut]) -> list[str]:
 
 def settings_table(settings: dict[str, list[HeldOut]], defs: dict[str, list[str]]) -> str:
     base = settings.get("recipe")
-    lines = ["| setting | overrides | greedy accuracy change (mean ± sd over seeds) | per seed | vs recipe, paired "
-             "over seeds (95% CI) | eval reward change | KL from start, last step (mean) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| setting | overrides | greedy accuracy change (mean ± sd over seeds) | per seed | change paired per "
+             "prompt over the seeds (95% CI) | vs recipe, paired over seeds (95% CI) | eval reward change | KL from "
+             "start, last step (mean) | minutes per run |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, runs in settings.items():
         ch = [r.change for r in runs]
         vs = "-"
@@ -208,9 +225,12 @@ def settings_table(settings: dict[str, list[HeldOut]], defs: dict[str, list[str]
             vs = f"{d.mean:+.3f} ({d.low:+.3f} .. {d.high:+.3f})"
         rw = [r.reward_after - r.reward_before for r in runs]
         sd = f"{statistics.stdev(ch):.3f}" if len(ch) > 1 else "-"
+        pp = per_prompt(runs)
+        pp = "-" if pp is None else f"{pp.mean:+.3f} ({pp.low:+.3f} .. {pp.high:+.3f})"
         lines.append(f"| {name} | `{' '.join(defs[name]) or '(as shipped)'}` | {statistics.fmean(ch):+.3f} ± {sd} | "
-                     f"{', '.join(f'{c:+.3f}' for c in ch)} | {vs} | {statistics.fmean(rw):+.3f} | "
-                     f"{statistics.fmean(r.kl_last for r in runs):.4f} |")
+                     f"{', '.join(f'{c:+.3f}' for c in ch)} | {pp} | {vs} | {statistics.fmean(rw):+.3f} | "
+                     f"{statistics.fmean(r.kl_last for r in runs):.4f} | "
+                     f"{statistics.fmean(r.wall_s for r in runs) / 60:.1f} |")
     return "\n".join(lines)
 
 
@@ -222,8 +242,8 @@ def config_line(cfg: CoDraftConfig) -> str:
             f"prompts x {c.rl.group_size} samples, lr {c.rl.lr:g}, temperature {c.rl.temperature}, kl_coef "
             f"{c.rl.kl_coef}, advantages "
             f"{'scaled by the group std' if c.rl.scale_advantages else 'mean-centred only'}, "
-            f"{c.rl.loss_aggregation}-mean loss; draft `{c.draft.mode}`; held-out set: {c.task.eval_prompts} fixed "
-            f"prompts, scored every {c.task.eval_every} steps.")
+            f"{c.rl.loss_aggregation}-mean loss; draft `{c.draft.mode}`; scored set: {c.task.eval_prompts} fixed "
+            f"prompts of the **{c.task.eval_set}** set (`task.eval_set`), every {c.task.eval_every} steps.")
 
 
 def main(argv=None) -> None:

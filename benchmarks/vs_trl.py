@@ -47,8 +47,8 @@ ARMS = {  # name -> library overrides (None: TRL)
     "TRL GRPOTrainer": None,
     "no draft": ["draft.mode=none"],
     "frozen draft": ["draft.mode=frozen"],
-    "co-trained draft (default schedule)": ["draft.mode=cotrain"],
-    "co-trained draft, adaptive schedule": ["draft.mode=cotrain", "draft.schedule=adaptive"],
+    "co-trained draft (the default: adaptive schedule)": ["draft.mode=cotrain"],
+    "co-trained draft, every step": ["draft.mode=cotrain", "draft.schedule=every_step"],
 }
 
 

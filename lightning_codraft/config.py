@@ -72,10 +72,10 @@ class DraftConfig(DraftLossConfig):
     AdamW normalises lambda away: any lambda > 0 trains alike (docs/benchmarks/drift.md); tune ``lr`` instead."""
     train_every: int = 1
     """With ``schedule: every_n``: co-train the draft on every N-th RL step only (its loss is still scored)."""
-    schedule: str = "every_step"
-    """When the co-trained draft trains: ``every_step``, ``every_n`` (``train_every``) or ``adaptive`` (only when
-    the draft's measured acceptance has fallen from its recent best by more than the rollout time it costs over
-    ``schedule_horizon`` steps is worth one draft update: rl/draft_schedule.py; a skipped step runs no draft)."""
+    schedule: str = "adaptive"
+    """When the co-trained draft trains: ``adaptive`` (only when an update buys more rollout time over
+    ``schedule_horizon`` steps than it costs, and only out of the decode time speculation has saved:
+    rl/draft_schedule.py; a skipped step runs no draft), ``every_step`` or ``every_n`` (``train_every``)."""
     schedule_horizon: int = 10
     """``adaptive``: steps over which a recovered acceptance deficit is counted against one update's cost."""
     reference: str = "start"
@@ -233,6 +233,7 @@ _CHOICES = {
     ("draft", "schedule"): ("every_step", "every_n", "adaptive"),
     ("task", "name"): ("arithmetic", "gsm8k", "dataset"),
     ("task", "on_reward_error"): ("raise", "skip"),
+    ("task", "eval_set"): ("heldout", "validation"),
     ("rl", "std"): ("population", "sample"),
     ("parallel", "accelerator"): ("cpu", "cuda", "auto"),
     ("parallel", "engine"): ("embedded", "vllm"),
@@ -380,6 +381,9 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
             raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by "
                               f"model.num_attention_heads={m.num_attention_heads}")
     t = cfg.task
+    if t.eval_set == "validation" and t.name != "arithmetic":
+        raise ConfigError(f"task.eval_set=validation needs a generated task (arithmetic); task.name={t.name!r} "
+                          "holds out its reserved rows only: use task.eval_set=heldout")
     if t.name == "arithmetic" and not 2 <= t.min_terms <= t.max_terms:
         raise ConfigError(f"need 2 <= task.min_terms <= task.max_terms, got {t.min_terms}, {t.max_terms}")
     styles = ("symbols", "words")  # rl.tasks.STYLES (config imports nothing of the library)

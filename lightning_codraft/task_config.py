@@ -101,6 +101,10 @@ class TaskConfig:
     sample per prompt at the rollout temperature (fixed seeds), logged as ``eval_accuracy`` / ``eval_reward`` (NaN
     on other steps). Unlike the step's reward, which is measured on that step's own prompts, these compare steps
     on one fixed set. 0 = only before and after RL."""
+    eval_set: str = "heldout"
+    """Which fixed set those evaluations score: ``heldout`` (what a run reports) or ``validation`` (another fixed draw
+    of the generated task that no step trains on, for choosing settings without looking at the held-out set;
+    ``arithmetic`` only: a data set's reserved rows are its held-out set)."""
 
 
 def answer_problem(key: str, fn: str) -> str:

@@ -31,6 +31,15 @@ anyway:
   update is, is ``draft.sample_every`` (docs/benchmarks/cotrain_schedule.md: a quarter of the samples held the
   acceptance of all of them on tiny-drift at a fraction of the cost).
 
+- **What speculation has saved**: the adaptive engine prices every round it drafts at its cost model's plain step
+  for the round's batch, so each step reports the decode seconds speculation saved against plain decoding at the
+  same batch (``AcceptanceStats.saving_s``). Updates are paid out of that: a step whose credit, the seconds saved so
+  far less what the updates before it cost, is below one update's cost skips, whatever else holds. So the draft's
+  training never costs more than its speculation saved, and at a batch where speculation buys almost nothing
+  (64 rows on a CPU, where verifying K + 1 tokens costs almost K + 1 plain steps) the co-trained step costs what the
+  no-draft step costs; at one sequence at a time, where a step saves seconds, the credit never binds. Engines
+  without a cost model (fixed K, vLLM) report no saving and this rule is off.
+
 It trains when ``gain >= cost`` and, once training, keeps training while ``gain >= cost / 2`` (hysteresis: one noisy
 step neither starts nor stops it). A skipped step runs no draft update (no forward or backward of the trained draft;
 it and its optimizer state stay bit-identical; the reference is still scored). Every decision is logged with its
@@ -90,6 +99,17 @@ class Decision:
     speculation: float = 1.0
     """The share of the step's verification rounds' capacity the engine drafted (``mean_k / K``: 1 for a fixed
     engine, 0 where the adaptive engine decoded plainly because speculation did not pay at the step's batch)."""
+    saving_s: float = math.nan
+    """Decode seconds speculation saved on the step's rollouts against plain decoding at the same batch, by the
+    adaptive engine's cost model (NaN for engines without one)."""
+    credit_s: float = math.nan
+    """Seconds speculation has saved so far, this step included, less what the updates before it cost (NaN
+    without a measured saving)."""
+    idle: bool = False
+    """The draft is off this step, not even scored (no reference either): the engine decoded plainly, or the credit
+    does not cover an update. The step then costs what a step without a draft costs."""
+    charged_s: float = math.nan
+    """What the step's update is charged against that credit (0 for a skipped step; filled after the step)."""
 
 
 class DraftSchedule:
@@ -126,12 +146,13 @@ class DraftSchedule:
         return sum(d.train for d in self.history)
 
     def decide(self, step: int, acceptance: float, rollout_s: float, tokens: float = math.nan,
-               speculation: float = 1.0) -> Decision:
+               speculation: float = 1.0, saving_s: float = math.nan) -> Decision:
         """The decision for RL step ``step`` (0-based) from its measured acceptance, rollout seconds, completion
-        tokens and the share of its rounds' capacity the engine drafted (:attr:`Decision.speculation`); call
-        :meth:`record` after the step. Every rank must pass the same (global) figures."""
+        tokens, the share of its rounds' capacity the engine drafted (:attr:`Decision.speculation`) and the seconds
+        speculation saved (:attr:`Decision.saving_s`); call :meth:`record` after the step. Every rank must pass the
+        same (global) figures."""
         figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s), tokens=float(tokens),
-                       speculation=float(speculation))
+                       speculation=float(speculation), saving_s=float(saving_s), credit_s=self._credit(saving_s))
         if not self.trains:
             return Decision(step + 1, False, "the draft is not co-trained (draft.mode)", **figures)
         if self.schedule == "every_step":
@@ -139,13 +160,21 @@ class DraftSchedule:
         if self.schedule == "every_n":
             on = step % self.every == 0
             return Decision(step + 1, on, f"every {self.every} steps: {'on' if on else 'off'}", **figures)
-        return self._adaptive(step, float(acceptance), float(rollout_s), float(tokens), float(speculation))
+        return self._adaptive(step, figures)
+
+    def _credit(self, saving_s: float) -> float:
+        """Seconds speculation saved so far (this step's ``saving_s`` included) less the updates' charges; NaN
+        while the engine measures no saving."""
+        if not math.isfinite(saving_s):
+            return math.nan
+        saved = sum(d.saving_s for d in self.history if math.isfinite(d.saving_s)) + saving_s
+        return saved - sum(d.charged_s for d in self.history if math.isfinite(d.charged_s))
 
     def _update_gain(self) -> tuple[float, int]:
         """``(u, n)``: what one update adds to the margin over the reference (module docstring), and how many
         changes after trained steps measured it."""
         rows = self.history
-        paired = rows and all(math.isfinite(d.reference) for d in rows)
+        paired = any(math.isfinite(d.reference) for d in rows)  # an idle step scores no reference: its margin is NaN
         margin = [d.acceptance - (d.reference if paired else 0.0) for d in rows]
         after = {True: [], False: []}
         for prev, m0, m1 in zip(rows, margin, margin[1:]):
@@ -175,7 +204,8 @@ class DraftSchedule:
             return math.inf
         return unit * (tokens if scaled else 1.0)
 
-    def _adaptive(self, step: int, a: float, rollout_s: float, tokens: float, speculation: float) -> Decision:
+    def _adaptive(self, step: int, figures: dict) -> Decision:
+        a, rollout_s, tokens, speculation = (figures[k] for k in ("acceptance", "rollout_s", "tokens", "speculation"))
         prev = self.history[-1] if self.history else None
         s = a if prev is None or math.isnan(prev.smoothed) else 0.5 * a + 0.5 * prev.smoothed
         recent = [d for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)]
@@ -192,11 +222,15 @@ class DraftSchedule:
         share = min(max(speculation, 0.0), 1.0) if math.isfinite(speculation) else 1.0
         gain = ((max(u, 0.0) if math.isfinite(u) else 0.0) + deficit) * per_unit * H * share
         training = prev is not None and prev.train
-        figures = dict(acceptance=a, rollout_s=rollout_s, tokens=tokens, smoothed=s, best=best, noise=noise,
-                       update_gain=u, gain_s=gain, cost_s=cost, speculation=speculation)
+        figures = dict(figures, smoothed=s, best=best, noise=noise, update_gain=u, gain_s=gain, cost_s=cost)
         if share == 0.0:  # the adaptive engine's own economics: speculation does not pay at this batch
             return Decision(step + 1, False, "the engine decoded plainly (speculation does not pay at this batch): "
-                                             "an update buys no rollout time, skip", **figures)
+                                             "an update buys no rollout time, skip", idle=True, **figures)
+        credit = figures["credit_s"]
+        if math.isfinite(credit) and (credit < cost if math.isfinite(cost) else credit <= 0):
+            return Decision(step + 1, False, f"credit {credit:.2f} s (the decode time speculation saved so far less "
+                                             f"the updates' cost) is below one update's {cost:.2f} s: skip (updates "
+                                             "are paid only out of time speculation saved)", idle=True, **figures)
         if measured < WARMUP:
             return Decision(step + 1, True, f"measuring what an update buys ({measured} of {WARMUP} measured)",
                             **figures)
@@ -219,6 +253,8 @@ class DraftSchedule:
         decision.train_s, decision.ab_gain, decision.reference = float(train_s), float(ab_gain), float(reference)
         decision.implied_rates = tuple(implied_rates)
         self.history.append(decision)
+        charge = self._cost(decision.tokens) if decision.train else 0.0
+        decision.charged_s = charge if math.isfinite(charge) else float(train_s)
 
     @property
     def last_rates(self) -> tuple:
@@ -240,7 +276,7 @@ def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool
     for r in rows:
         num = lambda k: math.nan if r.get(k) is None else float(r[k])  # noqa: E731
         d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"),
-                            1.0 if r.get("speculation") is None else float(r["speculation"]))
+                            1.0 if r.get("speculation") is None else float(r["speculation"]), num("saving_s"))
         schedule.record(d, num("train_s"), num("ab_gain"), r.get("implied_rates", ()), num("reference"))
         out.append(d.train)
     return out

@@ -22,23 +22,38 @@ from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
+def sample_rewards(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample],
+                   reward_fn: RewardFn | RewardSet, on_error: str = "raise") -> list[float]:
+    """``(N,)`` the reward of each completion ``outputs[i]`` of ``samples[i]`` (NaN where it failed under
+    ``on_error="skip"``)."""
+    if not samples:
+        return []
+    texts = [tokenizer.decode(o.token_ids) for o in outputs]
+    scores = as_reward_set(reward_fn).score([s.prompt for s in samples], texts, samples)
+    if scores.failures and on_error == "raise":
+        raise scores.failures[0]
+    return list(scores.total)
+
+
+def mean_of(rewards: Sequence[float]) -> float:
+    """The mean of the rewards that did not fail (NaN when none is left)."""
+    ok = [r for r in rewards if math.isfinite(r)]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
 def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample],
                 reward_fn: RewardFn | RewardSet, on_error: str = "raise") -> float:
     """Mean reward of the completions ``outputs`` of ``samples`` (greedy ones: the greedy accuracy; decode them
     with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``). With ``on_error="skip"`` the mean is
     over the samples whose reward did not fail (NaN when all did)."""
-    if not samples:
-        return float("nan")
-    texts = [tokenizer.decode(o.token_ids) for o in outputs]
-    scores = as_reward_set(reward_fn).score([s.prompt for s in samples], texts, samples)
-    if scores.failures and on_error == "raise":
-        raise scores.failures[0]
-    ok = [r for r in scores.total if math.isfinite(r)]
-    return sum(ok) / len(ok) if ok else float("nan")
+    return mean_of(sample_rewards(outputs, tokenizer, samples, reward_fn, on_error))
 
 
 EVAL_SEED = 10**6
 """Seed offset of the held-out evaluation prompts (the training steps never use it)."""
+VALIDATION_OFFSET = 10**5
+"""``task.eval_set: validation`` draws its prompts at this offset from the held-out set's seed (no run seed reaches
+it, so no seed's validation set is another seed's held-out set)."""
 
 
 def heldout_samples(task, seed: int, n: int, offset: int = 0) -> list[TaskSample]:
@@ -49,14 +64,14 @@ def heldout_samples(task, seed: int, n: int, offset: int = 0) -> list[TaskSample
     return task.sample(n, seed=seed + EVAL_SEED + offset)
 
 
-def evaluate_heldout(cfg, worker, tokenizer, task, rewards, steps_done: int, n: int, temperature: float = 0.0,
-                     release: bool = True, final: bool = False, draft_updates: int | None = None) -> float:
-    """Mean reward on the ``n`` fixed held-out prompts at ``temperature`` (0: greedy accuracy; else one sample per
-    prompt with fixed seeds) with the weights after ``steps_done`` optimizer steps, every rank of the world decoding
-    a share through ``worker`` (an ``rl.rollout_worker.RolloutWorker``; call on every rank); the same value on every
-    rank. ``release=False`` leaves the engine's weights filled for a measurement that follows; ``final``: the run's
+def heldout_rewards(cfg, worker, tokenizer, task, rewards, steps_done: int, n: int, temperature: float = 0.0,
+                     release: bool = True, final: bool = False, draft_updates: int | None = None) -> list[float]:
+    """``(n,)`` the reward of each of the ``n`` fixed held-out prompts (or validation prompts: ``task.eval_set``) at
+    ``temperature`` (0: greedy, the accuracy for a 0/1 reward; else one sample per prompt with fixed seeds) with the
+    weights after ``steps_done`` optimizer steps, every rank of the world decoding a share through ``worker`` (an
+    ``rl.rollout_worker.RolloutWorker``; call on every rank); the same values on every rank. ``release=False`` leaves the engine's weights filled for a measurement that follows; ``final``: the run's
     last refit, fully verified; ``draft_updates``: the steps that trained the draft (the schedule's count)."""
-    samples = heldout_samples(task, cfg.run.seed, n)
+    samples = heldout_samples(task, cfg.run.seed, n, VALIDATION_OFFSET if cfg.task.eval_set == "validation" else 0)
     prompts = [encode_prompt(tokenizer, s.prompt) for s in samples]
     seeds = [rollout_seed(cfg.run.seed, EVAL_SEED, i, 0) for i in range(len(prompts))]
     worker.prepare(weight_versions(cfg, steps_done, draft_updates), full_verify=final)
@@ -64,7 +79,7 @@ def evaluate_heldout(cfg, worker, tokenizer, task, rewards, steps_done: int, n: 
     outs, _, _ = worker.generate(prompts, seeds, temperature=temperature, group="world")
     if release:
         worker.release()
-    return mean_reward(outs, tokenizer, samples, rewards, on_error=cfg.task.on_reward_error)
+    return sample_rewards(outs, tokenizer, samples, rewards, on_error=cfg.task.on_reward_error)
 
 
 @dataclass

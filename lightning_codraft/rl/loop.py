@@ -40,7 +40,8 @@ from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key
-from lightning_codraft.rl.evaluate import EVAL_SEED, SpeedupResult, evaluate_heldout, heldout_samples, measure_speedup
+from lightning_codraft.rl.evaluate import (EVAL_SEED, SpeedupResult, heldout_rewards, heldout_samples, mean_of,
+                                          measure_speedup)
 from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -58,6 +59,8 @@ class FitResult:
         out_dir: the run directory.
         rows: per-step metrics (as in metrics.csv).
         eval_before, eval_after: greedy mean reward on held-out prompts (NaN when skipped).
+        eval_before_scores, eval_after_scores: ``(task.eval_prompts,)`` each held-out prompt's greedy reward (in
+            the set's order: pair them per prompt).
         speedup: the final rollout speed-up measurement (None without a draft, and on every rank but 0).
         completed: False when the run stopped early (``stop_after``).
     """
@@ -66,6 +69,8 @@ class FitResult:
     rows: list[dict[str, float]] = field(default_factory=list)
     eval_before: float = math.nan
     eval_after: float = math.nan
+    eval_before_scores: list[float] = field(default_factory=list)
+    eval_after_scores: list[float] = field(default_factory=list)
     speedup: Optional[SpeedupResult] = None
     completed: bool = True
 
@@ -155,7 +160,8 @@ class CoDraftRun:
         self.worker.start(self.module)  # before the strategy prunes / shards the module
         if last is None and "eval_before" not in self.extra:
             n_eval = cfg.task.eval_prompts
-            self.extra["eval_before"] = self.evaluate(n_eval) if n_eval else math.nan
+            self.extra["eval_before_scores"] = self.evaluate(n_eval, per_prompt=True) if n_eval else []
+            self.extra["eval_before"] = mean_of(self.extra["eval_before_scores"])
             self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
             self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra, key=warm_key(cfg))
@@ -180,6 +186,7 @@ class CoDraftRun:
                                         extra_columns=parts, loggers=build_loggers(cfg.run.loggers, self.out),
                                         completions=cfg.run.log_completions)
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
+        self.result.eval_before_scores = list(self.extra.get("eval_before_scores", []))
         self.steps_done = self.start_step
         return self.start_step
 
@@ -235,11 +242,14 @@ class CoDraftRun:
         """:func:`~lightning_codraft.rl.evaluate.heldout_samples` of this run's task."""
         return heldout_samples(self.task, self.cfg.run.seed, n, offset)
 
-    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False) -> float:
-        """:func:`~lightning_codraft.rl.evaluate.evaluate_heldout` after this run's steps (call on every rank)."""
+    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False,
+                 per_prompt: bool = False) -> float | list[float]:
+        """The mean of :func:`~lightning_codraft.rl.evaluate.heldout_rewards` after this run's steps, or with
+        ``per_prompt`` the ``(n,)`` rewards themselves (call on every rank)."""
         updates = self.rl_step.schedule.updates if self.rl_step is not None else 0
-        return evaluate_heldout(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,
-                                n, temperature, release=release, final=final, draft_updates=updates)
+        scores = heldout_rewards(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,
+                                 n, temperature, release=release, final=final, draft_updates=updates)
+        return scores if per_prompt else mean_of(scores)
 
     def finish(self, completed: bool = True) -> FitResult:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
@@ -256,7 +266,9 @@ class CoDraftRun:
         cfg, tok = self.cfg, self.tokenizer
         measure = cfg.draft.mode != "none" and cfg.run.measure_speedup
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
-            result.eval_after = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True)
+            result.eval_after_scores = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True,
+                                                     per_prompt=True)
+            result.eval_after = mean_of(result.eval_after_scores)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
             if not cfg.task.eval_prompts:
                 self.worker.prepare(weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates),
@@ -326,7 +338,8 @@ def warm_start(cfg: CoDraftConfig, module: CoDraftModule, tokenizer, task, conte
         log(f"warm-ups loaded from {cached} (an earlier launch of this run, same warm-up settings)")
     elif init:
         extra = RunCheckpoints.load_warm(init, module.policy, module.draft)
-        extra.pop("eval_before", None)  # scored on that run's task: this run scores its own
+        for key in ("eval_before", "eval_before_scores"):  # scored on that run's task: this run scores its own
+            extra.pop(key, None)
         log(f"warm-started policy and draft from {init}")
     else:
         extra = run_warmups(cfg, module, tokenizer, task, context, log=log)

@@ -255,16 +255,19 @@ class RLStep:
         module = unwrap_module(self.model)
         n_tok = sum(len(o.token_ids) for o in outs)
         seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s,
-                                                    float(n_tok), float(acc.drafted), float(acc.policy_forwards)],
+                                                    float(n_tok), float(acc.drafted), float(acc.policy_forwards),
+                                                    acc.plain_s - acc.round_s, float(acc.plain_s > 0)],
                                                    dtype=torch.float64), reduce_op="sum").tolist()
         K = self.worker.num_speculative_tokens
         decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size,
                                         seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
-                                        seen[4] / (seen[5] * K) if seen[5] and K else 1.0)
+                                        seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
+                                        seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan)
         if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
         module.train_draft_this_step = decision.train
         module.run_draft_this_step = decision.train or not self.schedule.skips_draft
+        module.score_reference_this_step = not decision.idle
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.build import build_parts, module_arguments
 from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
-from lightning_codraft.rl.evaluate import evaluate_heldout
+from lightning_codraft.rl.evaluate import heldout_rewards, mean_of
 from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, draft_schedule, step_prompts
@@ -210,8 +210,8 @@ class GRPOModule(CoDraftModule):
         ``eval_accuracy``)."""
         if not n or self.worker is None:
             return
-        value = evaluate_heldout(self.cfg, self.worker, self.tokenizer, self.task, self.rewards,
-                                 int(self.trainer.global_step), int(n), draft_updates=self.draft_schedule.updates)
+        value = mean_of(heldout_rewards(self.cfg, self.worker, self.tokenizer, self.task, self.rewards,
+                                        int(self.trainer.global_step), int(n), draft_updates=self.draft_schedule.updates))
         self.log("eval_accuracy", value, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
     def teardown(self, stage: str) -> None:

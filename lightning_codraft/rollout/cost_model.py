@@ -76,6 +76,10 @@ class RoundClock:
         """Seconds since the start not spent in any block."""
         return clock(self.device) - self.start - sum(self.spent.values())
 
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return clock(self.device) - self.start
+
 
 class _LinearFit:
     """Least-squares fit of a time as a non-negative combination of features whose second one is the batch size

@@ -8,6 +8,7 @@ distribution, why generation stopped, and speculative-decoding acceptance statis
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
@@ -44,6 +45,13 @@ class AcceptanceStats:
     do not count it leave it empty (then every drafting round counts as proposing every position)."""
     plain_rounds: int = 0
     """Rounds in which no draft token was proposed (k = 0)."""
+    round_s: float = 0.0
+    """Seconds of the decode rounds charged to this sequence (1/B of each round it took part in; adaptive engines
+    only, else 0)."""
+    plain_s: float = 0.0
+    """Seconds plain decoding would have spent on the tokens this sequence emitted in those rounds: a plain round's
+    measured share, a drafting round's tokens times the cost model's plain step at the round's batch, ``T(B, 0) / B``
+    (adaptive engines only, else 0). ``plain_s - round_s`` is what speculation saved."""
 
     @property
     def acceptance_length(self) -> float:
@@ -64,6 +72,12 @@ class AcceptanceStats:
     def tokens_per_round(self) -> float:
         """Mean tokens emitted per round, plain rounds included: 1 + accepted / policy_forwards."""
         return 1.0 + self.accepted / self.policy_forwards if self.policy_forwards else 1.0
+
+    @property
+    def saving_s(self) -> float:
+        """Decode seconds speculation saved against plain decoding at the same batch (NaN where no cost model
+        estimated plain decoding: fixed-K engines, vLLM)."""
+        return self.plain_s - self.round_s if self.plain_s > 0 else math.nan
 
     def per_position_rate(self) -> list[float]:
         """Acceptance rate of each draft position j: accepted_per_position[j] / rounds that proposed it."""
@@ -98,6 +112,7 @@ class AcceptanceStats:
             policy_forwards=self.policy_forwards + other.policy_forwards,
             proposed_per_position=[a + b for a, b in zip(pad(self._proposed()), pad(other._proposed()))],
             plain_rounds=self.plain_rounds + other.plain_rounds,
+            round_s=self.round_s + other.round_s, plain_s=self.plain_s + other.plain_s,
         )
 
     @staticmethod

@@ -180,15 +180,30 @@ def run_round(b: LiveRows, chunk: Chunk, done: list[bool]) -> None:
         v = _verify(b, chunk, draft_ids, q, rn, drafted, confidences)
     observed = (b.active, b.length, pick(v.taps, chunk.fwd_taps, chunk.observer_taps)) if chunk.observer else None
     _feed_draft(b, chunk, v, clock)
+    emitted = list(b.emitted)
     _emit(b, chunk, v, done)
     b.length, b.pending, b.out_pos = v.new_length, v.bonus, b.out_pos + 1 + v.accepted
     if ctl is not None:
         ctl.observe(b.estimates, v.k, v.host_accepted, v.confidences)
         ctl.record_round(len(b.active), v.k, clock["policy"], clock["draft"], clock.rest(), v.drafted)
+        _charge(b, chunk, v.k, clock.elapsed(), emitted)
     if observed is not None:  # after the round's clocks: the observer's time is not the engine's
         active, fed_from, seen_taps = observed
         chunk.observer.decode([chunk.requests[r] for r in active], fed_from.tolist(),
                               [a + 1 for a in v.host_accepted], seen_taps, v.logits)
+
+
+def _charge(b: LiveRows, chunk: Chunk, k: int, seconds: float, emitted_before: list[int]) -> None:
+    """Charge the round's ``seconds`` to its rows (1/B each) beside what plain decoding would have spent on the
+    tokens each emitted (:attr:`AcceptanceStats.plain_s`): a plain round is its own measure, a drafting round's
+    tokens are priced at the cost model's plain step for this batch."""
+    B = len(b.active)
+    share = seconds / B
+    per_token = share if k == 0 else chunk.controller.costs.round_times(B, 0)[0] / B
+    for i, r in enumerate(b.active):
+        stats = chunk.stats[r]
+        stats.round_s += share
+        stats.plain_s += per_token * (b.emitted[i] - emitted_before[i])
 
 
 def _choose_k(b: LiveRows, chunk: Chunk, clock: RoundClock) -> tuple[int, Optional[list[int]], int]:

@@ -91,8 +91,9 @@ class CoDraftModule(LightningModule):
         self.train_draft_this_step = True
         """False skips the draft's update in the coming optimizer step (its loss is still scored; its gradients are
         dropped, so AdamW leaves the draft and its moments untouched). Set both flags alike on every rank."""
-        self.run_draft_this_step = True
-        """False runs no draft at all this step (the adaptive schedule's off steps; a reference is still scored)."""
+        self.run_draft_this_step = self.score_reference_this_step = True
+        """False runs no draft at all this step (the adaptive schedule's off steps), resp. no A/B reference either
+        (its idle steps)."""
         self.reference_draft: Optional[ReferenceDraft] = None
         """The A/B's frozen reference draft (:meth:`set_reference_draft`), scored beside the draft on every batch."""
         self.live_position_rates: Optional[Tensor] = None
@@ -270,7 +271,8 @@ class CoDraftModule(LightningModule):
                                                                  self.parallel_dims.dp_cp_group, batch.norm.tokens)
         value, loss = rl_stats["loss"].detach(), rl
         dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
-        if not run and self.reference_draft is None:
+        reference = self.reference_draft if self.score_reference_this_step else None
+        if not run and reference is None:
             metrics["loss"] = value
             return loss, MicrobatchRecord(metrics)
         if c.sample_every > 1:  # the draft's share of the step: every n-th sample (whole documents, any CP shard)
@@ -280,9 +282,9 @@ class CoDraftModule(LightningModule):
         feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
         implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,
                           cp_group=dims.cp_group, dp_group=dims.dp_group)
-        if self.reference_draft is not None:  # the A/B: one forward of the frozen reference on the same taps
-            ref = self.reference_draft
-            record.reference_implied = implied(ref.step_logits(feats, embeds, batch, dims.cp_group), d2t=ref.module.d2t)
+        if reference is not None:  # the A/B: one forward of the frozen reference on the same taps
+            record.reference_implied = implied(reference.step_logits(feats, embeds, batch, dims.cp_group),
+                                               d2t=reference.module.d2t)
         if run:
             with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
                 step_logits = self.draft_step_logits(feats, embeds, batch)
@@ -292,8 +294,7 @@ class CoDraftModule(LightningModule):
             record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
             record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
             metrics["draft/loss"] = d.loss.detach().float()
-            for k in range(d.per_step.numel()):
-                metrics[f"draft/loss_step{k}"] = d.per_step[k]
+            metrics.update({f"draft/loss_step{k}": d.per_step[k] for k in range(d.per_step.numel())})
             if c.trains_draft:
                 loss = loss + c.draft_loss_weight * d.loss
                 value = value + c.draft_loss_weight * d.loss.detach()
@@ -317,8 +318,7 @@ class CoDraftModule(LightningModule):
     def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
         """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
         term or the drift metrics need them and the batch has none."""
-        c = self.config
-        drift = c.track_drift
+        c, drift = self.config, self.config.track_drift
         if c.kl_coef <= 0 and not drift:
             return microbatches
         if all(mb.ref_logprobs is not None and (mb.ref_greedy is not None or not drift) for mb in microbatches):

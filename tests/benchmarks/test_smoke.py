@@ -264,7 +264,23 @@ def test_vs_trl_smoke(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     md = (tmp_path / "vs_trl.md").read_text()
-    assert "| TRL GRPOTrainer |" in md and "| co-trained draft (default schedule), batch 1 |" in md
+    assert "| TRL GRPOTrainer |" in md and "| co-trained draft (the default: adaptive schedule), batch 1 |" in md
     data = json.loads((tmp_path / "vs_trl.json").read_text())
     assert len(data["repeats"]) == 2 and all(len(rep["TRL GRPOTrainer"]) == 2 for rep in data["repeats"])
     assert {t["arm"] for t in data["table"]} >= {"no draft, batch all", "frozen draft, batch 1"}
+
+
+def test_long_tail_main_smoke(tmp_path):
+    """The main job's long tail: both runs emit the same tokens (the script checks it), every band's rounds add up
+    to the call's, and the completions' lengths stay within the budget."""
+    tiny = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
+            "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
+            "sft.steps=2", "draft.warmup_steps=2"]
+    text = _run("long_tail_main.py", "--prompts", 2, "--group", 2, "--max-new-tokens", 8, "--repeats", 2,
+                "--work", tmp_path / "work", "--out", tmp_path, *tiny)
+    assert "| rows still decoding |" in text and "Whole call, wall time" in text
+    res = json.loads((tmp_path / "long_tail_main.json").read_text())
+    assert len(res["lengths"]) == 8 and all(1 <= n <= 8 for n in res["lengths"])
+    assert sum(b["plain_share"] for b in res["bands"]) == pytest.approx(1.0)
+    assert sum(b["adaptive_share"] for b in res["bands"]) == pytest.approx(1.0)
+    assert all(0 <= b["mean_k"] <= 4 for b in res["bands"]) and (tmp_path / "long_tail_main.png").is_file()

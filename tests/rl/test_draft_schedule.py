@@ -182,3 +182,40 @@ def test_no_update_while_the_engine_decodes_plainly_and_updates_resume_when_spec
     # and a logged run replays with its speculation figures
     rows = s.state_dict()
     assert replay(rows, DraftSchedule("adaptive", 100, horizon=10)) == [d.train for d in s.history]
+
+
+def test_updates_are_paid_only_out_of_the_decode_time_speculation_saved():
+    """Where the engine measures what speculation saved (a large batch on a CPU: a little a step), the draft trains
+    only once the credit (seconds saved so far less the updates' charges) covers one update, so over the run its
+    updates cost at most what speculation saved; where a step saves more than an update costs (one sequence at a
+    time), the credit never binds; an engine without a cost model (NaN) leaves the rule off."""
+    def run(saving, steps=30):
+        s, out = DraftSchedule("adaptive", 100, horizon=10), []
+        for step in range(steps):
+            d = s.decide(step, 3.0 + 0.3, 10.0, 1000.0, 1.0, saving)
+            s.record(d, 3.0 if d.train else 2.0, reference=3.0)
+            out.append(d)
+        return s, out
+
+    s, out = run(0.2)  # an update costs ~1 s (trained 3 s, skipped 2 s); a step saves 0.2 s
+    trained = [d for d in out if d.train]
+    assert out[0].train and not out[1].train  # the first update measures the cost, then the credit must refill
+    assert 0 < len(trained) <= 7
+    charged = sum(d.charged_s for d in out)
+    assert charged <= sum(d.saving_s for d in out) + out[0].charged_s  # spent only what was saved (+ the first)
+    assert all(d.credit_s >= d.cost_s for d in trained[1:])
+    assert any("paid only out of time speculation saved" in d.reason for d in out)
+    assert all(math.isfinite(d.credit_s) for d in out) and all(d.charged_s == 0.0 for d in out if not d.train)
+    # the logged figures replay to the same decisions
+    assert replay(s.state_dict(), DraftSchedule("adaptive", 100, horizon=10)) == [d.train for d in out]
+
+    _, rich = run(5.0)  # a step saves 5 s: the credit never binds
+    assert not any("speculation saved" in d.reason for d in rich)
+    assert [d.train for d in rich][:4] == [True] * 4
+
+    _, nothing = run(-0.1)  # speculation lost time: nothing is ever paid
+    assert not any(d.train for d in nothing)
+
+    _, unmeasured = run(math.nan)  # no cost model: the rule is off
+    assert not any("speculation saved" in d.reason for d in unmeasured) and unmeasured[0].train
+    assert all(math.isnan(d.credit_s) for d in unmeasured)

@@ -15,7 +15,8 @@ MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attenti
          "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
          "sft.steps=3", "sft.batch_size=4", "draft.warmup_steps=2", "draft.warmup_batch_size=4",
          "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12",
-         "task.eval_prompts=2", "run.checkpoint_every=1", "run.progress=false"]
+         "task.eval_prompts=2", "run.checkpoint_every=1", "run.progress=false",
+         "draft.schedule=every_step"]  # the adaptive schedule follows measured times; runs that tests compare pin it
 
 
 def micro_config(tmp, *extra):
@@ -191,6 +192,31 @@ def test_kl_to_the_reference_policy_is_scored_by_the_module(tmp_path):
                        "run.checkpoint_every=0", "task.reward=rewards_for_tests:digit_share_reward")
     rows = fit(cfg, print_fn=lambda s: None).rows
     assert abs(rows[0]["kl"]) < 1e-6 and rows[-1]["kl"] > 1e-6, [r["kl"] for r in rows]
+
+
+def test_per_prompt_scores_and_a_validation_set_apart_from_every_held_out_set(micro_run, tmp_path, monkeypatch):
+    """The run keeps each held-out prompt's greedy reward before and after RL (to pair them per prompt), and
+    ``task.eval_set=validation`` scores a fixed set that is neither this seed's held-out set nor another seed's."""
+    cfg, res = micro_run
+    assert len(res.eval_before_scores) == len(res.eval_after_scores) == cfg.task.eval_prompts
+    assert res.eval_before == pytest.approx(sum(res.eval_before_scores) / len(res.eval_before_scores))
+    assert res.eval_after == pytest.approx(sum(res.eval_after_scores) / len(res.eval_after_scores))
+    from lightning_codraft.rl.build import build_task
+    from lightning_codraft.rl.evaluate import VALIDATION_OFFSET, heldout_samples
+
+    task = build_task(cfg.task)
+    prompts = lambda seed, offset=0: [s.prompt for s in heldout_samples(task, seed, 64, offset)]  # noqa: E731
+    validation = prompts(0, VALIDATION_OFFSET)
+    assert validation != prompts(0) and all(validation != prompts(seed) for seed in range(1, 50))
+    from lightning_codraft.rl import evaluate
+
+    offsets, draw = [], evaluate.heldout_samples
+    monkeypatch.setattr(evaluate, "heldout_samples", lambda *a: offsets.append(a[3]) or draw(*a))
+    val = fit(micro_config(tmp_path, "rl.steps=1", "task.eval_set=validation", "run.plots=false"),
+              print_fn=lambda s: None)
+    assert len(val.eval_before_scores) == cfg.task.eval_prompts and set(offsets) == {VALIDATION_OFFSET}
+    with pytest.raises(ConfigError, match="task.eval_set=validation needs a generated task"):
+        load_config(None, ["task.name=gsm8k", "task.eval_set=validation"])
 
 
 def test_a_frozen_draft_is_warm_started_too(tmp_path):

@@ -27,7 +27,7 @@ def _refit_worker(rank, world_size, cfg):
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()
     run.step(start)  # the weights move: the refit must carry the trained ones
-    worker, versions = run.worker, weight_versions(cfg, start + 1)
+    worker, versions = run.worker, weight_versions(cfg, start + 1, run.rl_step.schedule.updates)
     policy, draft = run.module.full_state_dicts()
     policy, draft = run.fabric.broadcast((policy, draft), src=0)  # whole, on every rank
     for m in worker._copies:  # the engine's own weights: allocated and touched (resident) before the measurement

@@ -667,3 +667,25 @@ def test_bfloat16_engine_matches_plain_bfloat16_decoding(policy, fitted, tempera
 def test_engine_dtype_is_validated(policy):
     with pytest.raises(ValueError, match="dtype='int8' must be None, 'auto' or one of"):
         SpeculativeEngine(policy, None, 0, dtype="int8")
+
+
+def test_the_adaptive_engine_prices_what_plain_decoding_would_have_spent(policy, fitted):
+    """``AcceptanceStats.plain_s``: a plain round is its own measure, a drafting round's tokens are priced at the
+    cost model's plain step for the batch; a fixed engine has no cost model and measures no saving."""
+    draft, fit_set = fitted
+    prompts = fit_set[:4]
+    fixed = SpeculativeEngine(policy, draft, 4, max_batch_size=1).generate(prompts, 24, temperature=0.0)
+    assert all(o.stats.plain_s == 0.0 and math.isnan(o.stats.saving_s) for o in fixed)
+    plain = SpeculativeEngine(policy, draft, 4, max_batch_size=2, adaptive=_Scripted(4, [0])).generate(
+        prompts, 24, temperature=0.0)
+    for o in plain:
+        assert o.stats.round_s > 0 and o.stats.plain_s == pytest.approx(o.stats.round_s, rel=1e-12)
+    # pinned costs price a plain round at 1 s at every batch: at batch 1 each token of a drafting round costs 1 s
+    outs = SpeculativeEngine(policy, draft, 4, max_batch_size=1, adaptive=_adaptive("adaptive", 4)).generate(
+        prompts, 24, temperature=0.0)
+    for o in outs:
+        assert o.stats.plain_rounds == 0 and o.stats.plain_s == pytest.approx(len(o.token_ids) - 1)  # the first token is the prefill's
+        assert o.stats.saving_s == pytest.approx(len(o.token_ids) - 1 - o.stats.round_s) and o.stats.saving_s > 0
+    total = AcceptanceStats.total(o.stats for o in outs)
+    assert total.plain_s == pytest.approx(sum(o.stats.plain_s for o in outs))
+    assert total.round_s == pytest.approx(sum(o.stats.round_s for o in outs))
