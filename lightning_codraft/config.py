@@ -381,9 +381,6 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
             raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by "
                               f"model.num_attention_heads={m.num_attention_heads}")
     t = cfg.task
-    if t.eval_set == "validation" and t.name != "arithmetic":
-        raise ConfigError(f"task.eval_set=validation needs a generated task (arithmetic); task.name={t.name!r} "
-                          "holds out its reserved rows only: use task.eval_set=heldout")
     if t.name == "arithmetic" and not 2 <= t.min_terms <= t.max_terms:
         raise ConfigError(f"need 2 <= task.min_terms <= task.max_terms, got {t.min_terms}, {t.max_terms}")
     styles = ("symbols", "words")  # rl.tasks.STYLES (config imports nothing of the library)

@@ -137,6 +137,9 @@ def task_problems(t: TaskConfig) -> list[str]:
                     if r.fn in ANSWER_REWARDS]
         elif t.reward is None:
             out.append(answer_problem("the task's built-in reward", "math_equivalence"))
+    if t.eval_set == "validation" and t.name != "arithmetic":
+        out.append(f"task.eval_set=validation needs a generated task (arithmetic); task.name={t.name!r} holds out "
+                   "its reserved rows only: use task.eval_set=heldout")
     if t.name == "dataset" and t.source == "excerpt":
         out.append("task.name=dataset needs task.source: a .json / .jsonl / .parquet / .csv file, a directory or a "
                    "hub name ('excerpt' is GSM8K's bundled file)")
