@@ -34,7 +34,7 @@ from pages import command, write_json, write_page
 
 REPO = Path(__file__).resolve().parent.parent
 
-SCHEDULE_ARMS = {"none": {"mode": "none"}, "frozen": {"mode": "frozen"},
+SCHEDULE_ARMS = {"none": {"mode": "none"}, "frozen": {"mode": "frozen", "score_frozen": True},  # its implied acceptance
                  "every_step": {"mode": "cotrain", "schedule": "every_step"},
                  "adaptive": {"mode": "cotrain", "schedule": "adaptive"},
                  "every_step, 1/4 of samples": {"mode": "cotrain", "schedule": "every_step", "sample_every": 4},

@@ -78,6 +78,9 @@ class DraftConfig(DraftLossConfig):
     rl/draft_schedule.py; a skipped step runs no draft), ``every_step`` or ``every_n`` (``train_every``)."""
     schedule_horizon: int = 10
     """``adaptive``: steps over which a recovered acceptance deficit is counted against one update's cost."""
+    score_frozen: bool = False
+    """``mode: frozen``: also score the draft on each step's rollouts (implied acceptance: one draft forward, about a
+    seventh of the main job's training step); the engine's measured acceptance is logged either way."""
     reference: str = "start"
     """The live A/B's reference draft, scored beside the current one on every step's rollouts (implied acceptance,
     training/implied.py): ``start`` (the draft as RL began), ``none``, or a ``warm`` directory / weights.pt file."""
@@ -332,10 +335,8 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
         raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} exceeds the "
                           f"{r0.prompts_per_step // p.dp * r0.group_size} samples each replica trains on per step")
     d = cfg.draft
-    _positive("draft.num_speculative_tokens", d.num_speculative_tokens, 0)
-    _positive("draft.loss_weight", d.loss_weight, 0)
-    _positive("draft.warmup_steps", d.warmup_steps, 0)
-    _positive("draft.schedule_horizon", d.schedule_horizon)
+    for name, low in (("num_speculative_tokens", 0), ("loss_weight", 0), ("warmup_steps", 0), ("schedule_horizon", 1)):
+        _positive(f"draft.{name}", getattr(d, name), low)
     if d.train_every != 1 and d.schedule != "every_n":
         raise ConfigError(f"draft.train_every={d.train_every} needs draft.schedule=every_n (got {d.schedule!r})")
     if d.adaptive and p.engine == "vllm" and d.mode != "none":

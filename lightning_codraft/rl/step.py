@@ -266,7 +266,8 @@ class RLStep:
         if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
         module.train_draft_this_step = decision.train
-        module.run_draft_this_step = decision.train or not self.schedule.skips_draft
+        frozen_unscored = cfg.draft.mode == "frozen" and not cfg.draft.score_frozen
+        module.run_draft_this_step = decision.train or not (self.schedule.skips_draft or frozen_unscored)
         module.score_reference_this_step = not decision.idle
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,

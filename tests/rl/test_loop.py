@@ -228,6 +228,12 @@ def test_a_frozen_draft_is_warm_started_too(tmp_path):
                        "draft.adaptive=false")
     res = fit(cfg, print_fn=lambda s: None)
     assert res.completed and res.rows[0]["acceptance_length"] > 1.5
+    # a frozen draft runs no forward in the training step unless asked to be scored (draft.score_frozen)
+    assert math.isnan(res.rows[0]["implied_acceptance"]) and math.isnan(res.rows[0]["draft_loss"])
+    scored = fit(dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, score_frozen=True),
+                                     run=dataclasses.replace(cfg.run, out_dir=str(tmp_path / "scored"))),
+                 print_fn=lambda s: None)
+    assert scored.rows[0]["implied_acceptance"] > 1.5 and math.isfinite(scored.rows[0]["draft_loss"])
 
 
 def test_recipe_warm_start_self_distills_caches_and_reuses_the_draft(tmp_path):
