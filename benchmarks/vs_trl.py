@@ -25,6 +25,7 @@ Writes docs/benchmarks/vs_trl.md (+ .json, .png).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -191,7 +192,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("--name", default="vs_trl")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every arm and the warm-ups (smoke tests)")
+    ap.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                    help="rebuild the page from a saved <name>.json (its repeats and arguments) without running")
     args = ap.parse_args(argv)
+    if args.report_only is not None:
+        saved = json.loads(args.report_only.read_text())
+        for k, v in saved["args"].items():
+            if k not in ("out", "report_only", "name"):
+                setattr(args, k, Path(v) if k == "work" else v)
+        args.out.mkdir(parents=True, exist_ok=True)
+        table = summarise(saved["repeats"])
+        report(args, table, saved["repeats"])
+        return table
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -242,7 +254,7 @@ def report(args, table: list[dict], repeats) -> None:
              f"repeats). `batch` is the library engine's batch (`parallel.engine_batch_size`; `all`: the step's "
              f"{args.prompts * args.group} sequences at once); TRL generates the whole batch with `generate`. "
              f"Acceptance: tokens per verification round (1 without a draft).", "",
-             *md_table(header, rows), ""]
+             *md_table(header, rows), "", *goals(table), ""]
     write_page(args.out / f"{args.name}.md", lines)
     write_json(args.out / f"{args.name}.json", {"table": table, "repeats": repeats, "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
@@ -252,6 +264,24 @@ def report(args, table: list[dict], repeats) -> None:
     ax.set_xlabel("median step seconds")
     save_figure(fig, args.out / f"{args.name}.png")
     print("\n".join(md_table(header, rows)))
+
+
+def goals(table: list[dict]) -> list[str]:
+    """The issue's goals at the full batch, each with its verdict: every library arm's step at most 0.8x TRL's, and
+    the co-trained default's at most 1.05x the no-draft arm's (medians within repeats; the range says how sure)."""
+    full = [t for t in table if t["arm"].endswith(", batch all")]
+    default = next((t for t in full if t["arm"].startswith("co-trained draft (the default")), None)
+    fmt = lambda t, k: f"{t[k]:.2f}x ({t[k + '_range'][0]:.2f}-{t[k + '_range'][1]:.2f})"  # noqa: E731
+    out = ["Goals at the full batch:", ""]
+    for t in full:
+        verdict = "met" if t["vs_trl"] <= 0.8 else "not met"
+        out.append(f"- {t['arm']}: step {fmt(t, 'vs_trl')} TRL's -> <= 0.8x: **{verdict}**"
+                   + ("" if t["vs_trl_range"][1] <= 0.8 or verdict == "not met" else " (median; not in every repeat)"))
+    if default is not None:
+        verdict = "met" if default["vs_no_draft"] <= 1.05 else "not met"
+        out.append(f"- {default['arm']}: step {fmt(default, 'vs_no_draft')} the no-draft arm's -> <= 1.05x: "
+                   f"**{verdict}**")
+    return out
 
 
 def _cpu() -> str:

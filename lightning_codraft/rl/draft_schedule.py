@@ -42,8 +42,8 @@ anyway:
 
 It trains when ``gain >= cost`` and, once training, keeps training while ``gain >= cost / 2`` (hysteresis: one noisy
 step neither starts nor stops it). A skipped step runs no draft update (no forward or backward of the trained draft;
-it and its optimizer state stay bit-identical; the reference is still scored). Every decision is logged with its
-reason and figures, and :func:`replay` recomputes the decisions from those logged figures alone.
+it and its optimizer state stay bit-identical; the reference is still scored except on idle steps). Every decision
+is logged with its reason and figures, and :func:`replay` recomputes the decisions from those logged figures alone.
 """
 
 from __future__ import annotations

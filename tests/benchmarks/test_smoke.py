@@ -268,6 +268,12 @@ def test_vs_trl_smoke(tmp_path):
     data = json.loads((tmp_path / "vs_trl.json").read_text())
     assert len(data["repeats"]) == 2 and all(len(rep["TRL GRPOTrainer"]) == 2 for rep in data["repeats"])
     assert {t["arm"] for t in data["table"]} >= {"no draft, batch all", "frozen draft, batch 1"}
+    assert "Goals at the full batch" in md and "the no-draft arm's -> <= 1.05x" in md
+    again = subprocess.run([python, str(REPO / "benchmarks" / "vs_trl.py"), "--report-only", str(tmp_path / "vs_trl.json"),
+                            "--out", str(tmp_path / "again")], capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again" / "vs_trl.md").read_text().split("\n")[4:] == md.split("\n")[4:]  # but the command
 
 
 def test_long_tail_main_smoke(tmp_path):
