@@ -89,19 +89,22 @@ def decode(engine: SpeculativeEngine, prompts, args, seed: int) -> tuple[list, f
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per step (the main job's rl.prompts_per_step)")
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
+    ap.add_argument("--group", type=int, default=None, help="samples per prompt (default: the recipe's)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="(default: the recipe's)")
     ap.add_argument("--repeats", type=int, default=3, help="steps decoded (each one a repeat: its own prompts)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "vs_trl", help="the warm-ups (shared with vs_trl)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     ap.add_argument("overrides", nargs="*", help="recipe overrides (smoke tests)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    rl = load_config(RECIPE, args.overrides).rl
+    args.prompts, args.group = args.prompts or rl.prompts_per_step, args.group or rl.group_size
+    args.max_new_tokens = args.max_new_tokens or rl.max_new_tokens
     args.steps, args.threads = 1, 1
     warm = warm_start(args)
     cfg = load_config(RECIPE, [*args.overrides, f"rl.prompts_per_step={args.prompts}",
-                               f"rl.group_size={args.group}"])
+                               f"rl.group_size={args.group}", f"rl.max_new_tokens={args.max_new_tokens}"])
     tok, policy, _ = build_policy(cfg.model)
     draft = build_draft(cfg, policy)
     state = warm_state(warm)
