@@ -43,7 +43,7 @@ from lightning_codraft.rl.compare import isolated
 from lightning_codraft.rl.logs import plot_curves
 from lightning_codraft.rl.loop import CoDraftRun
 from lightning_codraft.rl.stats import paired_difference
-from pages import write_json
+from pages import command, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -198,16 +198,16 @@ def per_prompt(runs: list[HeldOut]):
     return paired_difference([a for a, _ in pairs], [b for _, b in pairs])
 
 
-def paired_lines(runs: list[HeldOut]) -> list[str]:
+def paired_lines(runs: list[HeldOut], scored: str = "held-out") -> list[str]:
     acc = paired_difference([r.after for r in runs], [r.before for r in runs])
     rew = paired_difference([r.reward_after for r in runs], [r.reward_before for r in runs])
     prompts = per_prompt(runs)
     by_prompt = [] if prompts is None else [
-        f"- held-out greedy accuracy, after - before RL, paired per prompt over the {len(runs)} seeds' sets "
+        f"- {scored} greedy accuracy, after - before RL, paired per prompt over the {len(runs)} seeds' sets "
         f"({prompts.n} prompts): {str(prompts).replace('steps', 'prompts')}"]
-    return by_prompt + [f"- held-out greedy accuracy, after - before RL, paired over {acc.n} seeds: "
+    return by_prompt + [f"- {scored} greedy accuracy, after - before RL, paired over {acc.n} seeds: "
             f"{str(acc).replace('steps', 'seeds')}",
-            f"- held-out eval reward (one sample per prompt at the rollout temperature), after - before: "
+            f"- {scored} eval reward (one sample per prompt at the rollout temperature), after - before: "
             f"{str(rew).replace('steps', 'seeds')}"]
 
 
@@ -301,7 +301,8 @@ def main(argv=None) -> None:
                   f"{s.reward_before:.3f} -> {s.reward_after:.3f}, KL {s.kl_last:.4f}, {s.wall_s:.0f}s")
 
     table = seed_table(main_runs)
-    paired = paired_lines(main_runs)
+    scored = "held-out" if base.task.eval_set == "heldout" else base.task.eval_set
+    paired = paired_lines(main_runs, scored)
     print(table)
     print("\n".join(paired))
     stable = settings_table(settings, defs) if defs else ""
@@ -311,11 +312,10 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     series = {"main job": mean_curve(main_runs), **{n: mean_curve(r) for n, r in settings.items() if n != "recipe"}}
     png = plot_curves(series, out / f"{args.name}.png", keys=("eval_accuracy", "eval_reward"),
-                      title=f"held-out set, mean over seeds {args.seeds}")
-    cmd = (f"python benchmarks/rl_seeds.py --seeds {' '.join(map(str, args.seeds))}"
-           + (f" {' '.join(args.overrides)}" if args.overrides else ""))
+                      title=f"{scored} set, mean over seeds {args.seeds}")
+    cmd = command("rl_seeds.py", argv)
     job = " ".join([f"codraft fit --config {Path(args.config).name}", *args.overrides])
-    text = ["# Held-out accuracy of the main job's RL, over seeds", "", config_line(load_config(args.config, common)),
+    text = [f"# {scored.capitalize()} accuracy of the main job's RL, over seeds", "", config_line(load_config(args.config, common)),
             "", f"## The main job (`{job}`), one full run per seed", "", table, "", *paired, "",
             f"![held-out curves]({png.name})", "",
             f"Eval reward = mean reward of one sample per held-out prompt at the rollout temperature, fixed seeds. "
