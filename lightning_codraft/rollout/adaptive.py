@@ -40,6 +40,7 @@ distributions scored with the same noise often agree), which the calibration lea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -117,8 +118,15 @@ class AdaptiveConfig:
     last one round (64 rounds: the SmolLM2 batch-64, T=1 cell ran 10% slower than plain decoding, its probes
     paying those catch-ups)."""
 
+    realized_decay: float = 0.9
+    """Per drafting round, the factor on a batch width's record of what its drafting rounds really saved: each
+    round's tokens priced at the cost model's plain step for the width, less the round's measured seconds. Where
+    that record is below zero the width decodes plainly whatever the model predicts (a verify of 1024 rows on a CPU
+    costs more than the fits of narrower rounds say), but for a probe every ``explore_every`` choices."""
+
     def __post_init__(self) -> None:
-        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay", "failed_rate"):
+        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay", "failed_rate",
+                     "realized_decay"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"AdaptiveConfig.{name}={value} must be in (0, 1]")
@@ -270,6 +278,8 @@ class SpeculationController:
         self._settings: dict[tuple, _Setting] = {}
         self._checked_size: int | None = None   # needs_calibration's last batch size and answer
         self._near_calibration = False
+        self.realized: dict[int, list[float]] = {}   # width bin -> [decayed seconds saved, decayed rounds]
+        self._round_tokens, self._round_catch_up, self._vetoes = 0, 0.0, 0
 
     def new_batch(self, num_requests: int, sampling_key: tuple) -> AcceptanceEstimates:
         """Estimates for a new batch of requests decoded with the given sampling setting."""
@@ -305,6 +315,10 @@ class SpeculationController:
             for k in range(1, self.max_k + 1):
                 times[k] += once / max(1.0, min(self.config.resume_horizon, longest * B / tokens[k]))
         k = max(range(self.max_k + 1), key=lambda i: tokens[i] / times[i])
+        if k > 0 and self.realized_saving(B) < 0:  # measured at this width: drafting lost time, whatever predicted
+            self._vetoes += 1
+            if self._vetoes % self.config.explore_every:
+                return 0
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:
             needed = min(self.config.failed_rate, max(0.0, times[1] / times[0] - 1.0))   # break-even rate of k = 1
@@ -341,10 +355,17 @@ class SpeculationController:
         best = max(range(max_k + 1), key=lambda k: tokens[k] / times[k])
         return best if best <= n or n >= max_k else None
 
+    def realized_saving(self, batch_size: int) -> float:
+        """Mean seconds a drafting round at this width (half-octave bins) really saved against plain decoding, over
+        its recent drafting rounds (``AdaptiveConfig.realized_decay``); 0 before any was measured."""
+        saved, rounds = self.realized.get(round(2 * math.log2(max(batch_size, 1))), (0.0, 0.0))
+        return saved / rounds if rounds else 0.0
+
     def observe(self, estimates: AcceptanceEstimates, k: int, accepted: Sequence[int],
                 confidences: Sequence[Sequence[float]] | None = None) -> None:
         """Record a round's outcome (``accepted``: ``(B,)`` accepted draft tokens per row of the k verified;
         ``confidences``: ``(n, B)`` of the n >= k proposals drawn, when measured)."""
+        self._round_tokens = sum(min(a, k) + 1 for a in accepted)
         st = estimates.shared
         if st.confidence is not None:
             st.confidence.decay(self.config.global_decay)
@@ -357,6 +378,13 @@ class SpeculationController:
         """Measured seconds of a round's verify block (k proposals verified), its proposal chain (``drafted``
         proposals drawn, default k) and the rest of the round."""
         drafted = k if drafted is None else drafted
+        if k > 0:  # what the round really saved: its tokens at the plain step's price, less its measured seconds
+            price = self.costs.round_times(batch_size, 0)[0] * self._round_tokens / batch_size
+            saved = price - (policy_s + draft_s + rest_s + self._round_catch_up)
+            entry = self.realized.setdefault(round(2 * math.log2(max(batch_size, 1))), [0.0, 0.0])
+            d = self.config.realized_decay
+            entry[0], entry[1] = entry[0] * d + saved, entry[1] * d + 1.0
+        self._round_catch_up = 0.0
         self.costs.add("policy", batch_size, 1 + k, policy_s)
         if drafted:
             self.costs.add("draft", batch_size, 1, draft_s / drafted)
@@ -364,6 +392,7 @@ class SpeculationController:
 
     def record_catch_up(self, batch_size: int, span: int, seconds: float) -> None:
         """Measured seconds of a draft catch-up over ``span`` verified positions of ``batch_size`` rows."""
+        self._round_catch_up += seconds
         self.costs.add("catch_up", batch_size, span, seconds)
 
     def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,

@@ -288,3 +288,29 @@ def test_config_errors():
         SpeculationController(0)
     with pytest.raises(ValueError, match="unknown cost block 'verify'"):
         CostModel().add("verify", 1, 1, 1.0)
+
+
+def test_a_width_where_drafting_really_lost_time_decodes_plainly_but_for_probes():
+    """The model predicts drafting pays, yet the measured drafting rounds at this width cost more than their tokens
+    at the plain step's price (a 1024-row verify on a CPU): the controller decodes plainly there, with a probe every
+    ``explore_every`` choices; rounds that save restore drafting, and every width keeps its own record."""
+    costs = _costs(policy_per_token=1e-7)
+    costs.add = lambda *a, **k: None  # the fits stay as calibrated: only the realized record moves
+    ctl = _controller(costs, explore_every=4)
+    est, rem = ctl.new_batch(16, ("greedy",)), np.full(16, 100)
+    _observe_rounds(ctl, est, K, [K] * 16, 20)
+    assert ctl.choose(est, rem) == K and ctl.realized_saving(16) == 0.0
+    plain = costs.round_times(16, 0)[0]
+    for _ in range(3):  # 16 rows x (K + 1) tokens: K + 1 plain steps' worth, measured at 10x that
+        ctl.observe(est, K, np.array([K] * 16))
+        ctl.record_round(16, K, 10 * (K + 1) * plain, 0.0, 0.0)
+    assert ctl.realized_saving(16) == pytest.approx(-9 * (K + 1) * plain)
+    assert ctl.realized_saving(64) == 0.0
+    ks = [ctl.choose(est, rem) for _ in range(8)]
+    assert ks.count(0) == 6 and ks[3] > 0 and ks[7] > 0
+    for _ in range(30):  # measured below their tokens' plain price: drafting pays again
+        ctl.observe(est, K, np.array([K] * 16))
+        ctl.record_round(16, K, 0.1 * plain, 0.0, 0.0)
+    assert ctl.realized_saving(16) > 0 and ctl.choose(est, rem) > 0
+    est64 = ctl.new_batch(64, ("greedy",))
+    assert ctl.choose(est64, np.full(64, 100)) > 0   # a width with no record of its own drafts as predicted
