@@ -36,7 +36,14 @@ from lightning_codraft.rollout.adaptive import SpeculationController
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 from vs_trl import RECIPE, ROOT, warm_start
 
-BANDS = [(129, 256), (65, 128), (33, 64), (17, 32), (9, 16), (5, 8), (2, 4), (1, 1)]
+def width_bands(batch: int) -> list[tuple[int, int]]:
+    """Octaves of rows still decoding, widest first: ``(2^(i-1) + 1, 2^i)`` down to ``(5, 8)``, then 2-4 and 1."""
+    top = 1 << max(batch - 1, 1).bit_length()
+    bands, hi = [], top
+    while hi > 4:
+        bands.append((hi // 2 + 1, hi))
+        hi //= 2
+    return bands + [(2, 4), (1, 1)]
 
 
 class TracingController(SpeculationController):
@@ -65,14 +72,10 @@ class TracingController(SpeculationController):
         super().record_round(batch_size, k, policy_s, draft_s, rest_s, drafted)
 
 
-def band_of(rows: int) -> tuple[int, int]:
-    return next(b for b in BANDS if b[0] <= rows <= b[1])
-
-
-def by_band(rounds) -> dict[tuple[int, int], dict[str, float]]:
+def by_band(rounds, bands) -> dict[tuple[int, int], dict[str, float]]:
     out: dict = {}
     for rows, k, s, tok in rounds:
-        b = out.setdefault(band_of(rows), {"rounds": 0, "seconds": 0.0, "k": 0, "tokens": 0, "row_rounds": 0})
+        b = out.setdefault(next(b for b in bands if b[0] <= rows <= b[1]), {"rounds": 0, "seconds": 0.0, "k": 0, "tokens": 0, "row_rounds": 0})
         b["rounds"] += 1
         b["seconds"] += s
         b["k"] += k
@@ -117,6 +120,7 @@ def main(argv=None) -> None:
     engines = {name: SpeculativeEngine(policy, draft, K, adaptive=ctl) for name, ctl in arms.items()}
     context = cfg.model.max_position_embeddings
     lengths, walls, bands = [], {n: [] for n in arms}, {n: [] for n in arms}
+    BANDS = width_bands(args.prompts * args.group)  # noqa: N806
     for rep in range(args.repeats + 1):  # the first call of each engine calibrates its cost model: not measured
         samples = step_prompts(task, cfg, rep)
         prompts = fit_prompts([encode_prompt(tok, s.prompt) for s in samples], context, args.max_new_tokens)
@@ -131,7 +135,7 @@ def main(argv=None) -> None:
             tokens = ids
             if rep:
                 walls[name].append(wall)
-                bands[name].append(by_band(arms[name].rounds))
+                bands[name].append(by_band(arms[name].rounds, BANDS))
         if rep:
             lengths += [len(t) for t in tokens]
     rows, table, n = [], [], args.repeats
@@ -153,12 +157,14 @@ def main(argv=None) -> None:
                "adaptive_share": tot(a, "seconds") / total["adaptive"], "plain_share": tot(p, "seconds") / total["plain"],
                "mean_k": tot(a, "k") / tot(a, "rounds") if a else 0.0,
                "tokens_per_row_round": tot(a, "tokens") / tot(a, "row_rounds") if a else 0.0,
-               "saved_s": saved / n, "saved_share": saved / (tot(a, "tokens") * per_row_token) if a else 0.0}
+               "saved_s": saved / n, "priced_here": bool(p),
+               "saved_share": saved / (tot(a, "tokens") * per_row_token) if a else 0.0}
         rows.append(row)
         table.append([row["rows"], f"{row['plain_rounds']:.1f}", f"{row['adaptive_rounds']:.1f}",
                       f"{row['plain_s']:.3f} ({row['plain_share']:.0%})",
                       f"{row['adaptive_s']:.3f} ({row['adaptive_share']:.0%})", f"{row['mean_k']:.2f}",
-                      f"{row['tokens_per_row_round']:.2f}", f"{row['saved_s']:+.3f} ({row['saved_share']:+.0%})"])
+                      f"{row['tokens_per_row_round']:.2f}",
+                      f"{row['saved_s']:+.3f}" + (f" ({row['saved_share']:+.0%})" if p else " (priced at another width)")])
     q = statistics.quantiles(lengths, n=10)
     at_budget = sum(n >= args.max_new_tokens for n in lengths) / len(lengths)
     wall_p, wall_a = statistics.median(walls["plain"]), statistics.median(walls["adaptive"])
