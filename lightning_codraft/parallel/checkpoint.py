@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.optim import Optimizer
 
+from lightning_codraft.parallel.collectives import is_distributed, reduced
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 
 FORMAT = "lightning_codraft.checkpoint/2"
@@ -150,12 +151,8 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _gather_rngs(dims: ParallelDims) -> list[dict[str, Any]]:
-    if _distributed() and dist.get_world_size() > 1:
+    if is_distributed():
         rngs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, capture_rng())
         return rngs
@@ -196,9 +193,7 @@ def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
                 bad.append(name)
 
     visit(tensors, "")
-    flag = torch.tensor([float(len(bad))])
-    if _distributed() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = reduced(torch.tensor([float(len(bad))]), dist.group.WORLD if is_distributed() else None, op="max")
     if float(flag) > 0:
         where = f"e.g. {bad[:3]}" if bad else "on another rank"
         raise CheckpointError(f"refusing to write a checkpoint from a non-finite state: non-finite values in {where}; "
@@ -278,7 +273,7 @@ def _save(path: Path, state: dict[str, Any], dims: ParallelDims) -> None:
         tmp = path / f".{META_FILE}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         tmp.replace(path / META_FILE)
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_codraft.models.eagle3_io import save_draft_state
 from lightning_codraft.models.hf_io import ShardWriter, clear_weights, write_config, write_index
+from lightning_codraft.parallel.collectives import is_distributed
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 
 
@@ -80,17 +81,13 @@ def export_pretrained(module: nn.Module, out_dir: str | Path, dims: Optional[Par
     return policy_dir, draft_dir
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
 def _gather(obj):
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.parallel.collectives import is_distributed
 from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout.buckets import WeightBucket, copy_into
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
@@ -222,7 +223,7 @@ class RolloutWorker:
         Returns:
             ``(outputs of every request in order, their total acceptance statistics, the slowest rank's seconds)``.
         """
-        group = {"replica": self.dims.replica_group, "world": dist.group.WORLD if _distributed() else None}.get(
+        group = {"replica": self.dims.replica_group, "world": dist.group.WORLD if is_distributed() else None}.get(
             group, group) if isinstance(group, str) else group
         parts = dist.get_world_size(group) if group is not None else 1
         index = dist.get_rank(group) if group is not None else 0
@@ -249,7 +250,3 @@ class RolloutWorker:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

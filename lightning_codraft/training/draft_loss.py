@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_codraft.attention.packing import validate_cu_seqlens
 from lightning_codraft.attention.zigzag import shift_left
+from lightning_codraft.parallel.collectives import group_size, reduced
 from lightning_codraft.training.config import DRAFT_LOSSES as _LOSS_NAMES
 
 
@@ -175,12 +175,6 @@ def draft_loss_sum(logits: Tensor, target: Tensor, weight: Tensor, kind: str = "
     return _OverlapLossSum.apply(logits, target.detach(), weight.detach(), kind)
 
 
-def _group_size(group) -> int:
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
 def ttt_draft_loss(
     step_logits: Sequence[Tensor],
     policy_logits: Tensor,
@@ -235,7 +229,7 @@ def ttt_draft_loss(
         raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({V},) = the policy vocabulary")
     if tuple(loss_mask.shape) != (T,):
         raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected ({T},)")
-    world = _group_size(group)
+    world = group_size(group)
     validate_cu_seqlens(cu_seqlens, total_tokens=T * world)
 
     device = policy_logits.device
@@ -271,8 +265,7 @@ def ttt_draft_loss(
 
     local_num = torch.stack(nums)
     packed = torch.cat([local_num.detach()[:, None], torch.stack(stats)], dim=1)  # (K, 4): num, total, correct, in
-    if world > 1:
-        dist.all_reduce(packed, group=group)
+    packed = reduced(packed, group)
     total, correct, in_vocab = packed[:, 1], packed[:, 2], packed[:, 3]
     # value of the global sum, gradient of the local part only (see the module docstring)
     global_num = local_num + (packed[:, 0] - local_num.detach())

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_codraft.attention.zigzag import shift_left, zigzag_unshard
+from lightning_codraft.parallel.collectives import reduced
 
 
 @dataclass
@@ -204,9 +205,7 @@ def implied_counts(step_logits: Sequence[Tensor], batch, d2t: Tensor, vocab_size
     accept = row_acceptance(step_logits, batch.target_ids, batch.old_logprobs, batch.cu_seqlens, d2t, vocab_size,
                             temperature, group=cp_group)
     counts = walk_rounds(accept, batch.loss_mask, batch.cu_seqlens, group=cp_group).as_tensor()
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(counts, group=dp_group)
-    return counts
+    return reduced(counts, dp_group)
 
 
 class ReferenceDraft:

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_codraft.batch import RLBatch, StepNorm
+from lightning_codraft.parallel.collectives import reduced
 from lightning_codraft.training.config import AGGREGATIONS
 from lightning_codraft.training.implied import RoundCounts
 from lightning_codraft.training.metrics import DraftAcceptance
@@ -112,15 +112,6 @@ class DraftObjective:
     in_vocab: Tensor
 
 
-def sum_over(x: Tensor, group: Optional[Any]) -> Tensor:
-    """``x`` summed over ``group`` (a new tensor), or ``x`` itself without a group."""
-    if group is None:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, group=group)
-    return x
-
-
 def unroll_weights(kind: str, decay: float, num_steps: int, rates: Optional[Tensor] = None) -> Tensor:
     """``(K,)`` fp32 weight of each unroll step: ``decay`` -> ``decay ** k``; ``uniform`` -> 1; ``acceptance`` ->
     ``prod_{j<k} rates_j``, the probability that the engine verifies position k at all given the draft's live
@@ -149,7 +140,7 @@ def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_l
     """
     out = draft_loss(step_logits)
     in_vocab = out.total if out.in_vocab is None else out.in_vocab
-    packed = sum_over(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
+    packed = reduced(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
                                    out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
     per_step = packed[0].float()
     value = (weights.to(per_step) * per_step).sum()
@@ -248,10 +239,10 @@ def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_
     draft_rows = torch.stack([batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum()
                               for k in range(ttt_steps)])
     if batch.is_sharded:  # whole documents' counts: the shards of a document are on every CP rank
-        summed = sum_over(torch.cat([per_doc, draft_rows]), cp_group)
+        summed = reduced(torch.cat([per_doc, draft_rows]), cp_group)
         per_doc, draft_rows = summed[:batch.num_docs], summed[batch.num_docs:]
     local = torch.cat([torch.stack([per_doc.sum(), (per_doc > 0).sum().to(torch.float64)]), draft_rows])
-    tokens, samples, *draft = sum_over(local, dp_group).tolist()
+    tokens, samples, *draft = reduced(local, dp_group).tolist()
     if aggregation == "token":
         denominator, row = tokens, mask
     elif aggregation == "sequence":

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from lightning_codraft.parallel.collectives import reduced
 
 
 def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
@@ -30,13 +31,6 @@ def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
         raise ValueError(f"logits {tuple(logits.shape)} and target_ids {tuple(target_ids.shape)} disagree on rows")
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.gather(-1, target_ids.long().unsqueeze(-1)).squeeze(-1)
-
-
-def _all_reduce_sum(x: Tensor, group: Optional[Any]) -> Tensor:
-    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-    return x
 
 
 def policy_gradient_loss(
@@ -124,7 +118,7 @@ def policy_gradient_loss(
         kl = torch.zeros_like(pg)
 
     if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
-        weight = mask / _all_reduce_sum(mask.detach().sum(), group).clamp(min=1.0)
+        weight = mask / reduced(mask.detach().sum(), group).clamp(min=1.0)
     else:  # the step's global weights: the count is only a statistic, reduced with the others
         weight = loss_weight.detach().to(dtype)
     loss = (per_token * weight).sum()
@@ -132,12 +126,12 @@ def policy_gradient_loss(
     with torch.no_grad():
         clipped = (pg_clipped > pg_unclipped).to(dtype)
         per_tok = mask / (num_tokens if num_tokens is not None else  # the statistics' weights: token means
-                          _all_reduce_sum(mask.sum(), group).clamp(min=1.0))
+                          reduced(mask.sum(), group).clamp(min=1.0))
         sums = torch.stack([
             (per_token * weight).sum(), (pg * weight).sum(), (kl * per_tok).sum(), (clipped * per_tok).sum(),
             (ratio * per_tok).sum(), (0.5 * log_ratio.square() * per_tok).sum(), mask.sum(),
         ])
-        sums = _all_reduce_sum(sums, group)
+        sums = reduced(sums, group)
     stats = {
         "loss": sums[0], "pg_loss": sums[1], "kl": sums[2], "clip_frac": sums[3], "ratio": sums[4],
         "approx_kl": sums[5], "num_tokens": sums[6],
@@ -166,5 +160,5 @@ def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, grou
     """
     mask = loss_mask.to(torch.float32)
     agree = (logits.argmax(-1) == ref_greedy).to(torch.float32)
-    sums = _all_reduce_sum(torch.stack([(agree * mask).sum(), mask.sum()]), group)
+    sums = reduced(torch.stack([(agree * mask).sum(), mask.sum()]), group)
     return sums[0] / (sums[1] if num_tokens is None else num_tokens)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_codraft.training.objective import sum_over
+from lightning_codraft.parallel.collectives import reduced
+
 
 
 class NonFiniteError(RuntimeError):
@@ -137,8 +138,8 @@ def grad_norms(groups: Mapping[str, Iterable[nn.Parameter]], max_norm: Optional[
             else:
                 plain = plain + g.detach().float().pow(2).sum()
         for group, sq in sharded.items():
-            plain = plain + sum_over(sq, group)
-        norm = sum_over(plain, norm_group).sqrt()
+            plain = plain + reduced(sq, group)
+        norm = reduced(plain, norm_group).sqrt()
         if max_norm is not None:
             coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
             for g in grads:
