@@ -23,17 +23,8 @@ from lightning_codraft.distill.cache import (PRECISION_NAMES, PRECISIONS, Featur
 from lightning_codraft.distill.compiled import compiled_draft
 from lightning_codraft.models.precision import resolve_precision
 from lightning_codraft.training.draft_loss import DRAFT_LOSSES, ttt_draft_loss
+from lightning_codraft.training.metrics import implied_acceptance_length
 from lightning_codraft.training.optim import adamw, cosine_decay
-
-
-def implied_acceptance_length(accuracy: Sequence[float]) -> float:
-    """``1 + sum_k prod_{j <= k} acc_j``: tokens per round if unroll step k is accepted with probability
-    ``acc_k`` given that steps ``< k`` were."""
-    total, prod = 1.0, 1.0
-    for a in accuracy:
-        prod *= float(a)
-        total += prod
-    return total
 
 
 @dataclass

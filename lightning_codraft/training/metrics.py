@@ -9,9 +9,22 @@ step k with probability ``prod_{j<=k} acc_j``, so the expected number of tokens 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+
+def implied_acceptance_length(rates: Tensor | Sequence[float]) -> float:
+    """``1 + sum_k prod_{j <= k} r_k``: tokens per verification round when draft position k is accepted with
+    probability ``r_k`` given that the positions before it were (``rates``: ``(K,)``). The one home of this formula:
+    the draft's top-1-implied figure, the warm start's reports and the calibration all call it."""
+    total, prod = 1.0, 1.0
+    for r in (rates.tolist() if isinstance(rates, Tensor) else rates):
+        prod *= float(r)
+        total += prod
+    return total
 
 
 class DraftAcceptance(Metric):
@@ -65,5 +78,5 @@ class DraftAcceptance(Metric):
         """``{"acc/step{k}": (), "acceptance_length": ()}`` fp32 scalars; a step with no rows has accuracy 0."""
         acc = (self.correct / self.total.clamp(min=1)).float()
         result = {f"acc/step{k}": acc[k] for k in range(self.num_steps)}
-        result["acceptance_length"] = 1 + torch.cumprod(acc, 0).sum()
+        result["acceptance_length"] = acc.new_tensor(implied_acceptance_length(acc))
         return result
