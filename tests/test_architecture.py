@@ -4,6 +4,7 @@ between modules), imports at module top except heavy optional packages, no packa
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,13 @@ def test_dir_lists_the_exports_and_type_checkers_see_them(package):
     assert checked == set(lazy), f"TYPE_CHECKING imports differ from the lazy exports: {sorted(checked ^ set(lazy))}"
     for name in lazy:
         assert getattr(pkg, name) is not None
+
+
+def test_the_benchmark_index_names_every_page():
+    """docs/benchmarks/README.md links every markdown page of the folder, and every page it links exists."""
+    folder = ROOT.parent / "docs" / "benchmarks"
+    index = (folder / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)]+\.md)\)", index))
+    pages = {p.name for p in folder.glob("*.md")} - {"README.md"}
+    assert pages - linked == set(), f"pages the index does not name: {sorted(pages - linked)}"
+    assert linked - pages == set(), f"the index links pages that do not exist: {sorted(linked - pages)}"
