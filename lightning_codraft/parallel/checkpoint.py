@@ -193,7 +193,7 @@ def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
                 bad.append(name)
 
     visit(tensors, "")
-    flag = reduced(torch.tensor([float(len(bad))]), dist.group.WORLD if is_distributed() else None, op="max")
+    flag = reduced(torch.tensor([float(len(bad))]), dist.group.WORLD, op="max")  # WORLD is None before init
     if float(flag) > 0:
         where = f"e.g. {bad[:3]}" if bad else "on another rank"
         raise CheckpointError(f"refusing to write a checkpoint from a non-finite state: non-finite values in {where}; "

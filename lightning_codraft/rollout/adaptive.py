@@ -40,7 +40,6 @@ distributions scored with the same noise often agree), which the calibration lea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,7 +48,7 @@ import torch
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.rollout.confidence import ConfidenceCalibration
-from lightning_codraft.rollout.cost_model import CostModel
+from lightning_codraft.rollout.cost_model import CostModel, width_bin
 from lightning_codraft.rollout.sampler import TokenSampler
 
 
@@ -358,7 +357,7 @@ class SpeculationController:
     def realized_saving(self, batch_size: int) -> float:
         """Mean seconds a drafting round at this width (half-octave bins) really saved against plain decoding, over
         its recent drafting rounds (``AdaptiveConfig.realized_decay``); 0 before any was measured."""
-        saved, rounds = self.realized.get(round(2 * math.log2(max(batch_size, 1))), (0.0, 0.0))
+        saved, rounds = self.realized.get(width_bin(batch_size), (0.0, 0.0))
         return saved / rounds if rounds else 0.0
 
     def observe(self, estimates: AcceptanceEstimates, k: int, accepted: Sequence[int],
@@ -379,9 +378,9 @@ class SpeculationController:
         proposals drawn, default k) and the rest of the round."""
         drafted = k if drafted is None else drafted
         if k > 0:  # what the round really saved: its tokens at the plain step's price, less its measured seconds
-            price = self.costs.round_times(batch_size, 0)[0] * self._round_tokens / batch_size
-            saved = price - (policy_s + draft_s + rest_s + self._round_catch_up)
-            entry = self.realized.setdefault(round(2 * math.log2(max(batch_size, 1))), [0.0, 0.0])
+            saved = (self.costs.plain_seconds(batch_size, self._round_tokens)
+                     - (policy_s + draft_s + rest_s + self._round_catch_up))
+            entry = self.realized.setdefault(width_bin(batch_size), [0.0, 0.0])
             d = self.config.realized_decay
             entry[0], entry[1] = entry[0] * d + saved, entry[1] * d + 1.0
         self._round_catch_up = 0.0

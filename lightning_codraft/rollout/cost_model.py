@@ -81,6 +81,11 @@ class RoundClock:
         return clock(self.device) - self.start
 
 
+def width_bin(B: float) -> int:
+    """The half-octave bin of a batch of B rows (what the fits pool, and what the controller's realized record keys)."""
+    return round(2 * math.log2(max(B, 1.0)))
+
+
 class _LinearFit:
     """Least-squares fit of a time as a non-negative combination of features whose second one is the batch size
     B, local in B (a CPU matmul's cost per row is not one constant from 1 row to 64): points are pooled into
@@ -100,13 +105,9 @@ class _LinearFit:
     def empty(self) -> bool:
         return not self._bins and not self._anchor_bins
 
-    @staticmethod
-    def _bin(B: float) -> int:
-        return round(2 * math.log2(max(B, 1.0)))
-
     def _accumulate(self, bins: dict[int, list], x: tuple[float, ...], t: float, decay: float = 1.0) -> None:
         n = self._n
-        entry = bins.setdefault(self._bin(x[1]), [[0.0] * (n * n), [0.0] * n, self._clock])
+        entry = bins.setdefault(width_bin(x[1]), [[0.0] * (n * n), [0.0] * n, self._clock])
         f = decay ** (self._clock - entry[2])
         xtx, xty = entry[0], entry[1]
         for i in range(n):
@@ -141,7 +142,7 @@ class _LinearFit:
 
     def coef(self, B: int) -> tuple[float, ...]:
         """The fit's coefficients for batches of B rows (zeros before any point)."""
-        q = self._bin(B)
+        q = width_bin(B)
         if self.empty:
             return (0.0,) * self._n
         if q not in self._solved:
@@ -193,6 +194,11 @@ class CostModel:
 
     def rest(self, B: int) -> float:
         return self.rest_fit.predict(B)
+
+    def plain_seconds(self, B: int, tokens: float) -> float:
+        """What plain decoding at B rows spends on ``tokens`` tokens: ``tokens`` row-steps at a plain round's
+        predicted seconds over B (the price of a drafting round's tokens, rollout/round.py and adaptive.py)."""
+        return self.round_times(B, 0)[0] * tokens / B
 
     def round_times(self, B: int, max_k: int, drafted: int = 0) -> list[float]:
         """Predicted seconds of a round of B rows verifying k = 0..K proposals (index k), ``drafted`` of them already

@@ -199,7 +199,7 @@ def _charge(b: LiveRows, chunk: Chunk, k: int, seconds: float, emitted_before: l
     tokens are priced at the cost model's plain step for this batch."""
     B = len(b.active)
     share = seconds / B
-    per_token = share if k == 0 else chunk.controller.costs.round_times(B, 0)[0] / B
+    per_token = share if k == 0 else chunk.controller.costs.plain_seconds(B, 1)
     for i, r in enumerate(b.active):
         stats = chunk.stats[r]
         stats.round_s += share

@@ -141,7 +141,7 @@ def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_l
     out = draft_loss(step_logits)
     in_vocab = out.total if out.in_vocab is None else out.in_vocab
     packed = reduced(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
-                                   out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
+                                  out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
     per_step = packed[0].float()
     value = (weights.to(per_step) * per_step).sum()
     local = out.loss + (value.to(out.loss) - out.loss).detach()

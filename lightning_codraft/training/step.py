@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from lightning_codraft.parallel.collectives import reduced
 
 
-
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
