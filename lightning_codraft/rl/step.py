@@ -20,7 +20,7 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
 from lightning_codraft.rl.build import fit_prompts
-from lightning_codraft.rl.draft_schedule import DraftSchedule, ab_difference
+from lightning_codraft.rl.draft_schedule import Decision, DraftSchedule, ab_difference
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rewards import as_reward_set, check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
@@ -202,6 +202,26 @@ class RLStep:
         self.schedule.load_state_dict(rows)
         unwrap_module(self.model).set_live_position_rates(self.schedule.last_rates)
 
+    def _decide_draft(self, step: int, acc: AcceptanceStats, rollout_s: float, n_tok: int, module) -> Decision:
+        """The draft schedule's decision for ``step`` from the whole world's rollout figures, set on ``module``'s
+        flags (train, run, score the reference) and logged under the adaptive schedule."""
+        dims, K = self.dims, self.worker.num_speculative_tokens
+        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s,
+                                                    float(n_tok), float(acc.drafted), float(acc.policy_forwards),
+                                                    acc.plain_s - acc.round_s, float(acc.plain_s > 0)],
+                                                   dtype=torch.float64), reduce_op="sum").tolist()
+        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size,
+                                        seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
+                                        seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
+                                        seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan)
+        if self.schedule.skips_draft:
+            self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
+        module.train_draft_this_step = decision.train
+        frozen_unscored = self.cfg.draft.mode == "frozen" and not self.cfg.draft.score_frozen
+        module.run_draft_this_step = decision.train or not (self.schedule.skips_draft or frozen_unscored)
+        module.score_reference_this_step = not decision.idle
+        return decision
+
     def __call__(self, step: int, samples=None) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
         of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``."""
@@ -254,21 +274,7 @@ class RLStep:
         self.model.train()
         module = unwrap_module(self.model)
         n_tok = sum(len(o.token_ids) for o in outs)
-        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s,
-                                                    float(n_tok), float(acc.drafted), float(acc.policy_forwards),
-                                                    acc.plain_s - acc.round_s, float(acc.plain_s > 0)],
-                                                   dtype=torch.float64), reduce_op="sum").tolist()
-        K = self.worker.num_speculative_tokens
-        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size,
-                                        seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
-                                        seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
-                                        seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan)
-        if self.schedule.skips_draft:
-            self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
-        module.train_draft_this_step = decision.train
-        frozen_unscored = cfg.draft.mode == "frozen" and not cfg.draft.score_frozen
-        module.run_draft_this_step = decision.train or not (self.schedule.skips_draft or frozen_unscored)
-        module.score_reference_this_step = not decision.idle
+        decision = self._decide_draft(step, acc, rollout_s, n_tok, module)
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}
