@@ -21,7 +21,7 @@ only the rows above that rate; this is the figure to weigh it by.
 Run (SmolLM2 about 3 minutes; reads docs/benchmarks/rollout.json): ``python benchmarks/long_tail_bound.py``.
 Writes ``<out>/long_tail_bound.md``, ``long_tail_bound.png``, ``long_tail_bound.json``. Smoke: ``--model tiny
 --speedups TMP/rollout.json --long-tail-batch 4 --repeats 1 --ks 1 --out TMP --work-dir TMP --tiny-overrides
-sft.steps=2 draft.warmup_steps=2``.
+sft.steps=2 draft.warm_start.steps=2``.
 """
 
 from __future__ import annotations

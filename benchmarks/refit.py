@@ -284,7 +284,7 @@ def rl_share(steps: int, work: Path, reuse: bool = False) -> dict:
 
     out = work / "rl"
     overrides = ["parallel.engine=vllm", "draft.adaptive=false", "parallel.engine_dtype=null", f"rl.steps={steps}",
-                 "draft.warm_start=null", "draft.warmup_steps=0", "task.eval_prompts=0", "run.plots=false",
+                 "draft.warm_start.corpus=null", "draft.warm_start.steps=0", "task.eval_prompts=0", "run.plots=false",
                  "run.resume=false", f"run.out_dir={out}", "run.checkpoint_every=0", "run.progress=false"]
     cmd = [sys.executable, "-m", "lightning_codraft.cli", "fit", "--config", str(ROOT / "recipes" /
                                                                                  "smollm2-135m-cpu.yaml"), *overrides]

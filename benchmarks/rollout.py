@@ -5,7 +5,7 @@ Models (built with the library, the way the recipes build them):
 - ``tiny``: the tiny-cpu recipe's SFT'd arithmetic policy and its warm-started EAGLE-3 draft
   (``CoDraftRun(load_config("recipes/tiny-cpu.yaml")).setup()``; the warm weights ``<work-dir>/tiny/warm/weights.pt``
   are reused by later runs through ``run.init_from``). Prompts: arithmetic problems drawn with a benchmark seed,
-  minus every prompt of the draft warm-up's pool (``task.sample(n, run.seed + DRAFT_POOL_SEED)``, regenerated here).
+  minus every prompt of the draft warm-up's pool (``task.sample(n, run.seed + POOL_SEED)``, regenerated here).
 - ``smollm2``: SmolLM2-135M-Instruct (``rl.build.build_policy`` with the smollm2-135m-cpu recipe's model section,
   chat template through ``encode_prompt``) and the draft saved by ``distill.warmstart`` at ``--smollm2-draft``
   (``Eagle3Draft.from_pretrained``). Prompts: the held-out GSM8K problems of ``split_prompts`` (the last
@@ -27,12 +27,13 @@ so the batch narrows as it runs; reported separately for both models.
 Run (about 40 minutes on 2 cores: SmolLM2 ~33, tiny ~5; the reported runs: docs/benchmarks/rollout.md): ``nohup python benchmarks/rollout.py > run.log &``. Writes
 ``<out>/rollout.md``, ``rollout.png``, ``rollout.json``. Smoke: ``--models tiny --batch-sizes 1,2 --temperatures 1
 --max-new-tokens 8 --repeats 1 --long-tail-batch 2 --long-tail-tokens 12 --out TMP --work-dir TMP --tiny-overrides
-sft.steps=2 draft.warmup_steps=2``.
+sft.steps=2 draft.warm_start.steps=2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.build import build_policy
 from lightning_codraft.rl.gsm8k import GSM8KTask
 from lightning_codraft.rl.stats import paired_difference
-from lightning_codraft.rl.warmup import DRAFT_POOL_SEED
+from lightning_codraft.distill.pool import POOL_SEED, pool_prompts
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from pages import pyplot, save_figure, write_json
 
@@ -111,8 +112,8 @@ def tiny_model(args) -> Model:
     policy, draft, tok, task = run.module.policy.eval(), run.module.draft.eval(), run.tokenizer, run.task
     run.close()
     torch.set_num_threads(args.threads)
-    n_pool = cfg.draft.warmup_batch_size * max(1, min(cfg.draft.warmup_steps, 8))
-    seen = {s.prompt for s in task.sample(n_pool, seed=cfg.run.seed + DRAFT_POOL_SEED)}
+    n_pool = pool_prompts(cfg.draft.warm_start)
+    seen = {s.prompt for s in task.sample(n_pool, seed=cfg.run.seed + POOL_SEED)}
     need = max(max(args.batch_sizes), args.long_tail_batch)
     drawn = task.sample(20 * need + 200, seed=PROMPT_SEED)
     fresh = [s.prompt for s in drawn if s.prompt not in seen]
@@ -126,9 +127,9 @@ def tiny_model(args) -> Model:
     notes = [f"policy: tiny-cpu recipe ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}, "
              f"character vocabulary), SFT {cfg.sft.steps} steps on arithmetic ({cfg.task.min_terms}-"
              f"{cfg.task.max_terms} terms, operands 0..{cfg.task.max_operand}); {how}",
-             f"draft: the recipe's offline warm start ({cfg.draft.warmup_steps} AdamW steps, lr {cfg.draft.warmup_lr}"
+             f"draft: the recipe's offline warm start ({cfg.draft.warm_start.steps} AdamW steps, lr {cfg.draft.warm_start.lr}"
              f", TTT {cfg.draft.ttt_steps} steps) on the policy's own samples of {n_pool} problems "
-             f"(`task.sample({n_pool}, seed={cfg.run.seed + DRAFT_POOL_SEED})`) at T={cfg.rl.temperature}",
+             f"(`task.sample({n_pool}, seed={cfg.run.seed + POOL_SEED})`) at T={cfg.rl.temperature}",
              f"prompts: `task.sample({len(drawn)}, seed={PROMPT_SEED})` minus the {excluded} that are also in the "
              f"draft warm-up's pool ({len(seen)} distinct); the policy's SFT drew "
              f"{cfg.sft.steps * cfg.sft.batch_size} problems from the same ~4200-problem space, so the policy has seen"
@@ -253,7 +254,8 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
                tokens=tokens, dtype=model.dtype or "float32",
                lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)],
                mismatches=mismatches if exact else [], divergences=[] if exact else mismatches,
-               compared=2 * repeats * B)
+               compared=2 * repeats * B,
+               token_digest=hashlib.sha256(repr([o.token_ids for o in outs["none"]]).encode()).hexdigest())
     for arm in ARMS:
         stats = AcceptanceStats.total(o.stats for o in outs[arm])
         rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
@@ -515,7 +517,7 @@ def main() -> int:
     ap.add_argument("--heldout", type=int, default=500, help="held-out GSM8K problems (WarmStartSettings default)")
     ap.add_argument("--gsm8k", default=str(GSM8K))
     ap.add_argument("--tiny-overrides", nargs="*", default=[], metavar="key=value",
-                    help="tiny-cpu recipe overrides (e.g. sft.steps=2 draft.warmup_steps=2 for a smoke run)")
+                    help="tiny-cpu recipe overrides (e.g. sft.steps=2 draft.warm_start.steps=2 for a smoke run)")
     ap.add_argument("--work-dir", default="/work/runs/rollout_bench", help="where the tiny run's warm weights live")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -581,6 +583,9 @@ def finish(rows, notes, args, elapsed, out: Path) -> int:
     for s, v, t, ok, rng in goals(rows):
         print(f"  {s}: {v:.3f}x{rng} (>= {t}x: {HOLDS[ok]})")
     print(f"\nwrote {md}, {out / 'rollout.png'}, {out / 'rollout.json'}")
+    for name in dict.fromkeys(r["model"] for r in rows):  # a refactor must leave the emitted tokens as they were
+        cells = [r.get("token_digest", "") for r in rows if r["model"] == name and r["case"] == "grid"]
+        print(f"{name} grid token digest: {hashlib.sha256(repr(cells).encode()).hexdigest()[:16]}")
     bad = [m for r in rows for m in r["mismatches"]]
     if bad:
         print(f"LOSSLESSNESS CHECK FAILED: {len(bad)} sequences differ from plain decoding, e.g. {bad[0]}")

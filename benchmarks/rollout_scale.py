@@ -21,7 +21,7 @@ Usage::
 
     python benchmarks/rollout_scale.py                         # writes docs/benchmarks/rollout_scale.md
     python benchmarks/rollout_scale.py --worlds 1,2 --prompts 2 --group-size 2 --max-new-tokens 8 --rounds 1 \
-        --out /tmp/x --recipe-overrides sft.steps=2 draft.warmup_steps=2    # the smoke test
+        --out /tmp/x --recipe-overrides sft.steps=2 draft.warm_start.steps=2    # the smoke test
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def main() -> None:
         metrics = fabric_training_step(fabric, model, batch, optimizer, scheduler)
         state["step"] = step + 1
         fabric.print(f"step {step}: loss {metrics['loss']:.4f}  policy {metrics['policy/loss']:+.4f}  "
-                     f"draft {metrics['draft/loss']:.4f}  acceptance length {metrics['draft/acceptance_length']:.3f}")
+                     f"draft {metrics['draft/loss']:.4f}  acceptance length {metrics['draft/top1_acceptance']:.3f}")
     fabric.save(ckpt, state)
     fabric.print(f"saved {ckpt}")
 

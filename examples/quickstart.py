@@ -200,9 +200,9 @@ def main(argv=None) -> dict:
             m = metric.compute()
             accs = [float(m[f"acc/step{k}"]) for k in range(K)]
             history.append(dict(step=step, loss=float(res.loss.detach()), acc=accs,
-                                acceptance_length=float(m["acceptance_length"])))
+                                acceptance_length=float(m["top1_acceptance"])))
             print(f"  {step:4d}  {res.loss.item():6.3f}  " + "  ".join(f"{a:5.3f}" for a in accs)
-                  + f"  {float(m['acceptance_length']):6.3f}")
+                  + f"  {float(m['top1_acceptance']):6.3f}")
             metric.reset()
 
     # the library's draft fit loop: AdamW at a constant learning rate until the time or the step budget ends

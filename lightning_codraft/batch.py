@@ -75,7 +75,7 @@ class RLBatch:
             agreement of the drift metrics), or None.
         loss_weight: ``(T,)`` float32 weight of each row in the step's RL objective, already divided by the step's
             global denominator (``norm.rl``): the objective is ``sum_t loss_weight_t * loss_t`` over every
-            microbatch and rank. None until ``training.objective.normalize_step`` (or the caller) sets it.
+            microbatch and rank. None until ``training.normalize.normalize_step`` (or the caller) sets it.
         norm: the step's global :class:`StepNorm` (set with ``loss_weight``), or None.
         cp_rank: the CP rank whose zigzag shard the rows are (0 for a whole batch).
         cp_size: the CP size the rows are sharded over (1: the rows are the whole batch).

@@ -96,8 +96,9 @@ def dry_run(cfg: CoDraftConfig) -> str:
              f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
              f"policy: {cfg.model.source} (precision {p.precision}, context {cfg.model.max_position_embeddings}); "
              f"task: {cfg.task.name}; {_rewards_line(cfg)}",
-             f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm-start {d.warmup_steps} "
-             f"steps; SFT warm-up {cfg.sft.steps} steps",
+             f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm start "
+             f"{'on a cached corpus' if d.warm_start.corpus else f'{d.warm_start.steps} steps on a pool'}; "
+             f"SFT warm-up {cfg.sft.steps} steps",
              f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
              f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
              _placement(cfg), *_memory_lines(cfg),

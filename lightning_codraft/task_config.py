@@ -1,7 +1,7 @@
 """The ``task`` section of a recipe: where prompts come from and how completions are rewarded.
 
-Part of the run configuration (lightning_codraft/config.py, which validates it through :func:`task_problems`);
-a module of its own so the configuration of tasks and rewards reads in one place.
+Part of the run configuration (lightning_codraft/config.py); a module of its own so the configuration of tasks and
+rewards reads in one place. :meth:`TaskConfig.check` is the section's check, like every section's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ REWARD_BUILTINS = ("exact_answer", "math_equivalence", "format_match", "length_p
 """Names of the built-in rewards (rl/reward_funcs.py ``BUILTINS``; this module imports nothing of the library)."""
 ANSWER_REWARDS = ("exact_answer", "math_equivalence")
 """The built-ins that score against the reference answer: they need ``task.answer_column``."""
+STYLES = ("symbols", "words")
+"""How the arithmetic task's worked solutions are written (rl/tasks.py reads them from here)."""
+TASKS = ("arithmetic", "gsm8k", "dataset")
+"""The task names of ``task.name``."""
+RETIRED = {("on_reward_error", "warn"): "'warn' scored a failed reward 0 and trained on it; use 'raise' (the "
+                                         "default) or 'skip' (the sample is left out, within "
+                                         "task.reward_failure_budget)"}
+"""Values that changed meaning: ``(field, old value) -> what to write instead``."""
+
 
 
 @dataclass
@@ -66,8 +75,8 @@ class TaskConfig:
     """GSM8K / ``dataset``: use the first ``limit`` problems."""
     heldout: Optional[int] = None
     """GSM8K / ``dataset``: the last ``heldout`` problems are reserved: RL never draws them; the evaluation prompts
-    and the final speed-up measurement come from them (null: ``eval_prompts``). A ``draft.warm_start`` must hold
-    out at least as many (its ``heldout_prompts``), so the draft never trains on them either."""
+    and the final speed-up measurement come from them (null: ``eval_prompts``). A ``draft.warm_start.corpus`` must
+    hold out at least as many (its ``heldout_prompts``), so the draft never trains on them either."""
     min_terms: int = 2
     """Arithmetic only: fewest operands per problem."""
     max_terms: int = 3
@@ -107,42 +116,70 @@ class TaskConfig:
     ``arithmetic`` only: a data set's reserved rows are its held-out set)."""
 
 
-def answer_problem(key: str, fn: str) -> str:
-    """The message refusing the answer-based reward ``fn`` (named by ``key``) on a task without answers."""
-    return (f"{key} ({fn}) scores against the reference answer, but task.answer_column is null: name the column "
-            f"holding the answers, or use rewards that need none (format_match, length_penalty, your own)")
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first field out of range (relative to ``task``) and the fix."""
+        for key, choices in (("name", TASKS), ("on_reward_error", ("raise", "skip")),
+                             ("eval_set", ("heldout", "validation"))):
+            v = getattr(self, key)
+            if (key, v) in RETIRED:
+                raise ValueError(f"{key}={v!r} is retired: {RETIRED[key, v]}")
+            if v not in choices:
+                raise ValueError(f"{key}={v!r} is not one of {choices}")
+        if self.name == "arithmetic" and not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"min_terms={self.min_terms} and max_terms={self.max_terms}: need 2 <= min_terms <= "
+                             f"max_terms")
+        for style in [*self.styles, self.required_style]:
+            if style is not None and style not in STYLES:
+                raise ValueError(f"styles / required_style: {style!r} is not one of {STYLES}")
+        if not self.styles:
+            raise ValueError(f"styles is empty; give at least one of {STYLES}")
+        w = self.style_weights
+        if w is not None and (len(w) != len(self.styles) or min(w) < 0 or sum(w) <= 0):
+            raise ValueError(f"style_weights={list(w)} needs one weight >= 0 per entry of styles={list(self.styles)}, "
+                             f"not all 0")
+        if not 0 <= self.reward_failure_budget < 1:
+            raise ValueError(f"reward_failure_budget={self.reward_failure_budget} must be in [0, 1)")
+        for key, low in (("eval_every", 0), ("heldout", 0), ("limit", 1)):
+            if getattr(self, key) is not None and getattr(self, key) < low:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= {low}" + (" (or null)" if low else ""))
+        self._check_rewards()
+        if self.eval_set == "validation" and self.name != "arithmetic":
+            raise ValueError(f"eval_set=validation needs a generated task (arithmetic); name={self.name!r} holds out "
+                             "its reserved rows only: use eval_set=heldout")
+        if self.name == "dataset" and self.source == "excerpt":
+            raise ValueError("name=dataset needs source: a .json / .jsonl / .parquet / .csv file, a directory or a "
+                             "hub name ('excerpt' is GSM8K's bundled file)")
+
+    def _check_rewards(self) -> None:
+        """``reward`` / ``rewards``: one of them, each entry's function named, answers where a reward needs them."""
+        if self.rewards is not None:
+            if self.reward is not None:
+                raise ValueError("reward and rewards are both set; give the single reward as one entry of rewards")
+            if not self.rewards:
+                raise ValueError("rewards is empty; give at least one {fn, weight} entry, or null for the built-in "
+                                 "reward")
+            labels = [r.label for r in self.rewards]
+            for i, r in enumerate(self.rewards):
+                if not math.isfinite(r.weight):
+                    raise ValueError(f"rewards[{i}].weight={r.weight} must be a finite number")
+                if ":" not in r.fn and "." not in r.fn and r.fn not in REWARD_BUILTINS:
+                    raise ValueError(f"rewards[{i}].fn={r.fn!r} is neither a built-in reward {REWARD_BUILTINS} nor "
+                                     f"a dotted path 'package.module:function'")
+                if labels.count(r.label) > 1:
+                    raise ValueError(f"rewards[{i}]: the name {r.label!r} repeats; give each entry a distinct `name`")
+        if self.name == "dataset" and self.answer_column is None:
+            for i, r in enumerate(self.rewards or ()):
+                if r.fn in ANSWER_REWARDS:
+                    raise ValueError(answer_problem(f"rewards[{i}]", r.fn, key="answer_column"))
+            if not self.rewards and self.reward is None:
+                raise ValueError(answer_problem("the task's built-in reward", "math_equivalence", key="answer_column"))
 
 
-def task_problems(t: TaskConfig) -> list[str]:
-    """What is wrong with ``t`` (messages naming the recipe key and the fix); empty when nothing is."""
-    out = []
-    if t.rewards is not None:
-        if t.reward is not None:
-            out.append("task.reward and task.rewards are both set; give the single reward as one entry of "
-                       "task.rewards")
-        if not t.rewards:
-            out.append("task.rewards is empty; give at least one {fn, weight} entry, or null for the built-in reward")
-        labels = [r.label for r in t.rewards]
-        for i, r in enumerate(t.rewards):
-            if not math.isfinite(r.weight):
-                out.append(f"task.rewards[{i}].weight={r.weight} must be a finite number")
-            if ":" not in r.fn and "." not in r.fn and r.fn not in REWARD_BUILTINS:
-                out.append(f"task.rewards[{i}].fn={r.fn!r} is neither a built-in reward {REWARD_BUILTINS} nor a "
-                           f"dotted path 'package.module:function'")
-            if labels.count(r.label) > 1:
-                out.append(f"task.rewards[{i}]: the name {r.label!r} repeats; give each entry a distinct `name`")
-    if t.name == "dataset" and t.answer_column is None:
-        if t.rewards:
-            out += [answer_problem(f"task.rewards[{i}]", r.fn) for i, r in enumerate(t.rewards)
-                    if r.fn in ANSWER_REWARDS]
-        elif t.reward is None:
-            out.append(answer_problem("the task's built-in reward", "math_equivalence"))
-    if t.eval_set == "validation" and t.name != "arithmetic":
-        out.append(f"task.eval_set=validation needs a generated task (arithmetic); task.name={t.name!r} holds out "
-                   "its reserved rows only: use task.eval_set=heldout")
-    if t.name == "dataset" and t.source == "excerpt":
-        out.append("task.name=dataset needs task.source: a .json / .jsonl / .parquet / .csv file, a directory or a "
-                   "hub name ('excerpt' is GSM8K's bundled file)")
-    if t.limit is not None and t.limit < 1:
-        out.append(f"task.limit={t.limit} must be >= 1 (or null for every row)")
-    return out
+def answer_problem(what: str, fn: str, key: str = "task.answer_column") -> str:
+    """The message refusing the answer-based reward ``fn`` (``what``: where it is set) on a task without answers
+    (``key``: how the message names the answer column)."""
+    return (f"{what} ({fn}) scores against the reference answer, but {key} is null: name the column holding the "
+            f"answers, or use rewards that need none (format_match, length_penalty, your own)")

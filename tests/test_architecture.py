@@ -17,7 +17,9 @@ ROOT = Path(lightning_codraft.__file__).parent
 #: what each layer (a package, or a top-level module) may import from the project; see docs/design/interfaces.md
 ALLOWED = {
     "_lazy": set(),
-    "config": {"training", "task_config"},   # training/config.py: the loss sections the recipe derives from
+    "config": {"config_sections", "task_config"},
+    # the recipe's sections derive from training/config.py's loss sections; draft.warm_start is distill/settings.py's
+    "config_sections": {"training", "distill"},
     "task_config": set(),
     "run_config": {"config"},  # a run directory's settings across its segments
     "attention": set(),
@@ -26,13 +28,13 @@ ALLOWED = {
     "parallel": {"attention", "batch", "models"},
     "training": {"attention", "batch", "models", "parallel"},
     "rollout": {"attention", "models"},
-    "distill": {"attention", "models", "training", "rollout"},
+    "distill": {"attention", "batch", "models", "training", "rollout"},
     "fabric": {"batch", "parallel", "training", "rollout"},
     "pytorch": {"batch", "parallel", "training", "rollout"},
-    "plan": {"config", "models", "parallel"},
-    "rl": {"config", "task_config", "run_config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric",
+    "plan": {"config", "config_sections", "models", "parallel"},
+    "rl": {"config", "config_sections", "task_config", "run_config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric",
            "distill"},
-    "cli": {"config", "models", "rl", "rollout", "plan"},
+    "cli": {"config", "config_sections", "models", "rl", "rollout", "plan"},
     "__init__": set(),
 }
 #: imported inside functions on purpose: optional or heavy, and only on the paths that need them

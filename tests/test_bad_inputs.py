@@ -21,7 +21,7 @@ DATA = ["task.name=dataset", "task.prompt_column=question", "sft.steps=0", "task
 """A JSON Lines task of the user's own (``{tmp}/ok.jsonl`` unless a case names another file)."""
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
          "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-         "sft.steps=0", "draft.warmup_steps=0", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
+         "sft.steps=0", "draft.warm_start.steps=0", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
          "rl.max_new_tokens=8", "task.eval_prompts=0", "run.progress=false", "run.out_dir={tmp}/run"]
 """A run of seconds (the ``run`` cases)."""
 FILES = {
@@ -95,7 +95,7 @@ CASES = [
          "run.init_from='{tmp}/nowhere': no weights.pt there"),
     # the data
     Case("a data task without a source", dry("task.name=dataset", "sft.steps=0"), 2,
-         "task.name=dataset needs task.source"),
+         "task.name=dataset needs source"),
     Case("a data file that does not exist", data(file="missing.jsonl"), 2, "missing.jsonl' does not exist"),
     Case("a line that is not valid JSON", data(file="broken.jsonl"), 2, "broken.jsonl:2: not valid JSON"),
     Case("a line that is not a JSON object", data(file="list_line.jsonl"), 2,
@@ -129,7 +129,7 @@ CASES = [
          "task.rewards[0].fn='exact' is neither a built-in reward"),
     Case("`task.reward` and `task.rewards` both set",
          dry("task.reward=rewards_for_tests:flaky_reward", "task.rewards=[{fn: format_match}]"), 2,
-         "task.reward and task.rewards are both set"),
+         "task.reward and rewards are both set"),
     Case("an empty `task.rewards`", dry("task.rewards=[]"), 2, "task.rewards is empty"),
     Case("two rewards under one name", dry("task.rewards=[{fn: format_match}, {fn: format_match}]"), 2,
          "the name 'format_match' repeats"),
@@ -145,7 +145,7 @@ CASES = [
          2, "'answer' is what the run passes every reward"),
     Case("S5: no answer column and the built-in answer reward", data("task.answer_column=null"), 2,
          "the task's built-in reward (math_equivalence) scores against the reference answer, but "
-         "task.answer_column is null"),
+         "answer_column is null"),
     Case("S5: no answer column and an answer reward", data("task.answer_column=null",
                                                           "task.rewards=[{fn: exact_answer}]"), 2,
          "task.rewards[0] (exact_answer) scores against the reference answer"),

@@ -9,7 +9,7 @@ from lightning_codraft.cli import main
 
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
          "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-         "sft.steps=2", "sft.batch_size=4", "draft.warmup_steps=2", "draft.warmup_batch_size=4", "rl.steps=2",
+         "sft.steps=2", "sft.batch_size=4", "draft.warm_start.steps=2", "draft.warm_start.batch_size=4", "rl.steps=2",
          "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=10", "task.eval_prompts=2",
          "run.progress=false", "run.tensorboard=false"]
 TINY = str(REPO / "recipes" / "tiny-cpu.yaml")

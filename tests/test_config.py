@@ -27,7 +27,7 @@ def test_defaults_and_overrides_round_trip(tmp_path):
     ("rl", r"'rl' is not of the form key=value"),
     ("parallel.engine_dtype=bf16", r"parallel.engine_dtype='bf16' is not one of \('float32', 'bfloat16'"),
     ("draft.schedule=sometimes", r"draft.schedule='sometimes' is not one of \('every_step', 'every_n', 'adaptive'\)"),
-    ("draft.train_every=2", r"draft.train_every=2 needs draft.schedule=every_n"),
+    ("draft.train_every=2", r"draft.train_every=2 needs schedule=every_n"),
     ("draft.loss_type=kl", r"draft.loss_type='kl' must be one of \('ce', 'tv', 'lk_alpha', 'lk_lambda'\)"),
     ("draft.position_weights=linear", r"draft.position_weights='linear' must be one of"),
     ("draft.sample_every=0", r"draft.sample_every=0 must be >= 1"),

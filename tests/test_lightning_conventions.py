@@ -28,7 +28,7 @@ def test_trainer_fit_warns_about_nothing_the_library_causes_and_fills_the_progre
             if "lightning_codraft" in w.filename or any(s in str(w.message) for s in (
                 "logger=True", "manual optimization", "overwrit", "CoDraft"))]
     assert not ours, ours
-    assert {"loss", "draft/acceptance_length"} <= set(trainer.progress_bar_metrics)
+    assert {"loss", "draft/top1_acceptance"} <= set(trainer.progress_bar_metrics)
 
 
 @pytest.mark.parametrize("flag, says", [(dict(gradient_clip_val=1.0), "CoDraftModule(grad_clip=1.0)"),
@@ -65,3 +65,17 @@ def test_a_dataloader_of_rl_batches_collates_with_its_default_batch_size(tmp_pat
     packed = next(iter(DataLoader(batches, batch_size=2)))
     assert isinstance(packed, RLBatch) and packed.num_docs == batches[0].num_docs + batches[1].num_docs
     assert torch.equal(packed.input_ids, torch.cat([batches[0].input_ids, batches[1].input_ids]))
+
+
+def test_a_callback_monitoring_a_renamed_metric_is_refused_naming_the_new_name(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_codraft.pytorch import CoDraftStrategy
+
+    policy, draft = make_models()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CoDraftStrategy(), max_steps=1, logger=False,
+                         default_root_dir=tmp_path, enable_model_summary=False,
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="draft/acceptance_length",
+                                                                 mode="max")])
+    with pytest.raises(KeyError, match="renamed 'draft/top1_acceptance'"):
+        trainer.fit(CoDraftModule(policy, draft), DataLoader(step_batches(1, 1)[0], batch_size=None))

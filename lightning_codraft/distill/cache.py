@@ -33,13 +33,12 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens
-from lightning_codraft.models.precision import AUTO, resolve_precision
+from lightning_codraft.models.precision import PRECISION_NAMES, resolve_precision
 
 STORAGE_DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"
 OUTSIDE, INSIDE = 1.0, -1.0  # extra compact column: argmax outside / inside the draft vocabulary
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16}  # autocast dtype; AUTO resolves to one of these
-PRECISION_NAMES = sorted([*PRECISIONS, AUTO])
 
 
 def pack_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

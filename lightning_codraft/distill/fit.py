@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -18,83 +18,14 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import masked_suffix, shift_left_local, suffix_rows
-from lightning_codraft.distill.cache import (PRECISION_NAMES, PRECISIONS, FeatureCache, compact_vocab,
+from lightning_codraft.distill.cache import (PRECISIONS, FeatureCache, compact_vocab,
                                                     pack_batches)
 from lightning_codraft.distill.compiled import compiled_draft
+from lightning_codraft.distill.settings import DraftFitConfig
 from lightning_codraft.models.precision import resolve_precision
-from lightning_codraft.training.draft_loss import DRAFT_LOSSES, ttt_draft_loss
+from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.metrics import implied_acceptance_length
 from lightning_codraft.training.optim import adamw, cosine_decay
-
-
-@dataclass
-class DraftFitConfig:
-    """How :func:`fit_draft` trains (AdamW, linear warm-up then cosine decay)."""
-
-    epochs: float = 2.0
-    """Passes over the training documents (fractional allowed); fixes the number of optimizer steps."""
-    batch_tokens: int = 4096
-    """Tokens per optimizer step (whole documents packed up to this many)."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr_ratio: float = 0.05
-    """The cosine decays to ``lr * min_lr_ratio``."""
-    warmup_frac: float = 0.03
-    """Share of the schedule spent in linear warm-up."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip (0 disables)."""
-    ttt_steps: int = 4
-    """The TTT unroll depth trained (the engine's speculation length K, or fewer: cheaper steps that the last
-    proposal steps then generalise to, measured in docs/benchmarks/draft_warmstart.md)."""
-    eval_steps: int | None = None
-    """Unroll depth of the held-out reports (the engine's K); None: ``ttt_steps``."""
-    decay: float = 0.8
-    """Unroll step k weighs ``decay ** k`` (EAGLE-3's 0.8)."""
-    target_temperature: float = 1.0
-    """The loss compares the policy's and the draft's distributions at this temperature (the soft cross-entropy
-    of ``softmax(policy / t)`` and ``softmax(draft / t)``; the draft's logits keep the policy's scale). 1.0:
-    EAGLE-3's soft targets; the rollouts' temperature (e.g. 0.8) weighs the tokens sampling actually draws, but
-    proposed worse on SmolLM2 / GSM8K (docs/design/measurements.md), hence the default."""
-    val_docs: int = 32
-    """Documents held out of training (the cache's last ones) to measure accuracy as training goes."""
-    eval_every: int = 50
-    """Optimizer steps between validation reports (and ``on_eval`` calls); the last step always reports."""
-    time_budget_s: float | None = None
-    """Stop within this many seconds of training and held-out reports (``on_eval`` time excluded); the schedule
-    runs on ``max(step share, time share)`` so the learning rate has decayed when the budget ends."""
-    seed: int = 0
-    """Shuffle order of the documents each epoch."""
-    precision: str = "32-true"
-    """``"32-true"``, ``"bf16-mixed"`` (fp32 weights and optimizer, the unroll under bf16 autocast: faster where bf16
-    matmuls are, with gradients close to fp32's: docs/design/measurements.md) or ``"auto"`` (bf16-mixed where bf16 is
-    fast: :func:`~lightning_codraft.models.precision.resolve_precision`)."""
-    loss_type: str = "ce"
-    """The per-row draft loss (:data:`~lightning_codraft.training.draft_loss.DRAFT_LOSSES`): ``ce`` (EAGLE-3's
-    soft cross-entropy), ``tv`` (total variation ``1 - sum min(p, q)``), ``lk_alpha`` / ``lk_lambda`` (LK-style);
-    the comparison is docs/benchmarks/draft_fit_ablation.md and docs/benchmarks/cotrain_losses.md."""
-    compile: bool = False
-    """``torch.compile(dynamic=True)`` the draft layer's q/k/v and output blocks and its final norm while fitting,
-    fusing their elementwise work (docs/design/measurements.md); the first batches pay the compilation, the module
-    is left as it was."""
-
-    def __post_init__(self):
-        coerce_floats(self)
-        for name in ("epochs", "batch_tokens", "lr", "ttt_steps", "target_temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DraftFitConfig.{name}={getattr(self, name)} must be > 0")
-        if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio="
-                             f"{self.min_lr_ratio} in [0, 1]")
-        if self.loss_type not in DRAFT_LOSSES:
-            raise ValueError(f"DraftFitConfig.loss_type={self.loss_type!r} must be one of {DRAFT_LOSSES}")
-        if self.precision not in PRECISION_NAMES:
-            raise ValueError(f"DraftFitConfig.precision={self.precision!r} must be one of {PRECISION_NAMES}")
-        if self.val_docs < 0 or self.eval_every < 1:
-            raise ValueError(f"val_docs={self.val_docs} must be >= 0 and eval_every={self.eval_every} >= 1")
-        if self.eval_steps is not None and self.eval_steps < 1:
-            raise ValueError(f"DraftFitConfig.eval_steps={self.eval_steps} must be >= 1 (or None: ttt_steps)")
 
 
 @dataclass
@@ -122,15 +53,6 @@ class FitResult:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ended_by": self.ended_by}
-
-
-def coerce_floats(obj) -> None:
-    """Store each ``float`` / ``float | None`` field of dataclass ``obj`` given as an int as a float: 3480 and
-    3480.0 are one setting and must give one cache key (keys hash the settings' JSON, where they differ)."""
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        if isinstance(v, int) and not isinstance(v, bool) and str(f.type).startswith("float"):
-            setattr(obj, f.name, float(v))
 
 
 def lr_factor(progress: float, config: DraftFitConfig) -> float:
@@ -207,7 +129,7 @@ def fit_loop(params: list[Tensor], batches: Iterator, loss_fn: Callable[[object]
     ``total_steps`` steps (or the time budget) are done.
 
     The offline fit on cached features (:func:`fit_draft`) and the warm start on live policy forwards through the
-    online objective's override points (``rl.warmup.draft_warmup``) both run it.
+    online objective's override points (``distill.pool.fit_on_pool``) both run it.
 
     Args:
         params: the trained tensors.

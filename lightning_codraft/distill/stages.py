@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -28,17 +28,16 @@ from lightning_codraft.distill.cache import FeatureCache, build_feature_cache
 from lightning_codraft.distill.capture import FeatureRecorder
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.vocab import count_tokens
+from lightning_codraft.distill.settings import CORPUS, FEATURES, WarmStartSettings, stage_fields
 from lightning_codraft.rollout import SpeculativeEngine
-
-if TYPE_CHECKING:
-    from lightning_codraft.distill.warmstart import WarmStartSettings
 
 Corpus = list[tuple[list[int], list[int]]]
 """``(prompt ids, completion ids)`` of every response."""
 
-GENERATION_FIELDS = ("num_prompts", "heldout_prompts", "max_new_tokens", "temperature", "top_p", "generation_batch",
-                     "generation_budget_s", "generation_dtype", "seed", "time_budget_s", "generation_share")
-"""The settings the corpus depends on (its key hashes these only)."""
+GENERATION_FIELDS = stage_fields(WarmStartSettings, CORPUS)
+"""The settings the corpus depends on (its key hashes these only): the fields whose metadata names the corpus."""
+FEATURE_FIELDS = stage_fields(WarmStartSettings, FEATURES)
+"""The settings the feature cache adds to the corpus' key."""
 
 
 def state_fingerprint(module: torch.nn.Module) -> str:
@@ -62,7 +61,7 @@ def corpus_key(policy_key: str, prompts: list[list[int]], settings: WarmStartSet
 
 def features_key(corpus: str, target_ids: torch.Tensor, taps, settings: WarmStartSettings) -> str:
     """Stage 3's key: the corpus' key, the draft vocabulary's target ids, the taps, storage dtype and precision."""
-    return _digest(corpus, target_ids.tolist(), list(taps), settings.feature_dtype, settings.feature_precision)
+    return _digest(corpus, target_ids.tolist(), list(taps), *(getattr(settings, k) for k in FEATURE_FIELDS))
 
 
 def draft_key(corpus: str, draft, settings: WarmStartSettings) -> str:

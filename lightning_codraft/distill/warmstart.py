@@ -23,88 +23,15 @@ from typing import Callable
 import torch
 
 from lightning_codraft.distill.calibration import calibrate_draft_temperature
-from lightning_codraft.distill.fit import DraftFitConfig, FitResult, coerce_floats, fit_draft, implied_acceptance_length
+from lightning_codraft.distill.fit import FitResult, fit_draft, implied_acceptance_length
+from lightning_codraft.distill.settings import WarmStartSettings
 from lightning_codraft.distill.stages import (corpus_features, corpus_key, draft_key, features_key, install_vocab,
                                               sample_corpus, state_fingerprint)
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.models.precision import AUTO, resolve_dtype, resolve_precision
+from lightning_codraft.models.precision import resolve_dtype, resolve_precision
 from lightning_codraft.models.tokenizer import encode_prompt
 
 _COMPLETE = "COMPLETE"
-
-
-@dataclass
-class WarmStartSettings:
-    """What the warm start generates and how it fits (``fit``); every field enters the draft's cache key."""
-
-    num_prompts: int = 512
-    """Training prompts to sample one response each for (at most the task's problems minus the held-out ones)."""
-    heldout_prompts: int = 500
-    """The task's last ``heldout_prompts`` problems (``task.samples``) are never trained on; evaluate on them."""
-    max_new_tokens: int = 256
-    """Response length cap."""
-    temperature: float = 0.8
-    """Sampling temperature of the responses: the rollouts' temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling of the responses (the rollouts')."""
-    generation_batch: int = 64
-    """Prompts per ``generate`` call."""
-    generation_budget_s: float | None = None
-    """Generation budget in seconds (no batch starts that would end later); None: all ``num_prompts``."""
-    time_budget_s: float | None = None
-    """Wall-time budget of the whole warm start: generation gets ``generation_share`` of it (no batch starts that
-    would end later), and the fit what is left after the feature pass (``fit.time_budget_s`` caps it further)."""
-    generation_share: float = 0.45
-    """Share of ``time_budget_s`` given to sampling the corpus."""
-    generation_dtype: str | None = None
-    """``"bfloat16"``: sample from a bf16 copy of the policy (as bf16 rollout engines do; faster decoding on a CPU with
-    AMX, slower on an AVX2-only one: docs/design/measurements.md); ``"auto"``: bf16 where it is fast, else float32
-    (:func:`~lightning_codraft.models.precision.resolve_dtype`); None: the policy as it is. The features and soft
-    targets always come from the policy."""
-    rebuild_vocab: bool = True
-    """Build the draft vocabulary from the corpus' completion-token counts (and re-initialise the draft from the
-    policy for it); False keeps the draft's map and weights."""
-    feature_dtype: str = "float16"
-    """Storage dtype of the cached taps and logits (``"float16"`` or ``"float32"``)."""
-    feature_batch_tokens: int = 4096
-    """Tokens per policy forward while building the feature cache."""
-    capture_features: bool = True
-    """Keep the policy's taps and soft targets from the forwards that sample the corpus (when it is sampled in
-    this run) instead of a second pass over it: the same features up to the rounding of the decode's shapes, in
-    the sampling dtype (``generation_dtype``; ``feature_precision`` then applies only to a corpus loaded from
-    the cache), at the cost of spilling them to disk under the cache directory while sampling (~4.6 KB a token at
-    H = 576; removed once the feature cache is written)."""
-    feature_precision: str = "32-true"
-    """``"32-true"``, ``"bf16-mixed"`` (the policy's feature pass under bf16 autocast: faster on a CPU with AMX;
-    taps and targets then carry bf16 rounding, unlike the fp32 engine's taps at rollout time) or ``"auto"``
-    (bf16-mixed where bf16 is fast). Every ``"auto"`` here and in ``fit.precision`` is resolved for the policy's
-    device before the cache keys are taken."""
-    calibrate_temperature: bool = True
-    """After the fit, sharpen the draft's proposals by the scale of highest implied acceptance at ``temperature``
-    on the fit's held-out documents, folded into ``lm_head``
-    (:func:`~lightning_codraft.distill.calibration.calibrate_draft_temperature`; lossless, greedy unchanged)."""
-    seed: int = 0
-    """Prompt order, sampling and draft initialisation."""
-    fit: DraftFitConfig = field(default_factory=DraftFitConfig)
-    """How the draft is trained on the cached features."""
-
-    def __post_init__(self):
-        if isinstance(self.fit, dict):
-            self.fit = DraftFitConfig(**self.fit)
-        coerce_floats(self)
-        for name in ("num_prompts", "max_new_tokens", "generation_batch", "feature_batch_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"WarmStartSettings.{name}={getattr(self, name)} must be >= 1")
-        if self.generation_dtype not in (None, AUTO, "bfloat16", "float16", "float32"):
-            raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'auto', 'bfloat16', "
-                             "'float16' or 'float32'")
-        if self.feature_precision not in (AUTO, "32-true", "bf16-mixed"):
-            raise ValueError(f"feature_precision={self.feature_precision!r} must be 'auto', '32-true' or 'bf16-mixed'")
-        if not 0 < self.generation_share < 1:
-            raise ValueError(f"generation_share={self.generation_share} must be in (0, 1)")
-        if self.heldout_prompts < 0 or self.temperature <= 0:
-            raise ValueError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
-                             f"{self.temperature} > 0 (the warm start samples, like the rollouts)")
 
 
 @dataclass

@@ -4,7 +4,8 @@
 only orchestrates objects with one job each:
 
 - ``rl.build``: tokenizer, policy, draft, task, reward and the module's hyper-parameters from the recipe;
-- ``rl.warmup.run_warmups``: SFT of the policy, the draft's offline warm-start on the policy's own samples;
+- ``rl.warm_start.warm_start``: SFT of the policy, the draft fitted to the policy's own samples (or weights
+  loaded instead);
 - :class:`~lightning_codraft.rl.checkpoints.RunCheckpoints`: resumable checkpoints and the warmed-up weights;
 - :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`: engine placement, generation, weight sync;
 - :class:`~lightning_codraft.rl.step.RLStep`: one RL step, returning named
@@ -46,7 +47,7 @@ from lightning_codraft.rl.loggers import build_loggers
 from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
-from lightning_codraft.rl.warmup import run_warmups
+from lightning_codraft.rl.warm_start import warm_start
 from lightning_codraft.run_config import config_changes, write_run_config
 from lightning_codraft.training.module import CoDraftModule
 
@@ -325,27 +326,6 @@ class CoDraftRun:
         """Stop engines that run processes of their own (vLLM)."""
         if self.worker is not None:
             self.worker.close()
-
-
-def warm_start(cfg: CoDraftConfig, module: CoDraftModule, tokenizer, task, context: int,
-               log: Callable[[str], None] = print, cached: Optional[Path] = None) -> dict[str, Any]:
-    """The warm-ups of a run (SFT, the draft's warm start) or the weights of ``run.init_from``, on the whole
-    modules; the reference policy starts from the result. Returns what they report (kept in checkpoints).
-    ``cached``: this run's own warmed-up weights from an earlier launch, loaded instead (with what they reported)."""
-    init = cfg.run.init_from
-    if cached is not None:
-        extra = RunCheckpoints.load_warm(cached, module.policy, module.draft)
-        log(f"warm-ups loaded from {cached} (an earlier launch of this run, same warm-up settings)")
-    elif init:
-        extra = RunCheckpoints.load_warm(init, module.policy, module.draft)
-        for key in ("eval_before", "eval_before_scores"):  # scored on that run's task: this run scores its own
-            extra.pop(key, None)
-        log(f"warm-started policy and draft from {init}")
-    else:
-        extra = run_warmups(cfg, module, tokenizer, task, context, log=log)
-    if module.reference is not None:
-        module.reference.load_state_dict(module.policy.state_dict())
-    return extra
 
 
 def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print, task=None,

@@ -131,6 +131,29 @@ SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_pe
 rollouts themselves do not): compare them only between runs with ``draft.adaptive=false``."""
 
 
+@dataclass
+class Generation:
+    """One replica's rollouts of a step (:meth:`RLStep._generate`)."""
+
+    requests: list[list[int]]
+    """Prompt ids of every request (each prompt ``rl.group_size`` times)."""
+    outs: list
+    """The engine's outputs, one per request."""
+    acc: AcceptanceStats
+    """The engine's speculation figures over the requests."""
+    rollout_s: float
+    """Seconds generating."""
+    refit_s: float
+    """Seconds refitting the engine before."""
+    versions: dict[str, int]
+    """The policy and draft versions the rollouts were generated with."""
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens of the replica's rollouts."""
+        return sum(len(o.token_ids) for o in self.outs)
+
+
 def step_prompts(task, cfg: CoDraftConfig, step: int) -> list:
     """The prompts of RL step ``step`` (0-based): a pure function of the run's seed and the step."""
     return task.sample(cfg.rl.prompts_per_step, seed=step_seed(cfg.run.seed, step))
@@ -225,56 +248,14 @@ class RLStep:
     def __call__(self, step: int, samples=None) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
         of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``."""
-        cfg, tok, dims = self.cfg, self.tokenizer, self.dims
         t_start = time.perf_counter()
-        if samples is None:
-            samples = step_prompts(self.task, cfg, step)
-        if len(samples) != cfg.rl.prompts_per_step:
-            raise ValueError(f"step {step + 1} got {len(samples)} prompts; rl.prompts_per_step="
-                             f"{cfg.rl.prompts_per_step}")
-        per_rank = cfg.rl.prompts_per_step // dims.dp
-        mine = samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
-        G = cfg.rl.group_size
-        prompts = fit_prompts([encode_prompt(tok, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens)
-        requests = [p for p in prompts for _ in range(G)]
-        first = dims.dp_rank * per_rank  # the step's index of this replica's first prompt
-        seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
-        versions = weight_versions(cfg, step, self.schedule.updates)  # the training state after `step` updates
-        refit_s = self.worker.prepare(versions)
-        outs, acc, rollout_s = self.worker.generate(requests, seeds)
-        check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
-        self.worker.release()
-        # every rank scores in the tolerant mode and the budget (0 for on_reward_error=raise) is checked on the
-        # step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting)
-        texts, per_sample = [tok.decode(o.token_ids) for o in outs], [s for s in mine for _ in range(G)]
-        scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
-        self.last_completions = [{"prompt": s.prompt, "completion": text, "reward": scores.total[i],
-                                  **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts}}
-                                 for i, (s, text) in enumerate(zip(per_sample, texts))]
-        rewards, failures = scores.total, scores.failures
-        for name in scores.not_applied:  # TRL's None for every sample: legal, but never silent
-            self.log(f"step {step + 1}: reward {name!r} returned None (does not apply) for every sample of the step")
-        skip = cfg.task.on_reward_error == "skip"
-        for f in failures if skip else ():  # every skipped sample is reported
-            self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
-                     f"{f.reason}")
-        counts = self.fabric.all_reduce(torch.tensor([float(len(failures)), float(len(failures) == len(rewards))]),
-                                        reduce_op="sum").tolist()
-        check_failure_budget(failures, int(counts[0]), cfg.rl.prompts_per_step * G,
-                             cfg.task.reward_failure_budget if skip else 0.0, empty_replicas=int(counts[1]))
-        r = torch.tensor(rewards, dtype=torch.float64).view(len(mine), G)
-        scored = torch.isfinite(r)  # a skipped sample's reward is NaN: out of its group's statistics and the loss
-        # the loss aggregation (token / sequence / constant) is the module's: CoDraftModule.normalize
-        adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std, valid=scored).view(-1).tolist()
-        rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
-                    for i, (req, o, rw) in enumerate(zip(requests, outs, rewards))]
-        self.last_rollouts = rollouts
-        rollouts, adv = zip(*[(ro, a) for ro, a, keep in zip(rollouts, adv, scored.view(-1).tolist()) if keep])
-        batch = build_rl_batch(rollouts, adv, cp=dims.cp, pad_id=tok.pad_token_id)
+        mine = self._replica_prompts(step, samples)
+        gen = self._generate(step, mine)
+        scores, r, scored = self._score(step, mine, gen.outs)
+        batch = self._batch(gen, scores.total, r, scored)
         self.model.train()
         module = unwrap_module(self.model)
-        n_tok = sum(len(o.token_ids) for o in outs)
-        decision = self._decide_draft(step, acc, rollout_s, n_tok, module)
+        decision = self._decide_draft(step, gen.acc, gen.rollout_s, gen.tokens, module)
         t0 = time.perf_counter()
         m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
                                                     self.scheduler, self.fabric.backward).items()}
@@ -282,13 +263,81 @@ class RLStep:
         train_s = self.fabric.all_reduce(torch.tensor(time.perf_counter() - t0, dtype=torch.float64),
                                          reduce_op="max").item()
         implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
-        rates = [m[f"draft/implied_rate{k}"] for k in range(cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
+        rates = [m[f"draft/implied_rate{k}"] for k in range(self.cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
         self.schedule.record(decision, train_s, implied - reference, rates, reference)
+        return self._metrics(step, t_start, gen, scores, r, scored, decision, m, train_s)
+
+    def _replica_prompts(self, step: int, samples) -> list:
+        """This replica's share of the step's prompts (``samples``, default :func:`step_prompts`)."""
+        cfg, dims = self.cfg, self.dims
+        if samples is None:
+            samples = step_prompts(self.task, cfg, step)
+        if len(samples) != cfg.rl.prompts_per_step:
+            raise ValueError(f"step {step + 1} got {len(samples)} prompts; rl.prompts_per_step="
+                             f"{cfg.rl.prompts_per_step}")
+        per_rank = cfg.rl.prompts_per_step // dims.dp
+        return samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
+
+    def _generate(self, step: int, mine: list) -> Generation:
+        """Refit the engine to the training state, then sample ``rl.group_size`` completions of each prompt."""
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        prompts = fit_prompts([encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context,
+                              cfg.rl.max_new_tokens)
+        requests = [p for p in prompts for _ in range(G)]
+        first = self.dims.dp_rank * len(mine)  # the step's index of this replica's first prompt
+        seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
+        versions = weight_versions(cfg, step, self.schedule.updates)  # the training state after `step` updates
+        refit_s = self.worker.prepare(versions)
+        outs, acc, rollout_s = self.worker.generate(requests, seeds)
+        check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
+        self.worker.release()
+        return Generation(requests, outs, acc, rollout_s, refit_s, versions)
+
+    def _score(self, step: int, mine: list, outs) -> tuple:
+        """The rewards of the replica's completions: ``(scores, (P, G) float64 rewards, (P, G) bool scored)``.
+
+        Every rank scores in the tolerant mode and the budget (0 for ``on_reward_error=raise``) is checked on the
+        step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting).
+        """
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        texts, per_sample = [self.tokenizer.decode(o.token_ids) for o in outs], [s for s in mine for _ in range(G)]
+        scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
+        self.last_completions = [{"prompt": s.prompt, "completion": text, "reward": scores.total[i],
+                                  **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts}}
+                                 for i, (s, text) in enumerate(zip(per_sample, texts))]
+        failures = scores.failures
+        for name in scores.not_applied:  # TRL's None for every sample: legal, but never silent
+            self.log(f"step {step + 1}: reward {name!r} returned None (does not apply) for every sample of the step")
+        skip = cfg.task.on_reward_error == "skip"
+        for f in failures if skip else ():  # every skipped sample is reported
+            self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
+                     f"{f.reason}")
+        counts = self.fabric.all_reduce(
+            torch.tensor([float(len(failures)), float(len(failures) == len(scores.total))]), reduce_op="sum").tolist()
+        check_failure_budget(failures, int(counts[0]), cfg.rl.prompts_per_step * G,
+                             cfg.task.reward_failure_budget if skip else 0.0, empty_replicas=int(counts[1]))
+        r = torch.tensor(scores.total, dtype=torch.float64).view(len(mine), G)
+        return scores, r, torch.isfinite(r)  # a skipped sample's reward is NaN: out of its group and the loss
+
+    def _batch(self, gen: Generation, rewards: list, r: torch.Tensor, scored: torch.Tensor):
+        """Group advantages and the packed :class:`~lightning_codraft.batch.RLBatch` of the scored samples (the
+        loss aggregation, token / sequence / constant, is the module's: ``CoDraftModule.normalize``)."""
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std, valid=scored).view(-1).tolist()
+        rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
+                    for i, (req, o, rw) in enumerate(zip(gen.requests, gen.outs, rewards))]
+        self.last_rollouts = rollouts
+        rollouts, adv = zip(*[(ro, a) for ro, a, keep in zip(rollouts, adv, scored.view(-1).tolist()) if keep])
+        return build_rl_batch(rollouts, adv, cp=self.dims.cp, pad_id=self.tokenizer.pad_token_id)
+
+    def _metrics(self, step: int, t_start: float, gen: Generation, scores, r, scored, decision: Decision,
+                 m: dict[str, float], train_s: float) -> StepMetrics:
+        """The step's :class:`StepMetrics`: replica means of the rollout figures, the module's loss figures."""
         _, ab_low, ab_high = ab_difference([d.ab_gain for d in self.schedule.history])
-        ok = r[scored].tolist()
+        ok, acc = r[scored].tolist(), gen.acc
         local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
-                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(failures)),
-                 "completion_tokens": float(n_tok), "accepted": float(acc.accepted),
+                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(scores.failures)),
+                 "completion_tokens": float(gen.tokens), "accepted": float(acc.accepted),
                  "draft_steps": float(acc.draft_steps), "drafted": float(acc.drafted),
                  "policy_forwards": float(acc.policy_forwards)}
         parts = self.rewards.logged_parts
@@ -300,6 +349,7 @@ class RLStep:
         step_s = time.perf_counter() - t_start
         mean_acc = AcceptanceStats(draft_steps=g["draft_steps"], drafted=g["drafted"], accepted=g["accepted"],
                                    policy_forwards=g["policy_forwards"])
+        implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
         return StepMetrics(
             step=step + 1, reward=g["reward"], reward_std=g["reward_std"], accuracy=g["accuracy"],
             reward_failures=g["reward_failures"], completion_tokens=g["completion_tokens"],
@@ -310,10 +360,10 @@ class RLStep:
             policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
             greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
-            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=rollout_s, train_s=train_s, refit_s=refit_s,
-            refit_share=refit_s / step_s, policy_version=float(versions["policy"]),
-            draft_version=float(versions["draft"]), draft_trained=float(decision.train),
+            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=gen.rollout_s, train_s=train_s,
+            refit_s=gen.refit_s, refit_share=gen.refit_s / step_s, policy_version=float(gen.versions["policy"]),
+            draft_version=float(gen.versions["draft"]), draft_trained=float(decision.train),
             implied_acceptance=implied, reference_acceptance=reference, ab_gain=implied - reference,
-            ab_gain_low=ab_low, ab_gain_high=ab_high, step_s=step_s, tokens_per_s=float(n_tok) / max(rollout_s, 1e-9),
+            ab_gain_low=ab_low, ab_gain_high=ab_high, step_s=step_s,
+            tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
             reward_parts={name: g[f"reward/{name}"] for name in parts})
-

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from lightning_codraft.task_config import STYLES
+
 
 #: A reward function: ``(prompt, completion, reference_answer) -> float``.
 RewardFn = Callable[[str, str, str], float]
@@ -44,8 +46,6 @@ class TaskSample:
 
 
 _ANSWER_RE = re.compile(r"#\s*(-?\d+)")
-STYLES = ("symbols", "words")
-"""Solution styles of the arithmetic task."""
 _STEP = {"symbols": r"-?\d+[+-]\d+=-?\d+", "words": r"-?\d+ (?:plus|minus) \d+ is -?\d+"}
 _STYLE_RE = {k: re.compile(f"{v}(?:{',' if k == 'symbols' else ', '}{v})*#-?\\d+") for k, v in _STEP.items()}
 

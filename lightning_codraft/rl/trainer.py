@@ -32,9 +32,9 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.build import build_parts, module_arguments
 from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
 from lightning_codraft.rl.evaluate import heldout_rewards, mean_of
-from lightning_codraft.rl.loop import warm_start
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, draft_schedule, step_prompts
+from lightning_codraft.rl.warm_start import warm_start
 from lightning_codraft.training.module import CoDraftModule
 
 PROGRESS_BAR = ("reward", "acceptance_length", "draft_loss")

@@ -37,7 +37,7 @@ class PolicyLossConfig:
     ``ref_logprobs`` in the batch when > 0)."""
     loss_aggregation: str = "sequence"
     """How the RL loss weighs tokens over the WHOLE step (every microbatch and rank;
-    ``training.objective.normalize_step``): ``sequence`` (GRPO: every sample the same), ``token`` (DAPO: every
+    ``training.normalize.normalize_step``): ``sequence`` (GRPO: every sample the same), ``token`` (DAPO: every
     completion token the same) or ``constant`` (Dr. GRPO: token sums divided by samples x ``max_new_tokens``). The
     weight multiplies the KL term too (docs/rl.md)."""
     dual_clip: Optional[float] = None
@@ -48,7 +48,10 @@ class PolicyLossConfig:
     ``logits / temperature``, the distribution they were sampled from, so the first, on-policy ratio is 1. Zero
     (greedy rollouts) scores under the plain logits."""
 
-    def check_loss(self) -> None:
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
         for name in ("clip_eps", "kl_coef", "temperature"):
             if getattr(self, name) < 0:
@@ -81,7 +84,10 @@ class DraftLossConfig:
     the engine verifies position k at all: the product of the draft's implied acceptance rates of the positions
     before it on the last step it ran, D-PACE-style; decay**k until one is measured)."""
 
-    def check_draft_loss(self) -> None:
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
@@ -107,7 +113,10 @@ class MicrobatchConfig:
     layers_per_stage: Optional[list[int]] = None
     """Decoder layers of every pipeline stage (one count per stage); None balances them."""
 
-    def check_microbatches(self) -> None:
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches={self.num_microbatches} must be >= 1")
@@ -157,10 +166,11 @@ class CoDraftModuleConfig(PolicyLossConfig, DraftLossConfig, MicrobatchConfig):
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient (each skipped) before training stops."""
 
-    def __post_init__(self) -> None:
-        self.check_loss()
-        self.check_draft_loss()
-        self.check_microbatches()
+    def check(self) -> None:
+        """The shared sections' checks, then the module's own (``ValueError`` naming the field)."""
+        PolicyLossConfig.check(self)
+        DraftLossConfig.check(self)
+        MicrobatchConfig.check(self)
         if self.draft_loss_weight < 0:
             raise ValueError(f"draft_loss_weight (lambda)={self.draft_loss_weight} must be >= 0; "
                              f"use 0 to train the policy only")

@@ -213,39 +213,12 @@ def ttt_draft_loss(
         :class:`DraftLossOutput`.
     """
     num_steps = len(step_logits)
-    if loss_type not in DRAFT_LOSSES:
-        raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
-    if num_steps < 1:
-        raise ValueError("ttt_draft_loss needs at least one unroll step (K >= 1), got an empty step_logits")
-    if policy_logits.dim() != 2:
-        raise ValueError(f"policy_logits must be (T, V), got shape {tuple(policy_logits.shape)}")
-    T, V = policy_logits.shape
-    Vd = int(d2t.shape[0])
-    for k, lg in enumerate(step_logits):
-        if tuple(lg.shape) != (T, Vd):
-            raise ValueError(f"step_logits[{k}] has shape {tuple(lg.shape)}, expected (T, Vd)=({T}, {Vd}) "
-                             "matching policy_logits rows and len(d2t)")
-    if tuple(t2d.shape) != (V,):
-        raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({V},) = the policy vocabulary")
-    if tuple(loss_mask.shape) != (T,):
-        raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected ({T},)")
+    T, Vd = _check_draft_loss_inputs(step_logits, policy_logits, loss_mask, d2t, t2d, loss_type)
     world = group_size(group)
     validate_cu_seqlens(cu_seqlens, total_tokens=T * world)
-
     device = policy_logits.device
     target_ids = torch.arange(Vd, device=device) + d2t.to(device)
-    with torch.no_grad():
-        pl = policy_logits.detach().float()
-        top = pl.max(-1).indices  # the first maximal index, as argmax (and faster on CPU: design/measurements.md)
-        scored = loss_mask.to(device=device, dtype=torch.float32)
-        counted = scored * t2d.to(device)[top].float()
-        # the softmax of a row does not depend on where it is shifted to: once, over the draft vocabulary
-        target_p = torch.softmax(pl.index_select(1, target_ids), dim=-1)
-        # per row: [row scored | loss row | policy top-1 id], shifted with the targets under CP (one halo exchange)
-        side = torch.stack([scored, counted, top.float()], dim=1)
-        if world > 1:
-            side = torch.cat([target_p, side], dim=1)
-
+    target_p, side = _draft_targets(policy_logits, loss_mask, t2d, target_ids, with_targets=world > 1)
     nums, stats = [], []
     for k in range(num_steps):
         s = k + 1
@@ -262,22 +235,73 @@ def ttt_draft_loss(
         with torch.no_grad():
             hit = (target_ids[logits.max(-1).indices] == target_top).float() * row_scored
             stats.append(torch.stack([row_scored.sum(), hit.sum(), mask.sum()]))
-
     local_num = torch.stack(nums)
     packed = torch.cat([local_num.detach()[:, None], torch.stack(stats)], dim=1)  # (K, 4): num, total, correct, in
     packed = reduced(packed, group)
     total, correct, in_vocab = packed[:, 1], packed[:, 2], packed[:, 3]
     # value of the global sum, gradient of the local part only (see the module docstring)
-    global_num = local_num + (packed[:, 0] - local_num.detach())
-    if denominators is None:
-        denominators = total.clamp(min=1)
-    elif tuple(denominators.shape) != (num_steps,):
-        raise ValueError(f"denominators has shape {tuple(denominators.shape)}, expected ({num_steps},), one per step")
-    per_step = global_num / denominators.to(global_num)
-    weights = decay ** torch.arange(num_steps, device=device, dtype=torch.float32)
-    if step_weights is not None:
-        if tuple(step_weights.shape) != (num_steps,):
-            raise ValueError(f"step_weights has shape {tuple(step_weights.shape)}, expected ({num_steps},)")
-        weights = step_weights.to(device=device, dtype=torch.float32)
+    per_step = _step_losses(local_num + (packed[:, 0] - local_num.detach()), total, denominators)
+    weights = _step_weights(num_steps, decay, step_weights, device)
     return DraftLossOutput(loss=(weights * per_step).sum(), per_step_loss=per_step.detach(),
                            correct=correct, total=total, in_vocab=in_vocab)
+
+
+def _check_draft_loss_inputs(step_logits, policy_logits, loss_mask, d2t, t2d, loss_type) -> tuple[int, int]:
+    """:func:`ttt_draft_loss`'s shape checks (``ValueError`` naming the tensor); returns ``(T, Vd)``."""
+    if loss_type not in DRAFT_LOSSES:
+        raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
+    if len(step_logits) < 1:
+        raise ValueError("ttt_draft_loss needs at least one unroll step (K >= 1), got an empty step_logits")
+    if policy_logits.dim() != 2:
+        raise ValueError(f"policy_logits must be (T, V), got shape {tuple(policy_logits.shape)}")
+    T, V = policy_logits.shape
+    Vd = int(d2t.shape[0])
+    for k, lg in enumerate(step_logits):
+        if tuple(lg.shape) != (T, Vd):
+            raise ValueError(f"step_logits[{k}] has shape {tuple(lg.shape)}, expected (T, Vd)=({T}, {Vd}) "
+                             "matching policy_logits rows and len(d2t)")
+    if tuple(t2d.shape) != (V,):
+        raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({V},) = the policy vocabulary")
+    if tuple(loss_mask.shape) != (T,):
+        raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}, expected ({T},)")
+    return T, Vd
+
+
+@torch.no_grad()
+def _draft_targets(policy_logits: Tensor, loss_mask: Tensor, t2d: Tensor, target_ids: Tensor,
+                   with_targets: bool) -> tuple[Tensor, Tensor]:
+    """The policy's targets over the draft vocabulary and the per-row side columns the unroll shifts.
+
+    Returns:
+        ``(target_p, side)``: ``(T, Vd)`` fp32 softmax of the policy logits at the draft's target ids (a row's
+        softmax does not depend on where it is shifted to: once), and ``(T, 3)`` ``[row scored | loss row |
+        policy top-1 id]`` (``(T, Vd + 3)`` with the targets in front when ``with_targets``: under CP they shift
+        with it, one halo exchange).
+    """
+    device = policy_logits.device
+    pl = policy_logits.detach().float()
+    top = pl.max(-1).indices  # the first maximal index, as argmax (and faster on CPU: design/measurements.md)
+    scored = loss_mask.to(device=device, dtype=torch.float32)
+    counted = scored * t2d.to(device)[top].float()
+    target_p = torch.softmax(pl.index_select(1, target_ids), dim=-1)
+    side = torch.stack([scored, counted, top.float()], dim=1)
+    return target_p, torch.cat([target_p, side], dim=1) if with_targets else side
+
+
+def _step_losses(global_num: Tensor, total: Tensor, denominators: Optional[Tensor]) -> Tensor:
+    """``(K,)`` each step's summed loss over its denominator (the step's scored rows, or ``denominators``)."""
+    if denominators is None:
+        denominators = total.clamp(min=1)
+    elif tuple(denominators.shape) != tuple(global_num.shape):
+        raise ValueError(f"denominators has shape {tuple(denominators.shape)}, expected ({global_num.shape[0]},), "
+                         f"one per step")
+    return global_num / denominators.to(global_num)
+
+
+def _step_weights(num_steps: int, decay: float, step_weights: Optional[Tensor], device) -> Tensor:
+    """``(K,)`` fp32 weight of each unroll step: ``step_weights`` when given, else ``decay ** k``."""
+    if step_weights is None:
+        return decay ** torch.arange(num_steps, device=device, dtype=torch.float32)
+    if tuple(step_weights.shape) != (num_steps,):
+        raise ValueError(f"step_weights has shape {tuple(step_weights.shape)}, expected ({num_steps},)")
+    return step_weights.to(device=device, dtype=torch.float32)

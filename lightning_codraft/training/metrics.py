@@ -1,10 +1,18 @@
 """Draft quality as a torchmetrics Metric: per-step top-1 accuracy and the acceptance length it implies.
 
+Three acceptance figures have one name each, everywhere (metrics.csv, the loggers, both progress bars, the docs):
+
+- ``acceptance_length``: MEASURED by the rollout engine, tokens emitted per drafting round of the step's rollouts;
+- ``top1_acceptance`` (``draft/top1_acceptance``): IMPLIED by the draft's top-1 accuracy on the step's batch (this
+  module), what greedy verification would accept;
+- ``implied_acceptance`` (``draft/implied_acceptance``): IMPLIED by the draft's and the policy's distributions on
+  the step's rollouts, the expected acceptance of sampling verification (training/implied.py).
+
 With ``acc_k`` the top-1 accuracy of unroll step ``k`` (``k = 0 .. K-1``, conditioned on the earlier steps
 having been fed the true tokens, as in TTT), a chain draft of K tokens verified greedily is accepted up to
 step k with probability ``prod_{j<=k} acc_j``, so the expected number of tokens per verification is
 
-    acceptance_length = 1 + sum_k prod_{j<=k} acc_j        (1 = the policy's own token).
+    top1_acceptance = 1 + sum_k prod_{j<=k} acc_j        (1 = the policy's own token).
 """
 
 from __future__ import annotations
@@ -14,6 +22,18 @@ from typing import Sequence
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+RENAMED_METRICS = {"draft/acceptance_length": "draft/top1_acceptance"}
+"""Metric names that changed: old -> new (CHANGELOG lists them); :func:`check_metric_names` refuses the old ones."""
+
+
+def check_metric_names(names, where: str) -> None:
+    """Raise ``KeyError`` naming the new name when ``names`` holds a renamed metric (``where``: who asked for it)."""
+    for name in names:
+        if name in RENAMED_METRICS:
+            raise KeyError(f"{where} asks for the metric {name!r}, renamed {RENAMED_METRICS[name]!r} (the acceptance "
+                           f"length implied by the draft's top-1 accuracy; the engine's measured one is "
+                           f"'acceptance_length', the distribution-implied one 'draft/implied_acceptance')")
 
 
 def implied_acceptance_length(rates: Tensor | Sequence[float]) -> float:
@@ -41,7 +61,7 @@ class DraftAcceptance(Metric):
 
         metric = DraftAcceptance(num_steps=3)
         metric.update(out.correct, out.total)       # the counts of a DraftLossOutput
-        metric.compute()   # {"acc/step0": ..., "acc/step1": ..., "acc/step2": ..., "acceptance_length": ...}
+        metric.compute()   # {"acc/step0": ..., "acc/step1": ..., "acc/step2": ..., "top1_acceptance": ...}
     """
 
     full_state_update = False
@@ -75,8 +95,8 @@ class DraftAcceptance(Metric):
         self.total += total.to(self.total)
 
     def compute(self) -> dict[str, Tensor]:
-        """``{"acc/step{k}": (), "acceptance_length": ()}`` fp32 scalars; a step with no rows has accuracy 0."""
+        """``{"acc/step{k}": (), "top1_acceptance": ()}`` fp32 scalars; a step with no rows has accuracy 0."""
         acc = (self.correct / self.total.clamp(min=1)).float()
         result = {f"acc/step{k}": acc[k] for k in range(self.num_steps)}
-        result["acceptance_length"] = acc.new_tensor(implied_acceptance_length(acc))
+        result["top1_acceptance"] = acc.new_tensor(implied_acceptance_length(acc))
         return result

@@ -3,7 +3,7 @@
 ``L = L_rl + lambda * L_draft`` with ONE backward. The draft reads only detached tensors of the policy: its tap
 hidden states, its logits (the soft targets) and its token embeddings (tap 0) of the shifted ids; so the draft term
 moves only draft parameters and the RL term only policy parameters. Both losses divide by the whole step's global counts
-(every microbatch, dp replica and CP shard: ``training.objective.normalize_step``), so the same user code gives the same
+(every microbatch, dp replica and CP shard: ``training.normalize.normalize_step``), so the same user code gives the same
 update on one process or on any (dp, pp, cp) mesh and any ``num_microbatches``. One step, as data::
 
     RLBatch (whole replica batch)  -> split into M microbatches -> [PP: padded to one length] -> zigzag shard
@@ -13,8 +13,8 @@ update on one process or on any (dp, pp, cp) mesh and any ``num_microbatches``. 
 
 Research subclasses override :meth:`rl_loss`, :meth:`draft_loss`, :meth:`configure_taps`,
 :meth:`draft_token_embeds` or :meth:`draft_step_logits`; :meth:`objective` calls them on a single stage and on the
-pipeline's last stage alike. The optimizer and schedule come from :meth:`build_optimizer`; the optimizer step is
-``training.step.optimizer_step``, shared with Fabric.
+pipeline's last stage alike. The optimizer and schedule come from :meth:`build_optimizer` (training/module_optim.py);
+the optimizer step is ``training.step.optimizer_step``, shared with Fabric.
 """
 
 from __future__ import annotations
@@ -33,23 +33,24 @@ from lightning_codraft.models.vocab import check_vocabularies
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pipeline import gather_stage_states, prune_unowned
 from lightning_codraft.parallel.pp_runner import PipelineRunner
-from lightning_codraft.parallel.strategy_core import reduce_gradients
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
 from lightning_codraft.training.implied import ReferenceDraft, implied_counts
+from lightning_codraft.training.metrics import check_metric_names
+from lightning_codraft.training.module_optim import OptimizationHooks
+from lightning_codraft.training.normalize import normalize_step
 from lightning_codraft.training.objective import (CoDraftStepOutput, MicrobatchRecord, global_draft_objective,
-                                                  normalize_step, step_metrics, unroll_weights)
-from lightning_codraft.training.optim import adamw, cosine_decay
+                                                  step_metrics, unroll_weights)
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
-from lightning_codraft.training.step import NonFiniteGuard, grad_norms, optimizer_step
+from lightning_codraft.training.step import NonFiniteGuard, optimizer_step
 
 
-PROGRESS_BAR = ("loss", "draft/acceptance_length")
+PROGRESS_BAR = ("loss", "draft/top1_acceptance")
 """The metrics ``training_step`` shows in Lightning's progress bar (the joint loss, the draft's implied acceptance
 length on the step's batch)."""
 
 
-class CoDraftModule(LightningModule):
+class CoDraftModule(OptimizationHooks, LightningModule):
     """Policy + EAGLE-3 draft with the joint objective ``L_rl + lambda * L_draft`` (one backward).
 
     Args:
@@ -104,64 +105,145 @@ class CoDraftModule(LightningModule):
         if not self.config.trains_draft:
             self.draft.requires_grad_(False)
 
-    # ------------------------------------------------------------------ parallel plumbing
-    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp",
-                           compute_dtype: Optional[torch.dtype] = None) -> None:
-        """Called by the strategy with the mesh, before it wraps or shards the module and before optimizers exist.
+    # ---------------------------------------------- the step, in call order: forward -> microbatches -> objective
+    def forward(self, batch: RLBatch | Mapping[str, Tensor]) -> CoDraftStepOutput:
+        """The joint loss of one RL batch of this dp replica (under PP: the whole pipelined forward + backward).
 
         Args:
-            dims: the (dp, pp, cp) layout with its groups.
-            grad_average_size: ranks over which the strategy's wrapper AVERAGES gradients (the loss is scaled).
-            sharding: ``"fsdp"`` (FSDP2 sums the gradients of every rank's loss share) or ``"ddp"``.
-            compute_dtype: the dtype activations flow in between pipeline stages (FSDP2's mixed-precision
-                compute dtype), when it differs from the parameters'.
+            batch: this dp replica's whole :class:`~lightning_codraft.batch.RLBatch` (or its dict layout); it is
+                cut into ``num_microbatches`` and zigzag-sharded here when the mesh has cp > 1.
 
-        Under PP this rank keeps only its pipeline stage (the embeddings on the first stage, its decoder layers,
-        the final norm, ``lm_head`` and the draft on the last; with tied embeddings the first and the last stage
-        both hold the shared weight); every other submodule is replaced by a parameter-less placeholder
-        (``parallel.pipeline.prune_unowned``), so optimizers and checkpoints hold this stage's slice only. The
-        module is then bound to this stage: configuring it for another stage or mesh raises.
+        Returns:
+            :class:`CoDraftStepOutput`; its ``loss`` is ready for ``backward`` (``None`` under PP, where the
+            schedule already ran the backward).
         """
-        binding = (dims.pp, dims.pp_rank, self.config.layers_per_stage) if dims.pp_enabled else None
-        if self._stage_binding is not None and binding != self._stage_binding:
-            pp, stage, sizes = self._stage_binding
-            raise ValueError(f"this CoDraftModule holds only pipeline stage {stage} of pp={pp} (layers_per_stage="
-                             f"{sizes}; the other stages were pruned), so it cannot be configured for pp={dims.pp} "
-                             f"stage {dims.pp_rank}; build a fresh module for the new mesh and load a checkpoint")
-        self.parallel_dims = dims
-        self.grad_average_size = int(grad_average_size)
-        self.sharding = sharding
-        if not dims.pp_enabled or self._stage_binding is not None:
-            return
+        microbatches = self._with_reference(self._microbatches(self.normalize(RLBatch.coerce(batch))))
+        loss = None
+        if self.pipeline is not None:
+            records = self.pipeline.step(microbatches, self.objective)
+        else:
+            taps, records, losses = self._tap_ids(), [], []
+            for mb in microbatches:
+                out = self.policy(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids, taps=taps,
+                                  cp_group=self.parallel_dims.cp_group)
+                mb_loss, record = self.objective(out.logits, dict(zip(taps or (), out.taps or ())), mb)
+                losses.append(mb_loss)
+                records.append(record)
+            loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
+        metrics, counts = step_metrics(records)
+        if "draft/implied_rate0" in metrics:
+            self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)])
+        return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
+                                 microbatch_losses=[float(r.metrics["loss"]) for r in records])
+
+    def normalize(self, batch: RLBatch) -> RLBatch:
+        """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
+        ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it."""
+        c, dims = self.config, self.parallel_dims
+        return normalize_step(batch, c.loss_aggregation, c.ttt_steps, max_new_tokens=c.max_new_tokens,
+                              dp_group=dims.dp_group, cp_group=dims.cp_group)
+
+    def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
+        """This rank's microbatches: ``num_microbatches`` of whole documents (one length under PP), CP-sharded."""
+        dims, M = self.parallel_dims, self.config.num_microbatches
+        if batch.is_sharded:
+            if M != 1 or self.pipeline is not None:
+                raise ValueError(f"a batch already sharded over cp cannot be cut into num_microbatches={M} or "
+                                 f"pipelined; pass the replica's whole batch")
+            return [batch]
+        mbs = batch.split(M)
+        if self.pipeline is not None:  # fixed-shape pipeline activations: pad to one multiple of 2*cp
+            m = 2 * dims.cp
+            length = -(-max(mb.num_tokens for mb in mbs) // m) * m
+            mbs = [mb.pad_to(length) for mb in mbs]
+        return [mb.shard(dims.cp_rank, dims.cp) for mb in mbs]
+
+    def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
+        """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
+        term or the drift metrics need them and the batch has none."""
+        c, drift = self.config, self.config.track_drift
+        if c.kl_coef <= 0 and not drift:
+            return microbatches
+        if all(mb.ref_logprobs is not None and (mb.ref_greedy is not None or not drift) for mb in microbatches):
+            return microbatches
+        if self.reference is None:
+            need = f"kl_coef={c.kl_coef} > 0" if c.kl_coef > 0 else "track_drift=True"
+            raise ValueError(f"{need} needs batch.ref_logprobs or a reference policy: "
+                             f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
+        def scored(logits: Tensor, mb: RLBatch) -> Tensor:  # (T, 2): the target's log-prob, the argmax id
+            return torch.stack([self.sampled_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
+
+        if self.ref_pipeline is not None:  # the last stage reduces each microbatch's logits as they come out
+            rows = self.ref_pipeline.forward(microbatches, reduce=(scored, 2)) or [None] * len(microbatches)
+        else:
+            rows = []
+            with torch.no_grad():
+                for mb in microbatches:  # one microbatch's logits alive at a time
+                    rows.append(scored(self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens,
+                                                      position_ids=mb.position_ids,
+                                                      cp_group=self.parallel_dims.cp_group).logits, mb))
+        return [mb if r is None else replace(mb, ref_logprobs=r[:, 0] * mb.loss_mask,
+                                             ref_greedy=r[:, 1].long() if drift else mb.ref_greedy)
+                for mb, r in zip(microbatches, rows)]
+
+    def _tap_ids(self) -> Optional[tuple[int, ...]]:
+        """Taps the objective reads: 0 (the token embeddings) and :meth:`configure_taps`; None without a draft."""
+        return (0, *self.configure_taps()) if self.config.runs_draft else None
+
+    def objective(self, logits: Tensor, taps: Mapping[int, Tensor], batch: RLBatch) -> tuple[Tensor, MicrobatchRecord]:
+        """One microbatch's ``L_rl + lambda * L_draft``: the function every schedule calls.
+
+        Args:
+            logits: ``(T, V)`` policy logits of this rank's rows.
+            taps: tap id -> ``(T, H)`` policy hidden states; holds 0 and :meth:`configure_taps` when the draft runs.
+            batch: this rank's microbatch.
+
+        Returns:
+            ``(loss, record)``: ``loss`` is this rank's share of the step's objective that this microbatch carries
+            (differentiable; the shares of every microbatch and rank add up to the step's objective); ``record``
+            its detached global statistics, shares too. A batch without ``norm`` is normalised as a whole step.
+        """
         c = self.config
-        stage = dict(stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
-                     cp_group=dims.cp_group, layers_per_stage=c.layers_per_stage)
-        self.pipeline = PipelineRunner(self.policy, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule, **stage)
-        self.pipeline.activation_dtype = compute_dtype
-        keep = self.pipeline.stage_module.owned_modules() + ([self.draft] if dims.is_last_stage else [])
-        if self.reference is not None:
-            self.ref_pipeline = PipelineRunner(self.reference, schedule="gpipe", **stage)
-            self.ref_pipeline.activation_dtype = compute_dtype
-            keep += self.ref_pipeline.stage_module.owned_modules()
-        self.released_bytes += prune_unowned(self, keep)
-        self._stage_binding = binding
+        if batch.norm is None:
+            batch = self.normalize(batch)
+        rl, rl_stats = self.rl_loss(self.sampled_logprobs(logits, batch.target_ids), batch)
+        metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
+        if batch.ref_greedy is not None:
+            metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
+                                                                 self.parallel_dims.dp_cp_group, batch.norm.tokens)
+        value, loss = rl_stats["loss"].detach(), rl
+        dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
+        reference = self.reference_draft if self.score_reference_this_step else None
+        if not run and reference is None:
+            metrics["loss"] = value
+            return loss, MicrobatchRecord(metrics)
+        if c.sample_every > 1:  # the draft's share of the step: every n-th sample (whole documents, any CP shard)
+            batch, rows = batch.every_nth_document(c.sample_every)
+            logits, taps = logits[rows], {t: x[rows] for t, x in taps.items()}
+        embeds = self.draft_token_embeds(taps[0].detach(), batch)
+        feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
+        implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,
+                          cp_group=dims.cp_group, dp_group=dims.dp_group)
+        if reference is not None:  # the A/B: one forward of the frozen reference on the same taps
+            record.reference_implied = implied(reference.step_logits(feats, embeds, batch, dims.cp_group),
+                                               d2t=reference.module.d2t)
+        if run:
+            with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
+                step_logits = self.draft_step_logits(feats, embeds, batch)
+                policy_logits = logits.detach()
+                d = global_draft_objective(lambda lg: self.draft_loss(lg, policy_logits, batch), step_logits,
+                                           self.draft_step_weights(), dims.dp_group)
+            record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
+            record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
+            metrics["draft/loss"] = d.loss.detach().float()
+            metrics.update({f"draft/loss_step{k}": d.per_step[k] for k in range(d.per_step.numel())})
+            if c.trains_draft:
+                loss = loss + c.draft_loss_weight * d.loss
+                value = value + c.draft_loss_weight * d.loss.detach()
+        metrics["loss"] = value
+        return loss, record
 
-    def full_state_dicts(self) -> tuple[Optional[dict[str, Tensor]], Optional[dict[str, Tensor]]]:
-        """Full HF-named ``(policy_state, draft_state)`` for a rollout engine; a collective under PP.
-
-        Without PP every rank gets both dicts. FSDP2 shards are gathered (a collective over the stage's dp x cp
-        ranks); under PP the stages' states are gathered onto the first stage (``pp_rank == 0``), which gets the
-        full dicts, the other stages get ``(None, None)``. Call on every rank.
-        """
-        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
-        whole = gather_stage_states(state, self.parallel_dims.pp_group if self.pipeline else None)
-        if whole is None:
-            return None, None
-        policy = {k[len("policy."):]: v.detach() for k, v in whole.items() if k.startswith("policy.")}
-        draft = {k[len("draft."):]: v.detach() for k, v in whole.items() if k.startswith("draft.")}
-        return policy, draft
-
-    # ------------------------------------------------------------------ override points
+    # ------------------------------------------------------------------ override points and the draft's live state
     def configure_taps(self) -> tuple[int, ...]:
         """Policy tap ids feeding the draft (``tap l`` = hidden state entering layer ``l``)."""
         if self.config.taps is not None:
@@ -236,71 +318,6 @@ class CoDraftModule(LightningModule):
                               denominators=None if batch.norm is None else batch.norm.draft, loss_type=c.loss_type,
                               step_weights=self.draft_step_weights())
 
-    # ------------------------------------------------------------------ the joint objective
-    def normalize(self, batch: RLBatch) -> RLBatch:
-        """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
-        ``RLBatch.norm``), one all-reduce over dp: ``training.objective.normalize_step``. Every rank calls it."""
-        c, dims = self.config, self.parallel_dims
-        return normalize_step(batch, c.loss_aggregation, c.ttt_steps, max_new_tokens=c.max_new_tokens,
-                              dp_group=dims.dp_group, cp_group=dims.cp_group)
-
-    def _tap_ids(self) -> Optional[tuple[int, ...]]:
-        """Taps the objective reads: 0 (the token embeddings) and :meth:`configure_taps`; None without a draft."""
-        return (0, *self.configure_taps()) if self.config.runs_draft else None
-
-    def objective(self, logits: Tensor, taps: Mapping[int, Tensor], batch: RLBatch) -> tuple[Tensor, MicrobatchRecord]:
-        """One microbatch's ``L_rl + lambda * L_draft``: the function every schedule calls.
-
-        Args:
-            logits: ``(T, V)`` policy logits of this rank's rows.
-            taps: tap id -> ``(T, H)`` policy hidden states; holds 0 and :meth:`configure_taps` when the draft runs.
-            batch: this rank's microbatch.
-
-        Returns:
-            ``(loss, record)``: ``loss`` is this rank's share of the step's objective that this microbatch carries
-            (differentiable; the shares of every microbatch and rank add up to the step's objective); ``record``
-            its detached global statistics, shares too. A batch without ``norm`` is normalised as a whole step.
-        """
-        c = self.config
-        if batch.norm is None:
-            batch = self.normalize(batch)
-        rl, rl_stats = self.rl_loss(self.sampled_logprobs(logits, batch.target_ids), batch)
-        metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
-        if batch.ref_greedy is not None:
-            metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
-                                                                 self.parallel_dims.dp_cp_group, batch.norm.tokens)
-        value, loss = rl_stats["loss"].detach(), rl
-        dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
-        reference = self.reference_draft if self.score_reference_this_step else None
-        if not run and reference is None:
-            metrics["loss"] = value
-            return loss, MicrobatchRecord(metrics)
-        if c.sample_every > 1:  # the draft's share of the step: every n-th sample (whole documents, any CP shard)
-            batch, rows = batch.every_nth_document(c.sample_every)
-            logits, taps = logits[rows], {t: x[rows] for t, x in taps.items()}
-        embeds = self.draft_token_embeds(taps[0].detach(), batch)
-        feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
-        implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,
-                          cp_group=dims.cp_group, dp_group=dims.dp_group)
-        if reference is not None:  # the A/B: one forward of the frozen reference on the same taps
-            record.reference_implied = implied(reference.step_logits(feats, embeds, batch, dims.cp_group),
-                                               d2t=reference.module.d2t)
-        if run:
-            with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
-                step_logits = self.draft_step_logits(feats, embeds, batch)
-                policy_logits = logits.detach()
-                d = global_draft_objective(lambda lg: self.draft_loss(lg, policy_logits, batch), step_logits,
-                                           self.draft_step_weights(), dims.dp_group)
-            record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
-            record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
-            metrics["draft/loss"] = d.loss.detach().float()
-            metrics.update({f"draft/loss_step{k}": d.per_step[k] for k in range(d.per_step.numel())})
-            if c.trains_draft:
-                loss = loss + c.draft_loss_weight * d.loss
-                value = value + c.draft_loss_weight * d.loss.detach()
-        metrics["loss"] = value
-        return loss, record
-
     def draft_step_weights(self) -> Tensor:
         """``(K,)`` weight of each unroll step in the draft loss (``config.position_weights``)."""
         return unroll_weights(self.config.position_weights, self.config.ttt_decay, self.config.ttt_steps,
@@ -315,136 +332,71 @@ class CoDraftModule(LightningModule):
         """Score a frozen copy of ``draft`` (whole, unsharded) beside the live draft on every batch; None: stop."""
         self.reference_draft = None if draft is None else ReferenceDraft(draft)
 
-    def _with_reference(self, microbatches: list[RLBatch]) -> list[RLBatch]:
-        """Fill ``ref_logprobs`` (and, when tracking drift, ``ref_greedy``) from the reference policy where the KL
-        term or the drift metrics need them and the batch has none."""
-        c, drift = self.config, self.config.track_drift
-        if c.kl_coef <= 0 and not drift:
-            return microbatches
-        if all(mb.ref_logprobs is not None and (mb.ref_greedy is not None or not drift) for mb in microbatches):
-            return microbatches
-        if self.reference is None:
-            need = f"kl_coef={c.kl_coef} > 0" if c.kl_coef > 0 else "track_drift=True"
-            raise ValueError(f"{need} needs batch.ref_logprobs or a reference policy: "
-                             f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
-        def scored(logits: Tensor, mb: RLBatch) -> Tensor:  # (T, 2): the target's log-prob, the argmax id
-            return torch.stack([self.sampled_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
-
-        if self.ref_pipeline is not None:  # the last stage reduces each microbatch's logits as they come out
-            rows = self.ref_pipeline.forward(microbatches, reduce=(scored, 2)) or [None] * len(microbatches)
-        else:
-            rows = []
-            with torch.no_grad():
-                for mb in microbatches:  # one microbatch's logits alive at a time
-                    rows.append(scored(self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens,
-                                                      position_ids=mb.position_ids,
-                                                      cp_group=self.parallel_dims.cp_group).logits, mb))
-        return [mb if r is None else replace(mb, ref_logprobs=r[:, 0] * mb.loss_mask,
-                                             ref_greedy=r[:, 1].long() if drift else mb.ref_greedy)
-                for mb, r in zip(microbatches, rows)]
-
-    def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
-        """This rank's microbatches: ``num_microbatches`` of whole documents (one length under PP), CP-sharded."""
-        dims, M = self.parallel_dims, self.config.num_microbatches
-        if batch.is_sharded:
-            if M != 1 or self.pipeline is not None:
-                raise ValueError(f"a batch already sharded over cp cannot be cut into num_microbatches={M} or "
-                                 f"pipelined; pass the replica's whole batch")
-            return [batch]
-        mbs = batch.split(M)
-        if self.pipeline is not None:  # fixed-shape pipeline activations: pad to one multiple of 2*cp
-            m = 2 * dims.cp
-            length = -(-max(mb.num_tokens for mb in mbs) // m) * m
-            mbs = [mb.pad_to(length) for mb in mbs]
-        return [mb.shard(dims.cp_rank, dims.cp) for mb in mbs]
-
-    def forward(self, batch: RLBatch | Mapping[str, Tensor]) -> CoDraftStepOutput:
-        """The joint loss of one RL batch of this dp replica (under PP: the whole pipelined forward + backward).
-
-        Args:
-            batch: this dp replica's whole :class:`~lightning_codraft.batch.RLBatch` (or its dict layout); it is
-                cut into ``num_microbatches`` and zigzag-sharded here when the mesh has cp > 1.
-
-        Returns:
-            :class:`CoDraftStepOutput`; its ``loss`` is ready for ``backward`` (``None`` under PP, where the
-            schedule already ran the backward).
-        """
-        microbatches = self._with_reference(self._microbatches(self.normalize(RLBatch.coerce(batch))))
-        loss = None
-        if self.pipeline is not None:
-            records = self.pipeline.step(microbatches, self.objective)
-        else:
-            taps, records, losses = self._tap_ids(), [], []
-            for mb in microbatches:
-                out = self.policy(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids, taps=taps,
-                                  cp_group=self.parallel_dims.cp_group)
-                mb_loss, record = self.objective(out.logits, dict(zip(taps or (), out.taps or ())), mb)
-                losses.append(mb_loss)
-                records.append(record)
-            loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
-        metrics, counts = step_metrics(records)
-        if "draft/implied_rate0" in metrics:
-            self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)])
-        return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
-                                 microbatch_losses=[float(r.metrics["loss"]) for r in records])
-
-    # ------------------------------------------------------------------ optimisation
-    def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW parameter groups: ``policy`` and (when trained) ``draft``, each with its own LR."""
-        c = self.config
-        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad],
-                   "lr": c.policy_lr}]
-        if c.trains_draft:
-            groups.append({"name": "draft", "params": [p for p in self.draft.parameters() if p.requires_grad],
-                           "lr": c.draft_lr})
-        return groups
-
-    def lr_lambda(self, group_name: str):
-        """The schedule multiplier of group ``group_name`` as a function of the optimizer step."""
-        c = self.config
-        warmup = c.policy_lr_warmup_steps if group_name == "policy" else c.draft_lr_warmup_steps
-
-        def fn(step: int) -> float:
-            if warmup > 0 and step < warmup:
-                return (step + 1) / warmup
-            if c.schedule == "cosine":
-                return cosine_decay((step - warmup) / max(1, c.total_steps - warmup))
-            return 1.0
-
-        return fn
-
-    def build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        """One AdamW with two parameter groups (policy, draft) and one LambdaLR with a schedule per group.
-
-        Call after the strategy set the module up, so that under PP only this stage's parameters are held.
-        """
-        c = self.config
-        groups = self.param_groups()
-        optimizer = adamw(groups, c.policy_lr, betas=c.betas, weight_decay=c.weight_decay, eps=c.adam_eps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [self.lr_lambda(g["name"]) for g in groups])
-        return optimizer, scheduler
-
-    def configure_optimizers(self):
-        """Trainer hook: :meth:`build_optimizer`, the scheduler stepped every optimizer step."""
-        optimizer, scheduler = self.build_optimizer()
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def after_backward(self) -> dict[str, Tensor]:
-        """Finish the gradients (under PP: summed over dp x cp), clip, and return ``grad_norm/{policy,draft}``."""
-        dims = self.parallel_dims
-        if self.pipeline is not None and self.sharding != "fsdp":  # FSDP2 reduced them in the backward
-            reduce_gradients([p for p in self.parameters() if p.requires_grad], dims.dp_cp_group)
-        groups = {"policy": self.policy.parameters()}
-        if self.config.trains_draft and self.train_draft_this_step:
-            groups["draft"] = self.draft.parameters()
-        elif self.config.trains_draft:  # an off step: AdamW skips parameters without a gradient (none if not run)
-            for p in self.draft.parameters():
-                p.grad = None
-        return grad_norms(groups, self.config.grad_clip, dims.pp_group)
-
+    # ------------------------------------------------------------------ the Trainer path
     def training_step(self, batch: RLBatch, batch_idx: int = 0) -> Tensor:
         """Trainer path (manual optimisation): ``training.step.optimizer_step``, then log the metrics."""
         metrics = optimizer_step(self, self, batch, self.optimizers(), self.lr_schedulers(), self.manual_backward)
         for name, value in metrics.items():  # the logger's default (logged where there is one, no warning if none)
             self.log(name, value.float(), on_step=True, prog_bar=name in PROGRESS_BAR, batch_size=1, sync_dist=False)
         return metrics["loss"]
+
+    def on_fit_start(self) -> None:
+        """Refuse a callback that monitors a renamed metric, naming its new name (before any step runs)."""
+        check_metric_names([getattr(c, "monitor", None) for c in self.trainer.callbacks], "a Trainer callback")
+
+    # ------------------------------------------------------------------ parallel plumbing
+    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp",
+                           compute_dtype: Optional[torch.dtype] = None) -> None:
+        """Called by the strategy with the mesh, before it wraps or shards the module and before optimizers exist.
+
+        Args:
+            dims: the (dp, pp, cp) layout with its groups.
+            grad_average_size: ranks over which the strategy's wrapper AVERAGES gradients (the loss is scaled).
+            sharding: ``"fsdp"`` (FSDP2 sums the gradients of every rank's loss share) or ``"ddp"``.
+            compute_dtype: the dtype activations flow in between pipeline stages (FSDP2's mixed-precision
+                compute dtype), when it differs from the parameters'.
+
+        Under PP this rank keeps only its pipeline stage (the embeddings on the first stage, its decoder layers,
+        the final norm, ``lm_head`` and the draft on the last; with tied embeddings the first and the last stage
+        both hold the shared weight); every other submodule is replaced by a parameter-less placeholder
+        (``parallel.pipeline.prune_unowned``), so optimizers and checkpoints hold this stage's slice only. The
+        module is then bound to this stage: configuring it for another stage or mesh raises.
+        """
+        binding = (dims.pp, dims.pp_rank, self.config.layers_per_stage) if dims.pp_enabled else None
+        if self._stage_binding is not None and binding != self._stage_binding:
+            pp, stage, sizes = self._stage_binding
+            raise ValueError(f"this CoDraftModule holds only pipeline stage {stage} of pp={pp} (layers_per_stage="
+                             f"{sizes}; the other stages were pruned), so it cannot be configured for pp={dims.pp} "
+                             f"stage {dims.pp_rank}; build a fresh module for the new mesh and load a checkpoint")
+        self.parallel_dims = dims
+        self.grad_average_size = int(grad_average_size)
+        self.sharding = sharding
+        if not dims.pp_enabled or self._stage_binding is not None:
+            return
+        c = self.config
+        stage = dict(stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
+                     cp_group=dims.cp_group, layers_per_stage=c.layers_per_stage)
+        self.pipeline = PipelineRunner(self.policy, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule, **stage)
+        self.pipeline.activation_dtype = compute_dtype
+        keep = self.pipeline.stage_module.owned_modules() + ([self.draft] if dims.is_last_stage else [])
+        if self.reference is not None:
+            self.ref_pipeline = PipelineRunner(self.reference, schedule="gpipe", **stage)
+            self.ref_pipeline.activation_dtype = compute_dtype
+            keep += self.ref_pipeline.stage_module.owned_modules()
+        self.released_bytes += prune_unowned(self, keep)
+        self._stage_binding = binding
+
+    def full_state_dicts(self) -> tuple[Optional[dict[str, Tensor]], Optional[dict[str, Tensor]]]:
+        """Full HF-named ``(policy_state, draft_state)`` for a rollout engine; a collective under PP.
+
+        Without PP every rank gets both dicts. FSDP2 shards are gathered (a collective over the stage's dp x cp
+        ranks); under PP the stages' states are gathered onto the first stage (``pp_rank == 0``), which gets the
+        full dicts, the other stages get ``(None, None)``. Call on every rank.
+        """
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.state_dict().items()}
+        whole = gather_stage_states(state, self.parallel_dims.pp_group if self.pipeline else None)
+        if whole is None:
+            return None, None
+        policy = {k[len("policy."):]: v.detach() for k, v in whole.items() if k.startswith("policy.")}
+        draft = {k[len("draft."):]: v.detach() for k, v in whole.items() if k.startswith("draft.")}
+        return policy, draft

@@ -2,7 +2,7 @@
 
 Every quantity is row-local (the RL batch is next-token aligned, docs/design/interfaces.md), so under
 context or data parallelism each rank scores its own rows. The weights are the step's global ones
-(``training.objective.normalize_step``: token, sequence or constant aggregation, one denominator for the whole step), so
+(``training.normalize.normalize_step``: token, sequence or constant aggregation, one denominator for the whole step), so
 a sharded or microbatched run equals the single-process run exactly; without them the loss is the token mean over ALL
 masked tokens of the batch (its count all-reduced).
 """
@@ -53,7 +53,7 @@ def policy_gradient_loss(
     ``pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))`` (with ``dual_clip = c`` and ``A < 0``, verl's
     dual clip ``pg = min(pg, -A c)``) and, when ``kl_coef > 0``, ``kl = exp(ref - logp) - (ref - logp) - 1``
     (Schulman's k3, unbiased and >= 0). The loss is ``sum_t w_t (pg_t + kl_coef kl_t)``: with ``loss_weight`` given,
-    ``w`` is it (the step's global weights, ``training.objective.normalize_step``: no count crosses ranks and the
+    ``w`` is it (the step's global weights, ``training.normalize.normalize_step``: no count crosses ranks and the
     loss is this microbatch's share of the step's objective); without, ``w_t = mask_t / sum mask`` with the sum over
     every rank of ``group`` (the token mean of this batch).
 
@@ -80,9 +80,75 @@ def policy_gradient_loss(
         aggregation (TRL's ``kl`` / ``clip_ratio/region_mean``, verl's ``pg_clipfrac``: docs/rl.md); and
         ``num_tokens`` (scored rows).
     """
+    _check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_eps, clip_eps_high, kl_coef,
+                       loss_weight, dual_clip, ref_logprobs)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
+    mask = loss_mask.to(dtype)
+    logprobs_f = logprobs.to(dtype)
+    log_ratio = logprobs_f - old_logprobs.to(dtype)
+    pg, clipped = clipped_surrogate(log_ratio, advantages.to(dtype), clip_eps,
+                                    clip_eps if clip_eps_high is None else clip_eps_high, dual_clip)
+    kl = k3_kl(logprobs_f, ref_logprobs, grad=kl_coef > 0) if ref_logprobs is not None else torch.zeros_like(pg)
+    per_token = pg + kl_coef * kl if ref_logprobs is not None and kl_coef > 0 else pg
+    if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
+        weight = mask / reduced(mask.detach().sum(), group).clamp(min=1.0)
+    else:  # the step's global weights: the count is only a statistic, reduced with the others
+        weight = loss_weight.detach().to(dtype)
+    loss = (per_token * weight).sum()
+    with torch.no_grad():
+        per_tok = mask / (num_tokens if num_tokens is not None else  # the statistics' weights: token means
+                          reduced(mask.sum(), group).clamp(min=1.0))
+        sums = reduced(torch.stack([
+            (per_token * weight).sum(), (pg * weight).sum(), (kl * per_tok).sum(), (clipped * per_tok).sum(),
+            (torch.exp(log_ratio) * per_tok).sum(), (0.5 * log_ratio.square() * per_tok).sum(), mask.sum(),
+        ]), group)
+    return loss, dict(zip(("loss", "pg_loss", "kl", "clip_frac", "ratio", "approx_kl", "num_tokens"), sums))
+
+
+def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float,
+                      dual_clip: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """The per-token PPO clipped surrogate (verl's ``compute_policy_loss_vanilla`` before its aggregation).
+
+    Args:
+        log_ratio: ``(T,)`` ``log pi_theta - log pi_old`` (differentiable).
+        advantages: ``(T,)`` per-token advantages.
+        clip_eps, clip_eps_high: the ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]``.
+        dual_clip: verl's ``clip_ratio_c``: a negative-advantage token's loss is capped at ``-A c``; None: off.
+
+    Returns:
+        ``(pg, clipped)``: ``(T,)`` per-token losses ``max(-A r, -A clip(r))`` and ``(T,)`` 1.0 where the clipped
+        branch is the larger (detached).
+    """
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    if dual_clip is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * dual_clip), pg)
+    return pg, (pg_clipped > pg_unclipped).detach().to(pg.dtype)
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, grad: bool = True) -> Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per token: ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, >= 0).
+
+    Args:
+        logprobs: ``(T,)`` the current policy's log-probs (at least fp32).
+        ref_logprobs: ``(T,)`` the reference policy's.
+        grad: False: a statistic only (the difference is detached).
+    """
+    delta = ref_logprobs.to(logprobs.dtype) - logprobs
+    if not grad:
+        delta = delta.detach()
+    return torch.exp(delta) - delta - 1.0
+
+
+def _check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_eps, clip_eps_high, kl_coef,
+                       loss_weight, dual_clip, ref_logprobs) -> None:
+    """:func:`policy_gradient_loss`'s argument checks (shapes, ranges), raising ``ValueError``."""
     shape = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask)):
-        if t.shape != shape:
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask),
+                    ("loss_weight", loss_weight)):
+        if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; all are (T,) rows")
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
         raise ValueError(f"clip ranges must be >= 0, got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
@@ -90,53 +156,8 @@ def policy_gradient_loss(
         raise ValueError(f"kl_coef={kl_coef} must be >= 0")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (verl's clip_ratio_c, e.g. 3.0) or None")
-    if loss_weight is not None and loss_weight.shape != shape:
-        raise ValueError(f"loss_weight has shape {tuple(loss_weight.shape)} but logprobs has {tuple(shape)}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs (T,) from the reference policy")
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
-    mask = loss_mask.to(dtype)
-    logprobs_f = logprobs.to(dtype)
-    log_ratio = logprobs_f - old_logprobs.to(dtype)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.to(dtype)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    if dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
-    per_token = pg
-    if ref_logprobs is not None and kl_coef > 0:
-        delta = ref_logprobs.to(dtype) - logprobs_f
-        kl = torch.exp(delta) - delta - 1.0
-        per_token = pg + kl_coef * kl
-    elif ref_logprobs is not None:
-        delta = (ref_logprobs.to(dtype) - logprobs_f).detach()
-        kl = torch.exp(delta) - delta - 1.0
-    else:
-        kl = torch.zeros_like(pg)
-
-    if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
-        weight = mask / reduced(mask.detach().sum(), group).clamp(min=1.0)
-    else:  # the step's global weights: the count is only a statistic, reduced with the others
-        weight = loss_weight.detach().to(dtype)
-    loss = (per_token * weight).sum()
-
-    with torch.no_grad():
-        clipped = (pg_clipped > pg_unclipped).to(dtype)
-        per_tok = mask / (num_tokens if num_tokens is not None else  # the statistics' weights: token means
-                          reduced(mask.sum(), group).clamp(min=1.0))
-        sums = torch.stack([
-            (per_token * weight).sum(), (pg * weight).sum(), (kl * per_tok).sum(), (clipped * per_tok).sum(),
-            (ratio * per_tok).sum(), (0.5 * log_ratio.square() * per_tok).sum(), mask.sum(),
-        ])
-        sums = reduced(sums, group)
-    stats = {
-        "loss": sums[0], "pg_loss": sums[1], "kl": sums[2], "clip_frac": sums[3], "ratio": sums[4],
-        "approx_kl": sums[5], "num_tokens": sums[6],
-    }
-    return loss, stats
 
 
 def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, group: Optional[Any] = None,

@@ -50,12 +50,12 @@ def test_benchmark_smoke(tmp_path, script, args):
 
 def test_rollout_scale_smoke(tmp_path):
     text = _run("rollout_scale.py", "--worlds", "1,2", "--prompts", 2, "--group-size", 2, "--max-new-tokens", 8,
-                "--rounds", 1, "--out", tmp_path, "--recipe-overrides", "sft.steps=2", "draft.warmup_steps=2")
+                "--rounds", 1, "--out", tmp_path, "--recipe-overrides", "sft.steps=2", "draft.warm_start.steps=2")
     assert "| 2 | pp=2 | every rank |" in text and "[2, 2]" in text  # both ranks decoded a share
     assert "token for token" in (tmp_path / "rollout_scale.md").read_text()
 
 
-_TINY_RL = ["sft.steps=2", "draft.warmup_steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
+_TINY_RL = ["sft.steps=2", "draft.warm_start.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
             "task.eval_prompts=2", "task.eval_every=2"]
 
 
@@ -77,7 +77,7 @@ def test_rollout_smoke(tmp_path):
     text = _run("rollout.py", "--models", "tiny", "--batch-sizes", "1,2", "--temperatures", 1, "--max-new-tokens", 8,
                 "--repeats", 1, "--min-cpu-s", 0, "--long-tail-batch", 2, "--out", tmp_path,
                 "--work-dir", tmp_path / "work",
-                "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+                "--tiny-overrides", "sft.steps=2", "draft.warm_start.steps=2")
     assert "adaptive / max(no draft, fixed K=4)" in text and "LOSSLESSNESS" not in text
     md = (tmp_path / "rollout.md").read_text()
     assert "identical in every cell" in md and "## Goals (issue #14)" in md and "| tiny | 2 | 1 |" in md
@@ -91,7 +91,7 @@ def test_rollout_smoke(tmp_path):
     # the long tail's bound from the same run's speed-ups (and the same warm weights)
     text = _run("long_tail_bound.py", "--model", "tiny", "--speedups", tmp_path / "rollout.json", "--long-tail-batch",
                 2, "--repeats", 1, "--ks", "1,2", "--block-rounds", 2, "--out", tmp_path / "bound",
-                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warm_start.steps=2")
     assert "Bound on the whole batch" in text and "blocks at the full width (B=2, fixed k" in text
     res = json.loads((tmp_path / "bound" / "long_tail_bound.json").read_text())
     best = res["best"].values()
@@ -105,7 +105,7 @@ def test_rollout_smoke_in_bfloat16(tmp_path):
     are counted in the report, not failed."""
     text = _run("rollout.py", "--models", "tiny", "--batch-sizes", "2", "--temperatures", 0, "--max-new-tokens", 8,
                 "--repeats", 1, "--min-cpu-s", 0, "--long-tail-batch", 0, "--out", tmp_path, "--dtype", "bfloat16",
-                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warmup_steps=2")
+                "--work-dir", tmp_path / "work", "--tiny-overrides", "sft.steps=2", "draft.warm_start.steps=2")
     assert "tiny bfloat16" in text and "LOSSLESSNESS" not in text
     md = (tmp_path / "rollout.md").read_text()
     assert "decoding in bfloat16" in md and "| tiny bfloat16 | 2 | 0 |" in md
@@ -115,7 +115,7 @@ def test_rollout_smoke_in_bfloat16(tmp_path):
 def test_rl_seeds_smoke(tmp_path):
     text = _run("rl_seeds.py", "--seeds", 0, 1, 2, "--out", tmp_path, "--runs", tmp_path / "runs", "--eval-every", 1,
                 "--settings", "recipe", "--setting", "lr x2:rl.lr=1e-4", "model.num_hidden_layers=4", "sft.steps=2",
-                "draft.warmup_steps=2", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
+                "draft.warm_start.steps=2", "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2",
                 "rl.max_new_tokens=8", "task.eval_prompts=4")
     assert "paired over 3 seeds" in text and "| lr x2 | `rl.lr=1e-4` |" in text
     md = (tmp_path / "rl_heldout.md").read_text()
@@ -188,7 +188,7 @@ def test_draft_fit_ablation_of_the_losses_at_the_same_steps_smoke(tmp_path):
 
 def test_recipe_run_smoke(tmp_path):
     text = _run("recipe_run.py", "--config", "recipes/tiny-cpu.yaml", "--name", "page", "--out", tmp_path,
-                f"run.out_dir={tmp_path / 'run'}", "model.num_hidden_layers=4", "sft.steps=2", "draft.warmup_steps=2",
+                f"run.out_dir={tmp_path / 'run'}", "model.num_hidden_layers=4", "sft.steps=2", "draft.warm_start.steps=2",
                 "rl.steps=2", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8",
                 "task.eval_prompts=2", "run.checkpoint_every=0", "run.progress=false")
     assert "rollout speed-up with the cotrain draft" in text and "held-out sequences, batch" in text
@@ -257,7 +257,7 @@ def test_vs_trl_smoke(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     tiny = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
             "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-            "sft.steps=2", "draft.warmup_steps=2"]
+            "sft.steps=2", "draft.warm_start.steps=2"]
     out = subprocess.run([python, str(REPO / "benchmarks" / "vs_trl.py"), "--seeds", "0", "1", "--steps", "2",
                           "--batches", "all", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "8",
                           "--work", str(tmp_path / "work"), "--out", str(tmp_path), *tiny],
@@ -281,7 +281,7 @@ def test_long_tail_main_smoke(tmp_path):
     to the call's, and the completions' lengths stay within the budget."""
     tiny = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
             "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-            "sft.steps=2", "draft.warmup_steps=2"]
+            "sft.steps=2", "draft.warm_start.steps=2"]
     text = _run("long_tail_main.py", "--prompts", 2, "--group", 2, "--max-new-tokens", 8, "--repeats", 2,
                 "--work", tmp_path / "work", "--out", tmp_path, *tiny)
     assert "| rows still decoding |" in text and "Whole call, wall time" in text

@@ -194,13 +194,12 @@ def test_benchmark_smoke(tmp_path):
 
 
 def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatch):
-    """The recipe's draft.warm_start (and draft vocabulary) equal benchmarks/draft_warmstart.py's defaults, so the
+    """The recipe's draft.warm_start.corpus (and draft vocabulary) equal benchmarks/draft_warmstart.py's defaults, so the
     benchmark's run is the cache the recipe loads; and both hold out the recipe's evaluation problems."""
     import importlib.util
 
     from conftest import REPO
     from lightning_codraft.config import load_config
-    from lightning_codraft.rl.warmup import warm_start_settings
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as when run as a script: its folder's pages.py
     spec = importlib.util.spec_from_file_location("draft_warmstart_bench", REPO / "benchmarks" / "draft_warmstart.py")
@@ -208,7 +207,7 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatc
     spec.loader.exec_module(bench)
     args = bench.parse_args([])
     cfg = load_config(REPO / "recipes" / "smollm2-135m-cpu.yaml")
-    ours, theirs = warm_start_settings(cfg), bench.warm_start_settings(args)
+    ours, theirs = cfg.draft.warm_start.corpus, bench.warm_start_settings(args)
     # the cache key hashes the settings' JSON, where 3480 and 3480.0 differ (a recipe writing an int missed the
     # benchmark's cache): compare that, not only dataclass equality
     assert json.dumps(asdict(ours), sort_keys=True) == json.dumps(asdict(theirs), sort_keys=True)
@@ -250,3 +249,31 @@ def test_each_stage_owns_its_cache_key():
     legacy = asdict(base)
     del legacy["fit"]["loss_type"]
     assert d0 == _digest(c0, asdict(draft.config), legacy)
+
+
+def test_cache_keys_survive_the_settings_move():
+    """The settings moved to distill/settings.py and the corpus' fields are read from field metadata: every key of
+    a cache written before stays what it was (these digests were computed by the code before the move)."""
+    from dataclasses import dataclass
+
+    from lightning_codraft.distill.settings import DraftFitConfig
+    from lightning_codraft.distill.stages import FEATURE_FIELDS, GENERATION_FIELDS, corpus_key, draft_key, features_key
+
+    @dataclass
+    class Config:
+        a: int = 1
+
+    class Draft:
+        config = Config()
+
+    assert set(GENERATION_FIELDS) == {"num_prompts", "heldout_prompts", "max_new_tokens", "temperature", "top_p",
+                                      "generation_batch", "generation_budget_s", "generation_dtype", "seed",
+                                      "time_budget_s", "generation_share"}
+    assert FEATURE_FIELDS == ("feature_dtype", "feature_precision")
+    out = []
+    for s in (WarmStartSettings(num_prompts=7, generation_budget_s=30, fit=DraftFitConfig(epochs=3, loss_type="tv")),
+              WarmStartSettings()):
+        c = corpus_key("pol", [[1, 2], [3]], s)
+        out += [c, features_key(c, torch.arange(5), (1, 2), s), draft_key(c, Draft(), s)]
+    assert out == ["59679c4ba22ea35dcd51f3c7", "7971d1ff81cefbd7beed0c79", "f44fd6ee4084406309f0e0b0",
+                   "1ed6e3438e27c9f0a7c7bd82", "dc09db9abfe3f888ac1ca18d", "5fe819c1bb4daebf2e083077"]

@@ -11,7 +11,7 @@ from conftest import REPO
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
         "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-        "draft.warmup_steps=2", "draft.warmup_batch_size=4", "rl.steps=2", "rl.prompts_per_step=2",
+        "draft.warm_start.steps=2", "draft.warm_start.batch_size=4", "rl.steps=2", "rl.prompts_per_step=2",
         "rl.group_size=2", "rl.max_new_tokens=8", "task.eval_prompts=0", "run.progress=false"]
 
 
@@ -44,8 +44,8 @@ def test_custom_jsonl_task_with_two_weighted_rewards_in_trainer_fit(tmp_path):
 @pytest.mark.slow
 def test_gsm8k_with_the_math_reward_in_trainer_fit(tmp_path):
     module = _example("grpo_trainer").main([
-        "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "draft.warm_start=null",
-        "draft.warmup_steps=0", "task.eval_prompts=2", "task.eval_every=1", f"run.out_dir={tmp_path}"])
+        "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "draft.warm_start.corpus=null",
+        "draft.warm_start.steps=0", "task.eval_prompts=2", "task.eval_every=1", f"run.out_dir={tmp_path}"])
     rows = _rows(tmp_path / "version_0" / "metrics.csv")
     assert any(r.get("reward/correct") for r in rows) and any(r.get("eval_accuracy") for r in rows)
     assert module.cfg.task.name == "gsm8k" and (tmp_path / "checkpoints" / "last.ckpt").is_dir()

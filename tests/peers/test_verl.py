@@ -17,7 +17,7 @@ import torch
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.rl.experience import group_advantages
-from lightning_codraft.training.objective import normalize_step
+from lightning_codraft.training.normalize import normalize_step
 from lightning_codraft.training.rl_loss import policy_gradient_loss
 
 pytestmark = pytest.mark.peers

@@ -60,7 +60,7 @@ def test_a_conversational_column_reaches_the_policy_through_the_template(tmp_pat
     tok.save_pretrained(model_dir)
     cfg = micro_config(tmp_path / "run", f"model.source={model_dir}", "task.name=dataset",
                        f"task.source={_data(tmp_path)}", "task.heldout=4", "task.eval_prompts=0", "sft.steps=0",
-                       "draft.warmup_steps=0", "rl.steps=1", "run.log_completions=4",
+                       "draft.warm_start.steps=0", "rl.steps=1", "run.log_completions=4",
                        "task.rewards=[{fn: 'rewards_for_tests:conversational_only'}]")
     requests = []
     generate = RolloutWorker.generate

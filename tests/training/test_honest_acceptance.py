@@ -51,7 +51,7 @@ def test_implied_acceptance_equals_greedy_verification_with_a_small_draft_vocabu
     assert oov.mean() > 0.1  # the case exercises out-of-vocabulary top-1s
     assert float(out.metrics["draft/oov_share"]) == pytest.approx(float(oov.mean()), abs=1e-6)
     assert float(out.metrics["draft/acc_step0"]) == pytest.approx(float(accepted.mean()), abs=1e-6)
-    assert float(out.metrics["draft/acceptance_length"]) == pytest.approx(1 + float(accepted.mean()), abs=1e-6)
+    assert float(out.metrics["draft/top1_acceptance"]) == pytest.approx(1 + float(accepted.mean()), abs=1e-6)
     # the old conditional figure (in-vocabulary rows only) would overstate it by 1 / (1 - oov share)
     conditional = float(accepted.sum() / (1 - oov).sum())
     assert conditional > float(out.metrics["draft/acc_step0"]) + 0.01

@@ -14,10 +14,10 @@ def test_accuracy_and_acceptance_length():
     for k in range(3):
         assert float(out[f"acc/step{k}"]) == pytest.approx(acc[k])
     expected = 1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
-    assert float(out["acceptance_length"]) == pytest.approx(expected)
+    assert float(out["top1_acceptance"]) == pytest.approx(expected)
     m.reset()
     m.update(torch.zeros(3), torch.zeros(3))
-    assert float(m.compute()["acceptance_length"]) == 1.0
+    assert float(m.compute()["top1_acceptance"]) == 1.0
 
 
 def test_errors():
@@ -47,4 +47,15 @@ def test_reduction_across_two_processes():
     for r in results:
         assert r["acc/step0"] == pytest.approx(acc0)
         assert r["acc/step1"] == pytest.approx(acc1)
-        assert r["acceptance_length"] == pytest.approx(1 + acc0 + acc0 * acc1)
+        assert r["top1_acceptance"] == pytest.approx(1 + acc0 + acc0 * acc1)
+
+
+def test_a_renamed_metric_is_refused_by_its_new_name():
+    """``draft/acceptance_length`` named the top-1-implied figure beside the engine's measured
+    ``acceptance_length``: it is ``draft/top1_acceptance`` now, and asking for the old name says so."""
+    from lightning_codraft.training.metrics import RENAMED_METRICS, check_metric_names
+
+    assert RENAMED_METRICS == {"draft/acceptance_length": "draft/top1_acceptance"}
+    check_metric_names(["draft/top1_acceptance", "acceptance_length", None], "test")
+    with pytest.raises(KeyError, match="'draft/acceptance_length', renamed 'draft/top1_acceptance'"):
+        check_metric_names(["loss", "draft/acceptance_length"], "a Trainer callback")

@@ -35,7 +35,7 @@ def test_one_backward_keeps_the_two_losses_apart():
         torch.testing.assert_close(g[n], 0.5 * g_draft[n], rtol=1e-5, atol=1e-9)
     assert joint.metrics["loss"].item() == pytest.approx(
         rl_only.metrics["loss"].item() + 0.5 * joint.metrics["draft/loss"].item(), rel=1e-6)
-    assert 1.0 <= joint.metrics["draft/acceptance_length"].item() <= 4.0
+    assert 1.0 <= joint.metrics["draft/top1_acceptance"].item() <= 4.0
 
 
 def test_draft_loss_value_is_the_draft_loss_function():

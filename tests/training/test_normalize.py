@@ -9,7 +9,7 @@ from codraft_fixtures import make_batch, make_models
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.training import CoDraftModule
-from lightning_codraft.training.objective import normalize_step
+from lightning_codraft.training.normalize import normalize_step
 from lightning_codraft.training.rl_loss import policy_gradient_loss, token_logprobs
 
 L_MAX = 16  # max_new_tokens of the constant aggregation

@@ -21,6 +21,6 @@ def test_step_metrics_sum_draft_counts_and_report_the_implied_acceptance_length(
     assert metrics["draft/oov_share"].item() == pytest.approx(1 - 12 / 16)
     a0, a1 = 6 / 8, 3 / 8
     assert metrics["draft/acc_step0"].item() == pytest.approx(a0)
-    assert metrics["draft/acceptance_length"].item() == pytest.approx(1 + a0 + a0 * a1)
+    assert metrics["draft/top1_acceptance"].item() == pytest.approx(1 + a0 + a0 * a1)
     metrics, counts = step_metrics([MicrobatchRecord({"loss": torch.tensor(1.0)})])
     assert counts is None and set(metrics) == {"loss"}

@@ -27,7 +27,7 @@ def test_module_schedule_warms_up_then_decays():
 
 
 def test_the_lr_warmup_knobs_say_lr():
-    """``draft_warmup_steps`` read like the recipe's draft warm-up (``draft.warmup_steps``); the LR ramp's knobs are
+    """``draft_warmup_steps`` read like the recipe's draft warm-up (``draft.warm_start.steps``); the LR ramp's knobs are
     ``*_lr_warmup_steps`` and the old names are refused with the new one."""
     with pytest.raises(TypeError, match="draft_lr_warmup_steps"):
         CoDraftModule(*make_models(), draft_warmup_steps=2)

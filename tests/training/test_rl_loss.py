@@ -114,7 +114,7 @@ def test_statistics_are_token_means_under_every_aggregation(aggregation):
     of the region-clipped indicator (``r < 1 - eps`` with ``A < 0`` or ``r > 1 + eps_high`` with ``A > 0``), while
     the loss keeps the aggregation's weights (tests/peers holds them against verl's own functions)."""
     from lightning_codraft.batch import RLBatch
-    from lightning_codraft.training.objective import normalize_step
+    from lightning_codraft.training.normalize import normalize_step
 
     g = torch.Generator().manual_seed(4)
     lengths = [2, 7, 3]
