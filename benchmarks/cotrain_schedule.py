@@ -4,7 +4,7 @@
     python benchmarks/cotrain_schedule.py --losses [--name cotrain_losses] [...]
 
 Schedule mode: arms no draft / frozen draft / co-trained every step / co-trained adaptively (``draft.schedule``),
-from one warm start and the same seeds, steps interleaved (rl/compare.py). Reports per arm the acceptance over the
+from one warm start and the same seeds, steps interleaved (rl/reports/compare.py). Reports per arm the acceptance over the
 last half, the training step's seconds (and its ratio to the frozen arm's), the draft updates taken, the speed-ups
 over no draft; the paired adaptive - every-step acceptance over the last half (95% CI); and how well the implied
 acceptance (training/implied.py, one draft forward on the step's taps) tracks the acceptance the engine measured
@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.compare import CompareResult, run_side_by_side
-from lightning_codraft.rl.logs import plot_curves, read_metrics
-from lightning_codraft.rl.loop import FitResult
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.reports.compare import CompareResult, run_side_by_side
+from lightning_codraft.rl.reports.run_log import plot_curves, read_metrics
+from lightning_codraft.rl.run.loop import FitResult
+from lightning_codraft.rl.reports.stats import paired_difference
 from pages import command, write_json, write_page
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import torch
 import draft_warmstart as ws
 from lightning_codraft.distill.calibration import calibrate_draft_temperature
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.reports.stats import paired_difference
 from pages import command, pyplot, save_figure, write_json
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,7 +38,7 @@ from lightning_codraft.distill.cache import compact_vocab, pack_batches
 from lightning_codraft.distill.fit import draft_batch_loss, fit_draft
 from lightning_codraft.distill.stages import install_vocab
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.reports.stats import paired_difference
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from pages import command, pyplot, save_figure, write_json
 

@@ -36,7 +36,7 @@ from lightning_codraft.distill.fit import DraftFitConfig
 from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.gsm8k import TRAIN_PATH
+from lightning_codraft.rl.tasks.gsm8k import TRAIN_PATH
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from pages import command, pyplot, save_figure, write_json
 
@@ -57,15 +57,15 @@ class _FixedTask:
 def _build(args):
     if args.smoke:
         from lightning_codraft.models.tokenizer import CharTokenizer
-        from lightning_codraft.rl.tasks import ArithmeticTask
+        from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask
 
         tok = CharTokenizer()
         torch.manual_seed(0)
         policy = Policy(PolicyConfig.tiny(vocab_size=tok.vocab_size, num_hidden_layers=5, max_position_embeddings=96))
         return tok, policy.eval(), _FixedTask(ArithmeticTask(max_terms=4).sample(40, seed=1))
     from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
-    from lightning_codraft.rl.build import HFTokenizer
-    from lightning_codraft.rl.gsm8k import GSM8KTask
+    from lightning_codraft.rl.run.build import HFTokenizer
+    from lightning_codraft.rl.tasks.gsm8k import GSM8KTask
 
     policy = Policy.from_pretrained(smollm2_135m_path()).eval()
     return HFTokenizer(load_smollm2_tokenizer()), policy, GSM8KTask(source=str(args.gsm8k))

@@ -4,7 +4,7 @@
     python benchmarks/drift.py --ablation [...]        # co-train every N steps, draft loss weight lambda
 
 Main mode: arms no draft / frozen draft / co-trained draft from the same seeds and the same warm start, steps
-interleaved (lightning_codraft.rl.compare), on a recipe whose RL really moves the policy (recipes/tiny-drift.yaml:
+interleaved (lightning_codraft.rl.reports.compare), on a recipe whose RL really moves the policy (recipes/tiny-drift.yaml:
 SFT on mostly `symbols` solutions, RL rewarding `words` solutions). Reports per step reward, KL from the start
 policy, greedy agreement with it, acceptance length, rollout and step time; per arm the speed-ups over no draft;
 and judges co-trained against frozen by paired per-step differences over the last half of the run (mean, 95% CI).
@@ -24,8 +24,8 @@ import math
 from pathlib import Path
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.compare import CompareResult, compare_arms, run_side_by_side
-from lightning_codraft.rl.logs import plot_curves
+from lightning_codraft.rl.reports.compare import CompareResult, compare_arms, run_side_by_side
+from lightning_codraft.rl.reports.run_log import plot_curves
 
 REPO = Path(__file__).resolve().parent.parent
 

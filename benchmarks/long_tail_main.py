@@ -28,8 +28,8 @@ import torch
 
 from lightning_codraft.config import load_config
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.build import build_draft, build_policy, build_task, fit_prompts
-from lightning_codraft.rl.checkpoints import warm_state
+from lightning_codraft.rl.run.build import build_draft, build_policy, build_task, fit_prompts
+from lightning_codraft.rl.run.run_dir import warm_state
 from lightning_codraft.rl.step import step_prompts
 from lightning_codraft.rollout import SpeculativeEngine
 from lightning_codraft.rollout.adaptive import SpeculationController

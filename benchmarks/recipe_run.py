@@ -1,6 +1,6 @@
 """One recipe end to end, reported: ``codraft fit --config RECIPE`` and what it printed, as a markdown page.
 
-The run is exactly the CLI's (:func:`lightning_codraft.rl.loop.fit` on ``load_config(RECIPE, overrides)``); this
+The run is exactly the CLI's (:func:`lightning_codraft.rl.run.loop.fit` on ``load_config(RECIPE, overrides)``); this
 script adds the page: conditions (machine, threads, load), the run's summary (reward, greedy accuracy on the task's
 held-out problems before / after RL, acceptance length, and the rollout speed-up over plain decoding that the run
 measures at its end on held-out problems, with its batch size, temperature and K), the draft warm start's lines,
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.loop import fit
+from lightning_codraft.rl.run.loop import fit
 from pages import command, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def write_page(out: Path, name: str, res: dict) -> str:
              "Summary:", "", "```", *res["summary"].splitlines(), "```", ""]
     if res["speedup"]:
         s = res["speedup"]
-        lines += [f"The speed-up is measured by the run at its end (`rl.evaluate.measure_speedup`): the final policy "
+        lines += [f"The speed-up is measured by the run at its end (`rl.run.evaluate.measure_speedup`): the final policy "
                   f"and draft decode the same {s['sequences']} requests (held-out problems x samples) with and "
                   f"without the draft, best of 3 interleaved runs each, wall time: plain {s['plain_s']:.1f} s, "
                   f"speculative {s['spec_s']:.1f} s.", ""]

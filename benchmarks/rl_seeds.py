@@ -11,7 +11,7 @@
    the rollout temperature (``eval_reward``, what RL optimises; the step's own reward mixes in which prompts the
    step drew). Reports held-out greedy accuracy before -> after per seed, mean and spread over seeds, and the
    paired per-seed difference after - before with its 95% Student-t confidence interval
-   (``lightning_codraft.rl.stats.paired_difference``).
+   (``lightning_codraft.rl.reports.stats.paired_difference``).
 2. **Settings.** Each named setting (overrides of the recipe) runs the RL phase again for every seed from that
    seed's own warmed-up weights (``run.init_from``: same start policy, same held-out score before RL), with the
    draft off and the engine decoding a whole step's batch at once (``draft.mode=none
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_codraft.config import CoDraftConfig, load_config, to_yaml
-from lightning_codraft.rl.compare import isolated
-from lightning_codraft.rl.logs import plot_curves
-from lightning_codraft.rl.loop import CoDraftRun
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.reports.compare import isolated
+from lightning_codraft.rl.reports.run_log import plot_curves
+from lightning_codraft.rl.run.loop import CoDraftRun
+from lightning_codraft.rl.reports.stats import paired_difference
 from pages import command, write_json
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ Models (built with the library, the way the recipes build them):
   (``CoDraftRun(load_config("recipes/tiny-cpu.yaml")).setup()``; the warm weights ``<work-dir>/tiny/warm/weights.pt``
   are reused by later runs through ``run.init_from``). Prompts: arithmetic problems drawn with a benchmark seed,
   minus every prompt of the draft warm-up's pool (``task.sample(n, run.seed + POOL_SEED)``, regenerated here).
-- ``smollm2``: SmolLM2-135M-Instruct (``rl.build.build_policy`` with the smollm2-135m-cpu recipe's model section,
+- ``smollm2``: SmolLM2-135M-Instruct (``rl.run.build.build_policy`` with the smollm2-135m-cpu recipe's model section,
   chat template through ``encode_prompt``) and the draft saved by ``distill.warmstart`` at ``--smollm2-draft``
   (``Eagle3Draft.from_pretrained``). Prompts: the held-out GSM8K problems of ``split_prompts`` (the last
   ``--heldout`` problems of the GSM8K file, never trained on).
@@ -50,9 +50,9 @@ from lightning_codraft.config import load_config
 from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.build import build_policy
-from lightning_codraft.rl.gsm8k import GSM8KTask
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.run.build import build_policy
+from lightning_codraft.rl.tasks.gsm8k import GSM8KTask
+from lightning_codraft.rl.reports.stats import paired_difference
 from lightning_codraft.distill.pool import POOL_SEED, pool_prompts
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from pages import pyplot, save_figure, write_json
@@ -94,7 +94,7 @@ class Model:
 
 def tiny_model(args) -> Model:
     """The tiny-cpu recipe's warmed-up policy and draft; prompts outside the draft warm-up's pool."""
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     work = Path(args.work_dir)
     warm = work / "tiny" / "warm" / "weights.pt"
@@ -159,7 +159,7 @@ def smollm2_model(args) -> Model:
                          f"--long-tail-tokens {args.long_tail_tokens}; raise --heldout")
     report_file = draft_dir / "report.json"
     rep = json.loads(report_file.read_text()) if report_file.is_file() else {}
-    notes = ["policy: SmolLM2-135M-Instruct (`rl.build.build_policy`, smollm2-135m-cpu recipe's model section, "
+    notes = ["policy: SmolLM2-135M-Instruct (`rl.run.build.build_policy`, smollm2-135m-cpu recipe's model section, "
              "fp32), chat template via `encode_prompt`",
              f"draft: `{draft_dir.name}` (`distill.warmstart` self-distillation warm start of "
              f"{rep.get('total_s', float('nan')) / 60:.0f} minutes: {rep.get('prompts', '?')} of the policy's own "

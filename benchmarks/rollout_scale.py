@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, args, out: str, init_from, queue) 
     torch.set_num_threads(1)
     try:
         from lightning_codraft.models.tokenizer import encode_prompt
-        from lightning_codraft.rl.loop import CoDraftRun
+        from lightning_codraft.rl.run.loop import CoDraftRun
         from lightning_codraft.rl.rollout_worker import rollout_seed
 
         cfg = _config(args, Path(out), world, init_from)

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.build import build_policy, build_task
-from lightning_codraft.rl.loop import CoDraftRun
-from lightning_codraft.rl.rewards import RewardTerm
+from lightning_codraft.rl.run.build import build_policy, build_task
+from lightning_codraft.rl.run.loop import CoDraftRun
+from lightning_codraft.rl.tasks.rewards import RewardTerm
 from lightning_codraft.rl.step import step_prompts
-from lightning_codraft.rl.tasks import arithmetic_reward
+from lightning_codraft.rl.tasks.arithmetic import arithmetic_reward
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def library_arm(args, overrides, warm: Path, seed: int, batch, tmp: Path) -> lis
 
 def export_policy(args, warm: Path, work: Path) -> Path:
     """The warm policy as a Hugging Face directory with its tokenizer (what TRL loads)."""
-    from lightning_codraft.rl.checkpoints import warm_state
+    from lightning_codraft.rl.run.run_dir import warm_state
 
     target = work / "policy_hf"
     if not (target / "config.json").is_file():

@@ -10,10 +10,10 @@ import lightning.pytorch as pl
 
 from lightning_codraft.config import load_config
 from lightning_codraft.pytorch import CoDraftStrategy
-from lightning_codraft.rl.data_task import DatasetTask
-from lightning_codraft.rl.reward_funcs import math_equivalence
-from lightning_codraft.rl.rewards import RewardTerm
-from lightning_codraft.rl.trainer import GRPOModule, PromptData
+from lightning_codraft.rl.tasks.dataset import DatasetTask
+from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
+from lightning_codraft.rl.tasks.rewards import RewardTerm
+from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
 
 def brevity(prompts, completions, **columns):  # TRL's signature: batched, the data set's columns as keywords

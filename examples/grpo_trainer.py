@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 
 from lightning_codraft.config import load_config
 from lightning_codraft.pytorch import CoDraftStrategy
-from lightning_codraft.rl.trainer import GRPOModule, PromptData
+from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import lightning_codraft.rl
+import lightning_codraft.rl.tasks
 from lightning_codraft.attention import pack_documents, shift_left_local
 from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.vocab import count_tokens
 from lightning_codraft.models.tokenizer import CharTokenizer
-from lightning_codraft.rl.tasks import ArithmeticTask
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask
 from lightning_codraft.training.draft_loss import ttt_draft_loss
 from lightning_codraft.training.metrics import DraftAcceptance
 
-CORPUS = Path(lightning_codraft.rl.__file__).parent / "data" / "gsm8k_excerpt.jsonl"
+CORPUS = Path(lightning_codraft.rl.tasks.__file__).parent / "data" / "gsm8k_excerpt.jsonl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

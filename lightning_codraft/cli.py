@@ -27,8 +27,8 @@ from typing import Sequence
 
 from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
-from lightning_codraft.rl.preflight import preflight
-from lightning_codraft.rl.rewards import RewardError
+from lightning_codraft.rl.run.preflight import preflight
+from lightning_codraft.rl.tasks.rewards import RewardError
 
 # The commands' own modules (torch, Lightning: seconds to import) are imported when a command runs, so that
 # `codraft --version`, `--help` and a config error answer at once (tests/test_first_run.py times them).
@@ -156,14 +156,14 @@ def _cmd_plan(cfg: CoDraftConfig, device_memory: int, as_json: bool) -> int:
 
 
 def _check_before_launch(cfg: CoDraftConfig) -> None:
-    """:func:`~lightning_codraft.rl.preflight.preflight`: raise :class:`ConfigError` listing every problem."""
+    """:func:`~lightning_codraft.rl.run.preflight.preflight`: raise :class:`ConfigError` listing every problem."""
     problems = preflight(cfg)
     if problems:
         raise ConfigError("checked before launch:\n  " + "\n  ".join(problems))
 
 
 def _cmd_fit(cfg: CoDraftConfig) -> int:
-    from lightning_codraft.rl.loop import fit
+    from lightning_codraft.rl.run.loop import fit
 
     _check_before_launch(cfg)
     fit(cfg)
@@ -172,7 +172,7 @@ def _cmd_fit(cfg: CoDraftConfig) -> int:
 
 def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
     from lightning_codraft.models.tokenizer import encode_prompt
-    from lightning_codraft.rl.loop import load_for_rollout
+    from lightning_codraft.rl.run.loop import load_for_rollout
     from lightning_codraft.rollout.engine import AcceptanceStats
 
     run = load_for_rollout(cfg)
@@ -200,7 +200,7 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
 
 
 def _cmd_bench(cfg: CoDraftConfig, args) -> int:
-    from lightning_codraft.rl.compare import compare_arms, write_report
+    from lightning_codraft.rl.reports.compare import compare_arms, write_report
 
     res = compare_arms(cfg)
     print(res.table())
@@ -211,7 +211,7 @@ def _cmd_bench(cfg: CoDraftConfig, args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from lightning_codraft.rl.export import export_run
+    from lightning_codraft.rl.run.run_dir import export_run
 
     paths = export_run(args.run_dir, args.out_dir, args.step)
     for kind, path in paths.items():
@@ -223,7 +223,7 @@ def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
     """Where an interrupted ``fit`` stopped and how to go on, in one sentence."""
     if cfg is None or args.command != "fit":
         return "Nothing was saved."
-    from lightning_codraft.rl.checkpoints import RunCheckpoints
+    from lightning_codraft.rl.run.run_dir import RunCheckpoints
 
     last = RunCheckpoints(cfg.run.out_dir, fabric=None).last()  # a complete one: what a resume would load
     if last is None:
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
             return 1
-        checkpoints = sys.modules.get("lightning_codraft.rl.checkpoints")  # loaded when a checkpoint was read
+        checkpoints = sys.modules.get("lightning_codraft.rl.run.run_dir")  # loaded when a checkpoint was read
         if checkpoints is not None and isinstance(e, checkpoints.CheckpointError):
             print(f"codraft {args.command}: error: {e}", file=sys.stderr)
             return 2

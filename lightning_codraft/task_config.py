@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 REWARD_BUILTINS = ("exact_answer", "math_equivalence", "format_match", "length_penalty")
-"""Names of the built-in rewards (rl/reward_funcs.py ``BUILTINS``; this module imports nothing of the library)."""
+"""Names of the built-in rewards (rl/tasks/reward_funcs.py ``BUILTINS``; this module imports nothing of the library)."""
 ANSWER_REWARDS = ("exact_answer", "math_equivalence")
 """The built-ins that score against the reference answer: they need ``task.answer_column``."""
 STYLES = ("symbols", "words")
-"""How the arithmetic task's worked solutions are written (rl/tasks.py reads them from here)."""
+"""How the arithmetic task's worked solutions are written (rl/tasks/arithmetic.py reads them from here)."""
 TASKS = ("arithmetic", "gsm8k", "dataset")
 """The task names of ``task.name``."""
 RETIRED = {("on_reward_error", "warn"): "'warn' scored a failed reward 0 and trained on it; use 'raise' (the "

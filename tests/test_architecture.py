@@ -172,3 +172,20 @@ def test_the_benchmark_index_names_every_page():
     pages = {p.name for p in folder.glob("*.md")} - {"README.md"}
     assert pages - linked == set(), f"pages the index does not name: {sorted(pages - linked)}"
     assert linked - pages == set(), f"the index links pages that do not exist: {sorted(linked - pages)}"
+
+
+def test_every_file_of_the_benchmark_folder_belongs_to_a_page_and_carries_no_date():
+    """docs/benchmarks/README.md's naming rule: each file or folder is ``<page>.<ext>`` / ``<page>_<what>...`` of a
+    page of the folder, or a page names it; no name carries a date (a rerun replaces its page)."""
+    folder = ROOT.parent / "docs" / "benchmarks"
+    pages = {p.stem for p in folder.glob("*.md")} - {"README"}
+    text = "\n".join(p.read_text() for p in folder.glob("*.md"))
+    for entry in folder.iterdir():
+        name = entry.name
+        assert not re.search(r"\d{4}-\d{2}-\d{2}", name), f"{name}: a dated name (the naming rule: no dates)"
+        if entry.suffix == ".md":
+            continue
+        stem = name.split(".")[0]
+        owned = any(stem == p or stem.startswith(p + "_") for p in pages)
+        assert owned or name in text, f"{name} belongs to no page of docs/benchmarks and no page names it"
+

@@ -136,7 +136,7 @@ CASES = [
     Case("a non-finite reward weight", dry("task.rewards=[{fn: format_match, weight: .inf}]"), 2,
          "task.rewards[0].weight=inf must be a finite number"),
     Case("S4: a misspelt option of a built-in reward", dry("task.rewards=[{fn: length_penalty, kwargs: {max_charz: 1}}]"),
-         2, "task.rewards[0].kwargs.max_charz: lightning_codraft.rl.reward_funcs:length_penalty has no option "
+         2, "task.rewards[0].kwargs.max_charz: lightning_codraft.rl.tasks.reward_funcs:length_penalty has no option "
             "'max_charz' (did you mean 'max_chars'?)"),
     Case("S4: a misspelt option of your reward",
          dry("task.rewards=[{fn: 'rewards_for_tests:scaled_length', kwargs: {scal: 2}}]"), 2,

@@ -89,7 +89,7 @@ def test_version_and_only_config_errors_say_config_error(monkeypatch, capsys):
     def deep_failure(cfg):
         raise ValueError("a shape mismatch deep inside training")
 
-    monkeypatch.setattr("lightning_codraft.rl.loop.fit", deep_failure)  # the CLI imports it when fit runs
+    monkeypatch.setattr("lightning_codraft.rl.run.loop.fit", deep_failure)  # the CLI imports it when fit runs
     assert main(["fit", "--config", TINY]) == 1
     err = capsys.readouterr().err
     assert "config error" not in err and "ValueError: a shape mismatch deep inside training" in err
@@ -173,7 +173,7 @@ def test_dry_run_shows_the_memory_of_both_phases(capsys):
 
 def test_the_smollm2_dry_run_works_from_anywhere_without_files_outside_the_repository(tmp_path, monkeypatch, capsys):
     """The README's SmolLM2 --dry-run from a fresh clone: its GSM8K training split ships with the package."""
-    from lightning_codraft.rl.gsm8k import GSM8KTask
+    from lightning_codraft.rl.tasks.gsm8k import GSM8KTask
 
     monkeypatch.chdir(tmp_path)  # no ../shared next to this directory
     assert main(["fit", "--config", str(REPO / "recipes" / "smollm2-135m-cpu.yaml"), "--dry-run"]) == 0, \

@@ -109,7 +109,7 @@ def test_version_answers_without_importing_torch():
 def test_every_problem_is_reported_together(tmp_path):
     """A missing data file does not hide the other problems found before it (a greedy temperature, a logger)."""
     from lightning_codraft.config import load_config
-    from lightning_codraft.rl.preflight import preflight
+    from lightning_codraft.rl.run.preflight import preflight
 
     cfg = load_config(SMOKE, ["task.name=dataset", "task.prompt_column=question", "sft.steps=0", "rl.temperature=0",
                               "run.loggers=[tensorbored]", f"task.source={tmp_path / 'missing.jsonl'}"])
@@ -126,7 +126,7 @@ def test_every_problem_is_reported_together(tmp_path):
 
 def test_a_missing_reference_draft_is_found_before_launch(tmp_path):
     from lightning_codraft.config import load_config
-    from lightning_codraft.rl.preflight import preflight
+    from lightning_codraft.rl.run.preflight import preflight
 
     cfg = load_config(SMOKE, [f"draft.reference={tmp_path / 'nowhere'}"])
     assert any("draft.reference=" in p and "weights.pt" in p for p in preflight(cfg))

@@ -192,7 +192,7 @@ def test_smollm2_preset_is_the_checkpoint_config_and_model_config_must_match_the
     from lightning_codraft.config import ConfigError, load_config
     from lightning_codraft.models.hf_io import read_config, smollm2_135m_path
     from lightning_codraft.models.presets import architecture_differences, preset_config, resolve_architecture
-    from lightning_codraft.rl.build import build_policy, policy_config
+    from lightning_codraft.rl.run.build import build_policy, policy_config
 
     path = smollm2_135m_path()
     assert architecture_differences(preset_config("smollm2-135m"), read_config(path)) == []
@@ -207,7 +207,7 @@ def test_smollm2_preset_is_the_checkpoint_config_and_model_config_must_match_the
 
 
 @pytest.mark.parametrize("override, match", [
-    ("model.config=qwen3-8b", "model.config='qwen3-8b' with model.source=tiny"),
+    ("model.config=qwen3-8b", "model.config='qwen3-8b' with source=tiny"),
     ("model.config=' '", "model.config is empty"),
 ])
 def test_model_config_validation(override, match):

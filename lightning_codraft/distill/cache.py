@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens
-from lightning_codraft.models.precision import PRECISION_NAMES, resolve_precision
+from lightning_codraft.distill.settings import PRECISION_NAMES
+from lightning_codraft.models.precision import resolve_precision
 
 STORAGE_DTYPES = {"float16": (np.float16, torch.float16), "float32": (np.float32, torch.float32)}
 _META = "meta.json"

@@ -11,8 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from lightning_codraft.models.precision import AUTO, PRECISION_NAMES
 from lightning_codraft.training.config import DRAFT_LOSSES
+
+AUTO = "auto"
+"""Resolved for the device by models/precision.py before any cache key is taken (this module imports no torch: the
+recipe's checks run before anything heavy loads)."""
+PRECISION_NAMES = ("32-true", AUTO, "bf16-mixed")
+"""The precisions a feature pass or a draft fit runs in."""
 
 KEYS = "cache_key"
 """Field-metadata entry naming the earliest warm-start stage whose cache key the field enters."""

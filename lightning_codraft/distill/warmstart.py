@@ -84,7 +84,7 @@ def resolve_settings(settings: WarmStartSettings, device) -> WarmStartSettings:
 def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[str]]:
     """``(training prompts, held-out prompts)`` of ``task``.
 
-    With a fixed problem list (``task.samples``, e.g. :class:`~lightning_codraft.rl.gsm8k.GSM8KTask`) the last
+    With a fixed problem list (``task.samples``, e.g. :class:`~lightning_codraft.rl.tasks.gsm8k.GSM8KTask`) the last
     ``heldout_prompts`` problems are held out and ``num_prompts`` of the rest are drawn in a ``seed`` order;
     a generated task (``task.sample(n, seed)`` only) gives ``num_prompts`` training prompts and no held-out ones.
     """

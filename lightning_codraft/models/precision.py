@@ -16,8 +16,6 @@ import time
 import torch
 
 AUTO = "auto"
-PRECISION_NAMES = ("32-true", AUTO, "bf16-mixed")
-"""The precisions a feature pass or a draft fit runs in (``auto`` resolves to one of the other two)."""
 MIN_SPEEDUP = 1.5
 """bf16 is chosen only when its matmul runs at least this much faster than fp32's (it costs accuracy)."""
 

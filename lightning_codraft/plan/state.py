@@ -49,7 +49,7 @@ class MetaModels:
     policy: Policy
     """The policy."""
     draft: Eagle3Draft
-    """The EAGLE-3 draft, as ``rl.build.build_draft`` shapes it for the policy."""
+    """The EAGLE-3 draft, as ``rl.run.build.build_draft`` shapes it for the policy."""
     reference: Optional[Policy]
     """The frozen reference policy, or None."""
     layout: StageLayout

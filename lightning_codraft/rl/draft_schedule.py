@@ -52,7 +52,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from lightning_codraft.rl.stats import paired_difference
+from lightning_codraft.rl.reports.stats import paired_difference
 
 SCHEDULES = ("every_step", "every_n", "adaptive")
 WARMUP = 3

@@ -19,10 +19,10 @@ import torch
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.parallel.checkpoint import unwrap_module
-from lightning_codraft.rl.build import fit_prompts
+from lightning_codraft.rl.run.build import fit_prompts
 from lightning_codraft.rl.draft_schedule import Decision, DraftSchedule, ab_difference
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-from lightning_codraft.rl.rewards import as_reward_set, check_failure_budget
+from lightning_codraft.rl.tasks.rewards import as_reward_set, check_failure_budget
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step
@@ -198,7 +198,7 @@ class RLStep:
         fabric: the launched ``Fabric``.
         dims: this process' (dp, pp, cp) layout.
         task, reward_fn, tokenizer, context: the task, its rewards (a
-            :class:`~lightning_codraft.rl.rewards.RewardSet`, or one ``fn(prompt, completion, answer)``), the
+            :class:`~lightning_codraft.rl.tasks.rewards.RewardSet`, or one ``fn(prompt, completion, answer)``), the
             tokenizer and the usable context length.
         worker: the :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`.
         model: the Fabric-wrapped ``CoDraftModule`` (its reference policy, if any, scores the KL term);

@@ -4,7 +4,7 @@ module's own hyper-parameters (optimiser, draft mode, pipeline cut).
 :class:`PolicyLossConfig`, :class:`DraftLossConfig` and :class:`MicrobatchConfig` are the recipe's ``rl.*``,
 ``draft.*`` and ``parallel.*`` sections' loss and schedule fields (``lightning_codraft.config`` derives its
 sections from them) and the bases of :class:`CoDraftModuleConfig`, so a knob has one name, one default, one
-docstring and one check; ``lightning_codraft.rl.build.module_config`` copies them across by field.
+docstring and one check; ``lightning_codraft.rl.run.build.module_config`` copies them across by field.
 """
 
 from __future__ import annotations

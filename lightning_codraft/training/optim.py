@@ -1,7 +1,7 @@
 """The optimiser recipe every trainer here uses: one AdamW builder and one cosine schedule.
 
 The RL step (:meth:`~lightning_codraft.training.module.CoDraftModule.build_optimizer`), the offline draft fit
-(``distill.fit``) and the SFT / draft warm-ups (``rl.sft``, ``distill.pool``) build their optimisers and learning-rate
+(``distill.fit``) and the SFT / draft warm-ups (``rl.run.sft``, ``distill.pool``) build their optimisers and learning-rate
 multipliers here, each with its own betas and warm-up form (kept as they were measured), so a change of the recipe is
 made in one place.
 """

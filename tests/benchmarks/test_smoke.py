@@ -290,3 +290,14 @@ def test_long_tail_main_smoke(tmp_path):
     assert sum(b["plain_share"] for b in res["bands"]) == pytest.approx(1.0)
     assert sum(b["adaptive_share"] for b in res["bands"]) == pytest.approx(1.0)
     assert all(0 <= b["mean_k"] <= 4 for b in res["bands"]) and (tmp_path / "long_tail_main.png").is_file()
+
+
+def test_same_steps_smoke():
+    """Two launches of the same revision: the pinned run (no adaptive timing in it) is bit-identical, so the check
+    can tell a change of the code from the noise of measured times."""
+    text = _run("same_steps.py", "--before", "HEAD", "--after", "HEAD", "--steps", 1, "--skip-digest", "--overrides",
+                "model.num_hidden_layers=4", "sft.steps=2", "draft.warm_start.steps=2", "rl.prompts_per_step=2",
+                "rl.group_size=2", "rl.max_new_tokens=8", "task.eval_prompts=2", "task.eval_every=0",
+                "run.checkpoint_every=0")
+    assert "pinned: identical step reward" in text and "  different: none" in text
+    assert text.rstrip().endswith("same run before and after")

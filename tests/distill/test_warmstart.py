@@ -15,7 +15,7 @@ from lightning_codraft.distill.stages import state_fingerprint
 from lightning_codraft.distill.warmstart import WarmStartSettings, split_prompts, warm_start_draft
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.tokenizer import CharTokenizer
-from lightning_codraft.rl.tasks import ArithmeticTask, TaskSample
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, TaskSample
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -212,7 +212,7 @@ def test_smollm2_recipe_reads_the_cache_the_warmstart_benchmark_fills(monkeypatc
     # benchmark's cache): compare that, not only dataclass equality
     assert json.dumps(asdict(ours), sort_keys=True) == json.dumps(asdict(theirs), sort_keys=True)
     assert cfg.draft.draft_vocab_size == args.draft_vocab and cfg.run.seed + 1 == 1  # the benchmark's draft seed
-    from lightning_codraft.rl.gsm8k import gsm8k_source
+    from lightning_codraft.rl.tasks.gsm8k import gsm8k_source
 
     assert cfg.task.heldout <= args.heldout and gsm8k_source(cfg.task.source) == str(args.gsm8k)  # the same file
 

@@ -1,6 +1,6 @@
 """Reward callables addressed by dotted path from the loop / CLI tests."""
 
-from lightning_codraft.rl.tasks import arithmetic_reward
+from lightning_codraft.rl.tasks.arithmetic import arithmetic_reward
 
 
 def flaky_reward(prompt: str, completion: str, answer: str) -> float:

@@ -1,8 +1,8 @@
 import math
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.compare import CompareResult, isolated, write_report
-from lightning_codraft.rl.loop import FitResult
+from lightning_codraft.rl.reports.compare import CompareResult, isolated, write_report
+from lightning_codraft.rl.run.loop import FitResult
 
 
 def _rows(tokens, rollout_s, step_s, accept, rewards):

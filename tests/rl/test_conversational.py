@@ -9,7 +9,7 @@ from test_loop import micro_config
 
 from lightning_codraft.config import ConfigError
 from lightning_codraft.models.tokenizer import CharTokenizer, encode_prompt
-from lightning_codraft.rl.build import HFTokenizer
+from lightning_codraft.rl.run.build import HFTokenizer
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -48,8 +48,8 @@ def _data(tmp_path):
 
 
 def test_a_conversational_column_reaches_the_policy_through_the_template(tmp_path, monkeypatch):
-    from lightning_codraft.rl.build import build_policy
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.build import build_policy
+    from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rl.rollout_worker import RolloutWorker
     from lightning_codraft.rl.step import step_prompts
 
@@ -83,7 +83,7 @@ def test_a_tokenizer_without_a_template_refuses_messages_before_launch(tmp_path,
     from conftest import REPO
 
     from lightning_codraft.cli import main
-    from lightning_codraft.rl.build import build_parts
+    from lightning_codraft.rl.run.build import build_parts
 
     over = ["task.name=dataset", f"task.source={_data(tmp_path)}", "task.heldout=4", "sft.steps=0",
             "task.rewards=[{fn: 'rewards_for_tests:conversational_only'}]"]

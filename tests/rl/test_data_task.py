@@ -7,9 +7,9 @@ import json
 import pytest
 
 from lightning_codraft.config import ConfigError
-from lightning_codraft.rl.data_task import DatasetTask
-from lightning_codraft.rl.logs import read_metrics
-from lightning_codraft.rl.loop import fit
+from lightning_codraft.rl.tasks.dataset import DatasetTask
+from lightning_codraft.rl.reports.run_log import read_metrics
+from lightning_codraft.rl.run.loop import fit
 from test_loop import micro_config
 
 ROWS = [{"question": f"what is {a} plus {b}", "answer": str(a + b), "level": "hard" if a > 4 else "easy"}
@@ -90,8 +90,8 @@ def test_sft_needs_worked_solutions_from_a_dataset():
 
 def test_the_same_task_and_rewards_built_in_python(tmp_path):
     """A user's task object and reward terms passed to fit() directly: the same metrics as the recipe's."""
-    from lightning_codraft.rl.reward_funcs import length_penalty, math_equivalence
-    from lightning_codraft.rl.rewards import RewardTerm
+    from lightning_codraft.rl.tasks.reward_funcs import length_penalty, math_equivalence
+    from lightning_codraft.rl.tasks.rewards import RewardTerm
 
     path = _write(tmp_path / "q.jsonl")
     common = ["sft.steps=0", "rl.steps=2", "run.plots=false"]
@@ -113,7 +113,7 @@ def test_the_same_task_and_rewards_built_in_python(tmp_path):
 def test_the_loop_logs_to_any_lightning_logger_from_the_recipe(tmp_path):
     import importlib.util
 
-    from lightning_codraft.rl.preflight import preflight
+    from lightning_codraft.rl.run.preflight import preflight
 
     extra = tmp_path / "extra"
     cfg = micro_config(tmp_path / "run", "rl.steps=2", "sft.steps=0", "task.eval_prompts=0", "run.plots=false",

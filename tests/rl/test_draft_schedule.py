@@ -12,8 +12,8 @@ from test_loop import micro_config
 
 from lightning_codraft.rl import draft_schedule
 from lightning_codraft.rl.draft_schedule import WARMUP, DraftSchedule, ab_difference, replay
-from lightning_codraft.rl.loop import fit
-from lightning_codraft.rl.logs import read_metrics
+from lightning_codraft.rl.run.loop import fit
+from lightning_codraft.rl.reports.run_log import read_metrics
 
 
 def _run(schedule, acceptance, rollout_s=10.0, train_s=(2.0, 3.0)):

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from lightning_codraft.rl.gsm8k import EXCERPT_PATH, GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
+from lightning_codraft.rl.tasks.gsm8k import EXCERPT_PATH, GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
 
 
 def test_extract_answer_forms():
@@ -58,7 +58,7 @@ def test_heldout_problems_are_never_drawn_for_training_and_are_a_fixed_set():
 
 def test_recipe_task_holds_out_its_evaluation_prompts():
     from lightning_codraft.config import load_config
-    from lightning_codraft.rl.build import build_task
+    from lightning_codraft.rl.run.build import build_task
 
     cfg = load_config(None, ["task.name=gsm8k", "task.eval_prompts=16"])
     assert build_task(cfg.task).heldout == 16  # null: the evaluation prompts are the held-out set

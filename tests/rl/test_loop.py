@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from lightning_codraft.config import ConfigError, load_config
-from lightning_codraft.rl.logs import read_metrics
-from lightning_codraft.rl.loop import fit
-from lightning_codraft.rl.rewards import RewardError
+from lightning_codraft.rl.reports.run_log import read_metrics
+from lightning_codraft.rl.run.loop import fit
+from lightning_codraft.rl.tasks.rewards import RewardError
 from lightning_codraft.rl.step import COLUMNS, SCHEDULE_COLUMNS, TIME_COLUMNS
 
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
@@ -201,14 +201,14 @@ def test_per_prompt_scores_and_a_validation_set_apart_from_every_held_out_set(mi
     assert len(res.eval_before_scores) == len(res.eval_after_scores) == cfg.task.eval_prompts
     assert res.eval_before == pytest.approx(sum(res.eval_before_scores) / len(res.eval_before_scores))
     assert res.eval_after == pytest.approx(sum(res.eval_after_scores) / len(res.eval_after_scores))
-    from lightning_codraft.rl.build import build_task
-    from lightning_codraft.rl.evaluate import VALIDATION_OFFSET, heldout_samples
+    from lightning_codraft.rl.run.build import build_task
+    from lightning_codraft.rl.run.evaluate import VALIDATION_OFFSET, heldout_samples
 
     task = build_task(cfg.task)
     prompts = lambda seed, offset=0: [s.prompt for s in heldout_samples(task, seed, 64, offset)]  # noqa: E731
     validation = prompts(0, VALIDATION_OFFSET)
     assert validation != prompts(0) and all(validation != prompts(seed) for seed in range(1, 50))
-    from lightning_codraft.rl import evaluate
+    from lightning_codraft.rl.run import evaluate
 
     offsets, draw = [], evaluate.heldout_samples
     monkeypatch.setattr(evaluate, "heldout_samples", lambda *a: offsets.append(a[3]) or draw(*a))
@@ -275,7 +275,7 @@ def test_recipe_warm_start_must_hold_out_the_tasks_heldout_problems(tmp_path):
 def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monkeypatch):
     """finish(): greedy evaluation and the speed-up measurement decode with the same weights, so the engine's copies
     (on a multi-process or vLLM run, a collective over every stage) are refilled once, not once each."""
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rl.rollout_worker import RolloutWorker
 
     calls, inside = [], {"on": False}

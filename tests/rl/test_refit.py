@@ -19,7 +19,7 @@ def _rss() -> tuple[int, int]:
 
 
 def _refit_worker(rank, world_size, cfg):
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rl.step import weight_versions
     from lightning_codraft.rollout.buckets import RefitError
     from lightning_codraft.rollout.weight_sync import refill_parameters

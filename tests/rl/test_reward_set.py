@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from lightning_codraft.rl.reward_funcs import exact_answer, format_match, length_penalty, math_equivalence
-from lightning_codraft.rl.rewards import RewardSet, RewardTerm, as_reward_set
-from lightning_codraft.rl.tasks import TaskSample
+from lightning_codraft.rl.tasks.reward_funcs import exact_answer, format_match, length_penalty, math_equivalence
+from lightning_codraft.rl.tasks.rewards import RewardSet, RewardTerm, as_reward_set
+from lightning_codraft.rl.tasks.arithmetic import TaskSample
 
 EQUIVALENT = [("0.5", "1/2"), ("1/2", "\\frac{1}{2}"), ("The answer is \\boxed{\\frac{1}{2}}.", "0.5"),
               ("so she has 1,200 dollars", "1200"), ("#### 72", "72"), ("x = 2", "2"), ("50%", "0.5"),
@@ -133,7 +133,7 @@ def test_none_means_the_reward_does_not_apply_as_in_trl():
 
 def test_the_config_layer_names_exactly_the_built_in_rewards():
     """task_config.REWARD_BUILTINS (the config imports nothing of the library) mirrors reward_funcs.BUILTINS."""
-    from lightning_codraft.rl.reward_funcs import BUILTINS
+    from lightning_codraft.rl.tasks.reward_funcs import BUILTINS
     from lightning_codraft.task_config import REWARD_BUILTINS
 
     assert set(REWARD_BUILTINS) == set(BUILTINS)
@@ -147,7 +147,7 @@ def _task_cfg(**kw):
 
 
 def test_s4_reward_options_are_checked_against_the_signature_before_any_call():
-    from lightning_codraft.rl.rewards import build_reward
+    from lightning_codraft.rl.tasks.rewards import build_reward
 
     with pytest.raises(ValueError, match=r"task.rewards\[0\].kwargs.max_charz: .*length_penalty has no option "
                                          r"'max_charz' \(did you mean 'max_chars'\?\)"):
@@ -164,7 +164,7 @@ def test_s4_reward_options_are_checked_against_the_signature_before_any_call():
 
 def test_s5_answer_rewards_need_an_answer_column():
     from lightning_codraft.config import ConfigError, load_config
-    from lightning_codraft.rl.rewards import build_reward
+    from lightning_codraft.rl.tasks.rewards import build_reward
 
     for rewards in (None, [{"fn": "exact_answer"}], [{"fn": "format_match"}, {"fn": "math_equivalence"}]):
         with pytest.raises(ValueError, match=r"(rewards\[\d\]|built-in reward) .*answer_column is null"):

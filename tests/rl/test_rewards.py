@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_codraft.rl.rewards import RewardError, check_failure_budget, resolve_reward, score_completions
+from lightning_codraft.rl.tasks.rewards import RewardError, check_failure_budget, resolve_reward, score_completions
 
 
 def flaky_reward(prompt, completion, answer):
@@ -14,10 +14,10 @@ def flaky_reward(prompt, completion, answer):
 
 
 def test_resolve_reward_forms():
-    assert resolve_reward("lightning_codraft.rl.tasks:arithmetic_reward")("", "#3", "3") == 1.0
-    assert resolve_reward("lightning_codraft.rl.gsm8k.gsm8k_reward")("", "#### 3", "3") == 1.0
+    assert resolve_reward("lightning_codraft.rl.tasks.arithmetic:arithmetic_reward")("", "#3", "3") == 1.0
+    assert resolve_reward("lightning_codraft.rl.tasks.gsm8k.gsm8k_reward")("", "#### 3", "3") == 1.0
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        resolve_reward("lightning_codraft.rl.tasks:nope")
+        resolve_reward("lightning_codraft.rl.tasks.arithmetic:nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         resolve_reward("no_such_mod:f")
     with pytest.raises(ValueError, match="not a dotted path"):

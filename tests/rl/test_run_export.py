@@ -10,8 +10,8 @@ from test_loop import micro_config
 
 from lightning_codraft.cli import main
 from lightning_codraft.models import Eagle3Draft
-from lightning_codraft.rl.export import CHAR_TOKENIZER_FILE, load_run
-from lightning_codraft.rl.loop import CoDraftRun
+from lightning_codraft.rl.run.run_dir import CHAR_TOKENIZER_FILE, load_run
+from lightning_codraft.rl.run.loop import CoDraftRun
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.loop import fit
+from lightning_codraft.rl.run.loop import fit
 
 pytestmark = pytest.mark.slow
 

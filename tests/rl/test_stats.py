@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lightning_codraft.rl.stats import _t_pdf, paired_difference, t_cdf, t_quantile
+from lightning_codraft.rl.reports.stats import _t_pdf, paired_difference, t_cdf, t_quantile
 
 
 def _integrated_cdf(x, df, intervals=20000):
@@ -35,7 +35,7 @@ def test_the_closed_form_quantile_equals_the_integrated_one(p, df):
 
 def test_an_interval_costs_well_under_a_millisecond():
     """Counted in calls, not timed: a fresh quantile (cache cleared) evaluates the CDF a few dozen times at most."""
-    import lightning_codraft.rl.stats as stats
+    import lightning_codraft.rl.reports.stats as stats
 
     calls = []
     real = stats.t_cdf

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from lightning_codraft.models.tokenizer import CharTokenizer
-from lightning_codraft.rl.tasks import ArithmeticTask, arithmetic_reward
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 
 
 def test_arithmetic_solutions_are_correct_and_deterministic():
@@ -53,7 +53,7 @@ def test_char_tokenizer_round_trip_and_errors():
 
 
 def test_solution_styles_mix_and_the_reward_can_require_one():
-    from lightning_codraft.rl.tasks import ArithmeticTask, solution_style
+    from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, solution_style
 
     task = ArithmeticTask(styles=("symbols", "words"), style_weights=(0.75, 0.25), required_style="words")
     samples = task.sample(400, seed=3)

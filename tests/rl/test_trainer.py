@@ -1,4 +1,4 @@
-"""GRPO inside Trainer.fit (rl/trainer.py) is `codraft fit` in a second front end: on the same recipe and seeds the
+"""GRPO inside Trainer.fit (rl/run/trainer.py) is `codraft fit` in a second front end: on the same recipe and seeds the
 same rewards, losses and weights; resuming from a ModelCheckpoint after a kill repeats the uninterrupted run."""
 
 import math
@@ -13,7 +13,7 @@ COMPARED = ("reward", "reward_std", "accuracy", "completion_tokens", "acceptance
 
 
 def _fabric(cfg):
-    from lightning_codraft.rl.loop import CoDraftRun
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     try:
@@ -32,7 +32,7 @@ def _trainer(cfg, steps=None, ckpt_dir=None, ckpt_path=None):
     import lightning.pytorch as pl
 
     from lightning_codraft.pytorch import CoDraftStrategy
-    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+    from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
     module = GRPOModule(cfg, print_fn=lambda s: None)
     rows = []
@@ -77,7 +77,7 @@ def test_a_trainer_longer_than_the_run_is_refused(tmp_path):
     import lightning.pytorch as pl
 
     from lightning_codraft.pytorch import CoDraftStrategy
-    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+    from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
     cfg = micro_config(tmp_path / "run", *FAST, "sft.steps=0", "draft.warm_start.steps=0")
     module = GRPOModule(cfg, print_fn=lambda s: None)
@@ -92,8 +92,8 @@ def test_every_rl_step_reaches_the_logger_whatever_log_every_n_steps(tmp_path):
     import lightning.pytorch as pl
 
     from lightning_codraft.pytorch import CoDraftStrategy
-    from lightning_codraft.rl.logs import read_metrics
-    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+    from lightning_codraft.rl.reports.run_log import read_metrics
+    from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
     cfg = micro_config(tmp_path / "run", *FAST)
     module = GRPOModule(cfg, print_fn=lambda s: None)
@@ -109,7 +109,7 @@ def test_every_rl_step_reaches_the_logger_whatever_log_every_n_steps(tmp_path):
 
 
 def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(tmp_path):
-    from lightning_codraft.rl.rewards import RewardError
+    from lightning_codraft.rl.tasks.rewards import RewardError
 
     cfg = micro_config(tmp_path / "run", *FAST, "task.rewards=[{fn: 'rewards_for_tests:batch_only_reward'}]",
                        "sft.steps=0", "draft.warm_start.steps=0")
@@ -119,7 +119,7 @@ def test_s1_a_batched_reward_that_raises_stops_trainer_fit_naming_the_exception(
 
 
 def test_a_resumed_trainer_fit_skips_the_warm_ups(tmp_path, monkeypatch):
-    import lightning_codraft.rl.warm_start as warm_start_module
+    import lightning_codraft.rl.run.warm_start as warm_start_module
 
     cfg = micro_config(tmp_path / "run", *FAST)
     _trainer(cfg, steps=1, ckpt_dir=tmp_path / "ckpt")
@@ -133,7 +133,7 @@ def test_a_resumed_trainer_fit_skips_the_warm_ups(tmp_path, monkeypatch):
 def test_grpo_module_takes_a_datasets_dataset(tmp_path):
     import datasets
 
-    from lightning_codraft.rl.trainer import GRPOModule
+    from lightning_codraft.rl.run.trainer import GRPOModule
 
     rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
     cfg = micro_config(tmp_path / "run", *FAST, "task.name=dataset", "task.source=given", "task.prompt_column=question",

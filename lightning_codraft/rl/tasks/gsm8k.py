@@ -2,8 +2,8 @@
 
 Problems come from a local JSONL file (fields ``question`` and ``answer``, the final number after ``#### ``) or, for
 users who are online, from the hub (``openai/gsm8k``, config ``main``), both read with ``datasets``
-(rl/data_task.py). A 200-problem excerpt of the training split ships with the package (:data:`EXCERPT_PATH`, MIT).
-The reward is math equivalence (math-verify, rl/reward_funcs.py); :func:`gsm8k_reward` is the earlier exact
+(rl/tasks/dataset.py). A 200-problem excerpt of the training split ships with the package (:data:`EXCERPT_PATH`, MIT).
+The reward is math equivalence (math-verify, rl/tasks/reward_funcs.py); :func:`gsm8k_reward` is the earlier exact
 final-number check, kept for recipes that name it.
 """
 
@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from lightning_codraft.rl.data_task import DatasetTask, RowFormat, file_format
-from lightning_codraft.rl.reward_funcs import math_equivalence
-from lightning_codraft.rl.tasks import TaskSample
+from lightning_codraft.rl.tasks.dataset import DatasetTask, RowFormat, file_format
+from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
+from lightning_codraft.rl.tasks.arithmetic import TaskSample
 
 EXCERPT_PATH = Path(__file__).parent / "data" / "gsm8k_excerpt.jsonl"
 TRAIN_PATH = Path(__file__).parent / "data" / "gsm8k_train.jsonl.gz"
@@ -80,7 +80,7 @@ worked answer as the solution."""
 
 
 class GSM8KTask(DatasetTask):
-    """GSM8K as one configuration of :class:`~lightning_codraft.rl.data_task.DatasetTask`: the ``question`` column
+    """GSM8K as one configuration of :class:`~lightning_codraft.rl.tasks.dataset.DatasetTask`: the ``question`` column
     through :data:`PROMPT_TEMPLATE`, the reference answer the final number of the ``answer`` column
     (:func:`extract_answer`), the worked solution that column itself, the reward math equivalence
     (``reward_funcs.math_equivalence``, math-verify).

@@ -2,7 +2,7 @@
 
 :func:`sft_warmup` trains a policy (e.g. one built from scratch) with cross-entropy on the completion rows of packed
 ``prompt + solution + eos`` documents (the next-token-aligned batch of
-:func:`~lightning_codraft.rl.experience.sft_batch`). The draft's warm start is another job: rl/warm_start.py.
+:func:`~lightning_codraft.rl.experience.sft_batch`). The draft's warm start is another job: rl/run/warm_start.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.experience import sft_batch
-from lightning_codraft.rl.tasks import TaskSample
+from lightning_codraft.rl.tasks.arithmetic import TaskSample
 from lightning_codraft.training.optim import adamw, cosine_decay
 
 SFT_SEED = 3 * 10**6

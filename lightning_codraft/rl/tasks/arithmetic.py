@@ -36,7 +36,7 @@ class TaskSample:
         answer: the reference final answer the reward checks against (e.g. ``"5"``).
         solution: a correct completion (worked steps + answer) used by the SFT warm-up (may be empty for a data set
             without one).
-        columns: the sample's other data-set columns, passed to batched rewards by name (rl/rewards.py).
+        columns: the sample's other data-set columns, passed to batched rewards by name (rl/tasks/rewards.py).
     """
 
     prompt: Any

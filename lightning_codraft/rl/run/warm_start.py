@@ -1,7 +1,7 @@
 """A run's warm starts before RL: SFT of the policy, then the draft fitted to it, or weights loaded instead.
 
-:func:`warm_start` is what both front ends call (the Fabric loop, rl/loop.py, and the Trainer's module,
-rl/trainer.py): ``run.init_from`` or this run's own cached warm weights, else :func:`run_warm_starts`. The draft's
+:func:`warm_start` is what both front ends call (the Fabric loop, rl/run/loop.py, and the Trainer's module,
+rl/run/trainer.py): ``run.init_from`` or this run's own cached warm weights, else :func:`run_warm_starts`. The draft's
 warm start has two sources of one fit (distill/): the small pool sampled here (distill/pool.py) or, with
 ``draft.warm_start.corpus``, the cached self-distillation corpus (distill/warmstart.py).
 """
@@ -16,9 +16,9 @@ from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.distill.pool import POOL_SEED, fit_on_pool, pool_prompts, sample_pool
 from lightning_codraft.distill.warmstart import split_prompts, warm_start_draft
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.build import fit_prompts
-from lightning_codraft.rl.checkpoints import RunCheckpoints
-from lightning_codraft.rl.sft import SFT_SEED, sft_warmup
+from lightning_codraft.rl.run.build import fit_prompts
+from lightning_codraft.rl.run.run_dir import RunCheckpoints
+from lightning_codraft.rl.run.sft import SFT_SEED, sft_warmup
 
 
 def warm_start(cfg: CoDraftConfig, module, tokenizer, task, context: int, log: Callable[[str], None] = print,

@@ -21,10 +21,10 @@ from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_
 from lightning_codraft.models.presets import architecture_differences, recipe_architecture
 from lightning_codraft.models.tokenizer import CharTokenizer, encode_prompt
 from lightning_codraft.parallel.pipeline import StageLayout
-from lightning_codraft.rl.data_task import DatasetTask, is_conversational, solution_column
-from lightning_codraft.rl.gsm8k import GSM8KTask
-from lightning_codraft.rl.rewards import RewardSet, as_reward_set, build_reward
-from lightning_codraft.rl.tasks import ArithmeticTask
+from lightning_codraft.rl.tasks.dataset import DatasetTask, is_conversational, solution_column
+from lightning_codraft.rl.tasks.gsm8k import GSM8KTask
+from lightning_codraft.rl.tasks.rewards import RewardSet, as_reward_set, build_reward
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask
 from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
                                                shared_fields)
 from lightning_codraft.training.module import CoDraftModule
@@ -198,7 +198,7 @@ def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> 
 @dataclass
 class RunParts:
     """The objects one RL run is made of, built from a recipe the same way by both front ends (``codraft fit``'s
-    Fabric loop and the Trainer's :class:`~lightning_codraft.rl.trainer.GRPOModule`)."""
+    Fabric loop and the Trainer's :class:`~lightning_codraft.rl.run.trainer.GRPOModule`)."""
 
     tokenizer: Any
     """The tokenizer (the project's protocol: ``encode``, ``encode_prompt``, ``decode``, special ids)."""

@@ -3,14 +3,14 @@
 :func:`fit` runs a whole :class:`~lightning_codraft.config.CoDraftConfig` through a :class:`CoDraftRun`, which
 only orchestrates objects with one job each:
 
-- ``rl.build``: tokenizer, policy, draft, task, reward and the module's hyper-parameters from the recipe;
-- ``rl.warm_start.warm_start``: SFT of the policy, the draft fitted to the policy's own samples (or weights
+- ``rl.run.build``: tokenizer, policy, draft, task, reward and the module's hyper-parameters from the recipe;
+- ``rl.run.warm_start.warm_start``: SFT of the policy, the draft fitted to the policy's own samples (or weights
   loaded instead);
-- :class:`~lightning_codraft.rl.checkpoints.RunCheckpoints`: resumable checkpoints and the warmed-up weights;
+- :class:`~lightning_codraft.rl.run.run_dir.RunCheckpoints`: resumable checkpoints and the warmed-up weights;
 - :class:`~lightning_codraft.rl.rollout_worker.RolloutWorker`: engine placement, generation, weight sync;
 - :class:`~lightning_codraft.rl.step.RLStep`: one RL step, returning named
   :class:`~lightning_codraft.rl.step.StepMetrics`;
-- ``rl.logs.MetricsLogger``: metrics.csv / TensorBoard through Lightning's loggers; ``rl.evaluate``: greedy
+- ``rl.reports.run_log.MetricsLogger``: metrics.csv / TensorBoard through Lightning's loggers; ``rl.run.evaluate``: greedy
   accuracy and the final rollout speed-up.
 
 A run: resume from the last checkpoint of ``run.out_dir`` if any, else warm up (or load ``run.init_from``) and save
@@ -39,15 +39,15 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.build import build_module, build_parts, fit_prompts
-from lightning_codraft.rl.checkpoints import RunCheckpoints, reference_draft, warm_key
-from lightning_codraft.rl.evaluate import (EVAL_SEED, SpeedupResult, heldout_rewards, heldout_samples, mean_of,
+from lightning_codraft.rl.run.build import build_module, build_parts, fit_prompts
+from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key
+from lightning_codraft.rl.run.evaluate import (EVAL_SEED, SpeedupResult, heldout_rewards, heldout_samples, mean_of,
                                           measure_speedup)
-from lightning_codraft.rl.loggers import build_loggers
-from lightning_codraft.rl.logs import MetricsLogger, StepProgress, plot_curves, summarize
+from lightning_codraft.rl.reports.extra_loggers import build_loggers
+from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
-from lightning_codraft.rl.warm_start import warm_start
+from lightning_codraft.rl.run.warm_start import warm_start
 from lightning_codraft.run_config import config_changes, write_run_config
 from lightning_codraft.training.module import CoDraftModule
 
@@ -84,10 +84,10 @@ class CoDraftRun:
         cfg: the validated config.
         print_fn: where status lines go (rank 0 only).
         task: the task object instead of the recipe's ``task`` section (e.g. a
-            :class:`~lightning_codraft.rl.data_task.DatasetTask` built in Python); it must have ``sample(n, seed)``,
+            :class:`~lightning_codraft.rl.tasks.dataset.DatasetTask` built in Python); it must have ``sample(n, seed)``,
             ``reward(prompt, completion, answer)`` and, for held-out evaluation, ``heldout`` / ``heldout_samples``.
-        rewards: reward terms instead of the recipe's (a :class:`~lightning_codraft.rl.rewards.RewardSet`, a
-            list of :class:`~lightning_codraft.rl.rewards.RewardTerm`, or one ``fn(prompt, completion, answer)``).
+        rewards: reward terms instead of the recipe's (a :class:`~lightning_codraft.rl.tasks.rewards.RewardSet`, a
+            list of :class:`~lightning_codraft.rl.tasks.rewards.RewardTerm`, or one ``fn(prompt, completion, answer)``).
     """
 
     def __init__(self, cfg: CoDraftConfig, print_fn: Callable[[str], None] = print, task=None, rewards=None):
@@ -240,12 +240,12 @@ class CoDraftRun:
 
     # ------------------------------------------------------------------ evaluation and the summary
     def heldout_samples(self, n: int, offset: int = 0) -> list:
-        """:func:`~lightning_codraft.rl.evaluate.heldout_samples` of this run's task."""
+        """:func:`~lightning_codraft.rl.run.evaluate.heldout_samples` of this run's task."""
         return heldout_samples(self.task, self.cfg.run.seed, n, offset)
 
     def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False,
                  per_prompt: bool = False) -> float | list[float]:
-        """The mean of :func:`~lightning_codraft.rl.evaluate.heldout_rewards` after this run's steps, or with
+        """The mean of :func:`~lightning_codraft.rl.run.evaluate.heldout_rewards` after this run's steps, or with
         ``per_prompt`` the ``(n,)`` rewards themselves (call on every rank)."""
         updates = self.rl_step.schedule.updates if self.rl_step is not None else 0
         scores = heldout_rewards(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,

@@ -1,6 +1,6 @@
 """Paired statistics over RL steps: how two arms run from the same seeds differ, with a confidence interval.
 
-Arms of a comparison (``rl.compare``) see the same prompts and sampling seeds step by step, so their per-step
+Arms of a comparison (``rl.reports.compare``) see the same prompts and sampling seeds step by step, so their per-step
 values pair up: the difference ``a_s - b_s`` removes what the step's prompts do to both. :func:`paired_difference`
 reports the mean difference over a set of steps with a Student-t confidence interval (steps treated as independent
 draws; successive RL steps are correlated through the policy, so read the interval as optimistic when the

@@ -10,7 +10,7 @@ reported, and :func:`check_failure_budget` stops the run once a step's failures 
 
 **Weighted reward functions** (``task.rewards``, :class:`RewardSet`): a sample's reward is
 ``sum_i weight_i * r_i(sample)``. Each term is either *batched* (TRL's signature,
-``fn(prompts, completions, **columns) -> list[float]``, rl/reward_funcs.py) or a per-sample function as above
+``fn(prompts, completions, **columns) -> list[float]``, rl/tasks/reward_funcs.py) or a per-sample function as above
 (``task.reward``, a task's built-in reward). A term that raises, returns the wrong number of values, or returns
 anything but a finite number for a sample fails that sample; a batched call that raises fails every sample of its
 batch, naming the exception (each sample is then tried alone only to say which ones also fail by themselves). A
@@ -32,8 +32,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from lightning_codraft.rl.reward_funcs import BUILTINS
-from lightning_codraft.rl.tasks import RewardFn, TaskSample
+from lightning_codraft.rl.tasks.reward_funcs import BUILTINS
+from lightning_codraft.rl.tasks.arithmetic import RewardFn, TaskSample
 from lightning_codraft.task_config import ANSWER_REWARDS, answer_problem
 
 ON_ERROR = ("raise", "skip")

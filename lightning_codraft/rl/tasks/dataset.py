@@ -1,8 +1,8 @@
 """A task over a data set of prompts: local JSON / JSONL / parquet / CSV files or a hub data set, read with Hugging
 Face ``datasets``, with a mapping of which column is the prompt, which the reference answer; every other column
-travels with its sample to the rewards (rl/rewards.py).
+travels with its sample to the rewards (rl/tasks/rewards.py).
 
-``task.name: dataset`` in a recipe builds one (rl/build.py); GSM8K is one configuration of it (rl/gsm8k.py).
+``task.name: dataset`` in a recipe builds one (rl/run/build.py); GSM8K is one configuration of it (rl/tasks/gsm8k.py).
 Sampling is a pure function of the seed, and the last ``heldout`` rows (or the rows of ``eval_source``) are
 reserved for evaluation, never drawn for training.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from lightning_codraft.rl.reward_funcs import math_equivalence
-from lightning_codraft.rl.tasks import TaskSample
+from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
+from lightning_codraft.rl.tasks.arithmetic import TaskSample
 
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffixes a local source may have, and the ``datasets`` builder that reads each (JSON, JSON Lines and CSV

@@ -1,7 +1,7 @@
 """Extra Lightning loggers for a run's per-step metrics (``run.loggers``): a name (``wandb``, ``mlflow``, ``comet``,
 ``neptune``: Lightning's logger, when its package is installed) or ``{class_path, init_args}`` for any class with
 Lightning's ``log_metrics(metrics, step)``. Light to import (the classes are imported by name when built), so the
-checks before launch (rl/preflight.py) can tell a missing package without loading torch.
+checks before launch (rl/run/preflight.py) can tell a missing package without loading torch.
 """
 
 from __future__ import annotations

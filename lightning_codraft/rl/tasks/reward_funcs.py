@@ -2,7 +2,7 @@
 
 Every reward of ``task.rewards`` is called once per batch as ``fn(prompts, completions, **columns)``: ``prompts``
 and ``completions`` are lists of strings, one per sample, and ``columns`` holds the task's reference ``answer`` and
-every other column of the data set (``rl.data_task``), each a list aligned with the samples; the function returns a
+every other column of the data set (``rl.tasks.dataset``), each a list aligned with the samples; the function returns a
 list with one finite number per sample (TRL's ``reward_funcs`` convention, so a TRL reward works unchanged). The
 built-ins below are named in a recipe by their key in :data:`BUILTINS`; their keyword options come from the
 reward's ``kwargs``.

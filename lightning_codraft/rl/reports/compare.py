@@ -10,7 +10,7 @@ side:
 
 Speculative decoding is lossless (with coupled sampling the arms' rollouts are the same tokens until their policies
 differ by round-off of the draft's share of the step), so reward curves differ only by noise. Arms are judged by
-paired per-step differences (``rl.stats.paired_difference``), never by one step.
+paired per-step differences (``rl.reports.stats.paired_difference``), never by one step.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.rl.logs import plot_curves
-from lightning_codraft.rl.loop import CoDraftRun, FitResult
-from lightning_codraft.rl.stats import PairedDifference, paired_difference
+from lightning_codraft.rl.reports.run_log import plot_curves
+from lightning_codraft.rl.run.loop import CoDraftRun, FitResult
+from lightning_codraft.rl.reports.stats import PairedDifference, paired_difference
 
 ARMS = ("none", "frozen", "cotrain")
 LABELS = {"none": "no draft", "frozen": "frozen draft", "cotrain": "co-trained draft"}
