@@ -36,11 +36,10 @@ TIME_COLUMNS = {"rollout_s", "train_s", "refit_s", "refit_share", "step_s", "tok
 PINNED = ["draft.adaptive=false", "draft.schedule=every_step"]
 
 
-def tree(rev: str, work: Path) -> Path:
-    """The code of ``rev`` (``.``: this working tree)."""
+def tree(rev: str, path: Path) -> Path:
+    """The code of ``rev`` (``.``: this working tree), checked out at ``path``."""
     if rev == ".":
         return ROOT
-    path = work / f"tree-{re.sub(r'[^A-Za-z0-9]', '_', rev)}"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(path), rev], check=True,
                    capture_output=True)
     return path
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        trees = {"before": tree(args.before, work), "after": tree(args.after, work)}
+        trees = {"before": tree(args.before, work / "before"), "after": tree(args.after, work / "after")}
         over = {"before": args.overrides if args.before_overrides is None else args.before_overrides,
                 "after": args.overrides}
         try:
