@@ -8,7 +8,8 @@ here, so ``dir(package)`` lists the exports before any of them is imported.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def lazy_exports(package_globals: dict[str, Any], exports: dict[str, str]

@@ -19,8 +19,9 @@ Operations: :meth:`RLBatch.pack` (from documents), :meth:`split` (into microbatc
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -144,7 +145,7 @@ class RLBatch:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], cp_rank: int = 0, cp_size: int = 1) -> "RLBatch":
+    def from_dict(cls, d: Mapping[str, Any], cp_rank: int = 0, cp_size: int = 1) -> RLBatch:
         """A batch from the dict layout (keys = field names); unknown keys are an error naming them."""
         missing = [k for k in _REQUIRED if k not in d]
         unknown = [k for k in d if k not in (*ROW_FIELDS, "cu_seqlens")]
@@ -155,7 +156,7 @@ class RLBatch:
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)
 
     @classmethod
-    def concat(cls, batches: Sequence["RLBatch"]) -> "RLBatch":
+    def concat(cls, batches: Sequence[RLBatch]) -> RLBatch:
         """Whole batches packed into one (their documents one after the other): what a ``DataLoader`` with a
         ``batch_size`` collates (``lightning_codraft.pytorch`` registers it with torch's ``default_collate``).
         Batches already normalised for a step (``loss_weight``) or sharded cannot be merged."""
@@ -178,7 +179,7 @@ class RLBatch:
         return cls.from_dict({**rows, "cu_seqlens": torch.tensor(cu, dtype=batches[0].cu_seqlens.dtype)})
 
     @classmethod
-    def coerce(cls, batch: "RLBatch | Mapping[str, Any]") -> "RLBatch":
+    def coerce(cls, batch: RLBatch | Mapping[str, Any]) -> RLBatch:
         """``batch`` itself, or a whole batch built from the dict layout."""
         if isinstance(batch, cls):
             return batch
@@ -190,7 +191,7 @@ class RLBatch:
     def pack(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
              logprobs: Sequence[Sequence[float]], advantages: Sequence[float],
              ref_logprobs: Optional[Sequence[Sequence[float]]] = None, multiple_of: int = 1,
-             pad_id: int = 0) -> "RLBatch":
+             pad_id: int = 0) -> RLBatch:
         """Pack samples (prompt + completion each) into a whole batch.
 
         For a document ``prompt (n_p tokens) + completion (n_c tokens)`` starting at packed row ``s``, completion
@@ -248,10 +249,10 @@ class RLBatch:
             raise ValueError(f"RLBatch.{op}() needs the whole batch, but this one is CP rank {self.cp_rank}'s shard "
                              f"of cp_size={self.cp_size}; {op} first, then shard")
 
-    def _with_rows(self, rows: dict[str, Tensor], cu_seqlens: Tensor, **meta: Any) -> "RLBatch":
+    def _with_rows(self, rows: dict[str, Tensor], cu_seqlens: Tensor, **meta: Any) -> RLBatch:
         return dataclasses.replace(self, **rows, cu_seqlens=cu_seqlens, **meta)
 
-    def split(self, num_microbatches: int) -> list["RLBatch"]:
+    def split(self, num_microbatches: int) -> list[RLBatch]:
         """Cut the whole batch into ``M`` batches of consecutive whole documents.
 
         Documents are dealt as evenly as possible (the first ``N % M`` microbatches get one more); each gets its
@@ -276,7 +277,7 @@ class RLBatch:
             d0 = d1
         return out
 
-    def every_nth_document(self, n: int) -> tuple["RLBatch", Tensor]:
+    def every_nth_document(self, n: int) -> tuple[RLBatch, Tensor]:
         """Documents ``0, n, 2n, ...`` of this batch and ``(T',)`` the rows they occupy in it.
 
         Works on the whole batch and on a CP shard alike: a rank holds ``len / cp`` rows of every document, so its rows
@@ -296,7 +297,7 @@ class RLBatch:
         norm = None if self.norm is None else dataclasses.replace(self.norm, draft=self.norm.draft / n)
         return self._with_rows({k: v[rows] for k, v in self.row_tensors().items()}, new_cu, norm=norm), rows
 
-    def pad_to(self, num_tokens: int, pad_id: int = 0) -> "RLBatch":
+    def pad_to(self, num_tokens: int, pad_id: int = 0) -> RLBatch:
         """The whole batch with one padding document appended so it has ``num_tokens`` tokens.
 
         The pipeline schedule sends fixed-shape activations, so every microbatch of a step must have the same
@@ -320,7 +321,7 @@ class RLBatch:
         cu = torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([num_tokens])])
         return self._with_rows(rows, cu)
 
-    def shard(self, rank: int, world_size: int) -> "RLBatch":
+    def shard(self, rank: int, world_size: int) -> RLBatch:
         """CP rank ``rank``'s zigzag shard of the whole batch (``cu_seqlens`` stays global)."""
         self._require_whole("shard")
         if world_size == 1:
@@ -342,7 +343,7 @@ class RLBatch:
                              f"process group")
         return zigzag_shift_left(x, self.cu_seqlens, shift, group=group if self.is_sharded else None, fill=fill)
 
-    def to(self, device: torch.device | str) -> "RLBatch":
+    def to(self, device: torch.device | str) -> RLBatch:
         """The batch with every tensor on ``device`` (``cu_seqlens`` too)."""
         rows = {k: v.to(device) for k, v in self.row_tensors().items()}
         norm = self.norm and dataclasses.replace(self.norm, draft=self.norm.draft.to(device))

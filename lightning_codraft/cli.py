@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from lightning_codraft import __version__
 from lightning_codraft.config import CoDraftConfig, ConfigError, load_config, to_yaml
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
             return 1
-        checkpoints = sys.modules.get("lightning_codraft.rl.run.run_dir")  # loaded when a checkpoint was read
+        checkpoints = sys.modules.get("lightning_codraft.parallel.safe_read")  # loaded when a checkpoint was read
         if checkpoints is not None and isinstance(e, checkpoints.CheckpointError):
             print(f"codraft {args.command}: error: {e}", file=sys.stderr)
             return 2

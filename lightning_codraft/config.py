@@ -12,15 +12,23 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_codraft.config_sections import (DraftConfig, ModelConfig, ParallelConfig, RLConfig,  # noqa: F401
-                                               RunConfig, SFTConfig, WarmStartConfig)
+from lightning_codraft.config_sections import (  # noqa: F401
+    DraftConfig,
+    ModelConfig,
+    ParallelConfig,
+    RLConfig,
+    RunConfig,
+    SFTConfig,
+    WarmStartConfig,
+)
 from lightning_codraft.task_config import RewardTermConfig, TaskConfig  # noqa: F401 - re-exported
 
 

@@ -8,7 +8,7 @@ communicated under context parallelism.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

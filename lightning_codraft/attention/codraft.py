@@ -10,7 +10,8 @@ log-sum-exp, and the backward differentiates each part against the merged ``(out
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -7,7 +7,7 @@ and waits only when it needs the received tensors.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

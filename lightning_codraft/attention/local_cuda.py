@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,7 @@ def load_torch_flash(device: torch.device) -> TorchFlashOps:
     return _probe_torch_flash(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_torch_flash(index: int) -> TorchFlashOps:
     fwd, bwd = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
     return TorchFlashOps(fwd, bwd, packed_lse=lse_layout_is_packed(fwd, torch.device("cuda", index)))
@@ -212,7 +213,7 @@ class _Block:
     lens_q: list[int]
 
     @classmethod
-    def build(cls, q: Tensor, cu_q: Tensor, cu_k: Tensor, cq: list[int], ck: list[int]) -> "_Block":
+    def build(cls, q: Tensor, cu_q: Tensor, cu_k: Tensor, cq: list[int], ck: list[int]) -> _Block:
         lens_q = [b - a for a, b in zip(cq[:-1], cq[1:])]
         lens_k = [b - a for a, b in zip(ck[:-1], ck[1:])]
         # max_seqlen_q is an upper bound for the kernels' grid; 1 would switch them to their decode layout

@@ -8,8 +8,8 @@ document length is a multiple of ``2 * cp`` (:func:`pack_documents` pads to ``mu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor

@@ -19,7 +19,7 @@ around a second ring so that they arrive at their owner after ``cp`` hops. Branc
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

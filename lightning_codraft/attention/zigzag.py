@@ -58,7 +58,7 @@ class ZigzagLayout:
     global_rows: Tensor
 
     @classmethod
-    def build(cls, cu_seqlens: Tensor, rank: int, world_size: int, device=None) -> "ZigzagLayout":
+    def build(cls, cu_seqlens: Tensor, rank: int, world_size: int, device=None) -> ZigzagLayout:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a CP group of size {world_size}")
         cu = check_zigzag(cu_seqlens, world_size)

@@ -29,16 +29,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from lightning_codraft.distill.cache import (STORAGE_DTYPES, CacheWriter, FeatureCache, compact_restricted,
-                                                      row_entropy)
+from lightning_codraft.distill.cache import STORAGE_DTYPES, CacheWriter, FeatureCache, compact_restricted, row_entropy
 
 
 class FeatureRecorder:
@@ -82,7 +81,7 @@ class FeatureRecorder:
             f.close()
         shutil.rmtree(self.spill_dir, ignore_errors=True)
 
-    def __enter__(self) -> "FeatureRecorder":
+    def __enter__(self) -> FeatureRecorder:
         return self
 
     def __exit__(self, *exc) -> None:

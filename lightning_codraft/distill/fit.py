@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import masked_suffix, shift_left_local, suffix_rows
-from lightning_codraft.distill.cache import (PRECISIONS, FeatureCache, compact_vocab,
-                                                    pack_batches)
+from lightning_codraft.distill.cache import PRECISIONS, FeatureCache, compact_vocab, pack_batches
 from lightning_codraft.distill.compiled import compiled_draft
 from lightning_codraft.distill.settings import DraftFitConfig
 from lightning_codraft.models.precision import resolve_precision

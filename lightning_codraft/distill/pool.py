@@ -10,7 +10,7 @@ unroll and loss through the module's own override points (:meth:`CoDraftModule.d
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -18,17 +18,17 @@ import copy
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from lightning_codraft.distill.cache import FeatureCache, build_feature_cache
 from lightning_codraft.distill.capture import FeatureRecorder
+from lightning_codraft.distill.settings import CORPUS, FEATURES, WarmStartSettings, stage_fields
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.vocab import count_tokens
-from lightning_codraft.distill.settings import CORPUS, FEATURES, WarmStartSettings, stage_fields
 from lightning_codraft.rollout import SpeculativeEngine
 
 Corpus = list[tuple[list[int], list[int]]]

@@ -16,17 +16,24 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from lightning_codraft.distill.calibration import calibrate_draft_temperature
 from lightning_codraft.distill.fit import FitResult, fit_draft, implied_acceptance_length
 from lightning_codraft.distill.settings import WarmStartSettings
-from lightning_codraft.distill.stages import (corpus_features, corpus_key, draft_key, features_key, install_vocab,
-                                              sample_corpus, state_fingerprint)
+from lightning_codraft.distill.stages import (
+    corpus_features,
+    corpus_key,
+    draft_key,
+    features_key,
+    install_vocab,
+    sample_corpus,
+    state_fingerprint,
+)
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.models.precision import resolve_dtype, resolve_precision
 from lightning_codraft.models.tokenizer import encode_prompt

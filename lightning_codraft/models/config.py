@@ -99,7 +99,7 @@ class PolicyConfig:
         return ARCHITECTURES[self.architecture]
 
     @classmethod
-    def tiny(cls, **overrides: Any) -> "PolicyConfig":
+    def tiny(cls, **overrides: Any) -> PolicyConfig:
         """A 4-layer, 64-wide, GQA model for tests; keyword arguments override any field.
 
         ``architecture="Qwen2ForCausalLM"`` defaults to q/k/v biases, ``"Qwen3ForCausalLM"`` to q/k norms and
@@ -115,7 +115,7 @@ class PolicyConfig:
         return cls(**base)
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "PolicyConfig":
+    def from_hf_dict(cls, d: dict) -> PolicyConfig:
         """Build from a HF ``config.json`` dict (transformers 4 ``rope_scaling`` or 5 ``rope_parameters``)."""
         d = dict(d)
         archs = d.pop("architectures", None) or []
@@ -273,7 +273,7 @@ class Eagle3Config:
         )
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> Eagle3Config:
         """Inverse of :meth:`to_hf_dict`; accepts transformers-5 ``rope_parameters`` too."""
         archs = d.get("architectures") or []
         if not any(a in _ACCEPTED_ARCHITECTURES for a in archs):

@@ -22,8 +22,8 @@ steps ``1..k``, in one softmax (:func:`lightning_codraft.attention.codraft_atten
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,13 @@ from lightning_codraft.attention.codraft import codraft_attention
 from lightning_codraft.attention.packing import suffix_rows, validate_cu_seqlens
 from lightning_codraft.models import eagle3_io
 from lightning_codraft.models.config import Eagle3Config
-from lightning_codraft.models.decode import (DraftDecoder, FusedDraftDecoder, ModuleDraftDecoder, custom_decode_math,
-                                            plain_parameters)
+from lightning_codraft.models.decode import DraftDecoder, ModuleDraftDecoder, custom_decode_math, plain_parameters
+from lightning_codraft.models.fused_decode import FusedDraftDecoder
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
 from lightning_codraft.models.vocab import build_vocab_mapping
+
 
 class DraftAttention(nn.Module):
     """q/k/v projections from the 2H-wide input, o_proj back to H (no biases)."""
@@ -111,7 +112,7 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_policy(cls, policy, draft_vocab_size: int | None = None, taps: Sequence[int] | None = None,
-                    token_counts: Tensor | None = None) -> "Eagle3Draft":
+                    token_counts: Tensor | None = None) -> Eagle3Draft:
         """A fresh draft shaped for ``policy`` (a :class:`~lightning_codraft.models.Policy`).
 
         The attention / MLP shapes, RoPE and norm epsilon are the policy's; ``lm_head`` starts as the policy's
@@ -321,7 +322,7 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                        policy=None) -> "Eagle3Draft":
+                        policy=None) -> Eagle3Draft:
         """Load a directory written by :meth:`save_pretrained`, or another EAGLE-3 draft: vLLM's, SpecForge's
         export (its ``embed_tokens`` is checked against ``policy``'s and dropped) or speculators' format.
 

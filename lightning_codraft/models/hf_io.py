@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-
 from torch import nn
 
 from lightning_codraft.models.config import PolicyConfig

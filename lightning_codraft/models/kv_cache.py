@@ -18,8 +18,8 @@ docs/design/rollout.md, "decode attention").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
         """Zero-filled cache of ``capacity`` slots per row, all rows empty."""
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("capacity", capacity)):
@@ -129,7 +129,7 @@ class KVCache:
                              f"{self.lengths.tolist()}]")
         self.lengths = lengths.clone()
 
-    def select(self, rows: Tensor | int | slice) -> "KVCache":
+    def select(self, rows: Tensor | int | slice) -> KVCache:
         """A cache of some rows: ``rows`` (B',) indices (copies), or an int n for the first n rows or a slice of
         rows (views of the same storage, with their own ``lengths``: writing through them writes this cache's
         slots)."""
@@ -139,7 +139,7 @@ class KVCache:
         return KVCache(k=[t.index_select(0, rows) for t in self.k], v=[t.index_select(0, rows) for t in self.v],
                        lengths=self.lengths.index_select(0, rows))
 
-    def compact(self, rows: Sequence[int]) -> "KVCache":
+    def compact(self, rows: Sequence[int]) -> KVCache:
         """Keep ``rows`` (new slot ``i`` holds old row ``rows[i]``) in this cache's own storage, copying only the
         rows that change slot; a batch that drops a few finished rows then moves a few rows, not the whole cache
         (:meth:`select` copies every kept row into new tensors).

@@ -18,9 +18,9 @@ math with fewer ops per layer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,8 +30,8 @@ from lightning_codraft.attention.cached import cached_attention
 from lightning_codraft.attention.packing import position_ids_from_cu_seqlens, validate_cu_seqlens
 from lightning_codraft.models import hf_io
 from lightning_codraft.models.config import PolicyConfig
-from lightning_codraft.models.decode import (FusedPolicyDecoder, ModulePolicyDecoder, PolicyDecoder, custom_decode_math,
-                                            plain_parameters)
+from lightning_codraft.models.decode import ModulePolicyDecoder, PolicyDecoder, custom_decode_math, plain_parameters
+from lightning_codraft.models.fused_decode import FusedPolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import RotaryEmbedding, apply_rotary
@@ -343,7 +343,7 @@ class Policy(nn.Module):
     # ----- I/O (HF directories; see models.hf_io) -----
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Policy":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Policy:
         """Load a HF checkpoint directory (config.json + safetensors, sharded or not) as an instance of ``cls``."""
         return hf_io.load_policy(cls, path, dtype=dtype, device=device)
 

@@ -31,7 +31,7 @@ def _best_time(fn, reps: int, give_up_s: float) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bf16_speedup(device_type: str = "cpu") -> float:
     """How many times faster a bf16 matmul runs than an fp32 one on ``device_type`` (inf on a CUDA device that
     supports bf16, 0 on one that does not; measured on a CPU, at the current thread count; cached).

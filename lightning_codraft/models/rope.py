@@ -20,7 +20,8 @@ are bit-identical to HF's ``LlamaRotaryEmbedding`` in fp32.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn

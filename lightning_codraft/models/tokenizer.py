@@ -4,7 +4,7 @@ prompt text becomes ids with any tokenizer (a chat template where the tokenizer 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class CharTokenizer:

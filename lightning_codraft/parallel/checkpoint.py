@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import json
 import os
-import pickle
 import random
 import signal
 import threading
@@ -37,22 +35,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 
 from lightning_codraft.parallel.collectives import is_distributed, reduced
 from lightning_codraft.parallel.parallel_dims import ParallelDims
+from lightning_codraft.parallel.safe_read import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 
 FORMAT = "lightning_codraft.checkpoint/2"
 META_FILE = "codraft.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, of another format, lacks what was asked for, or is unsafe to read."""
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -60,52 +58,6 @@ def unwrap_module(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "module", None), nn.Module) and module is not module.module:
         module = module.module
     return module
-
-
-# ------------------------------------------------------------------------------------------------ safe reading
-_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                 ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else: any other global (``os.system``, ...) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS or module in _SAFE_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"refusing to load checkpoint metadata: it references {module}.{name}, which DCP "
-                              f"metadata never contains (the file may have been crafted to run code)")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the ``.metadata`` pickle read by :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any malformed pickle
-                raise CheckpointError(f"{path} is not readable DCP metadata: {type(e).__name__}: {e}") from e
-        metadata.storage_meta = getattr(metadata, "storage_meta", None)
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner that refuses pickled (non-tensor) entries: ours hold tensors only, the rest is JSON."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which "
-                              f"lightning_codraft checkpoints never contain (their non-tensor state is JSON); "
-                              f"refusing to unpickle it")
 
 
 # ------------------------------------------------------------------------------------------------ rng and json

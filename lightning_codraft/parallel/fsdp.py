@@ -23,7 +23,8 @@ Precision (Lightning's argument, ``Fabric(precision=...)`` / ``Trainer(precision
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn

@@ -29,13 +29,14 @@ norm, owned by the last stage); a :class:`~lightning_codraft.parallel.tap_channe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -55,7 +56,7 @@ class StageLayout:
 
     @classmethod
     def split(cls, num_layers: int, num_stages: int,
-              layers_per_stage: Optional[Sequence[int]] = None) -> "StageLayout":
+              layers_per_stage: Optional[Sequence[int]] = None) -> StageLayout:
         """Cut ``num_layers`` layers into ``num_stages`` stages.
 
         Args:

@@ -27,7 +27,8 @@ Public API (what ``training.module.CoDraftModule`` calls)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

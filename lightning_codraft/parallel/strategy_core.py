@@ -20,7 +20,8 @@ explicitly after the schedule.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

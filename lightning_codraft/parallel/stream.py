@@ -10,7 +10,8 @@ shards. Every rank must consume the whole stream (the collectives pair up tensor
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Optional
 
 import torch
 import torch.distributed as dist

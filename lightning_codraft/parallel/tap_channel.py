@@ -26,7 +26,8 @@ order-matching (NCCL) transports.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

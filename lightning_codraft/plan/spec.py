@@ -92,7 +92,7 @@ class PlanSpec:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
     @classmethod
-    def from_config(cls, cfg: CoDraftConfig) -> "PlanSpec":
+    def from_config(cls, cfg: CoDraftConfig) -> PlanSpec:
         """The spec of a validated recipe (the architecture from ``models.presets.recipe_architecture``, no weights
         read; an invalid ``model.config`` is a :class:`~lightning_codraft.config.ConfigError`)."""
         p, r, d = cfg.parallel, cfg.rl, cfg.draft

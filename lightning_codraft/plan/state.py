@@ -30,8 +30,9 @@ unsharded size is ``N * sum(c * n) * compute bytes`` (the all-gather output, pad
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ class MetaModels:
     """Layers of every pipeline stage."""
 
     @classmethod
-    def build(cls, spec: PlanSpec) -> "MetaModels":
+    def build(cls, spec: PlanSpec) -> MetaModels:
         """Build policy, draft (and reference) on the meta device; raise ``ValueError`` on an impossible split."""
         layout = StageLayout.split(spec.policy.num_hidden_layers, spec.pp, spec.layers_per_stage)
         with torch.device("meta"):

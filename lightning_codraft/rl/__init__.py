@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from lightning_codraft._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
-    from lightning_codraft.rl.reports.compare import compare_arms, write_report
     from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
-    from lightning_codraft.rl.tasks.gsm8k import GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
+    from lightning_codraft.rl.reports.compare import compare_arms, write_report
     from lightning_codraft.rl.run.loop import CoDraftRun, FitResult, fit
-    from lightning_codraft.rl.tasks.rewards import RewardError, resolve_reward, score_completions
     from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, TaskSample, arithmetic_reward
+    from lightning_codraft.rl.tasks.gsm8k import GSM8KTask, extract_answer, gsm8k_reward, load_gsm8k
+    from lightning_codraft.rl.tasks.rewards import RewardError, resolve_reward, score_completions
 
 _LAZY = {
     "ArithmeticTask": "lightning_codraft.rl.tasks.arithmetic",

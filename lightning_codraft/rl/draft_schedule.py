@@ -49,8 +49,9 @@ is logged with its reason and figures, and :func:`replay` recomputes the decisio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from lightning_codraft.rl.reports.stats import paired_difference
 
@@ -274,7 +275,7 @@ def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool
     """The decisions ``schedule`` (fresh) makes from the logged figures ``rows`` (``draft_schedule.jsonl``)."""
     out = []
     for r in rows:
-        num = lambda k: math.nan if r.get(k) is None else float(r[k])  # noqa: E731
+        num = lambda k, r=r: math.nan if r.get(k) is None else float(r[k])
         d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"),
                             1.0 if r.get("speculation") is None else float(r["speculation"]), num("saving_s"))
         schedule.record(d, num("train_s"), num("ab_gain"), r.get("implied_rates", ()), num("reference"))

@@ -7,8 +7,8 @@ ALIGNED, so row ``t`` carries what the logits at row ``t`` are scored against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import Tensor

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,7 @@ from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.noise import request_seed
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
-from lightning_codraft.rollout.weight_sync import (WeightSync, refill_parameters,
-                                                  release_parameters)
+from lightning_codraft.rollout.weight_sync import WeightSync, refill_parameters, release_parameters
 
 
 def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:

@@ -40,8 +40,8 @@ distributions scored with the same noise often agree), which the calibration lea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

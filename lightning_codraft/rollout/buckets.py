@@ -18,9 +18,10 @@ an engine in another process, in shared host memory (CPU) or a CUDA IPC handle (
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor

@@ -15,7 +15,7 @@ sampled with Gumbel coupling, a proposal the draft gives 7% is still accepted a 
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 """Upper edges of the confidence bins (the last bin is [0.98, 1]): finer near 1, where most accepted proposals lie."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Sequence
 
 import numpy as np
 import torch

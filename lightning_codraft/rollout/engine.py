@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -100,7 +101,7 @@ class AcceptanceStats:
         for j in range(k):
             self.proposed_per_position[j] += 1
 
-    def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
+    def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
         n = max(len(self.accepted_per_position), len(other.accepted_per_position))
         pad = lambda xs: list(xs) + [0] * (n - len(xs))  # noqa: E731
         return AcceptanceStats(
@@ -116,7 +117,7 @@ class AcceptanceStats:
         )
 
     @staticmethod
-    def total(stats: Iterable["AcceptanceStats"]) -> "AcceptanceStats":
+    def total(stats: Iterable[AcceptanceStats]) -> AcceptanceStats:
         out = AcceptanceStats()
         for s in stats:
             out = out + s

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numbers
 import secrets
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -150,7 +150,7 @@ class CounterNoise:
         self.seeds = seeds.long()
         self._rows = {} if _rows is None else _rows
 
-    def select(self, rows: torch.Tensor) -> "CounterNoise":
+    def select(self, rows: torch.Tensor) -> CounterNoise:
         """The noise of rows ``rows`` ((B',) indices) only."""
         return CounterNoise(self.seeds[rows], {p: r[rows] for p, r in self._rows.items()})
 

@@ -9,7 +9,7 @@ through a view of the shared cache.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

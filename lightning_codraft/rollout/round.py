@@ -17,9 +17,10 @@ engine's controller learns costs from). docs/design/decoding.md describes the al
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 

@@ -25,8 +25,8 @@ is distributed exactly as plain sampling from the filtered policy distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

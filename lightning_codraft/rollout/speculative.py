@@ -41,7 +41,7 @@ differently, and that flips a sample only when two noisy scores are that close.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -52,8 +52,13 @@ from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, decode_dtype
 from lightning_codraft.rollout.buckets import BucketReceiver, WeightBucket, copy_into
-from lightning_codraft.rollout.engine import (AcceptanceStats, ForwardObserver, RolloutError, RolloutOutput,
-                                              validate_prompts)
+from lightning_codraft.rollout.engine import (
+    AcceptanceStats,
+    ForwardObserver,
+    RolloutError,
+    RolloutOutput,
+    validate_prompts,
+)
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.prefill import prefill
 from lightning_codraft.rollout.round import Chunk, catch_up, pick, run_round

@@ -24,8 +24,9 @@ after vLLM registered its CPU kernel overrides and before the first sampling ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

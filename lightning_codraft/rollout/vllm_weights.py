@@ -19,7 +19,8 @@ weight-update session with the ``codraft_bytes`` transport or through the worker
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load, save

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
 from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, open_handle
-from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
+from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
+
 
 def _split_draft_state(state: dict[str, torch.Tensor], draft: torch.nn.Module
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -126,7 +127,10 @@ def _register_transport() -> type | None:
     """Define and register :class:`BytesWeightTransferEngine`; None where vLLM has no weight-transfer API."""
     try:
         from vllm.distributed.weight_transfer.base import (
-            WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo)
+            WeightTransferEngine,
+            WeightTransferInitInfo,
+            WeightTransferUpdateInfo,
+        )
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return None

@@ -12,7 +12,8 @@ pipeline parallelism), else :func:`full_state_dict` of each.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Optional, Union
 
 import torch
 
@@ -75,7 +76,7 @@ def module_states(module: torch.nn.Module) -> tuple[State, State]:
     gather = getattr(module, "full_state_dicts", None)
     if callable(gather):
         return gather()
-    return full_state_dict(getattr(module, "policy")), full_state_dict(getattr(module, "draft", None))
+    return full_state_dict(module.policy), full_state_dict(getattr(module, "draft", None))
 
 
 def engine_drafts(engine: RolloutEngine) -> bool:

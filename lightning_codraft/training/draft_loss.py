@@ -29,8 +29,9 @@ CP group is therefore the SUM over the group of the per-rank gradients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -30,8 +30,9 @@ as accepted (what the embedded engine records), and the next round starts that m
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ class RoundCounts:
         return torch.tensor([self.rounds, self.accepted, *self.per_position], dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, t: Tensor) -> "RoundCounts":
+    def from_tensor(cls, t: Tensor) -> RoundCounts:
         v = t.double().tolist()
         return cls(v[0], v[1], v[2:])
 

@@ -17,7 +17,7 @@ step k with probability ``prod_{j<=k} acc_j``, so the expected number of tokens 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -16,8 +16,9 @@ The step's first act, its loss weights and denominators, is training/normalize.p
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor

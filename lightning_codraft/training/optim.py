@@ -9,7 +9,7 @@ made in one place.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn

@@ -10,14 +10,13 @@ import torch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.decode import (
     DraftDecoder,
-    FusedDraftDecoder,
-    FusedPolicyDecoder,
     ModuleDraftDecoder,
     ModulePolicyDecoder,
     PolicyDecoder,
     draft_decoder,
     policy_decoder,
 )
+from lightning_codraft.models.fused_decode import FusedDraftDecoder, FusedPolicyDecoder
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32, fused q/k/v and gate/up matmuls reassociate sums (hidden norms ~10)
 VARIANTS = {
@@ -261,7 +260,7 @@ def test_fused_decode_attends_the_whole_cache_only_when_its_slack_is_small(monke
                                                                            attends_all):
     """A cache at most a block longer than its rows is attended whole (no copy of a slice on CPU), masked: slots
     past each row's length full of garbage change nothing."""
-    import lightning_codraft.models.decode as decode
+    import lightning_codraft.models.fused_decode as decode
 
     widths = []
     real = decode.decode_attention

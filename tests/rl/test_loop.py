@@ -8,8 +8,8 @@ import pytest
 from lightning_codraft.config import ConfigError, load_config
 from lightning_codraft.rl.reports.run_log import read_metrics
 from lightning_codraft.rl.run.loop import fit
+from lightning_codraft.rl.step_metrics import COLUMNS, SCHEDULE_COLUMNS, TIME_COLUMNS
 from lightning_codraft.rl.tasks.rewards import RewardError
-from lightning_codraft.rl.step import COLUMNS, SCHEDULE_COLUMNS, TIME_COLUMNS
 
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=4", "model.num_attention_heads=2",
          "model.num_key_value_heads=1", "model.intermediate_size=64", "model.max_position_embeddings=64",
@@ -275,8 +275,8 @@ def test_recipe_warm_start_must_hold_out_the_tasks_heldout_problems(tmp_path):
 def test_the_final_evaluation_and_speedup_refill_the_engine_once(tmp_path, monkeypatch):
     """finish(): greedy evaluation and the speed-up measurement decode with the same weights, so the engine's copies
     (on a multi-process or vLLM run, a collective over every stage) are refilled once, not once each."""
-    from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rl.rollout_worker import RolloutWorker
+    from lightning_codraft.rl.run.loop import CoDraftRun
 
     calls, inside = [], {"on": False}
     prepare, finish = RolloutWorker.prepare, CoDraftRun.finish

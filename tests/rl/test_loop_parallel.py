@@ -25,7 +25,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from test_loop import micro_config
 
-from lightning_codraft.rl.step import SCHEDULE_COLUMNS
+from lightning_codraft.rl.step_metrics import SCHEDULE_COLUMNS
 
 EXACT = ("reward", "reward_std", "accuracy", "reward_failures", "completion_tokens") + SCHEDULE_COLUMNS
 CLOSE = ("draft_loss", "draft_acc0", "policy_loss", "clip_frac", "kl", "greedy_agreement", "implied_acceptance",

@@ -18,14 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Optional
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.rl.reports.run_log import plot_curves
-from lightning_codraft.rl.run.loop import CoDraftRun, FitResult
 from lightning_codraft.rl.reports.stats import PairedDifference, paired_difference
+from lightning_codraft.rl.run.loop import CoDraftRun, FitResult
 
 ARMS = ("none", "frozen", "cotrain")
 LABELS = {"none": "no draft", "frozen": "frozen draft", "cotrain": "co-trained draft"}

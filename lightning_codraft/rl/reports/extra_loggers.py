@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 LOGGER_SHORTHANDS = {"wandb": ("lightning.pytorch.loggers.WandbLogger", "wandb"),
                      "mlflow": ("lightning.pytorch.loggers.MLFlowLogger", "mlflow"),

@@ -13,13 +13,14 @@ import csv
 import io
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from lightning.fabric.loggers import TensorBoardLogger
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lightning_codraft.rl.step import COLUMNS, StepMetrics
+from lightning_codraft.rl.step_metrics import COLUMNS, StepMetrics
 from lightning_codraft.run_config import replace_file
 
 
@@ -204,7 +205,7 @@ class StepProgress:
             self._task = self._progress.add_task(description, total=total, completed=start, reward="-",
                                                  accept="-", tps="-")
 
-    def __enter__(self) -> "StepProgress":
+    def __enter__(self) -> StepProgress:
         if self._progress is not None:
             self._progress.start()
         return self

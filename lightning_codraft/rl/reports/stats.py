@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Sequence
 
 
 def _t_pdf(x: float, df: float) -> float:

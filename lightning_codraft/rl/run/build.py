@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -21,12 +22,17 @@ from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_
 from lightning_codraft.models.presets import architecture_differences, recipe_architecture
 from lightning_codraft.models.tokenizer import CharTokenizer, encode_prompt
 from lightning_codraft.parallel.pipeline import StageLayout
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask
 from lightning_codraft.rl.tasks.dataset import DatasetTask, is_conversational, solution_column
 from lightning_codraft.rl.tasks.gsm8k import GSM8KTask
 from lightning_codraft.rl.tasks.rewards import RewardSet, as_reward_set, build_reward
-from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask
-from lightning_codraft.training.config import (CoDraftModuleConfig, DraftLossConfig, MicrobatchConfig, PolicyLossConfig,
-                                               shared_fields)
+from lightning_codraft.training.config import (
+    CoDraftModuleConfig,
+    DraftLossConfig,
+    MicrobatchConfig,
+    PolicyLossConfig,
+    shared_fields,
+)
 from lightning_codraft.training.module import CoDraftModule
 
 

@@ -8,16 +8,15 @@ on the same prompts, sampling settings and seed, the faster of two repeats of ea
 from __future__ import annotations
 
 import math
-
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.tasks.rewards import RewardSet, as_reward_set
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.step import weight_versions
 from lightning_codraft.rl.tasks.arithmetic import RewardFn, TaskSample
+from lightning_codraft.rl.tasks.rewards import RewardSet, as_reward_set
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 

@@ -27,10 +27,11 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric import Fabric
@@ -39,15 +40,22 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
-from lightning_codraft.rl.run.build import build_module, build_parts, fit_prompts
-from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key
-from lightning_codraft.rl.run.evaluate import (EVAL_SEED, SpeedupResult, heldout_rewards, heldout_samples, mean_of,
-                                          measure_speedup)
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
 from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_curves, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
-from lightning_codraft.rl.step import RLStep, StepMetrics, weight_versions
+from lightning_codraft.rl.run.build import build_module, build_parts, fit_prompts
+from lightning_codraft.rl.run.evaluate import (
+    EVAL_SEED,
+    SpeedupResult,
+    heldout_rewards,
+    heldout_samples,
+    mean_of,
+    measure_speedup,
+)
+from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key
 from lightning_codraft.rl.run.warm_start import warm_start
+from lightning_codraft.rl.step import RLStep, weight_versions
+from lightning_codraft.rl.step_metrics import StepMetrics
 from lightning_codraft.run_config import config_changes, write_run_config
 from lightning_codraft.training.module import CoDraftModule
 

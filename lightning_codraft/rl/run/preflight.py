@@ -16,12 +16,12 @@ from typing import Optional
 
 from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.models.tokenizer import CharTokenizer
+from lightning_codraft.rl.reports.extra_loggers import logger_class
+from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, TaskSample
 from lightning_codraft.rl.tasks.dataset import RowFormat, file_format, is_conversational, solution_column
 from lightning_codraft.rl.tasks.gsm8k import GSM8K_FORMAT, gsm8k_source
-from lightning_codraft.rl.reports.extra_loggers import logger_class
 from lightning_codraft.rl.tasks.reward_funcs import BUILTINS
 from lightning_codraft.rl.tasks.rewards import build_reward
-from lightning_codraft.rl.tasks.arithmetic import ArithmeticTask, TaskSample
 from lightning_codraft.run_config import warm_weights
 
 SCANNED_ROWS = 100_000

@@ -30,12 +30,9 @@ from lightning_codraft.config import CoDraftConfig, load_config
 from lightning_codraft.models import Eagle3Draft, Policy
 from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.parallel.checkpoint import load_checkpoint
+from lightning_codraft.parallel.safe_read import CheckpointError
 from lightning_codraft.rl.run.build import build_module, build_parts
 from lightning_codraft.run_config import flatten, warm_weights
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint of the run directory cannot be read (the message names it and the fix)."""
 
 
 class RunCheckpoints:

@@ -22,19 +22,21 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_codraft.config import CoDraftConfig
-from lightning_codraft.rl.run.build import build_parts, module_arguments
-from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
-from lightning_codraft.rl.run.evaluate import heldout_rewards, mean_of
 from lightning_codraft.rl.rollout_worker import RolloutWorker
-from lightning_codraft.rl.step import RLStep, StepMetrics, draft_schedule, step_prompts
+from lightning_codraft.rl.run.build import build_parts, module_arguments
+from lightning_codraft.rl.run.evaluate import heldout_rewards, mean_of
+from lightning_codraft.rl.run.run_dir import RunCheckpoints, reference_draft, warm_key, warm_state, write_warm
 from lightning_codraft.rl.run.warm_start import warm_start
+from lightning_codraft.rl.step import RLStep, draft_schedule, step_prompts
+from lightning_codraft.rl.step_metrics import StepMetrics
 from lightning_codraft.training.module import CoDraftModule
 
 PROGRESS_BAR = ("reward", "acceptance_length", "draft_loss")
@@ -83,7 +85,7 @@ class PromptData(LightningDataModule):
         self.task, self.cfg = task, cfg
 
     @classmethod
-    def from_module(cls, module: "GRPOModule") -> "PromptData":
+    def from_module(cls, module: GRPOModule) -> PromptData:
         """The prompts of ``module``'s task and config."""
         return cls(module.task, module.cfg)
 
@@ -99,7 +101,7 @@ class PromptData(LightningDataModule):
 class _StrategyCollectives:
     """What an :class:`RLStep` asks of its front end (``all_reduce``, ``backward``), from the Trainer's strategy."""
 
-    def __init__(self, module: "GRPOModule"):
+    def __init__(self, module: GRPOModule):
         self.module = module
 
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str = "mean") -> torch.Tensor:

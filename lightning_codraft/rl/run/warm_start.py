@@ -9,8 +9,9 @@ warm start has two sources of one fit (distill/): the small pool sampled here (d
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.distill.pool import POOL_SEED, fit_on_pool, pool_prompts, sample_pool

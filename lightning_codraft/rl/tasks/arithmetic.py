@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from lightning_codraft.task_config import STYLES
-
 
 #: A reward function: ``(prompt, completion, reference_answer) -> float``.
 RewardFn = Callable[[str, str, str], float]

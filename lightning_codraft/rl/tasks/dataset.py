@@ -10,12 +10,13 @@ reserved for evaluation, never drawn for training.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
 from lightning_codraft.rl.tasks.arithmetic import TaskSample
+from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
 
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffixes a local source may have, and the ``datasets`` builder that reads each (JSON, JSON Lines and CSV

@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
+from lightning_codraft.rl.tasks.arithmetic import TaskSample
 from lightning_codraft.rl.tasks.dataset import DatasetTask, RowFormat, file_format
 from lightning_codraft.rl.tasks.reward_funcs import math_equivalence
-from lightning_codraft.rl.tasks.arithmetic import TaskSample
 
 EXCERPT_PATH = Path(__file__).parent / "data" / "gsm8k_excerpt.jsonl"
 TRAIN_PATH = Path(__file__).parent / "data" / "gsm8k_train.jsonl.gz"

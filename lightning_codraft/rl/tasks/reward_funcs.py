@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 
 def _final_answer(text: str) -> str:

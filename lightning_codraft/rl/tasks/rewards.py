@@ -29,11 +29,12 @@ import importlib
 import inspect
 import math
 import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-from lightning_codraft.rl.tasks.reward_funcs import BUILTINS
 from lightning_codraft.rl.tasks.arithmetic import RewardFn, TaskSample
+from lightning_codraft.rl.tasks.reward_funcs import BUILTINS
 from lightning_codraft.task_config import ANSWER_REWARDS, answer_problem
 
 ON_ERROR = ("raise", "skip")
