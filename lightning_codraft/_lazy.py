@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_exports(package_globals: dict[str, Any], exports: dict[str, str]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    package_globals: dict[str, Any], exports: dict[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Module ``__getattr__`` and ``__dir__`` for a package whose ``exports[name]`` is imported on first access.
 
     Args:

@@ -31,10 +31,29 @@ from lightning_codraft.attention.zigzag import shift_left as zigzag_shift_left
 from lightning_codraft.attention.zigzag import zigzag_shard
 
 #: Per-row tensors of a batch, in field order (the optional ones may be None).
-ROW_FIELDS = ("input_ids", "target_ids", "position_ids", "valid", "loss_mask", "old_logprobs", "advantages",
-              "draft_mask", "ref_logprobs", "ref_greedy", "loss_weight")
-_REQUIRED = ("input_ids", "target_ids", "position_ids", "cu_seqlens", "valid", "loss_mask", "old_logprobs",
-             "advantages")
+ROW_FIELDS = (
+    "input_ids",
+    "target_ids",
+    "position_ids",
+    "valid",
+    "loss_mask",
+    "old_logprobs",
+    "advantages",
+    "draft_mask",
+    "ref_logprobs",
+    "ref_greedy",
+    "loss_weight",
+)
+_REQUIRED = (
+    "input_ids",
+    "target_ids",
+    "position_ids",
+    "cu_seqlens",
+    "valid",
+    "loss_mask",
+    "old_logprobs",
+    "advantages",
+)
 
 
 @dataclass(frozen=True)
@@ -107,9 +126,11 @@ class RLBatch:
         rows = total // self.cp_size
         for name, t in self.row_tensors().items():
             if t.dim() == 0 or t.shape[0] != rows:
-                raise ValueError(f"RLBatch.{name} has shape {tuple(t.shape)} but the batch has {rows} rows "
-                                 f"(cu_seqlens[-1]={total} / cp_size={self.cp_size}); every per-row tensor needs "
-                                 f"{rows} rows")
+                raise ValueError(
+                    f"RLBatch.{name} has shape {tuple(t.shape)} but the batch has {rows} rows "
+                    f"(cu_seqlens[-1]={total} / cp_size={self.cp_size}); every per-row tensor needs "
+                    f"{rows} rows"
+                )
 
     # ------------------------------------------------------------------ views
     @property
@@ -150,9 +171,11 @@ class RLBatch:
         missing = [k for k in _REQUIRED if k not in d]
         unknown = [k for k in d if k not in (*ROW_FIELDS, "cu_seqlens")]
         if missing or unknown:
-            raise KeyError(f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs, "
-                           f"ref_greedy, loss_weight); "
-                           f"missing {missing}, unknown {unknown}")
+            raise KeyError(
+                f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs, "
+                f"ref_greedy, loss_weight); "
+                f"missing {missing}, unknown {unknown}"
+            )
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)
 
     @classmethod
@@ -163,14 +186,16 @@ class RLBatch:
         if not batches:
             raise ValueError("RLBatch.concat of no batches")
         if any(b.is_sharded or b.loss_weight is not None for b in batches):
-            raise ValueError("RLBatch.concat takes whole batches not yet normalised for a step (cp_size 1, no "
-                             "loss_weight)")
+            raise ValueError(
+                "RLBatch.concat takes whole batches not yet normalised for a step (cp_size 1, no loss_weight)"
+            )
         if len(batches) == 1:
             return batches[0]
         keys = set(batches[0].row_tensors())
         if any(set(b.row_tensors()) != keys for b in batches):
-            raise ValueError("RLBatch.concat: the batches set different optional fields (draft_mask, ref_logprobs, "
-                             "ref_greedy)")
+            raise ValueError(
+                "RLBatch.concat: the batches set different optional fields (draft_mask, ref_logprobs, ref_greedy)"
+            )
         rows = {k: torch.cat([b.row_tensors()[k] for b in batches]) for k in keys}
         cu, offset = [0], 0
         for b in batches:
@@ -188,10 +213,16 @@ class RLBatch:
         raise TypeError(f"expected an RLBatch (or a dict with its fields), got {type(batch).__name__}")
 
     @classmethod
-    def pack(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-             logprobs: Sequence[Sequence[float]], advantages: Sequence[float],
-             ref_logprobs: Optional[Sequence[Sequence[float]]] = None, multiple_of: int = 1,
-             pad_id: int = 0) -> RLBatch:
+    def pack(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]],
+        advantages: Sequence[float],
+        ref_logprobs: Optional[Sequence[Sequence[float]]] = None,
+        multiple_of: int = 1,
+        pad_id: int = 0,
+    ) -> RLBatch:
         """Pack samples (prompt + completion each) into a whole batch.
 
         For a document ``prompt (n_p tokens) + completion (n_c tokens)`` starting at packed row ``s``, completion
@@ -223,8 +254,9 @@ class RLBatch:
                 raise ValueError(f"sample {i} has an empty completion; the engine must generate >= 1 token")
             if len(logprobs[i]) != len(completions[i]):
                 raise ValueError(f"sample {i}: {len(logprobs[i])} logprobs for {len(completions[i])} tokens")
-        packed = pack_documents([list(p) + list(c) for p, c in zip(prompts, completions)], multiple_of=multiple_of,
-                                pad_id=pad_id)
+        packed = pack_documents(
+            [list(p) + list(c) for p, c in zip(prompts, completions)], multiple_of=multiple_of, pad_id=pad_id
+        )
         T = packed.num_tokens
         target = torch.full((T,), pad_id, dtype=torch.int64)
         loss_mask, old_lp, adv = (torch.zeros(T, dtype=torch.float32) for _ in range(3))
@@ -232,22 +264,33 @@ class RLBatch:
         for i, s in enumerate(packed.cu_seqlens[:-1].tolist()):
             n_p, n_c = len(prompts[i]), len(completions[i])
             end = s + n_p + n_c
-            target[s:end - 1] = packed.input_ids[s + 1:end]
+            target[s : end - 1] = packed.input_ids[s + 1 : end]
             rows = slice(s + n_p - 1, end - 1)
             loss_mask[rows] = 1.0
             old_lp[rows] = torch.tensor(list(logprobs[i]), dtype=torch.float32)
             adv[rows] = float(advantages[i])
             if ref is not None:
                 ref[rows] = torch.tensor(list(ref_logprobs[i]), dtype=torch.float32)
-        return cls(input_ids=packed.input_ids, target_ids=target, position_ids=packed.position_ids,
-                   cu_seqlens=packed.cu_seqlens, valid=packed.valid, loss_mask=loss_mask, old_logprobs=old_lp,
-                   advantages=adv, draft_mask=packed.valid.to(torch.float32), ref_logprobs=ref)
+        return cls(
+            input_ids=packed.input_ids,
+            target_ids=target,
+            position_ids=packed.position_ids,
+            cu_seqlens=packed.cu_seqlens,
+            valid=packed.valid,
+            loss_mask=loss_mask,
+            old_logprobs=old_lp,
+            advantages=adv,
+            draft_mask=packed.valid.to(torch.float32),
+            ref_logprobs=ref,
+        )
 
     # ------------------------------------------------------------------ layout operations
     def _require_whole(self, op: str) -> None:
         if self.is_sharded:
-            raise ValueError(f"RLBatch.{op}() needs the whole batch, but this one is CP rank {self.cp_rank}'s shard "
-                             f"of cp_size={self.cp_size}; {op} first, then shard")
+            raise ValueError(
+                f"RLBatch.{op}() needs the whole batch, but this one is CP rank {self.cp_rank}'s shard "
+                f"of cp_size={self.cp_size}; {op} first, then shard"
+            )
 
     def _with_rows(self, rows: dict[str, Tensor], cu_seqlens: Tensor, **meta: Any) -> RLBatch:
         return dataclasses.replace(self, **rows, cu_seqlens=cu_seqlens, **meta)
@@ -262,8 +305,10 @@ class RLBatch:
         self._require_whole("split")
         num_docs = self.num_docs
         if not 1 <= num_microbatches <= num_docs:
-            raise ValueError(f"cannot split a batch of {num_docs} documents into num_microbatches={num_microbatches};"
-                             f" every microbatch needs at least one document (use 1 <= M <= {num_docs})")
+            raise ValueError(
+                f"cannot split a batch of {num_docs} documents into num_microbatches={num_microbatches};"
+                f" every microbatch needs at least one document (use 1 <= M <= {num_docs})"
+            )
         if num_microbatches == 1:
             return [self]
         cu = self.cu_seqlens.long()
@@ -273,7 +318,7 @@ class RLBatch:
             d1 = d0 + base + (1 if m < extra else 0)
             t0, t1 = int(cu[d0]), int(cu[d1])
             rows = {k: v[t0:t1] for k, v in self.row_tensors().items()}
-            out.append(self._with_rows(rows, (cu[d0:d1 + 1] - t0).to(self.cu_seqlens.dtype)))
+            out.append(self._with_rows(rows, (cu[d0 : d1 + 1] - t0).to(self.cu_seqlens.dtype)))
             d0 = d1
         return out
 
@@ -291,8 +336,12 @@ class RLBatch:
         local = lengths // self.cp_size
         starts = torch.cumsum(local, 0) - local
         keep = torch.arange(self.num_docs, device=cu.device) % n == 0
-        rows = torch.cat([torch.arange(int(s), int(s + m), device=cu.device)
-                          for s, m in zip(starts[keep].tolist(), local[keep].tolist())])
+        rows = torch.cat(
+            [
+                torch.arange(int(s), int(s + m), device=cu.device)
+                for s, m in zip(starts[keep].tolist(), local[keep].tolist())
+            ]
+        )
         new_cu = torch.cat([cu.new_zeros(1), torch.cumsum(lengths[keep], 0)]).to(self.cu_seqlens.dtype)
         norm = None if self.norm is None else dataclasses.replace(self.norm, draft=self.norm.draft / n)
         return self._with_rows({k: v[rows] for k, v in self.row_tensors().items()}, new_cu, norm=norm), rows
@@ -339,8 +388,9 @@ class RLBatch:
             group: the CP process group when the batch is sharded (the halo exchange crosses ranks).
         """
         if self.is_sharded and group is None:
-            raise ValueError(f"shift_left on CP rank {self.cp_rank}'s shard (cp_size={self.cp_size}) needs the CP "
-                             f"process group")
+            raise ValueError(
+                f"shift_left on CP rank {self.cp_rank}'s shard (cp_size={self.cp_size}) needs the CP process group"
+            )
         return zigzag_shift_left(x, self.cu_seqlens, shift, group=group if self.is_sharded else None, fill=fill)
 
     def to(self, device: torch.device | str) -> RLBatch:

@@ -41,11 +41,13 @@ class UsageError(ValueError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="codraft", description="Online EAGLE-3 draft co-training during RL "
-                                                           "post-training (lightning_codraft).")
+    p = argparse.ArgumentParser(
+        prog="codraft", description="Online EAGLE-3 draft co-training during RL post-training (lightning_codraft)."
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--debug", action="store_true", help="on an error, print the full traceback")
     sub = p.add_subparsers(dest="command", required=True)
+
     def common(sp):
         sp.add_argument("--config", "-c", help="YAML recipe (e.g. recipes/tiny-cpu.yaml); defaults if omitted")
         sp.add_argument("--dry-run", action="store_true", help="validate the config, print it, and exit")
@@ -54,15 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     common(sub.add_parser("fit", help="run the RL loop with online draft co-training"))
     r = sub.add_parser("rollout", help="generate with speculative decoding and print acceptance")
     common(r)
-    r.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); default: "
-                                                                     "task prompts")
+    r.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); default: task prompts")
     r.add_argument("--num-prompts", type=int, default=8, help="task prompts to generate from (without --prompt)")
     r.add_argument("--temperature", type=float, default=None, help="default: rl.temperature")
     b = sub.add_parser("bench", help="no draft vs frozen vs co-trained draft, same seeds")
     common(b)
     b.add_argument("--out", default=None, help="write codraft_vs_frozen.md + PNG plots here (e.g. docs/benchmarks)")
-    e = sub.add_parser("export", help="write a run's policy (Hugging Face, with its tokenizer) and draft (vLLM "
-                                      "EAGLE-3) to a directory")
+    e = sub.add_parser(
+        "export", help="write a run's policy (Hugging Face, with its tokenizer) and draft (vLLM EAGLE-3) to a directory"
+    )
     e.add_argument("run_dir", help="the run directory (run.out_dir)")
     e.add_argument("out_dir", help="where to write policy/ and draft/")
     e.add_argument("--step", type=int, default=None, help="a checkpoint's RL step (default: the newest)")
@@ -91,18 +93,22 @@ def dry_run(cfg: CoDraftConfig) -> str:
     """The report ``--dry-run`` prints: the resolved config and what the run would do."""
     p, d, r = cfg.parallel, cfg.draft, cfg.rl
     world = p.devices * p.num_nodes
-    lines = [to_yaml(cfg).rstrip(), "---",
-             f"mesh: world {world} = dp {p.dp} x pp {p.pp} x cp {p.cp} on {p.accelerator} "
-             f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
-             f"policy: {cfg.model.source} (precision {p.precision}, context {cfg.model.max_position_embeddings}); "
-             f"task: {cfg.task.name}; {_rewards_line(cfg)}",
-             f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm start "
-             f"{'on a cached corpus' if d.warm_start.corpus else f'{d.warm_start.steps} steps on a pool'}; "
-             f"SFT warm-up {cfg.sft.steps} steps",
-             f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
-             f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
-             _placement(cfg), *_memory_lines(cfg),
-             "config OK (dry run: nothing was built)"]
+    lines = [
+        to_yaml(cfg).rstrip(),
+        "---",
+        f"mesh: world {world} = dp {p.dp} x pp {p.pp} x cp {p.cp} on {p.accelerator} "
+        f"({p.num_nodes} node(s) x {p.devices} device(s)); rollout engine: {p.engine}",
+        f"policy: {cfg.model.source} (precision {p.precision}, context {cfg.model.max_position_embeddings}); "
+        f"task: {cfg.task.name}; {_rewards_line(cfg)}",
+        f"draft: {d.mode}, K={d.num_speculative_tokens}, TTT depth {d.ttt_steps}, warm start "
+        f"{'on a cached corpus' if d.warm_start.corpus else f'{d.warm_start.steps} steps on a pool'}; "
+        f"SFT warm-up {cfg.sft.steps} steps",
+        f"GRPO: {r.steps} steps x {r.prompts_per_step} prompts x {r.group_size} samples, "
+        f"<= {r.max_new_tokens} new tokens; documents padded to multiples of 2*cp = {2 * p.cp}",
+        _placement(cfg),
+        *_memory_lines(cfg),
+        "config OK (dry run: nothing was built)",
+    ]
     return "\n".join(lines)
 
 
@@ -110,8 +116,9 @@ def _rewards_line(cfg: CoDraftConfig) -> str:
     """The rewards a run scores with, as the dry run names them (logged as ``reward/<name>``)."""
     t = cfg.task
     if t.rewards:
-        return "rewards: " + " + ".join(f"{r.weight:g} x {r.label} ({r.fn}{', ' + str(r.kwargs) if r.kwargs else ''})"
-                                        for r in t.rewards)
+        return "rewards: " + " + ".join(
+            f"{r.weight:g} x {r.label} ({r.fn}{', ' + str(r.kwargs) if r.kwargs else ''})" for r in t.rewards
+        )
     return f"reward: {t.reward or 'the task built-in'} (on_reward_error={t.on_reward_error})"
 
 
@@ -124,8 +131,10 @@ def _memory_lines(cfg: CoDraftConfig) -> list[str]:
     except (ConfigError, FileNotFoundError) as e:
         return [f"memory per rank: not planned ({e})"]
     lines = [f"memory per rank (`codraft plan` lists every term) against {format_bytes(plan.device_memory)}:"]
-    lines += [f"  {r.label}: training phase {format_bytes(r.training_total)}, rollout phase "
-              f"{format_bytes(r.rollout_total)}" for r in plan.ranks]
+    lines += [
+        f"  {r.label}: training phase {format_bytes(r.training_total)}, rollout phase {format_bytes(r.rollout_total)}"
+        for r in plan.ranks
+    ]
     worst = max(plan.worst_training.training_total, plan.worst_rollout.rollout_total)
     lines.append(f"  {'fits' if plan.fits else 'DOES NOT FIT'}: worst rank needs {format_bytes(worst)}")
     return lines
@@ -135,15 +144,19 @@ def _placement(cfg: CoDraftConfig) -> str:
     """Where the RL loop generates: every rank, each its share of its replica's requests."""
     p = cfg.parallel
     world = p.dp * p.pp * p.cp
-    line = (f"rollouts: {world} {p.engine} engine(s), one on every rank; each of the {p.dp} data-parallel "
-            f"replica(s) splits its requests over its {p.pp * p.cp} rank(s) and gathers the outputs")
+    line = (
+        f"rollouts: {world} {p.engine} engine(s), one on every rank; each of the {p.dp} data-parallel "
+        f"replica(s) splits its requests over its {p.pp * p.cp} rank(s) and gathers the outputs"
+    )
     whole = p.pp == 1 and ((p.sharding or "fsdp") == "ddp" or p.dp * p.cp == 1)
     if p.engine == "vllm":
         line += "; vLLM holds its own weights, updated (checksum-verified) before every rollout phase"
     elif not whole:
-        line += ("; the engine decodes with whole copies of policy + draft whose storage is released while "
-                 "training runs and refilled from the pipeline stages / FSDP2 shards, one tensor at a time, "
-                 "before every rollout phase")
+        line += (
+            "; the engine decodes with whole copies of policy + draft whose storage is released while "
+            "training runs and refilled from the pipeline stages / FSDP2 shards, one tensor at a time, "
+            "before every rollout phase"
+        )
     return line
 
 
@@ -188,14 +201,22 @@ def _cmd_rollout(cfg: CoDraftConfig, args) -> int:
         texts = [s.prompt for s in run.task.sample(args.num_prompts, seed=cfg.run.seed + 123)]
     prompts = run.fit_prompts([encode_prompt(tok, t) for t in texts])
     temperature = cfg.rl.temperature if args.temperature is None else args.temperature
-    outs = run.worker.engine.generate(prompts, max_new_tokens=cfg.rl.max_new_tokens, temperature=temperature,
-                               top_p=cfg.rl.top_p, seed=cfg.run.seed, stop_token_ids=[tok.eos_token_id])
+    outs = run.worker.engine.generate(
+        prompts,
+        max_new_tokens=cfg.rl.max_new_tokens,
+        temperature=temperature,
+        top_p=cfg.rl.top_p,
+        seed=cfg.run.seed,
+        stop_token_ids=[tok.eos_token_id],
+    )
     for t, o in zip(texts, outs):
         print(f"{t!r} -> {tok.decode(o.token_ids)!r}  (acceptance length {o.stats.acceptance_length:.2f})")
     total = AcceptanceStats.total(o.stats for o in outs)
     k = run.worker.engine.num_speculative_tokens
-    print(f"K={k}: acceptance length {total.acceptance_length:.2f}, acceptance rate {total.acceptance_rate:.2f}, "
-          f"per position {[round(x, 2) for x in total.per_position_rate()]}")
+    print(
+        f"K={k}: acceptance length {total.acceptance_length:.2f}, acceptance rate {total.acceptance_rate:.2f}, "
+        f"per position {[round(x, 2) for x in total.per_position_rate()]}"
+    )
     return 0
 
 
@@ -229,8 +250,10 @@ def _resume_hint(cfg: CoDraftConfig | None, args) -> str:
     if last is None:
         return f"No checkpoint was written yet in {cfg.run.out_dir}; the same command starts over."
     step = last[0]
-    return (f"The last checkpoint is step {step} in {cfg.run.out_dir}/checkpoints; the same command resumes from it"
-            f"{'' if cfg.run.resume else ' (with run.resume=true)'}.")
+    return (
+        f"The last checkpoint is step {step} in {cfg.run.out_dir}/checkpoints; the same command resumes from it"
+        f"{'' if cfg.run.resume else ' (with run.resume=true)'}."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,8 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RewardError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"codraft {args.command}: stopped: {e} (the last checkpoint in run.out_dir resumes the run)",
-              file=sys.stderr)
+        print(
+            f"codraft {args.command}: stopped: {e} (the last checkpoint in run.out_dir resumes the run)",
+            file=sys.stderr,
+        )
         return 3
     except Exception as e:  # noqa: BLE001 - the CLI reports every failure; --debug shows where
         if args.debug:
@@ -291,8 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"codraft {args.command}: error: {e}", file=sys.stderr)
             return 2
         where = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"codraft {args.command}: {type(e).__name__}: {e}\n  (raised at {where.filename}:{where.lineno}; "
-              f"rerun with --debug for the full traceback)", file=sys.stderr)
+        print(
+            f"codraft {args.command}: {type(e).__name__}: {e}\n  (raised at {where.filename}:{where.lineno}; "
+            f"rerun with --debug for the full traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -57,7 +57,7 @@ class CoDraftConfig:
 #: keys that moved: old key -> what to write instead (listed in CHANGELOG)
 RENAMED = {
     "model.dtype": "parallel.precision (32-true, bf16-mixed or bf16-true): fp32 master weights need bf16-mixed, not "
-                   "bfloat16 parameters",
+    "bfloat16 parameters",
     "draft.warmup_steps": "draft.warm_start.steps",
     "draft.warmup_batch_size": "draft.warm_start.batch_size",
     "draft.warmup_lr": "draft.warm_start.lr",
@@ -98,8 +98,10 @@ def _check_keys(node: Any, cls: type, prefix: str) -> None:
             under = _MOVED_UNDER.get(tuple(prefix.split(".")))
             if under is not None and key in {f.name for f in dataclasses.fields(_section_type(cls, under))}:
                 raise ConfigError(f"config key {name!r} moved to {prefix}.{under}.{key}")
-            raise ConfigError(f"unknown config key {name!r}; valid keys{' under ' + repr(prefix) if prefix else ''}"
-                              f": {', '.join(sorted(valid))}")
+            raise ConfigError(
+                f"unknown config key {name!r}; valid keys{' under ' + repr(prefix) if prefix else ''}"
+                f": {', '.join(sorted(valid))}"
+            )
         sub = _section_type(cls, key)
         if sub is not None and value is not None:
             _check_keys(value, sub, name)
@@ -110,8 +112,9 @@ def _check_keys(node: Any, cls: type, prefix: str) -> None:
                 try:
                     OmegaConf.merge(OmegaConf.structured(item), entry)
                 except OmegaConfBaseException as e:
-                    raise ConfigError(f"invalid config value at {name}[{i}].{getattr(e, 'full_key', '')}: "
-                                      f"{str(e).splitlines()[0]}") from None
+                    raise ConfigError(
+                        f"invalid config value at {name}[{i}].{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}"
+                    ) from None
 
 
 def _named(path: str, error: ValueError, section) -> ConfigError:
@@ -159,20 +162,28 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     _check_sections(cfg)
     p, r, d, m = cfg.parallel, cfg.rl, cfg.draft, cfg.model
     if p.num_microbatches > r.prompts_per_step // p.dp * r.group_size:
-        raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} exceeds the "
-                          f"{r.prompts_per_step // p.dp * r.group_size} samples each replica trains on per step")
+        raise ConfigError(
+            f"parallel.num_microbatches={p.num_microbatches} exceeds the "
+            f"{r.prompts_per_step // p.dp * r.group_size} samples each replica trains on per step"
+        )
     if r.prompts_per_step % p.dp:
         raise ConfigError(f"rl.prompts_per_step={r.prompts_per_step} must be divisible by parallel.dp={p.dp}")
     if d.adaptive and p.engine == "vllm" and d.mode != "none":
-        raise ConfigError("draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
-                          "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm")
+        raise ConfigError(
+            "draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
+            "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm"
+        )
     if r.max_new_tokens >= m.max_position_embeddings:
-        raise ConfigError(f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
-                          f"model.max_position_embeddings={m.max_position_embeddings}")
+        raise ConfigError(
+            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
+            f"model.max_position_embeddings={m.max_position_embeddings}"
+        )
     t = cfg.task
     if t.name == "dataset" and t.solution_column is None and cfg.sft.steps > 0:
-        raise ConfigError(f"sft.steps={cfg.sft.steps} fine-tunes on worked solutions, which task.name=dataset has only "
-                          f"with task.solution_column; set it, or sft.steps=0")
+        raise ConfigError(
+            f"sft.steps={cfg.sft.steps} fine-tunes on worked solutions, which task.name=dataset has only "
+            f"with task.solution_column; set it, or sft.steps=0"
+        )
     return cfg
 
 

@@ -60,22 +60,28 @@ class ModelConfig:
         if self.max_position_embeddings < 2:
             raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 2")
         if self.config is not None and not str(self.config).strip():
-            raise ValueError("config is empty; give a built-in architecture name (e.g. qwen3-8b), the path of a "
-                             "config.json, or null")
+            raise ValueError(
+                "config is empty; give a built-in architecture name (e.g. qwen3-8b), the path of a config.json, or null"
+            )
         if self.source != "tiny":
             return
         if self.config is not None:
-            raise ValueError(f"config={self.config!r} with source=tiny: the tiny policy's shape is hidden_size, "
-                             f"num_hidden_layers, ...; set config=null, or source to the checkpoint the "
-                             f"architecture belongs to")
+            raise ValueError(
+                f"config={self.config!r} with source=tiny: the tiny policy's shape is hidden_size, "
+                f"num_hidden_layers, ...; set config=null, or source to the checkpoint the "
+                f"architecture belongs to"
+            )
         if self.num_hidden_layers < 4:
             raise ValueError(f"num_hidden_layers={self.num_hidden_layers} must be >= 4")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+            )
 
 
 @dataclass
@@ -124,14 +130,19 @@ class DraftConfig(DraftLossConfig):
         _one_of(self, "mode", ("cotrain", "frozen", "none"))
         _one_of(self, "sampling", ("coupled", "rejection"))
         _one_of(self, "schedule", ("every_step", "every_n", "adaptive"))
-        for name, low in (("num_speculative_tokens", 0), ("loss_weight", 0), ("schedule_horizon", 1),
-                          ("train_every", 1)):
+        for name, low in (
+            ("num_speculative_tokens", 0),
+            ("loss_weight", 0),
+            ("schedule_horizon", 1),
+            ("train_every", 1),
+        ):
             _at_least(self, name, low)
         if self.train_every != 1 and self.schedule != "every_n":
             raise ValueError(f"train_every={self.train_every} needs schedule=every_n (got {self.schedule!r})")
         if self.mode != "none" and self.num_speculative_tokens == 0:
-            raise ValueError(f"mode={self.mode!r} needs num_speculative_tokens >= 1 (got 0); use mode=none for "
-                             f"plain decoding")
+            raise ValueError(
+                f"mode={self.mode!r} needs num_speculative_tokens >= 1 (got 0); use mode=none for plain decoding"
+            )
         if self.draft_vocab_size is not None:
             _at_least(self, "draft_vocab_size", 1)
         _learning_rate(self, "lr")
@@ -246,22 +257,30 @@ class ParallelConfig(MicrobatchConfig):
             _at_least(self, k, 1)
         world = self.devices * self.num_nodes
         if self.dp * self.pp * self.cp != world:
-            raise ValueError(f"dp * pp * cp = {self.dp}*{self.pp}*{self.cp} = {self.dp * self.pp * self.cp} must "
-                             f"equal devices * num_nodes = {self.devices}*{self.num_nodes} = {world}")
+            raise ValueError(
+                f"dp * pp * cp = {self.dp}*{self.pp}*{self.cp} = {self.dp * self.pp * self.cp} must "
+                f"equal devices * num_nodes = {self.devices}*{self.num_nodes} = {world}"
+            )
         if self.engine_batch_size is not None:
             _at_least(self, "engine_batch_size", 1)
         if self.engine == "vllm" and self.engine_dtype not in (None, "float32"):
-            raise ValueError(f"engine_dtype={self.engine_dtype} needs parallel.engine=embedded: the vLLM engine "
-                             "serves float32 here (its weight-sync checks compare the fp32 training weights); set "
-                             "engine_dtype=null with engine=vllm")
+            raise ValueError(
+                f"engine_dtype={self.engine_dtype} needs parallel.engine=embedded: the vLLM engine "
+                "serves float32 here (its weight-sync checks compare the fp32 training weights); set "
+                "engine_dtype=null with engine=vllm"
+            )
         _at_least(self, "timeout_s", 1)
         _at_least(self, "refit_bucket_mb", 1 / 1024)
         if self.pp_schedule == "1f1b" and self.pp > 1 and self.num_microbatches < self.pp:
-            raise ValueError(f"pp_schedule=1f1b needs num_microbatches >= pp={self.pp} (got "
-                             f"{self.num_microbatches}); raise num_microbatches or use pp_schedule=gpipe")
+            raise ValueError(
+                f"pp_schedule=1f1b needs num_microbatches >= pp={self.pp} (got "
+                f"{self.num_microbatches}); raise num_microbatches or use pp_schedule=gpipe"
+            )
         if self.layers_per_stage is not None and len(self.layers_per_stage) != self.pp:
-            raise ValueError(f"layers_per_stage={list(self.layers_per_stage)} has {len(self.layers_per_stage)} "
-                             f"entries for pp={self.pp} stages; give one layer count per stage")
+            raise ValueError(
+                f"layers_per_stage={list(self.layers_per_stage)} has {len(self.layers_per_stage)} "
+                f"entries for pp={self.pp} stages; give one layer count per stage"
+            )
 
 
 @dataclass
@@ -306,6 +325,5 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
-        for name, low in (("checkpoint_every", 0), ("keep_checkpoints", 0), ("max_nonfinite_steps", 1),
-                          ("threads", 0)):
+        for name, low in (("checkpoint_every", 0), ("keep_checkpoints", 0), ("max_nonfinite_steps", 1), ("threads", 0)):
             _at_least(self, name, low)

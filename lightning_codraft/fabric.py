@@ -52,15 +52,36 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
 
     strategy_name = "codraft"
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, sharding: Optional[str] = None, accelerator=None,
-                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision=None,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
-                 start_method: str = "popen", **ddp_kwargs: Any):
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
-                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs,
-                                checkpoint_io=checkpoint_io)
+    def __init__(
+        self,
+        dp: int = -1,
+        pp: int = 1,
+        cp: int = 1,
+        *,
+        sharding: Optional[str] = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        **ddp_kwargs: Any,
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.core = CoDraftCore(
+            dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs, checkpoint_io=checkpoint_io
+        )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Install the mesh into the module (CP groups, PP stage) and wrap it with DDP over dp x cp."""
@@ -71,18 +92,25 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
         """Samplers shard over the dp dimension only: PP and CP peers read the same samples."""
         return self.core.sampler_kwargs()
 
-    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
-                   reduce_op: Optional[Union[str, Any]] = "mean") -> Tensor:
+    def all_reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Tensor:
         if not isinstance(tensor, Tensor):
             return tensor
         return self.core.all_reduce(tensor, group=group, reduce_op=reduce_op or "mean")
 
-    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    def save_checkpoint(
+        self,
+        path,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
         """Write a DCP checkpoint directory that loads on any mesh (``lightning_codraft.parallel.checkpoint``)."""
         if storage_options is not None or filter is not None:
-            raise TypeError("CoDraftStrategy.save_checkpoint supports neither storage_options nor filter; "
-                            "pass only the state dict")
+            raise TypeError(
+                "CoDraftStrategy.save_checkpoint supports neither storage_options nor filter; pass only the state dict"
+            )
         ckpt.save_checkpoint(path, state, self.core.dims)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
@@ -119,10 +147,20 @@ def fabric_training_step(fabric, model, batch: RLBatch, optimizer, scheduler=Non
     return {k: float(v) for k, v in metrics.items()}
 
 
-def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft: Optional[nn.Module] = None, *,
-                        step: int, every_n_steps: int = 1, policy_state_fn: Optional[Callable] = None,
-                        draft_state_fn: Optional[Callable] = None, push_on_rank: Optional[Callable[[int], bool]] = None,
-                        log_name: str = "weight_sync/seconds", force: bool = False) -> Optional[float]:
+def fabric_sync_weights(
+    fabric,
+    engine: RolloutEngine,
+    policy: nn.Module,
+    draft: Optional[nn.Module] = None,
+    *,
+    step: int,
+    every_n_steps: int = 1,
+    policy_state_fn: Optional[Callable] = None,
+    draft_state_fn: Optional[Callable] = None,
+    push_on_rank: Optional[Callable[[int], bool]] = None,
+    log_name: str = "weight_sync/seconds",
+    force: bool = False,
+) -> Optional[float]:
     """Fabric helper of the one weight-sync path (``rollout.weight_sync.WeightSync``): call after
     ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1), and with ``force=True`` once training is set
     up and after every ``fabric.load`` (so the engine decodes with the restored weights, not its own).
@@ -131,9 +169,12 @@ def fabric_sync_weights(fabric, engine: RolloutEngine, policy: nn.Module, draft:
     (None when not due). The state functions default to ``full_state_dict`` of ``policy`` / ``draft``; they run on
     every rank, the push where ``push_on_rank(fabric.global_rank)`` (default: every rank).
     """
+
     def states():
-        return ((policy_state_fn or (lambda: full_state_dict(policy)))(),
-                (draft_state_fn or (lambda: full_state_dict(draft)))())
+        return (
+            (policy_state_fn or (lambda: full_state_dict(policy)))(),
+            (draft_state_fn or (lambda: full_state_dict(draft)))(),
+        )
 
     push = push_on_rank is None or push_on_rank(fabric.global_rank)
     seconds = WeightSync(engine, states, every_n_steps)(step, push=push, force=force)

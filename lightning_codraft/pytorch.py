@@ -46,20 +46,41 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
 
     strategy_name = "codraft"
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, *, sharding: Optional[str] = None, accelerator=None,
-                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
-                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
-                 start_method: str = "popen", **ddp_kwargs: Any):
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
-        self.core = CoDraftCore(dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs,
-                                checkpoint_io=checkpoint_io)
+    def __init__(
+        self,
+        dp: int = -1,
+        pp: int = 1,
+        cp: int = 1,
+        *,
+        sharding: Optional[str] = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        **ddp_kwargs: Any,
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.core = CoDraftCore(
+            dp=dp, pp=pp, cp=cp, sharding=sharding, ddp_kwargs=ddp_kwargs, checkpoint_io=checkpoint_io
+        )
         # CoDraftModule optimises manually and a step's checkpoint is meant to hold the weights AFTER that step's
         # update (what a resume continues from); ModelCheckpoint warns about exactly that on every save.
-        warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and "
-                                                  "every_n_train_steps")
+        warnings.filterwarnings(
+            "ignore", message="Using ModelCheckpoint with manual optimization and every_n_train_steps"
+        )
         self._checkpoint_path: Optional[Path] = None
         self._optimizers_loaded = False
 
@@ -68,14 +89,18 @@ class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
         trainer = getattr(model, "_trainer", None)
         if trainer is not None:
             if trainer.gradient_clip_val:
-                raise ValueError(f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): the module clips inside its "
-                                 f"own step; pass CoDraftModule(grad_clip={trainer.gradient_clip_val}) (recipes: "
-                                 f"rl.grad_clip) and leave gradient_clip_val unset")
+                raise ValueError(
+                    f"Trainer(gradient_clip_val={trainer.gradient_clip_val}): the module clips inside its "
+                    f"own step; pass CoDraftModule(grad_clip={trainer.gradient_clip_val}) (recipes: "
+                    f"rl.grad_clip) and leave gradient_clip_val unset"
+                )
             if trainer.accumulate_grad_batches != 1:
-                raise ValueError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the module "
-                                 f"splits each batch into microbatches itself; pass CoDraftModule(num_microbatches="
-                                 f"{trainer.accumulate_grad_batches}) (recipes: parallel.num_microbatches) and leave "
-                                 f"accumulate_grad_batches at 1")
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the module "
+                    f"splits each batch into microbatches itself; pass CoDraftModule(num_microbatches="
+                    f"{trainer.accumulate_grad_batches}) (recipes: parallel.num_microbatches) and leave "
+                    f"accumulate_grad_batches at 1"
+                )
         super().connect(model)
 
     def configure_ddp(self) -> None:
@@ -183,9 +208,15 @@ class WeightSyncCallback(Callback):
         log_name: metric logged with the seconds a sync took.
     """
 
-    def __init__(self, engine: RolloutEngine, every_n_steps: int = 1, policy_state_fn: Optional[Callable] = None,
-                 draft_state_fn: Optional[Callable] = None, push_on_rank: Optional[Callable[[int], bool]] = None,
-                 log_name: str = "weight_sync/seconds"):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        every_n_steps: int = 1,
+        policy_state_fn: Optional[Callable] = None,
+        draft_state_fn: Optional[Callable] = None,
+        push_on_rank: Optional[Callable[[int], bool]] = None,
+        log_name: str = "weight_sync/seconds",
+    ):
         self._policy_state_fn, self._draft_state_fn = policy_state_fn, draft_state_fn
         self._module = None
         self.sync = WeightSync(engine, self._states, every_n_steps)
@@ -215,4 +246,3 @@ class WeightSyncCallback(Callback):
         seconds = self.sync(int(trainer.global_step), push=self.push_on_rank(trainer.global_rank))
         if seconds is not None:  # due: an optimizer step happened (not only a gradient-accumulation micro step)
             pl_module.log(self.log_name, seconds, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
-

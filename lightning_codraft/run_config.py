@@ -51,8 +51,11 @@ def config_changes(old_yaml: str | Path, cfg: CoDraftConfig) -> list[str]:
     directory's ``config.yaml``), in key order; empty when none does."""
     old = flatten(OmegaConf.to_container(OmegaConf.load(old_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
 
 
 def segment_start(path: str | Path) -> int:
@@ -81,8 +84,10 @@ def write_run_config(out_dir: str | Path, cfg: CoDraftConfig, step: int, changes
     if resumed:
         shutil.copyfile(path, path.with_name(f"config.step-{segment_start(path):06d}.yaml"))
     earlier = sorted(p.name for p in path.parent.glob("config.step-*.yaml")) if resumed else []
-    head = [f"# segment began at step {step}" + (f", resumed with {len(changes)} changed setting(s):" if resumed else
-                                                  " (a new run)")]
+    head = [
+        f"# segment began at step {step}"
+        + (f", resumed with {len(changes)} changed setting(s):" if resumed else " (a new run)")
+    ]
     head += [f"#   {c}" for c in changes if resumed]
     head += [f"# earlier segments' settings: {', '.join(earlier)}"] if earlier else []
     replace_file(path, "\n".join(head) + "\n" + to_yaml(cfg))

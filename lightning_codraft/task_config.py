@@ -18,11 +18,12 @@ STYLES = ("symbols", "words")
 """How the arithmetic task's worked solutions are written (rl/tasks/arithmetic.py reads them from here)."""
 TASKS = ("arithmetic", "gsm8k", "dataset")
 """The task names of ``task.name``."""
-RETIRED = {("on_reward_error", "warn"): "'warn' scored a failed reward 0 and trained on it; use 'raise' (the "
-                                         "default) or 'skip' (the sample is left out, within "
-                                         "task.reward_failure_budget)"}
+RETIRED = {
+    ("on_reward_error", "warn"): "'warn' scored a failed reward 0 and trained on it; use 'raise' (the "
+    "default) or 'skip' (the sample is left out, within "
+    "task.reward_failure_budget)"
+}
 """Values that changed meaning: ``(field, old value) -> what to write instead``."""
-
 
 
 @dataclass
@@ -115,22 +116,25 @@ class TaskConfig:
     of the generated task that no step trains on, for choosing settings without looking at the held-out set;
     ``arithmetic`` only: a data set's reserved rows are its held-out set)."""
 
-
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field out of range (relative to ``task``) and the fix."""
-        for key, choices in (("name", TASKS), ("on_reward_error", ("raise", "skip")),
-                             ("eval_set", ("heldout", "validation"))):
+        for key, choices in (
+            ("name", TASKS),
+            ("on_reward_error", ("raise", "skip")),
+            ("eval_set", ("heldout", "validation")),
+        ):
             v = getattr(self, key)
             if (key, v) in RETIRED:
                 raise ValueError(f"{key}={v!r} is retired: {RETIRED[key, v]}")
             if v not in choices:
                 raise ValueError(f"{key}={v!r} is not one of {choices}")
         if self.name == "arithmetic" and not 2 <= self.min_terms <= self.max_terms:
-            raise ValueError(f"min_terms={self.min_terms} and max_terms={self.max_terms}: need 2 <= min_terms <= "
-                             f"max_terms")
+            raise ValueError(
+                f"min_terms={self.min_terms} and max_terms={self.max_terms}: need 2 <= min_terms <= max_terms"
+            )
         for style in [*self.styles, self.required_style]:
             if style is not None and style not in STYLES:
                 raise ValueError(f"styles / required_style: {style!r} is not one of {STYLES}")
@@ -138,8 +142,9 @@ class TaskConfig:
             raise ValueError(f"styles is empty; give at least one of {STYLES}")
         w = self.style_weights
         if w is not None and (len(w) != len(self.styles) or min(w) < 0 or sum(w) <= 0):
-            raise ValueError(f"style_weights={list(w)} needs one weight >= 0 per entry of styles={list(self.styles)}, "
-                             f"not all 0")
+            raise ValueError(
+                f"style_weights={list(w)} needs one weight >= 0 per entry of styles={list(self.styles)}, not all 0"
+            )
         if not 0 <= self.reward_failure_budget < 1:
             raise ValueError(f"reward_failure_budget={self.reward_failure_budget} must be in [0, 1)")
         for key, low in (("eval_every", 0), ("heldout", 0), ("limit", 1)):
@@ -147,11 +152,15 @@ class TaskConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= {low}" + (" (or null)" if low else ""))
         self._check_rewards()
         if self.eval_set == "validation" and self.name != "arithmetic":
-            raise ValueError(f"eval_set=validation needs a generated task (arithmetic); name={self.name!r} holds out "
-                             "its reserved rows only: use eval_set=heldout")
+            raise ValueError(
+                f"eval_set=validation needs a generated task (arithmetic); name={self.name!r} holds out "
+                "its reserved rows only: use eval_set=heldout"
+            )
         if self.name == "dataset" and self.source == "excerpt":
-            raise ValueError("name=dataset needs source: a .json / .jsonl / .parquet / .csv file, a directory or a "
-                             "hub name ('excerpt' is GSM8K's bundled file)")
+            raise ValueError(
+                "name=dataset needs source: a .json / .jsonl / .parquet / .csv file, a directory or a "
+                "hub name ('excerpt' is GSM8K's bundled file)"
+            )
 
     def _check_rewards(self) -> None:
         """``reward`` / ``rewards``: one of them, each entry's function named, answers where a reward needs them."""
@@ -159,15 +168,18 @@ class TaskConfig:
             if self.reward is not None:
                 raise ValueError("reward and rewards are both set; give the single reward as one entry of rewards")
             if not self.rewards:
-                raise ValueError("rewards is empty; give at least one {fn, weight} entry, or null for the built-in "
-                                 "reward")
+                raise ValueError(
+                    "rewards is empty; give at least one {fn, weight} entry, or null for the built-in reward"
+                )
             labels = [r.label for r in self.rewards]
             for i, r in enumerate(self.rewards):
                 if not math.isfinite(r.weight):
                     raise ValueError(f"rewards[{i}].weight={r.weight} must be a finite number")
                 if ":" not in r.fn and "." not in r.fn and r.fn not in REWARD_BUILTINS:
-                    raise ValueError(f"rewards[{i}].fn={r.fn!r} is neither a built-in reward {REWARD_BUILTINS} nor "
-                                     f"a dotted path 'package.module:function'")
+                    raise ValueError(
+                        f"rewards[{i}].fn={r.fn!r} is neither a built-in reward {REWARD_BUILTINS} nor "
+                        f"a dotted path 'package.module:function'"
+                    )
                 if labels.count(r.label) > 1:
                     raise ValueError(f"rewards[{i}]: the name {r.label!r} repeats; give each entry a distinct `name`")
         if self.name == "dataset" and self.answer_column is None:
@@ -181,5 +193,7 @@ class TaskConfig:
 def answer_problem(what: str, fn: str, key: str = "task.answer_column") -> str:
     """The message refusing the answer-based reward ``fn`` (``what``: where it is set) on a task without answers
     (``key``: how the message names the answer column)."""
-    return (f"{what} ({fn}) scores against the reference answer, but {key} is null: name the column holding the "
-            f"answers, or use rewards that need none (format_match, length_penalty, your own)")
+    return (
+        f"{what} ({fn}) scores against the reference answer, but {key} is null: name the column holding the "
+        f"answers, or use rewards that need none (format_match, length_penalty, your own)"
+    )

@@ -18,13 +18,16 @@ def _stack(xs: Sequence[Tensor], q: Tensor) -> Tensor:
     """``k`` tensors ``(T, Hkv, D)`` -> ``(T, Hkv, k, D)`` fp32."""
     for m, x in enumerate(xs):
         if x.dim() != 3 or x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2] or q.shape[1] % x.shape[1]:
-            raise ValueError(f"branch tensor {m} has shape {tuple(x.shape)}; expected (T={q.shape[0]}, Hkv, "
-                             f"D={q.shape[2]}) with Hkv dividing H={q.shape[1]}")
+            raise ValueError(
+                f"branch tensor {m} has shape {tuple(x.shape)}; expected (T={q.shape[0]}, Hkv, "
+                f"D={q.shape[2]}) with Hkv dividing H={q.shape[1]}"
+            )
     return torch.stack([x.float() for x in xs], dim=2)
 
 
-def branch_attention_forward(q: Tensor, branch_k: Sequence[Tensor], branch_v: Sequence[Tensor],
-                             softmax_scale: float) -> tuple[Tensor, Tensor]:
+def branch_attention_forward(
+    q: Tensor, branch_k: Sequence[Tensor], branch_v: Sequence[Tensor], softmax_scale: float
+) -> tuple[Tensor, Tensor]:
     """Per-row softmax of ``q_i`` over ``{K^m_i}``; no autograd.
 
     Args:
@@ -37,17 +40,23 @@ def branch_attention_forward(q: Tensor, branch_k: Sequence[Tensor], branch_v: Se
     """
     with torch.no_grad():
         T, H, D = q.shape
-        K, V = _stack(branch_k, q), _stack(branch_v, q)                        # (T, Hkv, k, D)
-        qg = q.float().unflatten(1, (K.shape[1], -1))                          # (T, Hkv, G, D)
+        K, V = _stack(branch_k, q), _stack(branch_v, q)  # (T, Hkv, k, D)
+        qg = q.float().unflatten(1, (K.shape[1], -1))  # (T, Hkv, G, D)
         s = torch.einsum("tngd,tnkd->tngk", qg, K) * softmax_scale
-        lse = torch.logsumexp(s, dim=-1)                                       # (T, Hkv, G)
+        lse = torch.logsumexp(s, dim=-1)  # (T, Hkv, G)
         out = torch.einsum("tngk,tnkd->tngd", torch.softmax(s, dim=-1), V)
         return out.reshape(T, H, D).to(q.dtype), lse.reshape(T, H)
 
 
-def branch_attention_backward(dout: Tensor, q: Tensor, branch_k: Sequence[Tensor], branch_v: Sequence[Tensor],
-                              out: Tensor, lse: Tensor, softmax_scale: float
-                              ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def branch_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    branch_k: Sequence[Tensor],
+    branch_v: Sequence[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Gradients of the branch keys' share of a joint softmax, given that softmax's ``(out, lse)``.
 
     With ``P_m = exp(s_m - lse)`` (``lse`` the joint, merged log-sum-exp) and ``delta = rowsum(dO * O)``:
@@ -68,13 +77,13 @@ def branch_attention_backward(dout: Tensor, q: Tensor, branch_k: Sequence[Tensor
         hkv = K.shape[1]
         qg = q.float().unflatten(1, (hkv, -1))
         dog = dout.float().unflatten(1, (hkv, -1))
-        l = lse.float().masked_fill(torch.isinf(lse), 0.0).unflatten(1, (hkv, -1))      # (T, Hkv, G)
+        l = lse.float().masked_fill(torch.isinf(lse), 0.0).unflatten(1, (hkv, -1))  # (T, Hkv, G)
         s = torch.einsum("tngd,tnkd->tngk", qg, K) * softmax_scale
-        p = torch.exp(s - l.unsqueeze(-1))                                               # (T, Hkv, G, k)
+        p = torch.exp(s - l.unsqueeze(-1))  # (T, Hkv, G, k)
         delta = (dout.float() * out.float()).sum(-1).unflatten(1, (hkv, -1))
         ds = p * (torch.einsum("tngd,tnkd->tngk", dog, V) - delta.unsqueeze(-1))
         dq = (torch.einsum("tngk,tnkd->tngd", ds, K) * softmax_scale).reshape(T, H, D).to(q.dtype)
-        dK = torch.einsum("tngk,tngd->tnkd", ds, qg) * softmax_scale                    # (T, Hkv, k, D)
+        dK = torch.einsum("tngk,tngd->tnkd", ds, qg) * softmax_scale  # (T, Hkv, k, D)
         dV = torch.einsum("tngk,tngd->tnkd", p, dog)
         dks = [dK[:, :, m].to(x.dtype) for m, x in enumerate(branch_k)]
         dvs = [dV[:, :, m].to(x.dtype) for m, x in enumerate(branch_v)]

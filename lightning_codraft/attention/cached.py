@@ -46,15 +46,14 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sca
     B, H, S, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     g = H // Hkv
-    scores = torch.matmul(q.reshape(B, Hkv, g * S, D), k.transpose(-1, -2)).mul_(scale)    # (B, Hkv, g S, L)
+    scores = torch.matmul(q.reshape(B, Hkv, g * S, D), k.transpose(-1, -2)).mul_(scale)  # (B, Hkv, g S, L)
     if mask is not None:
         scores = (scores.view(B, Hkv, g, S, L) + mask.view(mask.shape[0], 1, 1, S, L)).view(B, Hkv, g * S, L)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
     return torch.matmul(probs, v).view(B, H, S, D)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                     scale: float | None = None) -> Tensor:
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Attention of a step's queries over the visible cache slots.
 
     On CPU a step of at most :data:`GROUPED_MAX_QUERIES` queries per row (decode, speculative verify) over
@@ -72,15 +71,16 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
         ``(B, H, S, D)``.
     """
     B, H, S, D = q.shape
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     half = q.dtype in (torch.bfloat16, torch.float16)
     if q.device.type == "cpu" and S <= GROUPED_MAX_QUERIES and (B > 1 or half):
         return _grouped_attention(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != H)
 
 
-def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor,
-                     softmax_scale: float | None = None) -> Tensor:
+def cached_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor, softmax_scale: float | None = None
+) -> Tensor:
     """Causal attention of new queries against a cache.
 
     Args:
@@ -94,20 +94,25 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_pos: Tensor,
         ``(B, S, H, D)`` attention output.
     """
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cached_attention: expected q (B,S,H,D) and k/v caches (B,Hkv,C,D), got q "
-                         f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"cached_attention: expected q (B,S,H,D) and k/v caches (B,Hkv,C,D), got q "
+            f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
     B, S, H, D = q.shape
     Hkv, C = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape[0] != B or k_cache.shape[3] != D or H % Hkv:
-        raise ValueError(f"cached_attention: q {tuple(q.shape)} does not match cache {tuple(k_cache.shape)} "
-                         "(batch and head_dim must agree, H a multiple of Hkv)")
+        raise ValueError(
+            f"cached_attention: q {tuple(q.shape)} does not match cache {tuple(k_cache.shape)} "
+            "(batch and head_dim must agree, H a multiple of Hkv)"
+        )
     if q_pos.shape != (B, S):
         raise ValueError(f"cached_attention: q_pos shape {tuple(q_pos.shape)} must be (B, S)={(B, S)}")
     if int(q_pos.max()) >= C or int(q_pos.min()) < 0:
-        raise ValueError(f"cached_attention: positions in [{int(q_pos.min())}, {int(q_pos.max())}] do not fit "
-                         f"the cache capacity {C}")
+        raise ValueError(
+            f"cached_attention: positions in [{int(q_pos.min())}, {int(q_pos.max())}] do not fit the cache capacity {C}"
+        )
     L = attended_slots(int(q_pos.max()) + 1, C, S, q.device)  # slots anyone can see (or the whole cache)
     k, v = k_cache[:, :, :L], v_cache[:, :, :L]
-    visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos[:, :, None]       # (B, S, L)
+    visible = torch.arange(L, device=q.device)[None, None, :] <= q_pos[:, :, None]  # (B, S, L)
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
     return decode_attention(q.transpose(1, 2), k, v, mask[:, None], softmax_scale).transpose(1, 2)

@@ -24,8 +24,9 @@ from lightning_codraft.attention.packing import suffix_rows, validate_cu_seqlens
 from lightning_codraft.attention.ring import ring_codraft_attention
 
 
-def check_codraft_inputs(q: Tensor, k: Tensor, v: Tensor, branch_k: Sequence[Tensor],
-                         branch_v: Sequence[Tensor], suffix: bool = False) -> None:
+def check_codraft_inputs(
+    q: Tensor, k: Tensor, v: Tensor, branch_k: Sequence[Tensor], branch_v: Sequence[Tensor], suffix: bool = False
+) -> None:
     """Raise ``ValueError`` naming the offending shape unless q/k/v/branches agree (see codraft_attention);
     ``suffix``: the queries are a subset of the key rows (``cu_seqlens_q``), so their counts may differ."""
     if q.dim() != 3:
@@ -33,18 +34,23 @@ def check_codraft_inputs(q: Tensor, k: Tensor, v: Tensor, branch_k: Sequence[Ten
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be (T, Hkv, D), got {tuple(k.shape)} and {tuple(v.shape)}")
     if (k.shape[0] != q.shape[0] and not suffix) or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k shape {tuple(k.shape)} disagrees with q shape {tuple(q.shape)}: need the same "
-                         f"token count T and head dim D")
+        raise ValueError(
+            f"k shape {tuple(k.shape)} disagrees with q shape {tuple(q.shape)}: need the same "
+            f"token count T and head dim D"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads H={q.shape[1]} must be a multiple of key/value heads Hkv={k.shape[1]}")
     if len(branch_k) != len(branch_v):
-        raise ValueError(f"got {len(branch_k)} branch_k but {len(branch_v)} branch_v tensors; pass one K and one "
-                         f"V per unroll step")
+        raise ValueError(
+            f"got {len(branch_k)} branch_k but {len(branch_v)} branch_v tensors; pass one K and one V per unroll step"
+        )
     want = (q.shape[0], *k.shape[1:])
     for m, (bk, bv) in enumerate(zip(branch_k, branch_v)):
         if tuple(bk.shape) != want or tuple(bv.shape) != want:
-            raise ValueError(f"branch step {m + 1}: branch_k {tuple(bk.shape)} / branch_v {tuple(bv.shape)} must "
-                             f"be {want}: the query rows, k's heads and head dim")
+            raise ValueError(
+                f"branch step {m + 1}: branch_k {tuple(bk.shape)} / branch_v {tuple(bv.shape)} must "
+                f"be {want}: the query rows, k's heads and head dim"
+            )
 
 
 class _LocalCoDraft(torch.autograd.Function):
@@ -67,8 +73,7 @@ class _LocalCoDraft(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu, *branch = ctx.saved_tensors
         nb = ctx.num_branch
-        dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu, causal=True,
-                                               softmax_scale=ctx.scale)
+        dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu, causal=True, softmax_scale=ctx.scale)
         dbk, dbv = [], []
         if nb:
             dq_b, dbk, dbv = branch_attention_backward(dout, q, branch[:nb], branch[nb:], out, lse, ctx.scale)
@@ -88,9 +93,18 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-def codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, branch_k: Sequence[Tensor] = (),
-                      branch_v: Sequence[Tensor] = (), group: Optional[dist.ProcessGroup] = None,
-                      softmax_scale: Optional[float] = None, cu_seqlens_q: Optional[Tensor] = None) -> Tensor:
+def codraft_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    branch_k: Sequence[Tensor] = (),
+    branch_v: Sequence[Tensor] = (),
+    group: Optional[dist.ProcessGroup] = None,
+    softmax_scale: Optional[float] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+) -> Tensor:
     """Causal per-document attention with the TTT branch keys merged into the same softmax.
 
     Args:
@@ -121,10 +135,13 @@ def codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, br
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if group is not None and dist.get_world_size(group) > 1:
         if cu_seqlens_q is not None:
-            raise ValueError("cu_seqlens_q (queries on a suffix of each document) is not supported under context "
-                             "parallelism: the zigzag shards of a suffix are not balanced; pass every row")
-        return ring_codraft_attention(q, k, v, cu_seqlens, branch_k=branch_k, branch_v=branch_v, group=group,
-                                      softmax_scale=scale)
+            raise ValueError(
+                "cu_seqlens_q (queries on a suffix of each document) is not supported under context "
+                "parallelism: the zigzag shards of a suffix are not balanced; pass every row"
+            )
+        return ring_codraft_attention(
+            q, k, v, cu_seqlens, branch_k=branch_k, branch_v=branch_v, group=group, softmax_scale=scale
+        )
     validate_cu_seqlens(cu_seqlens, total_tokens=k.shape[0])
     if cu_seqlens_q is None:
         cu_seqlens_q = cu_seqlens

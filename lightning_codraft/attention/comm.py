@@ -27,8 +27,9 @@ class PendingExchange:
         return self._recv
 
 
-def exchange(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
-             group: dist.ProcessGroup) -> PendingExchange:
+def exchange(
+    sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: dist.ProcessGroup
+) -> PendingExchange:
     """Start sending each ``(tensor, group_peer)`` and receiving into each ``(buffer, group_peer)``.
 
     Args:

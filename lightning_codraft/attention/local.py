@@ -58,15 +58,18 @@ def _resolve(backend: Optional[str], q: Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS} or None")
     if backend == "cpu" and q.device.type != "cpu":
-        raise BackendUnavailable(f"attention backend 'cpu' runs on CPU tensors, got tensors on {q.device}; use "
-                                 f"backend=None to pick by device")
+        raise BackendUnavailable(
+            f"attention backend 'cpu' runs on CPU tensors, got tensors on {q.device}; use "
+            f"backend=None to pick by device"
+        )
     return backend
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> tuple[list[int], list[int]]:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be (T, H, D) packed tensors, got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be (T, H, D) packed tensors, got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
@@ -79,8 +82,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> tuple
     if cq[0] != 0 or ck[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens_q[0]={cq[0]}, cu_seqlens_k[0]={ck[0]}")
     if cq[-1] != q.shape[0] or ck[-1] != k.shape[0]:
-        raise ValueError(f"cu_seqlens_q[-1]={cq[-1]} / cu_seqlens_k[-1]={ck[-1]} must equal the token counts "
-                         f"{q.shape[0]} / {k.shape[0]} of q / k")
+        raise ValueError(
+            f"cu_seqlens_q[-1]={cq[-1]} / cu_seqlens_k[-1]={ck[-1]} must equal the token counts "
+            f"{q.shape[0]} / {k.shape[0]} of q / k"
+        )
     return cq, ck
 
 
@@ -150,9 +155,16 @@ def _fwd_cpu(q, k, v, cq, ck, causal, scale):
         square = causal and lq == lk
         if causal and not square:
             mask = _causal_mask(lq, lk, q.device).to(q.dtype)
-        o, l = _CPU_FWD(_stack_heads(q, qi, lq, 1), _stack_heads(k, ki, lk, groups), _stack_heads(v, ki, lk, groups),
-                        0.0, square, attn_mask=mask, scale=scale)
-        l = l.transpose(1, 2)                                                   # (n, lq, H)
+        o, l = _CPU_FWD(
+            _stack_heads(q, qi, lq, 1),
+            _stack_heads(k, ki, lk, groups),
+            _stack_heads(v, ki, lk, groups),
+            0.0,
+            square,
+            attn_mask=mask,
+            scale=scale,
+        )
+        l = l.transpose(1, 2)  # (n, lq, H)
         if mask is not None:  # rows with no visible key report lse = 0; make them -inf
             blind = torch.arange(lq, device=q.device) + (lk - lq) < 0
             l = l.masked_fill(blind.view(1, -1, 1), float("-inf"))
@@ -167,13 +179,13 @@ def _fwd_torch(q, k, v, cq, ck, causal, scale):
     out = q.new_zeros(T, H, D)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     for a, b, c, d in _doc_blocks(cq, ck):
-        qs = q[a:b].float().transpose(0, 1)                                   # (H, lq, D)
-        ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)     # (H, lk, D)
+        qs = q[a:b].float().transpose(0, 1)  # (H, lq, D)
+        ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)  # (H, lk, D)
         vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
         if causal:
             s = s + _causal_mask(b - a, d - c, q.device)
-        l = torch.logsumexp(s, dim=-1)                                        # (H, lq)
+        l = torch.logsumexp(s, dim=-1)  # (H, lq)
         p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0).unsqueeze(-1))
         out[a:b] = torch.matmul(p, vs).transpose(0, 1).to(q.dtype)
         lse[a:b] = l.transpose(0, 1)
@@ -193,9 +205,18 @@ def _bwd_cpu(dout, q, k, v, out, lse, cq, ck, causal, scale):
         square = causal and lq == lk
         mask = _causal_mask(lq, lk, q.device).to(q.dtype) if causal and not square else None
         lse_g = lse_safe.index_select(0, qi).unflatten(0, (-1, lq)).transpose(1, 2).contiguous()
-        g_q, g_k, g_v = _CPU_BWD(_stack_heads(dout, qi, lq, 1), _stack_heads(q, qi, lq, 1),
-                                 _stack_heads(k, ki, lk, groups), _stack_heads(v, ki, lk, groups),
-                                 _stack_heads(out, qi, lq, 1), lse_g, 0.0, square, attn_mask=mask, scale=scale)
+        g_q, g_k, g_v = _CPU_BWD(
+            _stack_heads(dout, qi, lq, 1),
+            _stack_heads(q, qi, lq, 1),
+            _stack_heads(k, ki, lk, groups),
+            _stack_heads(v, ki, lk, groups),
+            _stack_heads(out, qi, lq, 1),
+            lse_g,
+            0.0,
+            square,
+            attn_mask=mask,
+            scale=scale,
+        )
         dq.index_copy_(0, qi, g_q.transpose(1, 2).reshape(-1, H, D).to(dq.dtype))
         dk.index_copy_(0, ki, _fold_batched(g_k, groups).to(dk.dtype))
         dv.index_copy_(0, ki, _fold_batched(g_v, groups).to(dv.dtype))
@@ -218,9 +239,9 @@ def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
         qs = q[a:b].float().transpose(0, 1)
         ks = k[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
         vs = v[c:d].float().repeat_interleave(groups, 1).transpose(0, 1)
-        do = dout[a:b].float().transpose(0, 1)                               # (H, lq, D)
+        do = dout[a:b].float().transpose(0, 1)  # (H, lq, D)
         o = out[a:b].float().transpose(0, 1)
-        l = lse[a:b].t().masked_fill(torch.isinf(lse[a:b].t()), 0.0)          # (H, lq)
+        l = lse[a:b].t().masked_fill(torch.isinf(lse[a:b].t()), 0.0)  # (H, lq)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
         if causal:
             s = s + _causal_mask(b - a, d - c, q.device)
@@ -236,9 +257,17 @@ def _bwd_torch(dout, q, k, v, out, lse, cq, ck, causal, scale):
 # --------------------------------------------------------------------------------------------- public
 
 
-def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-                             causal: bool, softmax_scale: float, backend: Optional[str] = None
-                             ) -> tuple[Tensor, Tensor]:
+def varlen_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
     """Non-differentiable forward of :func:`varlen_attention` (for callers that write their own backward).
 
     Args:
@@ -263,9 +292,20 @@ def varlen_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
         return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, cq, ck, causal, softmax_scale)
 
 
-def varlen_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, causal: bool, softmax_scale: float,
-                              backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+def varlen_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one attention block given the ``(out, lse)`` of the softmax it is part of.
 
     Args:
@@ -293,8 +333,7 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, backend):
         backend = _resolve(backend, q)
-        out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale,
-                                            backend=backend)
+        out, lse = varlen_attention_forward(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, backend=backend)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         return out, lse
@@ -314,18 +353,37 @@ class _VarlenAttention(torch.autograd.Function):
             if backend in ("torch_flash", "flash_attn") and local_cuda.input_problem(backend, qp, kp, vp):
                 backend = "torch"  # head dim D + 1 past the flash kernels' limit
             dq, dk, dv = varlen_attention_backward(
-                torch.cat([dout, dlse.to(dout.dtype).unsqueeze(-1)], -1), qp, kp, vp, pad(out, 0.0), lse,
-                cu_q, cu_k, causal=ctx.causal, softmax_scale=ctx.scale, backend=backend)
+                torch.cat([dout, dlse.to(dout.dtype).unsqueeze(-1)], -1),
+                qp,
+                kp,
+                vp,
+                pad(out, 0.0),
+                lse,
+                cu_q,
+                cu_k,
+                causal=ctx.causal,
+                softmax_scale=ctx.scale,
+                backend=backend,
+            )
             dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
         else:
-            dq, dk, dv = varlen_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=ctx.causal,
-                                                   softmax_scale=ctx.scale, backend=ctx.backend)
+            dq, dk, dv = varlen_attention_backward(
+                dout, q, k, v, out, lse, cu_q, cu_k, causal=ctx.causal, softmax_scale=ctx.scale, backend=ctx.backend
+            )
         return dq, dk, dv, None, None, None, None, None
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-                     causal: bool, softmax_scale: Optional[float] = None, backend: Optional[str] = None
-                     ) -> tuple[Tensor, Tensor]:
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
     """Packed variable-length attention returning ``(out, lse)``; differentiable in q, k, v via both outputs.
 
     Args:

@@ -78,7 +78,8 @@ def _need_cuda(backend: str, device: torch.device) -> None:
         raise BackendUnavailable(
             f"attention backend {backend!r} runs on CUDA tensors, got tensors on {device}"
             + ("" if torch.cuda.is_available() else f" (this PyTorch {torch.__version__} has no usable CUDA)")
-            + "; use backend='cpu' for CPU tensors, or backend=None to pick by device")
+            + "; use backend='cpu' for CPU tensors, or backend=None to pick by device"
+        )
 
 
 def load_torch_flash(device: torch.device) -> TorchFlashOps:
@@ -88,12 +89,14 @@ def load_torch_flash(device: torch.device) -> TorchFlashOps:
         raise BackendUnavailable(
             f"attention backend 'torch_flash' needs a PyTorch built with flash attention; torch "
             f"{torch.__version__} was built without it. Install a CUDA build of torch, or use "
-            f"backend='flash_attn' ({FLASH_ATTN_INSTALL}) or backend='torch' (math path)")
+            f"backend='flash_attn' ({FLASH_ATTN_INSTALL}) or backend='torch' (math path)"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         raise BackendUnavailable(
             f"attention backend 'torch_flash' needs an Ampere or newer GPU (sm80+), {device} is sm{major}{minor}; "
-            f"use backend='torch' (math path)")
+            f"use backend='torch' (math path)"
+        )
     return _probe_torch_flash(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -111,12 +114,16 @@ def lse_layout_is_packed(forward: Callable[..., Any], device: torch.device) -> b
     try:
         shape = tuple(forward(x, x, x, cu, cu, 2, 2, 0.0, False, False, scale=1.0)[1].shape)
     except RuntimeError as err:
-        raise BackendUnavailable(f"attention backend 'torch_flash' does not run on {device} with torch "
-                                 f"{torch.__version__} ({err}); use backend='torch' (math path)") from err
+        raise BackendUnavailable(
+            f"attention backend 'torch_flash' does not run on {device} with torch "
+            f"{torch.__version__} ({err}); use backend='torch' (math path)"
+        ) from err
     if shape not in ((1, 3), (2, 1, 2)):
-        raise BackendUnavailable(f"attention backend 'torch_flash': torch {torch.__version__} returns a varlen lse "
-                                 f"of shape {shape} for 2 documents, 1 head, 3 tokens; expected (1, 3) or (2, 1, 2). "
-                                 f"Use backend='torch' (math path)")
+        raise BackendUnavailable(
+            f"attention backend 'torch_flash': torch {torch.__version__} returns a varlen lse "
+            f"of shape {shape} for 2 documents, 1 head, 3 tokens; expected (1, 3) or (2, 1, 2). "
+            f"Use backend='torch' (math path)"
+        )
     return shape == (1, 3)
 
 
@@ -139,13 +146,19 @@ def load_flash_attn(device: torch.device) -> FlashAttnOps:
             f"attention backend 'flash_attn' needs the flash-attn package, which does not import here ({why}). "
             f"Install it on the CUDA machine with `{FLASH_ATTN_INSTALL}` (it compiles against the installed "
             f"torch), or use backend='torch_flash' (PyTorch's own flash kernel, no extra package) or "
-            f"backend=None to pick automatically")
+            f"backend=None to pick automatically"
+        )
     found = re.match(r"(\d+)\.(\d+)", getattr(package, "__version__", ""))
     if found is None:
-        raise BackendUnavailable(f"flash_attn.__version__={getattr(package, '__version__', None)!r} is not a "
-                                 f"version; reinstall with `{FLASH_ATTN_INSTALL}`")
-    return FlashAttnOps(interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward,
-                        (int(found.group(1)), int(found.group(2))))
+        raise BackendUnavailable(
+            f"flash_attn.__version__={getattr(package, '__version__', None)!r} is not a "
+            f"version; reinstall with `{FLASH_ATTN_INSTALL}`"
+        )
+    return FlashAttnOps(
+        interface._flash_attn_varlen_forward,
+        interface._flash_attn_varlen_backward,
+        (int(found.group(1)), int(found.group(2))),
+    )
 
 
 def _loader(backend: str) -> Callable[[torch.device], Any]:
@@ -160,11 +173,15 @@ def _padded_head_dim(d: int) -> int:
 def input_problem(backend: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
     """Why the flash ``backend`` cannot take these inputs (dtype, head dim), or ``None`` when it can."""
     if q.dtype not in FLASH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return (f"attention backend {backend!r} needs float16 or bfloat16 q, k, v; got {q.dtype}, {k.dtype}, "
-                f"{v.dtype}. Compute in 16 bits (torch.autocast or a bf16 model) or use backend='torch' (math path)")
+        return (
+            f"attention backend {backend!r} needs float16 or bfloat16 q, k, v; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}. Compute in 16 bits (torch.autocast or a bf16 model) or use backend='torch' (math path)"
+        )
     if _padded_head_dim(q.shape[-1]) > HEAD_DIM_MAX:
-        return (f"attention backend {backend!r} supports head dim <= {HEAD_DIM_MAX}, got {q.shape[-1]}; use "
-                f"backend='torch' (math path)")
+        return (
+            f"attention backend {backend!r} supports head dim <= {HEAD_DIM_MAX}, got {q.shape[-1]}; use "
+            f"backend='torch' (math path)"
+        )
     return None
 
 
@@ -196,7 +213,8 @@ def _ops(backend: str, q: Tensor, k: Tensor, v: Tensor):
         raise BackendUnavailable(
             f"flash-attn {ops.version[0]}.{ops.version[1]} is installed; lightning_codraft calls the varlen "
             f"functions of flash-attn >= {FLASH_ATTN_MIN[0]}.{FLASH_ATTN_MIN[1]} (window_size + softcap "
-            f"arguments). Upgrade with `{FLASH_ATTN_INSTALL}`, or use backend='torch_flash'")
+            f"arguments). Upgrade with `{FLASH_ATTN_INSTALL}`, or use backend='torch_flash'"
+        )
     return ops
 
 
@@ -218,16 +236,22 @@ class _Block:
         lens_k = [b - a for a, b in zip(ck[:-1], ck[1:])]
         # max_seqlen_q is an upper bound for the kernels' grid; 1 would switch them to their decode layout
         # ("seqlenq_ngroups_swapped"), which assumes every document has exactly one query
-        return cls(cu_q.to(device=q.device, dtype=torch.int32).contiguous(),
-                   cu_k.to(device=q.device, dtype=torch.int32).contiguous(),
-                   max(max(lens_q), 2), max(lens_k), q.shape[-1], _padded_head_dim(q.shape[-1]), lens_q)
+        return cls(
+            cu_q.to(device=q.device, dtype=torch.int32).contiguous(),
+            cu_k.to(device=q.device, dtype=torch.int32).contiguous(),
+            max(max(lens_q), 2),
+            max(lens_k),
+            q.shape[-1],
+            _padded_head_dim(q.shape[-1]),
+            lens_q,
+        )
 
     def pad(self, x: Tensor) -> Tensor:
         """``(T, h, D)`` -> ``(T, h, padded)`` contiguous, zero columns appended."""
         return F.pad(x, (0, self.padded - self.head_dim)) if self.padded != self.head_dim else x.contiguous()
 
     def unpad(self, x: Tensor) -> Tensor:
-        return x[..., :self.head_dim].contiguous() if self.padded != self.head_dim else x
+        return x[..., : self.head_dim].contiguous() if self.padded != self.head_dim else x
 
     def _doc_rows(self, device) -> tuple[Tensor, Tensor]:
         """Per packed query row: its document and its position there, ``(Tq,)`` each."""
@@ -241,8 +265,10 @@ class _Block:
         with ``-inf`` there."""
         want = (q.shape[1], q.shape[0]) if packed else (len(self.lens_q), q.shape[1], self.max_q)
         if tuple(lse.shape) != want:
-            raise RuntimeError(f"backend {backend!r} returned a softmax_lse of shape {tuple(lse.shape)}; expected the "
-                               f"{'packed' if packed else 'padded'} varlen layout {want}")
+            raise RuntimeError(
+                f"backend {backend!r} returned a softmax_lse of shape {tuple(lse.shape)}; expected the "
+                f"{'packed' if packed else 'padded'} varlen layout {want}"
+            )
         if packed:
             lse = lse.t()
         else:
@@ -286,8 +312,19 @@ def torch_flash_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
     ops, blk = _prepare("torch_flash", q, k, v, cu_q, cu_k, cq, ck)
     if blk is None:
         return _empty_forward(q)
-    out, lse, *_ = ops.forward(blk.pad(q), blk.pad(k), blk.pad(v), blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                               0.0, bool(causal), False, scale=float(scale))
+    out, lse, *_ = ops.forward(
+        blk.pad(q),
+        blk.pad(k),
+        blk.pad(v),
+        blk.cu_q,
+        blk.cu_k,
+        blk.max_q,
+        blk.max_k,
+        0.0,
+        bool(causal),
+        False,
+        scale=float(scale),
+    )
     return blk.unpad(out), blk.lse_from_kernel(lse, q, "torch_flash", ops.packed_lse)
 
 
@@ -298,9 +335,23 @@ def torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, sc
         return _empty_backward(q, k, v)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout, which is 0 here
     unused = torch.empty(0, device=q.device)
-    dq, dk, dv = ops.backward(blk.pad(dout.to(q.dtype)), blk.pad(q), blk.pad(k), blk.pad(v),
-                              blk.pad(out.to(q.dtype)), blk.lse_to_kernel(lse, ops.packed_lse), blk.cu_q, blk.cu_k,
-                              blk.max_q, blk.max_k, 0.0, bool(causal), rng_state, unused, scale=float(scale))
+    dq, dk, dv = ops.backward(
+        blk.pad(dout.to(q.dtype)),
+        blk.pad(q),
+        blk.pad(k),
+        blk.pad(v),
+        blk.pad(out.to(q.dtype)),
+        blk.lse_to_kernel(lse, ops.packed_lse),
+        blk.cu_q,
+        blk.cu_k,
+        blk.max_q,
+        blk.max_k,
+        0.0,
+        bool(causal),
+        rng_state,
+        unused,
+        scale=float(scale),
+    )
     return blk.unpad(dq), blk.unpad(dk), blk.unpad(dv)
 
 
@@ -334,9 +385,22 @@ def flash_attn_forward(q, k, v, cu_q, cu_k, cq, ck, causal, scale):
     ops, blk = _prepare("flash_attn", q, k, v, cu_q, cu_k, cq, ck)
     if blk is None:
         return _empty_forward(q)
-    res = ops.forward(blk.pad(q), blk.pad(k), blk.pad(v), blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                      0.0, float(scale), bool(causal), *_fa_window(ops.version),
-                      0.0, None, False)  # softcap, alibi_slopes, return_softmax
+    res = ops.forward(
+        blk.pad(q),
+        blk.pad(k),
+        blk.pad(v),
+        blk.cu_q,
+        blk.cu_k,
+        blk.max_q,
+        blk.max_k,
+        0.0,
+        float(scale),
+        bool(causal),
+        *_fa_window(ops.version),
+        0.0,
+        None,
+        False,
+    )  # softcap, alibi_slopes, return_softmax
     out, lse = (res[0], res[5]) if ops.version < (2, 7) else (res[0], res[1])
     return blk.unpad(out), blk.lse_from_kernel(lse, q, "flash_attn")
 
@@ -348,7 +412,27 @@ def flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, cq, ck, causal, sca
         return _empty_backward(q, k, v)
     qp, kp, vp = blk.pad(q), blk.pad(k), blk.pad(v)
     dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-    ops.backward(blk.pad(dout.to(q.dtype)), qp, kp, vp, blk.pad(out.to(q.dtype)), blk.lse_to_kernel(lse),
-                 dq, dk, dv, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, 0.0, float(scale), bool(causal),
-                 *_fa_window(ops.version), 0.0, None, False, None)  # softcap, alibi, deterministic, rng_state
+    ops.backward(
+        blk.pad(dout.to(q.dtype)),
+        qp,
+        kp,
+        vp,
+        blk.pad(out.to(q.dtype)),
+        blk.lse_to_kernel(lse),
+        dq,
+        dk,
+        dv,
+        blk.cu_q,
+        blk.cu_k,
+        blk.max_q,
+        blk.max_k,
+        0.0,
+        float(scale),
+        bool(causal),
+        *_fa_window(ops.version),
+        0.0,
+        None,
+        False,
+        None,
+    )  # softcap, alibi, deterministic, rng_state
     return blk.unpad(dq), blk.unpad(dk), blk.unpad(dv)

@@ -29,9 +29,11 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
         get ``out = 0`` and ``lse = -inf``. Differentiable in all four inputs.
     """
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
-        raise ValueError(f"merge_attention needs out (T, H, D) and lse (T, H) of equal shapes, got out "
-                         f"{tuple(out_a.shape)} / {tuple(out_b.shape)}, lse {tuple(lse_a.shape)} / "
-                         f"{tuple(lse_b.shape)}")
+        raise ValueError(
+            f"merge_attention needs out (T, H, D) and lse (T, H) of equal shapes, got out "
+            f"{tuple(out_a.shape)} / {tuple(out_b.shape)}, lse {tuple(lse_a.shape)} / "
+            f"{tuple(lse_b.shape)}"
+        )
     la, lb = lse_a.float(), lse_b.float()
     m = torch.maximum(la, lb)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)

@@ -53,11 +53,15 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total_tokens: int | None = None, mul
         raise ValueError(f"cu_seqlens[0]={cu[0]} must be 0")
     for i in range(1, len(cu)):
         if cu[i] <= cu[i - 1]:
-            raise ValueError(f"cu_seqlens must be strictly increasing: cu_seqlens[{i}]={cu[i]} <= "
-                             f"cu_seqlens[{i - 1}]={cu[i - 1]} (empty documents are not allowed)")
+            raise ValueError(
+                f"cu_seqlens must be strictly increasing: cu_seqlens[{i}]={cu[i]} <= "
+                f"cu_seqlens[{i - 1}]={cu[i - 1]} (empty documents are not allowed)"
+            )
         if multiple_of > 1 and cu[i] % multiple_of:
-            raise ValueError(f"cu_seqlens[{i}]={cu[i]} is not a multiple of {multiple_of}; pad documents with "
-                             f"pack_documents(..., multiple_of={multiple_of})")
+            raise ValueError(
+                f"cu_seqlens[{i}]={cu[i]} is not a multiple of {multiple_of}; pad documents with "
+                f"pack_documents(..., multiple_of={multiple_of})"
+            )
     if total_tokens is not None and cu[-1] != total_tokens:
         raise ValueError(f"cu_seqlens[-1]={cu[-1]} does not cover the batch of {total_tokens} tokens")
 
@@ -176,11 +180,18 @@ def suffix_rows(cu_seqlens: Tensor, cu_seqlens_q: Tensor, total_tokens: int | No
     at 0, ends at ``total_tokens`` (when given) and gives each document a suffix length in [0, its length]."""
     cu, cq = cu_seqlens.to(torch.int64), cu_seqlens_q.to(torch.int64).to(cu_seqlens.device)
     lq = cq[1:] - cq[:-1]
-    if (cu.shape != cq.shape or int(cq[0]) != 0 or bool((lq < 0).any()) or bool((lq > cu[1:] - cu[:-1]).any())
-            or (total_tokens is not None and int(cq[-1]) != total_tokens)):
+    if (
+        cu.shape != cq.shape
+        or int(cq[0]) != 0
+        or bool((lq < 0).any())
+        or bool((lq > cu[1:] - cu[:-1]).any())
+        or (total_tokens is not None and int(cq[-1]) != total_tokens)
+    ):
         rows = "" if total_tokens is None else f", end at the {total_tokens} query rows"
-        raise ValueError(f"cu_seqlens_q {cq.tolist()} must start at 0{rows} and give each document of cu_seqlens "
-                         f"{cu.tolist()} a suffix length in [0, its length]")
+        raise ValueError(
+            f"cu_seqlens_q {cq.tolist()} must start at 0{rows} and give each document of cu_seqlens "
+            f"{cu.tolist()} a suffix length in [0, its length]"
+        )
     # row r of document d's suffix -> end_d - lq_d + (r - cq[d])
     offset = torch.repeat_interleave(cu[1:] - lq - cq[:-1], lq)
     return torch.arange(int(cq[-1]), device=cu.device) + offset

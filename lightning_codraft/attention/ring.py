@@ -56,8 +56,15 @@ class _RingCoDraft(torch.autograd.Function):
                 o, l = varlen_attention_forward(q, cur_k, cur_v, cu_l, cu_l, causal=True, softmax_scale=scale)
                 merge_attention_(acc_out, acc_lse, o, l)
             elif s < r:
-                o, l = varlen_attention_forward(q, cur_k.index_select(0, lay.front), cur_v.index_select(0, lay.front),
-                                                cu_l, cu_h, causal=False, softmax_scale=scale)
+                o, l = varlen_attention_forward(
+                    q,
+                    cur_k.index_select(0, lay.front),
+                    cur_v.index_select(0, lay.front),
+                    cu_l,
+                    cu_h,
+                    causal=False,
+                    softmax_scale=scale,
+                )
                 merge_attention_(acc_out, acc_lse, o, l)
             else:
                 o, l = varlen_attention_forward(q_back, cur_k, cur_v, cu_h, cu_l, causal=False, softmax_scale=scale)
@@ -89,28 +96,39 @@ class _RingCoDraft(torch.autograd.Function):
             kv_pending = ring_pass([cur_k, cur_v], group) if step < P - 1 else None
             s = (r - step) % P
             if s == r:
-                g_q, g_k, g_v = varlen_attention_backward(dout, q, cur_k, cur_v, out, lse, cu_l, cu_l, causal=True,
-                                                          softmax_scale=scale)
+                g_q, g_k, g_v = varlen_attention_backward(
+                    dout, q, cur_k, cur_v, out, lse, cu_l, cu_l, causal=True, softmax_scale=scale
+                )
                 dq += g_q
                 dk_blk, dv_blk = g_k.float(), g_v.float()
             elif s < r:
                 front = lay.front
-                g_q, g_kf, g_vf = varlen_attention_backward(dout, q, cur_k.index_select(0, front),
-                                                            cur_v.index_select(0, front), out, lse, cu_l, cu_h,
-                                                            causal=False, softmax_scale=scale)
+                g_q, g_kf, g_vf = varlen_attention_backward(
+                    dout,
+                    q,
+                    cur_k.index_select(0, front),
+                    cur_v.index_select(0, front),
+                    out,
+                    lse,
+                    cu_l,
+                    cu_h,
+                    causal=False,
+                    softmax_scale=scale,
+                )
                 dq += g_q
                 dk_blk = torch.zeros(k.shape, dtype=torch.float32, device=k.device).index_copy_(0, front, g_kf.float())
                 dv_blk = torch.zeros(v.shape, dtype=torch.float32, device=v.device).index_copy_(0, front, g_vf.float())
             else:
-                g_qb, g_k, g_v = varlen_attention_backward(dout_back, q_back, cur_k, cur_v, out_back, lse_back, cu_h,
-                                                           cu_l, causal=False, softmax_scale=scale)
+                g_qb, g_k, g_v = varlen_attention_backward(
+                    dout_back, q_back, cur_k, cur_v, out_back, lse_back, cu_h, cu_l, causal=False, softmax_scale=scale
+                )
                 dq.index_add_(0, back, g_qb.float())
                 dk_blk, dv_blk = g_k.float(), g_v.float()
             if dkv_pending is not None:  # the partial dK/dV of the block we hold, from the previous rank
                 dk_in, dv_in = dkv_pending.wait()
                 dk_blk += dk_in
                 dv_blk += dv_in
-            dkv_pending = ring_pass([dk_blk, dv_blk], group)   # after cp hops each arrives at its owner
+            dkv_pending = ring_pass([dk_blk, dv_blk], group)  # after cp hops each arrives at its owner
             if kv_pending is not None:
                 cur_k, cur_v = kv_pending.wait()
         dk, dv = dkv_pending.wait()
@@ -121,8 +139,17 @@ class _RingCoDraft(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *dbk, *dbv)
 
 
-def ring_codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, branch_k: Sequence[Tensor],
-                           branch_v: Sequence[Tensor], group: dist.ProcessGroup, softmax_scale: float) -> Tensor:
+def ring_codraft_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    branch_k: Sequence[Tensor],
+    branch_v: Sequence[Tensor],
+    group: dist.ProcessGroup,
+    softmax_scale: float,
+) -> Tensor:
     """:func:`~lightning_codraft.attention.codraft_attention` over a CP group of size >= 2 (inputs are shards).
 
     Args:
@@ -141,7 +168,9 @@ def ring_codraft_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     lay = ZigzagLayout.build(cu_seqlens, r, P, device=q.device)
     expected = lay.global_rows.numel()
     if q.shape[0] != expected:
-        raise ValueError(f"q has {q.shape[0]} rows but rank {r}'s zigzag shard of cu_seqlens[-1]="
-                         f"{int(cu_seqlens[-1])} over a CP group of size {P} has {expected} rows; pass "
-                         f"zigzag_shard(x, cu_seqlens, rank={r}, world_size={P}) and the GLOBAL cu_seqlens")
+        raise ValueError(
+            f"q has {q.shape[0]} rows but rank {r}'s zigzag shard of cu_seqlens[-1]="
+            f"{int(cu_seqlens[-1])} over a CP group of size {P} has {expected} rows; pass "
+            f"zigzag_shard(x, cu_seqlens, rank={r}, world_size={P}) and the GLOBAL cu_seqlens"
+        )
     return _RingCoDraft.apply(q, k, v, lay, softmax_scale, group, len(branch_k), *branch_k, *branch_v)

@@ -29,8 +29,10 @@ def check_zigzag(cu_seqlens: Tensor, world_size: int) -> list[int]:
     for i in range(len(cu) - 1):
         n = cu[i + 1] - cu[i]
         if n % m:
-            raise ValueError(f"document {i} has length {n} (cu_seqlens[{i}:{i + 2}]={cu[i:i + 2]}), not a multiple "
-                             f"of 2*cp={m}; pad documents with pack_documents(..., multiple_of={m})")
+            raise ValueError(
+                f"document {i} has length {n} (cu_seqlens[{i}:{i + 2}]={cu[i : i + 2]}), not a multiple "
+                f"of 2*cp={m}; pad documents with pack_documents(..., multiple_of={m})"
+            )
     return cu
 
 
@@ -69,17 +71,22 @@ class ZigzagLayout:
         cu_local = torch.zeros(len(cu), dtype=torch.int64)
         cu_local[1:] = torch.cumsum(local_len, 0)
         doc = torch.repeat_interleave(torch.arange(len(cu) - 1), local_len)
-        off = torch.arange(int(cu_local[-1])) - cu_local[:-1][doc]                  # offset in the local doc
+        off = torch.arange(int(cu_local[-1])) - cu_local[:-1][doc]  # offset in the local doc
         c = chunk_t[doc]
         is_back = off >= c
         chunk_idx = torch.where(is_back, torch.full_like(c, 2 * world_size - 1 - rank), torch.full_like(c, rank))
         global_rows = starts[doc] + chunk_idx * c + torch.where(is_back, off - c, off)
         rows = torch.arange(int(cu_local[-1]))
-        return cls(rank=rank, world_size=world_size,
-                   cu_local=cu_local.to(device=device, dtype=torch.int32),
-                   cu_half=(cu_local // 2).to(device=device, dtype=torch.int32),
-                   front=rows[~is_back].to(device), back=rows[is_back].to(device),
-                   chunk=chunk_t.tolist(), global_rows=global_rows.to(device))
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            cu_local=cu_local.to(device=device, dtype=torch.int32),
+            cu_half=(cu_local // 2).to(device=device, dtype=torch.int32),
+            front=rows[~is_back].to(device),
+            back=rows[is_back].to(device),
+            chunk=chunk_t.tolist(),
+            global_rows=global_rows.to(device),
+        )
 
 
 def zigzag_shard(x: Tensor, cu_seqlens: Tensor, rank: int, world_size: int) -> Tensor:
@@ -108,14 +115,17 @@ def zigzag_unshard(parts: list[Tensor], cu_seqlens: Tensor, world_size: int) -> 
     for r, p in enumerate(parts):
         layout = ZigzagLayout.build(cu_seqlens, r, world_size, device=p.device)
         if p.shape[0] != layout.global_rows.numel():
-            raise ValueError(f"shard {r} has {p.shape[0]} rows, expected {layout.global_rows.numel()} "
-                             f"(= cu_seqlens[-1] / world_size)")
+            raise ValueError(
+                f"shard {r} has {p.shape[0]} rows, expected {layout.global_rows.numel()} "
+                f"(= cu_seqlens[-1] / world_size)"
+            )
         out[layout.global_rows] = p
     return out
 
 
-def shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dist.ProcessGroup] = None,
-               fill: float | int = 0) -> Tensor:
+def shift_left(
+    x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dist.ProcessGroup] = None, fill: float | int = 0
+) -> Tensor:
     """``y[i] = x[i + shift]`` within the same document (else ``fill``), on zigzag shards under CP.
 
     Without a group (or a group of size 1) this is :func:`~lightning_codraft.attention.packing.shift_left_local`.
@@ -143,8 +153,10 @@ def shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dis
     lay = ZigzagLayout.build(cu_seqlens, r, P, device=x.device)
     T = x.shape[0]
     if T != lay.global_rows.numel():
-        raise ValueError(f"x has {T} rows but this rank's zigzag shard of cu_seqlens[-1]={int(cu_seqlens[-1])} "
-                         f"over cp={P} has {lay.global_rows.numel()}")
+        raise ValueError(
+            f"x has {T} rows but this rank's zigzag shard of cu_seqlens[-1]={int(cu_seqlens[-1])} "
+            f"over cp={P} has {lay.global_rows.numel()}"
+        )
     if shift == 0:
         return x
     hop = min(lay.chunk)
@@ -156,8 +168,7 @@ def shift_left(x: Tensor, cu_seqlens: Tensor, shift: int, *, group: Optional[dis
     return _shift_one_chunk(x, lay, shift, group, fill)
 
 
-def _shift_one_chunk(x: Tensor, lay: ZigzagLayout, shift: int, group: dist.ProcessGroup,
-                     fill: float | int) -> Tensor:
+def _shift_one_chunk(x: Tensor, lay: ZigzagLayout, shift: int, group: dist.ProcessGroup, fill: float | int) -> Tensor:
     """:func:`shift_left` for ``1 <= shift <=`` the shortest chunk: one halo exchange each way."""
     P, r = lay.world_size, lay.rank
     T = x.shape[0]
@@ -166,12 +177,12 @@ def _shift_one_chunk(x: Tensor, lay: ZigzagLayout, shift: int, group: dist.Proce
     cu_local = lay.cu_local.to(torch.int64)
     c = torch.tensor(lay.chunk, dtype=torch.int64, device=dev)
     heads = torch.arange(shift, device=dev)
-    head_front = (cu_local[:-1].unsqueeze(1) + heads).reshape(-1)                 # (N * shift,)
+    head_front = (cu_local[:-1].unsqueeze(1) + heads).reshape(-1)  # (N * shift,)
     head_back = (cu_local[:-1].unsqueeze(1) + c.unsqueeze(1) + heads).reshape(-1)
     wire = x.to(torch.uint8) if x.dtype == torch.bool else x
     sends, recvs = [], []
-    recv_front = wire.new_zeros((n * shift, *x.shape[1:]))   # head of the chunk after my front chunk
-    recv_back = wire.new_zeros((n * shift, *x.shape[1:]))    # head of the chunk after my back chunk
+    recv_front = wire.new_zeros((n * shift, *x.shape[1:]))  # head of the chunk after my front chunk
+    recv_back = wire.new_zeros((n * shift, *x.shape[1:]))  # head of the chunk after my back chunk
     if r > 0:
         sends.append((wire.index_select(0, head_front), r - 1))
         recvs.append((recv_back, r - 1))
@@ -184,8 +195,8 @@ def _shift_one_chunk(x: Tensor, lay: ZigzagLayout, shift: int, group: dist.Proce
     off = torch.arange(T, device=dev) - cu_local[:-1][doc]
     cd = c[doc]
     is_back = off >= cd
-    p = torch.where(is_back, off - cd, off) + shift                              # position in own chunk
-    j = p - cd                                                                   # row in the next chunk's head
+    p = torch.where(is_back, off - cd, off) + shift  # position in own chunk
+    j = p - cd  # row in the next chunk's head
     inside = p < cd
     src = torch.arange(T, device=dev) + shift
     if r < P - 1:

@@ -72,8 +72,10 @@ class FeatureCache:
         self.path = Path(path)
         meta_file = self.path / _META
         if not meta_file.is_file():
-            raise FileNotFoundError(f"{meta_file} not found: {self.path} is not a complete feature cache; build it "
-                                    "with build_feature_cache(...)")
+            raise FileNotFoundError(
+                f"{meta_file} not found: {self.path} is not a complete feature cache; build it "
+                "with build_feature_cache(...)"
+            )
         self.meta = json.loads(meta_file.read_text())
         load = lambda name: np.load(self.path / f"{name}.npy", mmap_mode="r")  # noqa: E731
         self.ids, self.doc_offsets, self.loss_start = load("ids"), load("doc_offsets"), load("loss_start")
@@ -99,7 +101,7 @@ class FeatureCache:
         for d in range(self.num_docs):
             a, b, s = int(self.doc_offsets[d]), int(self.doc_offsets[d + 1]), int(self.loss_start[d])
             ids = self.ids[a:b].tolist()
-            out.append((ids[:s + 1], ids[s + 1:]))
+            out.append((ids[: s + 1], ids[s + 1 :]))
         return out
 
     def doc_lengths(self) -> np.ndarray:
@@ -125,15 +127,19 @@ class FeatureCache:
         for d, n in zip(docs, lengths):
             s = int(self.loss_start[d])
             a, b = int(self.loss_offsets[d]), int(self.loss_offsets[d + 1])
-            logits[row + s: row + s + b - a] = self.targets[a:b]
-            mask[row + s: row + s + b - a] = 1.0
+            logits[row + s : row + s + b - a] = self.targets[a:b]
+            mask[row + s : row + s + b - a] = 1.0
             row += int(n)
         cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
         cu[1:] = torch.from_numpy(np.cumsum(lengths)).to(torch.int32)
-        return {"input_ids": torch.from_numpy(ids.astype(np.int64)), "cu_seqlens": cu,
-                "position_ids": position_ids_from_cu_seqlens(cu).long(),
-                "taps": torch.from_numpy(taps).transpose(0, 1), "compact_logits": torch.from_numpy(logits),
-                "loss_mask": torch.from_numpy(mask)}
+        return {
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "cu_seqlens": cu,
+            "position_ids": position_ids_from_cu_seqlens(cu).long(),
+            "taps": torch.from_numpy(taps).transpose(0, 1),
+            "compact_logits": torch.from_numpy(logits),
+            "loss_mask": torch.from_numpy(mask),
+        }
 
 
 def compact_vocab(draft_vocab_size: int) -> tuple[Tensor, Tensor]:
@@ -170,14 +176,22 @@ class CacheWriter:
         dtype: ``"float16"`` or ``"float32"`` storage of taps and logits.
     """
 
-    def __init__(self, path: str | os.PathLike, docs: Sequence[tuple[Sequence[int], int]], hidden_size: int,
-                 draft_vocab_size: int, dtype: str = "float16"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        docs: Sequence[tuple[Sequence[int], int]],
+        hidden_size: int,
+        draft_vocab_size: int,
+        dtype: str = "float16",
+    ):
         if dtype not in STORAGE_DTYPES:
             raise ValueError(f"dtype={dtype!r} must be one of {sorted(STORAGE_DTYPES)}")
         for i, (ids, start) in enumerate(docs):
             if len(ids) < 2 or not 0 <= int(start) <= len(ids) - 2:
-                raise ValueError(f"document {i}: {len(ids)} tokens with loss_start={start}; need >= 2 tokens and "
-                                 f"0 <= loss_start <= len - 2")
+                raise ValueError(
+                    f"document {i}: {len(ids)} tokens with loss_start={start}; need >= 2 tokens and "
+                    f"0 <= loss_start <= len - 2"
+                )
         np_dtype = STORAGE_DTYPES[dtype][0]
         self.path, self.dtype = Path(path), dtype
         self.hidden_size, self.draft_vocab_size = int(hidden_size), int(draft_vocab_size)
@@ -189,8 +203,12 @@ class CacheWriter:
         self.doc_off = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         n_loss = np.asarray(self.lengths, dtype=np.int64) - 1 - self.loss_start
         self.loss_off = np.concatenate([[0], np.cumsum(n_loss)]).astype(np.int64)
-        mm = lambda name, shape, dt: np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+",  # noqa: E731
-                                                               dtype=dt, shape=shape)
+        mm = lambda name, shape, dt: np.lib.format.open_memmap(
+            self.tmp / f"{name}.npy",
+            mode="w+",  # noqa: E731
+            dtype=dt,
+            shape=shape,
+        )
         tokens = int(self.doc_off[-1])
         self.ids, self.taps = mm("ids", (tokens,), np.int32), mm("taps", (tokens, 3, hidden_size), np_dtype)
         self.targets = mm("targets", (int(self.loss_off[-1]), draft_vocab_size + 1), np_dtype)
@@ -207,8 +225,10 @@ class CacheWriter:
         a, b = int(self.doc_off[first]), int(self.doc_off[last + 1])
         la, lb = int(self.loss_off[first]), int(self.loss_off[last + 1])
         if ids.shape[0] != b - a or taps.shape != (b - a, 3, self.hidden_size) or compact.shape[0] != lb - la:
-            raise ValueError(f"documents {first}..{last}: got {tuple(ids.shape)} ids, {tuple(taps.shape)} taps and "
-                             f"{tuple(compact.shape)} targets for {b - a} tokens and {lb - la} loss rows")
+            raise ValueError(
+                f"documents {first}..{last}: got {tuple(ids.shape)} ids, {tuple(taps.shape)} taps and "
+                f"{tuple(compact.shape)} targets for {b - a} tokens and {lb - la} loss rows"
+            )
         self.ids[a:b] = ids.cpu().numpy().astype(np.int32)
         self.taps[a:b] = taps.float().cpu().numpy().astype(np_dtype)
         self.targets[la:lb] = compact.float().cpu().numpy().astype(np_dtype)
@@ -221,11 +241,20 @@ class CacheWriter:
             arr.flush()
         del self.ids, self.taps, self.targets
         total_loss = max(int(self.loss_off[-1]), 1)
-        meta = dict(version=1, num_docs=len(self.lengths), tokens=int(self.doc_off[-1]),
-                    loss_rows=int(self.loss_off[-1]), hidden_size=self.hidden_size,
-                    draft_vocab_size=self.draft_vocab_size, taps=[int(t) for t in taps], dtype=self.dtype,
-                    temperature=float(temperature), entropy=self.entropy_sum / total_loss,
-                    argmax_coverage=self.covered / total_loss, **extra)
+        meta = dict(
+            version=1,
+            num_docs=len(self.lengths),
+            tokens=int(self.doc_off[-1]),
+            loss_rows=int(self.loss_off[-1]),
+            hidden_size=self.hidden_size,
+            draft_vocab_size=self.draft_vocab_size,
+            taps=[int(t) for t in taps],
+            dtype=self.dtype,
+            temperature=float(temperature),
+            entropy=self.entropy_sum / total_loss,
+            argmax_coverage=self.covered / total_loss,
+            **extra,
+        )
         (self.tmp / _META).write_text(json.dumps(meta, indent=1) + "\n")
         shutil.rmtree(self.path, ignore_errors=True)
         self.tmp.rename(self.path)
@@ -239,10 +268,19 @@ def row_entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 @torch.no_grad()
-def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], target_ids: Tensor, taps: Sequence[int],
-                        path: str | os.PathLike, *, batch_tokens: int = 4096, dtype: str = "float16",
-                        temperature: float = 1.0, precision: str = "32-true",
-                        on_progress: Callable[[int, int], None] | None = None) -> FeatureCache:
+def build_feature_cache(
+    policy,
+    docs: Sequence[tuple[Sequence[int], int]],
+    target_ids: Tensor,
+    taps: Sequence[int],
+    path: str | os.PathLike,
+    *,
+    batch_tokens: int = 4096,
+    dtype: str = "float16",
+    temperature: float = 1.0,
+    precision: str = "32-true",
+    on_progress: Callable[[int, int], None] | None = None,
+) -> FeatureCache:
     """Run the frozen ``policy`` once over ``docs`` and store its taps and compact logits.
 
     Args:
@@ -278,8 +316,14 @@ def build_feature_cache(policy, docs: Sequence[tuple[Sequence[int], int]], targe
         starts = cu.tolist()
         rows = torch.cat([torch.arange(starts[j] + int(docs[d][1]), starts[j + 1] - 1) for j, d in enumerate(group)])
         logits = out.logits[rows.to(dev)].float()
-        writer.write(group[0], group[-1], ids, torch.stack(out.taps, dim=1), compact_logits(logits, target_ids),
-                     float(row_entropy(logits, temperature).sum()))
+        writer.write(
+            group[0],
+            group[-1],
+            ids,
+            torch.stack(out.taps, dim=1),
+            compact_logits(logits, target_ids),
+            float(row_entropy(logits, temperature).sum()),
+        )
         if on_progress is not None:
             on_progress(int(writer.doc_off[group[-1] + 1]), int(writer.doc_off[-1]))
     return writer.finish(taps, temperature)

@@ -49,9 +49,15 @@ class TemperatureCalibration:
 
 
 @torch.no_grad()
-def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, docs: Sequence[int],
-                  config: DraftFitConfig, temperature: float, scales: Sequence[float] = DEFAULT_SCALES
-                  ) -> tuple[Tensor, int]:
+def draft_overlap(
+    draft,
+    embed: Callable[[Tensor], Tensor],
+    cache: FeatureCache,
+    docs: Sequence[int],
+    config: DraftFitConfig,
+    temperature: float,
+    scales: Sequence[float] = DEFAULT_SCALES,
+) -> tuple[Tensor, int]:
     """Mean overlap of the policy's and the scaled draft's distributions at ``temperature``.
 
     Args:
@@ -79,20 +85,26 @@ def draft_overlap(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache,
         p = torch.softmax(compact[:, :-1].float() / temperature, dim=-1)  # once: step k reads rows k + 1 on
         T = p.shape[0]
         for k, z in enumerate(steps):
-            w = shift_left_local(counted, cu, k + 1)[:T - k - 1]  # 0 where row i + k + 1 leaves the document
+            w = shift_left_local(counted, cu, k + 1)[: T - k - 1]  # 0 where row i + k + 1 leaves the document
             for s, scale in enumerate(scales):
-                q = torch.softmax(z[:T - k - 1] / (temperature * scale), dim=-1)
-                num[s, k] += (torch.minimum(p[k + 1:], q).sum(-1) * w).sum().cpu()
+                q = torch.softmax(z[: T - k - 1] / (temperature * scale), dim=-1)
+                num[s, k] += (torch.minimum(p[k + 1 :], q).sum(-1) * w).sum().cpu()
             den[k] += w.sum().cpu()
     draft.train(was_training)
     return num / den.clamp(min=1), int(den[0])
 
 
 @torch.no_grad()
-def calibrate_draft_temperature(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, docs: Sequence[int],
-                                config: DraftFitConfig, temperature: float,
-                                scales: Sequence[float] = DEFAULT_SCALES, apply: bool = True
-                                ) -> TemperatureCalibration:
+def calibrate_draft_temperature(
+    draft,
+    embed: Callable[[Tensor], Tensor],
+    cache: FeatureCache,
+    docs: Sequence[int],
+    config: DraftFitConfig,
+    temperature: float,
+    scales: Sequence[float] = DEFAULT_SCALES,
+    apply: bool = True,
+) -> TemperatureCalibration:
     """Choose the scale of highest implied acceptance on ``docs`` (ties: the one nearest 1) and, when ``apply``,
     fold it into ``draft.lm_head`` (arguments as :func:`draft_overlap`; 1.0 is always a candidate)."""
     scales = sorted({1.0, *map(float, scales)}, key=lambda s: (abs(s - 1.0), -s))
@@ -101,5 +113,6 @@ def calibrate_draft_temperature(draft, embed: Callable[[Tensor], Tensor], cache:
     best = max(range(len(scales)), key=lambda i: (acceptance[i], -i)) if rows else 0
     if apply and scales[best] != 1.0:
         draft.lm_head.weight.div_(scales[best])
-    return TemperatureCalibration(scale=scales[best], scales=scales, acceptance=acceptance,
-                                  overlap=overlap.tolist(), rows=rows)
+    return TemperatureCalibration(
+        scale=scales[best], scales=scales, acceptance=acceptance, overlap=overlap.tolist(), rows=rows
+    )

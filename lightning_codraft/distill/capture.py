@@ -58,11 +58,18 @@ class FeatureRecorder:
             in the corpus before each ``generate`` call of a chunked corpus.
     """
 
-    def __init__(self, policy, draft_taps: Sequence[int], temperature: float = 1.0, dtype: str = "float16",
-                 spill_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        policy,
+        draft_taps: Sequence[int],
+        temperature: float = 1.0,
+        dtype: str = "float16",
+        spill_dir: str | os.PathLike | None = None,
+    ):
         if len(draft_taps) != 3 or dtype not in STORAGE_DTYPES:
-            raise ValueError(f"draft_taps={tuple(draft_taps)} must be 3 tap ids and dtype={dtype!r} one of "
-                             f"{sorted(STORAGE_DTYPES)}")
+            raise ValueError(
+                f"draft_taps={tuple(draft_taps)} must be 3 tap ids and dtype={dtype!r} one of {sorted(STORAGE_DTYPES)}"
+            )
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
         self.policy, self.temperature, self.dtype = policy, float(temperature), dtype
@@ -96,8 +103,9 @@ class FeatureRecorder:
         rows = torch.arange(len(requests), device=lens.device)
         self._keep_heads(torch.as_tensor(requests), last, taps[3][rows, last], last_logits)
 
-    def decode(self, requests: list[int], start: list[int], counts: list[int], taps: tuple[Tensor, ...],
-               logits: Tensor) -> None:
+    def decode(
+        self, requests: list[int], start: list[int], counts: list[int], taps: tuple[Tensor, ...], logits: Tensor
+    ) -> None:
         valid = self._valid(torch.as_tensor(counts, device=logits.device), logits.shape[1])
         req, pos = self._positions(requests, torch.as_tensor(start, device=logits.device), valid)
         self._keep_taps(req, pos, taps, valid)
@@ -125,13 +133,25 @@ class FeatureRecorder:
     def _keep_heads(self, req: Tensor, pos: Tensor, hidden: Tensor, logits: Tensor) -> None:
         self._files["hidden"].write(hidden.float().cpu().numpy().tobytes())
         entropy = row_entropy(logits, self.temperature).double()
-        self._heads.append((req.cpu().numpy().astype(np.int64) + self.request_offset, pos.cpu().numpy(),
-                            logits.argmax(-1).cpu().numpy(), entropy.cpu().numpy()))
+        self._heads.append(
+            (
+                req.cpu().numpy().astype(np.int64) + self.request_offset,
+                pos.cpu().numpy(),
+                logits.argmax(-1).cpu().numpy(),
+                entropy.cpu().numpy(),
+            )
+        )
 
     # ------------------------------------------------------------------ writing
     @torch.no_grad()
-    def write(self, docs: Sequence[tuple[Sequence[int], int]], requests: Sequence[int], target_ids: Tensor,
-              path: str | os.PathLike, docs_per_write: int = 64) -> FeatureCache:
+    def write(
+        self,
+        docs: Sequence[tuple[Sequence[int], int]],
+        requests: Sequence[int],
+        target_ids: Tensor,
+        path: str | os.PathLike,
+        docs_per_write: int = 64,
+    ) -> FeatureCache:
         """The recorded features of ``docs`` as a feature cache.
 
         Args:
@@ -156,12 +176,16 @@ class FeatureRecorder:
         fed_end = np.asarray(writer.lengths, np.int64) - 1  # the last token is never fed
         t_rows, t_vals = self._destinations(self._taps, doc_of, writer.doc_off, np.zeros(len(docs), np.int64), fed_end)
         h_rows, h_vals = self._destinations(self._heads, doc_of, writer.loss_off, writer.loss_start, fed_end)
-        for what, rows, want in (("loss rows", h_rows, int(writer.loss_off[-1])),
-                                 ("fed positions", t_rows, int(writer.doc_off[-1]) - len(docs))):
+        for what, rows, want in (
+            ("loss rows", h_rows, int(writer.loss_off[-1])),
+            ("fed positions", t_rows, int(writer.doc_off[-1]) - len(docs)),
+        ):
             if len(rows) != want or len(np.unique(rows)) != len(rows):
-                raise ValueError(f"the recorded forwards cover {len(np.unique(rows))} of the documents' {want} "
-                                 f"{what}: record the generate calls that sampled them (with request_offset set to "
-                                 "each call's first request index)")
+                raise ValueError(
+                    f"the recorded forwards cover {len(np.unique(rows))} of the documents' {want} "
+                    f"{what}: record the generate calls that sampled them (with request_offset set to "
+                    "each call's first request index)"
+                )
         taps_all, hidden = self._spilled("taps", (3, H), STORAGE_DTYPES[self.dtype][0]), self._spilled("hidden", (H,))
         argmax = torch.from_numpy(np.concatenate([x[2] for x in self._heads]))
         entropy = np.concatenate([x[3] for x in self._heads])
@@ -196,8 +220,9 @@ class FeatureRecorder:
         return np.memmap(path, dtype=dtype, mode="r", shape=(n, *shape)) if n else np.zeros((0, *shape), dtype)
 
     @staticmethod
-    def _destinations(records, doc_of: dict[int, int], offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray]:
+    def _destinations(
+        records, doc_of: dict[int, int], offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Row in the cache (``offsets[doc] + pos - lo[doc]``) and index in the concatenated records of every
         recorded position ``lo[doc] <= pos < hi[doc]`` of a kept document."""
         if not records:

@@ -63,8 +63,9 @@ def lr_factor(progress: float, config: DraftFitConfig) -> float:
     return cosine_decay(q, config.min_lr_ratio)
 
 
-def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                 precision: str = "32-true") -> tuple[list[Tensor], dict[str, Tensor]]:
+def draft_unroll(
+    draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int, precision: str = "32-true"
+) -> tuple[list[Tensor], dict[str, Tensor]]:
     """``draft``'s TTT unroll of K = ``ttt_steps`` steps on a :meth:`FeatureCache.batch`, fed the policy's token
     embedding ``embed``; ``precision``: ``"32-true"``, ``"bf16-mixed"`` (autocast) or ``"auto"``.
 
@@ -87,14 +88,24 @@ def draft_unroll(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tens
     dtype = PRECISIONS[resolve_precision(precision, ids.device)]
     with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
         steps = draft.ttt_forward(list(batch["taps"]), embeds, cu, batch["position_ids"], cu_seqlens_q=cu_q)
-    rows = {"cu_seqlens": torch.unique_consecutive(cu_q), "compact_logits": batch["compact_logits"][picked],
-            "loss_mask": batch["loss_mask"][picked]}
+    rows = {
+        "cu_seqlens": torch.unique_consecutive(cu_q),
+        "compact_logits": batch["compact_logits"][picked],
+        "loss_mask": batch["loss_mask"][picked],
+    }
     return [lg.float() for lg, _ in steps], rows
 
 
-def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, Tensor], ttt_steps: int,
-                     decay: float = 0.8, precision: str = "32-true", target_temperature: float = 1.0,
-                     loss_type: str = "ce"):
+def draft_batch_loss(
+    draft,
+    embed: Callable[[Tensor], Tensor],
+    batch: dict[str, Tensor],
+    ttt_steps: int,
+    decay: float = 0.8,
+    precision: str = "32-true",
+    target_temperature: float = 1.0,
+    loss_type: str = "ce",
+):
     """:func:`ttt_draft_loss` (per-row loss ``loss_type``, step weight ratio ``decay``) of :func:`draft_unroll` on
     the same arguments, both distributions taken at ``target_temperature``
     (:attr:`DraftFitConfig.target_temperature`)."""
@@ -103,8 +114,15 @@ def draft_batch_loss(draft, embed: Callable[[Tensor], Tensor], batch: dict[str, 
     if target_temperature != 1.0:  # the last column is the argmax-outside flag, not a logit
         steps = [z / target_temperature for z in steps]
         compact = torch.cat([compact[:, :-1] / target_temperature, compact[:, -1:]], dim=1)
-    return ttt_draft_loss(steps, compact, rows["cu_seqlens"], rows["loss_mask"],
-                          *compact_vocab(steps[0].shape[-1]), decay=decay, loss_type=loss_type)
+    return ttt_draft_loss(
+        steps,
+        compact,
+        rows["cu_seqlens"],
+        rows["loss_mask"],
+        *compact_vocab(steps[0].shape[-1]),
+        decay=decay,
+        loss_type=loss_type,
+    )
 
 
 @torch.no_grad()
@@ -112,18 +130,35 @@ def evaluate_draft(draft, embed, cache: FeatureCache, docs: Sequence[int], confi
     """``(K,)`` top-1 accuracy of each unroll step over documents ``docs`` of ``cache``."""
     correct = total = None
     for group in pack_batches(cache.doc_lengths()[list(docs)], config.batch_tokens):
-        out = draft_batch_loss(draft, embed, cache.batch([docs[i] for i in group]),
-                               config.eval_steps or config.ttt_steps, config.decay, config.precision)
+        out = draft_batch_loss(
+            draft,
+            embed,
+            cache.batch([docs[i] for i in group]),
+            config.eval_steps or config.ttt_steps,
+            config.decay,
+            config.precision,
+        )
         correct = out.correct if correct is None else correct + out.correct
         total = out.total if total is None else total + out.total
     return [] if total is None else (correct / total.clamp(min=1)).tolist()
 
 
-def fit_loop(params: list[Tensor], batches: Iterator, loss_fn: Callable[[object], object], total_steps: int,
-             lr: float, *, betas: tuple[float, float], weight_decay: float = 0.0, grad_clip: float = 1.0,
-             schedule: Callable[[float], float] = lambda p: cosine_decay(p, 0.1), time_budget_s: float | None = None,
-             report_every: int = 0, report: Callable[[int, FitResult, list[float]], float | None] | None = None,
-             on_step: Callable[[int, object], None] | None = None) -> FitResult:
+def fit_loop(
+    params: list[Tensor],
+    batches: Iterator,
+    loss_fn: Callable[[object], object],
+    total_steps: int,
+    lr: float,
+    *,
+    betas: tuple[float, float],
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    schedule: Callable[[float], float] = lambda p: cosine_decay(p, 0.1),
+    time_budget_s: float | None = None,
+    report_every: int = 0,
+    report: Callable[[int, FitResult, list[float]], float | None] | None = None,
+    on_step: Callable[[int, object], None] | None = None,
+) -> FitResult:
     """The one draft fit loop: AdamW over ``params`` on ``loss_fn(batch)`` for each batch of ``batches`` until
     ``total_steps`` steps (or the time budget) are done.
 
@@ -188,9 +223,14 @@ def fit_loop(params: list[Tensor], batches: Iterator, loss_fn: Callable[[object]
     return result
 
 
-def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, config: DraftFitConfig,
-              log: Callable[[str], None] | None = None,
-              on_eval: Callable[[dict], None] | None = None) -> FitResult:
+def fit_draft(
+    draft,
+    embed: Callable[[Tensor], Tensor],
+    cache: FeatureCache,
+    config: DraftFitConfig,
+    log: Callable[[str], None] | None = None,
+    on_eval: Callable[[dict], None] | None = None,
+) -> FitResult:
     """Train ``draft`` in place on ``cache`` with the TTT loss (:func:`fit_loop`), reporting accuracy on the
     documents :meth:`FeatureCache.split` holds out as it goes; returns a :class:`FitResult`.
 
@@ -204,9 +244,11 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
         on_eval: called with each report dict (see :attr:`FitResult.history`); its time is not counted.
     """
     if int(draft.config.draft_vocab_size) != cache.draft_vocab_size or list(draft.config.taps) != cache.meta["taps"]:
-        raise ValueError(f"the draft (draft_vocab_size={draft.config.draft_vocab_size}, taps={draft.config.taps}) "
-                         f"does not match the feature cache (draft_vocab_size={cache.draft_vocab_size}, taps="
-                         f"{cache.meta['taps']}); rebuild the cache for this draft")
+        raise ValueError(
+            f"the draft (draft_vocab_size={draft.config.draft_vocab_size}, taps={draft.config.taps}) "
+            f"does not match the feature cache (draft_vocab_size={cache.draft_vocab_size}, taps="
+            f"{cache.meta['taps']}); rebuild the cache for this draft"
+        )
     train_docs, val_docs = cache.split(config.val_docs)
     lengths = cache.doc_lengths()
     total_steps = max(1, math.ceil(config.epochs * len(pack_batches(lengths[train_docs], config.batch_tokens))))
@@ -221,8 +263,16 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
                 yield cache.batch([train_docs[order[i]] for i in group])
 
     def loss(batch):
-        return draft_batch_loss(draft, embed, batch, config.ttt_steps, config.decay, config.precision,
-                                config.target_temperature, config.loss_type)
+        return draft_batch_loss(
+            draft,
+            embed,
+            batch,
+            config.ttt_steps,
+            config.decay,
+            config.precision,
+            config.target_temperature,
+            config.loss_type,
+        )
 
     def report(step: int, result: FitResult, window: list[float]) -> float:
         t0 = time.perf_counter()
@@ -230,24 +280,41 @@ def fit_draft(draft, embed: Callable[[Tensor], Tensor], cache: FeatureCache, con
         acc = evaluate_draft(draft, embed, cache, val_docs, config) if val_docs else []
         draft.train()
         seconds = result.train_seconds + time.perf_counter() - t0
-        entry = dict(step=step, seconds=round(seconds, 2), tokens_seen=result.tokens_seen,
-                     loss=float(np.mean(window)) if window else float("nan"), val_accuracy=acc,
-                     val_acceptance=implied_acceptance_length(acc))
+        entry = dict(
+            step=step,
+            seconds=round(seconds, 2),
+            tokens_seen=result.tokens_seen,
+            loss=float(np.mean(window)) if window else float("nan"),
+            val_accuracy=acc,
+            val_acceptance=implied_acceptance_length(acc),
+        )
         result.history.append(entry)
         t0 = time.perf_counter()
         if log is not None:
-            log(f"  draft fit step {step}/{total_steps} ({seconds:.0f}s, {result.tokens_seen} tokens, "
+            log(
+                f"  draft fit step {step}/{total_steps} ({seconds:.0f}s, {result.tokens_seen} tokens, "
                 f"{result.tokens_seen / max(seconds, 1e-9):.0f} tok/s): loss {entry['loss']:.3f}, held-out step-0 "
-                f"acc {acc[0] if acc else float('nan'):.3f}, implied acceptance {entry['val_acceptance']:.2f}")
+                f"acc {acc[0] if acc else float('nan'):.3f}, implied acceptance {entry['val_acceptance']:.2f}"
+            )
         if on_eval is not None:
             on_eval(entry)
-        return time.perf_counter() - t0   # logging and on_eval are not counted
+        return time.perf_counter() - t0  # logging and on_eval are not counted
 
     draft.train()
     with compiled_draft(draft, config.compile):
-        result = fit_loop(params, epochs(), loss, total_steps, config.lr, betas=(0.9, 0.95),
-                          weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-                          schedule=lambda p: lr_factor(p, config), time_budget_s=config.time_budget_s,
-                          report_every=config.eval_every, report=report)
+        result = fit_loop(
+            params,
+            epochs(),
+            loss,
+            total_steps,
+            config.lr,
+            betas=(0.9, 0.95),
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            schedule=lambda p: lr_factor(p, config),
+            time_budget_s=config.time_budget_s,
+            report_every=config.eval_every,
+            report=report,
+        )
     draft.eval()
     return result

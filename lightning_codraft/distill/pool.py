@@ -29,8 +29,19 @@ def pool_prompts(config: WarmStartConfig) -> int:
     return config.batch_size * max(1, min(config.steps, 8))
 
 
-def sample_pool(policy, draft, prompts: Sequence[list[int]], config: WarmStartConfig, *, max_new_tokens: int,
-                temperature: float, top_p: float, seed: int, stop_ids: Sequence[int], pad_id: int) -> list[RLBatch]:
+def sample_pool(
+    policy,
+    draft,
+    prompts: Sequence[list[int]],
+    config: WarmStartConfig,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    stop_ids: Sequence[int],
+    pad_id: int,
+) -> list[RLBatch]:
     """Packed batches of the policy's OWN samples of ``prompts`` (the draft learns the distribution it will serve).
 
     Args:
@@ -45,8 +56,13 @@ def sample_pool(policy, draft, prompts: Sequence[list[int]], config: WarmStartCo
         ``ceil(len(kept) / batch_size)`` next-token-aligned batches of the non-empty responses.
     """
     outs = SpeculativeEngine(policy, None, 0).generate(
-        list(prompts), max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        stop_token_ids=list(stop_ids))
+        list(prompts),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop_token_ids=list(stop_ids),
+    )
     kept = [(p, list(o.token_ids)) for p, o in zip(prompts, outs) if o.token_ids]
     V = policy.config.vocab_size
     if draft.config.draft_vocab_size < V:
@@ -54,13 +70,26 @@ def sample_pool(policy, draft, prompts: Sequence[list[int]], config: WarmStartCo
         d2t, t2d = build_vocab_mapping(torch.bincount(ids, minlength=V), draft.config.draft_vocab_size)
         draft.set_vocab_mapping(d2t, t2d)
     bs = config.batch_size
-    return [RLBatch.pack([p for p, _ in chunk], [c for _, c in chunk], [[0.0] * len(c) for _, c in chunk],
-                         [0.0] * len(chunk), multiple_of=2, pad_id=pad_id)
-            for chunk in (kept[i:i + bs] for i in range(0, len(kept), bs))]
+    return [
+        RLBatch.pack(
+            [p for p, _ in chunk],
+            [c for _, c in chunk],
+            [[0.0] * len(c) for _, c in chunk],
+            [0.0] * len(chunk),
+            multiple_of=2,
+            pad_id=pad_id,
+        )
+        for chunk in (kept[i : i + bs] for i in range(0, len(kept), bs))
+    ]
 
 
-def fit_on_pool(module, batches: Sequence[RLBatch], steps: int, lr: float,
-                on_step: Callable[[int, float, float], None] | None = None) -> list[float]:
+def fit_on_pool(
+    module,
+    batches: Sequence[RLBatch],
+    steps: int,
+    lr: float,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> list[float]:
     """Fit ``module.draft`` to ``module.policy`` (frozen) on ``batches``, cycled over.
 
     Args:
@@ -83,8 +112,7 @@ def fit_on_pool(module, batches: Sequence[RLBatch], steps: int, lr: float,
 
     def loss(batch: RLBatch):
         with torch.no_grad():
-            out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids,
-                         taps=(0, *taps))
+            out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=(0, *taps))
         embeds = module.draft_token_embeds(out.taps[0], batch)
         step_logits = module.draft_step_logits(list(out.taps[1:]), embeds, batch)
         return module.draft_loss(step_logits, out.logits.detach(), batch)

@@ -103,8 +103,9 @@ class DraftFitConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio="
-                             f"{self.min_lr_ratio} in [0, 1]")
+            raise ValueError(
+                f"warmup_frac={self.warmup_frac} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]"
+            )
         if self.loss_type not in DRAFT_LOSSES:
             raise ValueError(f"loss_type={self.loss_type!r} must be one of {DRAFT_LOSSES}")
         if self.precision not in PRECISION_NAMES:
@@ -186,15 +187,18 @@ class WarmStartSettings:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.generation_dtype not in (None, AUTO, "bfloat16", "float16", "float32"):
-            raise ValueError(f"generation_dtype={self.generation_dtype!r} must be None, 'auto', 'bfloat16', "
-                             "'float16' or 'float32'")
+            raise ValueError(
+                f"generation_dtype={self.generation_dtype!r} must be None, 'auto', 'bfloat16', 'float16' or 'float32'"
+            )
         if self.feature_precision not in (AUTO, "32-true", "bf16-mixed"):
             raise ValueError(f"feature_precision={self.feature_precision!r} must be 'auto', '32-true' or 'bf16-mixed'")
         if not 0 < self.generation_share < 1:
             raise ValueError(f"generation_share={self.generation_share} must be in (0, 1)")
         if self.heldout_prompts < 0 or self.temperature <= 0:
-            raise ValueError(f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
-                             f"{self.temperature} > 0 (the warm start samples, like the rollouts)")
+            raise ValueError(
+                f"heldout_prompts={self.heldout_prompts} must be >= 0 and temperature="
+                f"{self.temperature} > 0 (the warm start samples, like the rollouts)"
+            )
         try:
             self.fit.check()
         except ValueError as e:

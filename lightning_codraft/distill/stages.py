@@ -73,8 +73,16 @@ def draft_key(corpus: str, draft, settings: WarmStartSettings) -> str:
     return _digest(corpus, asdict(draft.config), every)
 
 
-def sample_corpus(policy, tokenizer, prompts: list[list[int]], taps, settings: WarmStartSettings, cache_dir: Path,
-                  key: str, log: Callable[[str], None]) -> tuple[Corpus, FeatureRecorder | None]:
+def sample_corpus(
+    policy,
+    tokenizer,
+    prompts: list[list[int]],
+    taps,
+    settings: WarmStartSettings,
+    cache_dir: Path,
+    key: str,
+    log: Callable[[str], None],
+) -> tuple[Corpus, FeatureRecorder | None]:
     """Stage 1: the corpus from ``corpus-<key>/``, or sampled (within the settings' generation budget) and saved
     there; with ``settings.capture_features``, a freshly sampled corpus comes with the
     :class:`FeatureRecorder` that kept its features (the caller closes it)."""
@@ -83,15 +91,21 @@ def sample_corpus(policy, tokenizer, prompts: list[list[int]], taps, settings: W
         corpus = [(p, c) for p, c in json.loads((corpus_dir / "samples.json").read_text())]
         log(f"draft warm start: {len(corpus)} cached responses from {corpus_dir}")
         return corpus, None
-    budgets = [b for b in (settings.generation_budget_s, settings.time_budget_s and
-                           settings.time_budget_s * settings.generation_share) if b]
+    budgets = [
+        b
+        for b in (
+            settings.generation_budget_s,
+            settings.time_budget_s and settings.time_budget_s * settings.generation_share,
+        )
+        if b
+    ]
     recorder = None
     if settings.capture_features:
-        recorder = FeatureRecorder(policy, taps, settings.temperature, settings.feature_dtype,
-                                   spill_dir=cache_dir / f"capture-{key}.tmp")
+        recorder = FeatureRecorder(
+            policy, taps, settings.temperature, settings.feature_dtype, spill_dir=cache_dir / f"capture-{key}.tmp"
+        )
     try:
-        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None,
-                                 recorder)
+        corpus = generate_corpus(policy, tokenizer, prompts, settings, log, min(budgets) if budgets else None, recorder)
         if not corpus:
             raise ValueError("the policy produced no response token for any training prompt")
     except BaseException:
@@ -104,9 +118,17 @@ def sample_corpus(policy, tokenizer, prompts: list[list[int]], taps, settings: W
     return corpus, recorder
 
 
-def corpus_features(policy, corpus: Corpus, recorder: FeatureRecorder | None, target_ids: torch.Tensor, taps,
-                    settings: WarmStartSettings, cache_dir: Path, key: str,
-                    log: Callable[[str], None]) -> FeatureCache:
+def corpus_features(
+    policy,
+    corpus: Corpus,
+    recorder: FeatureRecorder | None,
+    target_ids: torch.Tensor,
+    taps,
+    settings: WarmStartSettings,
+    cache_dir: Path,
+    key: str,
+    log: Callable[[str], None],
+) -> FeatureCache:
     """Stage 3: the feature cache ``features-<key>/``: loaded, written from ``recorder``'s records of the
     sampling forwards, or computed by a pass of the policy over the corpus. Closes ``recorder``."""
     feat_dir, t0 = cache_dir / f"features-{key}", time.perf_counter()
@@ -118,8 +140,10 @@ def corpus_features(policy, corpus: Corpus, recorder: FeatureRecorder | None, ta
     if recorder is not None:
         with recorder:  # its spilled records are removed once the cache is written
             cache = recorder.write(docs, list(range(len(docs))), target_ids, feat_dir)
-        log(f"  warm start: features of {len(docs)} documents kept from the sampling forwards "
-            f"({time.perf_counter() - t0:.0f}s)")
+        log(
+            f"  warm start: features of {len(docs)} documents kept from the sampling forwards "
+            f"({time.perf_counter() - t0:.0f}s)"
+        )
         return cache
     every = max(1, sum(len(c) for _, c in corpus) // 10)
     state = {"next": every}
@@ -130,14 +154,29 @@ def corpus_features(policy, corpus: Corpus, recorder: FeatureRecorder | None, ta
             log(f"  warm start: features {done}/{total} tokens ({time.perf_counter() - t0:.0f}s)")
 
     with torch.no_grad():
-        return build_feature_cache(policy, docs, target_ids, taps, feat_dir, batch_tokens=settings.feature_batch_tokens,
-                                   dtype=settings.feature_dtype, temperature=settings.temperature,
-                                   precision=settings.feature_precision, on_progress=progress)
+        return build_feature_cache(
+            policy,
+            docs,
+            target_ids,
+            taps,
+            feat_dir,
+            batch_tokens=settings.feature_batch_tokens,
+            dtype=settings.feature_dtype,
+            temperature=settings.temperature,
+            precision=settings.feature_precision,
+            on_progress=progress,
+        )
 
 
-def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmStartSettings,
-                    log: Callable[[str], None] = print, budget_s: float | None = None,
-                    recorder: FeatureRecorder | None = None) -> list[tuple[list[int], list[int]]]:
+def generate_corpus(
+    policy,
+    tokenizer,
+    prompts: list[list[int]],
+    settings: WarmStartSettings,
+    log: Callable[[str], None] = print,
+    budget_s: float | None = None,
+    recorder: FeatureRecorder | None = None,
+) -> list[tuple[list[int], list[int]]]:
     """``(prompt ids, completion ids)`` of the policy's own samples, by the embedded engine without a draft; the
     first batch always runs, a later one only when it should end within ``budget_s`` seconds. ``recorder`` sees
     the sampling forwards, response ``j`` as request ``j``."""
@@ -149,17 +188,25 @@ def generate_corpus(policy, tokenizer, prompts: list[list[int]], settings: WarmS
         if budget_s is not None and c and time.perf_counter() - t0 + last > budget_s:
             break  # the next batch (about as long as the last) would end past the budget
         t1 = time.perf_counter()
-        chunk = prompts[c:c + bs]
+        chunk = prompts[c : c + bs]
         if recorder is not None:
             recorder.request_offset = c
-        res = engine.generate(chunk, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                              top_p=settings.top_p, seed=settings.seed * 1_000_003 + c,
-                              stop_token_ids=[tokenizer.eos_token_id], observer=recorder)
+        res = engine.generate(
+            chunk,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed * 1_000_003 + c,
+            stop_token_ids=[tokenizer.eos_token_id],
+            observer=recorder,
+        )
         out.extend((p, list(r.token_ids)) for p, r in zip(chunk, res))  # the engine emits >= 1 token a request
         last, dt = time.perf_counter() - t1, time.perf_counter() - t0
         n = sum(len(x) for _, x in out)
-        log(f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
-            f"({n / max(dt, 1e-9):.0f} tok/s)")
+        log(
+            f"  warm start: generated {len(out)}/{len(prompts)} responses, {n} tokens in {dt:.0f}s "
+            f"({n / max(dt, 1e-9):.0f} tok/s)"
+        )
     return out
 
 
@@ -170,6 +217,7 @@ def install_vocab(policy, draft, corpus, settings: WarmStartSettings) -> None:
     counts = count_tokens(torch.tensor([t for _, comp in corpus for t in comp]), int(c.vocab_size))
     with torch.random.fork_rng():
         torch.manual_seed(settings.seed)
-        fresh = Eagle3Draft.from_policy(policy, draft_vocab_size=int(c.draft_vocab_size), taps=tuple(c.taps),
-                                        token_counts=counts)
+        fresh = Eagle3Draft.from_policy(
+            policy, draft_vocab_size=int(c.draft_vocab_size), taps=tuple(c.taps), token_counts=counts
+        )
     draft.load_state_dict(fresh.state_dict())

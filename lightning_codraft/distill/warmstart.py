@@ -84,8 +84,12 @@ class WarmStartReport:
 def resolve_settings(settings: WarmStartSettings, device) -> WarmStartSettings:
     """``settings`` with every ``"auto"`` dtype and precision resolved for ``device``."""
     fit = dataclasses.replace(settings.fit, precision=resolve_precision(settings.fit.precision, device))
-    return dataclasses.replace(settings, generation_dtype=resolve_dtype(settings.generation_dtype, device),
-                               feature_precision=resolve_precision(settings.feature_precision, device), fit=fit)
+    return dataclasses.replace(
+        settings,
+        generation_dtype=resolve_dtype(settings.generation_dtype, device),
+        feature_precision=resolve_precision(settings.feature_precision, device),
+        fit=fit,
+    )
 
 
 def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[str]]:
@@ -97,25 +101,35 @@ def split_prompts(task, settings: WarmStartSettings) -> tuple[list[str], list[st
     """
     reserved = getattr(task, "heldout", 0)
     if reserved > settings.heldout_prompts:
-        raise ValueError(f"heldout_prompts={settings.heldout_prompts} is below task.heldout={reserved}: the warm "
-                         f"start would train the draft on problems the evaluation and the speed-up are measured on; "
-                         f"raise heldout_prompts")
+        raise ValueError(
+            f"heldout_prompts={settings.heldout_prompts} is below task.heldout={reserved}: the warm "
+            f"start would train the draft on problems the evaluation and the speed-up are measured on; "
+            f"raise heldout_prompts"
+        )
     samples = getattr(task, "samples", None)
     if samples is None:
         return [s.prompt for s in task.sample(settings.num_prompts, settings.seed)], []
     n_train = len(samples) - settings.heldout_prompts
     if n_train < 1:
-        raise ValueError(f"heldout_prompts={settings.heldout_prompts} leaves no training prompt of the task's "
-                         f"{len(samples)} problems; lower heldout_prompts or use a larger problem file")
+        raise ValueError(
+            f"heldout_prompts={settings.heldout_prompts} leaves no training prompt of the task's "
+            f"{len(samples)} problems; lower heldout_prompts or use a larger problem file"
+        )
     order = list(range(n_train))
     random.Random(settings.seed).shuffle(order)
-    return ([samples[i].prompt for i in order[:settings.num_prompts]],
-            [s.prompt for s in samples[n_train:]])
+    return ([samples[i].prompt for i in order[: settings.num_prompts]], [s.prompt for s in samples[n_train:]])
 
 
-def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings, cache_dir,
-                     log: Callable[[str], None] = print,
-                     on_eval: Callable[[dict], None] | None = None) -> WarmStartReport:
+def warm_start_draft(
+    policy,
+    tokenizer,
+    task,
+    draft,
+    settings: WarmStartSettings,
+    cache_dir,
+    log: Callable[[str], None] = print,
+    on_eval: Callable[[dict], None] | None = None,
+) -> WarmStartReport:
     """Fit ``draft`` (in place) to ``policy`` by self-distillation, or load it from the on-disk cache.
 
     Args:
@@ -143,8 +157,10 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     limit = int(policy.config.max_position_embeddings) - settings.max_new_tokens
     prompts = [p for p in (encode_prompt(tokenizer, t) for t in train_texts) if 0 < len(p) < limit]
     if not prompts:
-        raise ValueError(f"no training prompt fits the context: every one is longer than max_position_embeddings - "
-                         f"max_new_tokens = {limit} tokens")
+        raise ValueError(
+            f"no training prompt fits the context: every one is longer than max_position_embeddings - "
+            f"max_new_tokens = {limit} tokens"
+        )
     corpus = corpus_key(state_fingerprint(policy), prompts, settings)
     key = draft_key(corpus, draft, settings)
     draft_dir = cache_dir / f"draft-{key}"
@@ -156,11 +172,20 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
         log(f"draft warm start: cache hit {draft_dir} (implied acceptance {saved['val_acceptance']:.2f})")
         return WarmStartReport(**saved)
 
-    report = WarmStartReport(cache_hit=False, draft_dir=str(draft_dir), key=key, precision=dict(
-        generation_dtype=settings.generation_dtype, feature_precision=settings.feature_precision,
-        fit_precision=settings.fit.precision))
-    log(f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
-        f"{settings.feature_precision}, fit {settings.fit.precision}")
+    report = WarmStartReport(
+        cache_hit=False,
+        draft_dir=str(draft_dir),
+        key=key,
+        precision=dict(
+            generation_dtype=settings.generation_dtype,
+            feature_precision=settings.feature_precision,
+            fit_precision=settings.fit.precision,
+        ),
+    )
+    log(
+        f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
+        f"{settings.feature_precision}, fit {settings.fit.precision}"
+    )
     t0 = time.perf_counter()
     samples, recorder = sample_corpus(policy, tokenizer, prompts, draft.config.taps, settings, cache_dir, corpus, log)
     report.generation_s = time.perf_counter() - t0
@@ -174,13 +199,24 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
             recorder.close()
         raise
     t0 = time.perf_counter()
-    cache = corpus_features(policy, samples, recorder, target_ids, draft.config.taps, settings, cache_dir,
-                            features_key(corpus, target_ids, draft.config.taps, settings), log)
+    cache = corpus_features(
+        policy,
+        samples,
+        recorder,
+        target_ids,
+        draft.config.taps,
+        settings,
+        cache_dir,
+        features_key(corpus, target_ids, draft.config.taps, settings),
+        log,
+    )
     report.features_s = time.perf_counter() - t0
     report.entropy, report.argmax_coverage = cache.meta["entropy"], cache.meta["argmax_coverage"]
-    log(f"draft warm start: {cache.meta['loss_rows']} target rows, policy entropy at T={settings.temperature} "
+    log(
+        f"draft warm start: {cache.meta['loss_rows']} target rows, policy entropy at T={settings.temperature} "
         f"{report.entropy:.3f} nats/token, draft vocabulary {cache.draft_vocab_size} covers "
-        f"{report.argmax_coverage:.3f} of the policy's top-1")
+        f"{report.argmax_coverage:.3f} of the policy's top-1"
+    )
 
     outside = [0.0]  # seconds spent in on_eval (the caller's measurements are not warm-start time)
 
@@ -206,25 +242,31 @@ def warm_start_draft(policy, tokenizer, task, draft, settings: WarmStartSettings
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
     unused = settings.time_budget_s - elapsed() if settings.time_budget_s else 0.0
     if result.ended_by == "epochs" and unused > 60:
-        log(f"draft warm start: the fit ran its {fit.epochs:g} epochs ({result.planned_steps} steps) with "
+        log(
+            f"draft warm start: the fit ran its {fit.epochs:g} epochs ({result.planned_steps} steps) with "
             f"{unused / 60:.1f} min of the budget left: a larger corpus (generation_share) or more epochs would use "
-            f"it")
+            f"it"
+        )
     held_out = cache.split(fit.val_docs)[1]  # the documents the fit reported on
     if settings.calibrate_temperature and held_out:
         t0 = time.perf_counter()
         cal = calibrate_draft_temperature(draft, policy.embed, cache, held_out, fit, settings.temperature)
         report.calibration = asdict(cal)
         report.fit_s += time.perf_counter() - t0
-        log(f"draft warm start: proposal temperature scale {cal.scale:g} (implied acceptance by overlap "
-            f"{cal.acceptance[0]:.2f} -> {max(cal.acceptance):.2f} on {cal.rows} held-out rows)")
+        log(
+            f"draft warm start: proposal temperature scale {cal.scale:g} (implied acceptance by overlap "
+            f"{cal.acceptance[0]:.2f} -> {max(cal.acceptance):.2f} on {cal.rows} held-out rows)"
+        )
 
     shutil.rmtree(draft_dir, ignore_errors=True)
     draft.save_pretrained(draft_dir)
     report.total_s = elapsed()
     (draft_dir / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
     (draft_dir / _COMPLETE).write_text(key)
-    log(f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "
+    log(
+        f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "
         f"{report.features_s:.0f}s, fit {report.fit_s:.0f}s), {result.tokens_seen} tokens seen, held-out step-0 acc "
         f"{report.val_accuracy[0] if report.val_accuracy else float('nan'):.3f}, implied acceptance "
-        f"{report.val_acceptance:.2f}; saved {draft_dir}")
+        f"{report.val_acceptance:.2f}; saved {draft_dir}"
+    )
     return report

@@ -16,11 +16,7 @@ from typing import Any
 from lightning_codraft.models.rope import SUPPORTED_ROPE_TYPES, rope_scaling_type
 
 #: architecture name -> HF model_type
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 
 
@@ -78,12 +74,16 @@ class PolicyConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                                 f"{self.num_attention_heads}; set head_dim explicitly")
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -106,11 +106,22 @@ class PolicyConfig:
         ``head_dim=32`` (not ``hidden_size // heads``), as those families have.
         """
         arch = overrides.get("architecture", "LlamaForCausalLM")
-        family = {"Qwen2ForCausalLM": dict(attention_bias=True),
-                  "Qwen3ForCausalLM": dict(qk_norm=True, head_dim=32)}.get(arch, {})
-        base = dict(**family, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-                    max_position_embeddings=256)
+        family = {
+            "Qwen2ForCausalLM": dict(attention_bias=True),
+            "Qwen3ForCausalLM": dict(qk_norm=True, head_dim=32),
+        }.get(arch, {})
+        base = dict(
+            **family,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -123,15 +134,21 @@ class PolicyConfig:
         if archs:
             arch = archs[0]
             if arch not in ARCHITECTURES:
-                raise ValueError(f"unsupported architectures {archs} in config.json; supported: {sorted(ARCHITECTURES)}")
+                raise ValueError(
+                    f"unsupported architectures {archs} in config.json; supported: {sorted(ARCHITECTURES)}"
+                )
         elif model_type in _MODEL_TYPE_TO_ARCH:
             arch = _MODEL_TYPE_TO_ARCH[model_type]
         else:
-            raise ValueError(f"unsupported model_type {model_type!r} (and no architectures) in config.json; "
-                             f"supported model types: {sorted(_MODEL_TYPE_TO_ARCH)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r} (and no architectures) in config.json; "
+                f"supported model types: {sorted(_MODEL_TYPE_TO_ARCH)}"
+            )
         if model_type is not None and model_type != ARCHITECTURES[arch]:
-            raise ValueError(f"config.json: model_type {model_type!r} does not match architecture {arch!r} "
-                             f"(expected model_type {ARCHITECTURES[arch]!r})")
+            raise ValueError(
+                f"config.json: model_type {model_type!r} does not match architecture {arch!r} "
+                f"(expected model_type {ARCHITECTURES[arch]!r})"
+            )
         act = d.pop("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -147,8 +164,15 @@ class PolicyConfig:
                 rope_scaling = rope_params
         attn_bias = bool(d.pop("attention_bias", False))
         kw: dict[str, Any] = {}
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "architecture", "rope_scaling", "rope_theta",
-                                                            "attention_bias", "o_proj_bias", "qk_norm"}
+        names = {f.name for f in dataclasses.fields(cls)} - {
+            "extra",
+            "architecture",
+            "rope_scaling",
+            "rope_theta",
+            "attention_bias",
+            "o_proj_bias",
+            "qk_norm",
+        }
         for name in names:
             if name in d:
                 kw[name] = d.pop(name)
@@ -169,26 +193,43 @@ class PolicyConfig:
         """A HF ``config.json`` dict that ``transformers.AutoConfig`` and vLLM read back to this config."""
         d: dict[str, Any] = dict(self.extra)
         d.update(
-            architectures=[self.architecture], model_type=self.model_type, hidden_act="silu",
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
-            bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+            architectures=[self.architecture],
+            model_type=self.model_type,
+            hidden_act="silu",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
         )
         if self.architecture == "Qwen2ForCausalLM":
             if not self.attention_bias or self.o_proj_bias or self.qk_norm:
-                raise ValueError("Qwen2ForCausalLM needs attention_bias=True, o_proj_bias=False, qk_norm=False; got "
-                                 f"{self.attention_bias}, {self.o_proj_bias}, {self.qk_norm}")
+                raise ValueError(
+                    "Qwen2ForCausalLM needs attention_bias=True, o_proj_bias=False, qk_norm=False; got "
+                    f"{self.attention_bias}, {self.o_proj_bias}, {self.qk_norm}"
+                )
             d["use_sliding_window"] = False
         else:
             if self.attention_bias != self.o_proj_bias:
-                raise ValueError(f"{self.architecture} biases all four attention projections or none; got "
-                                 f"attention_bias={self.attention_bias}, o_proj_bias={self.o_proj_bias}")
+                raise ValueError(
+                    f"{self.architecture} biases all four attention projections or none; got "
+                    f"attention_bias={self.attention_bias}, o_proj_bias={self.o_proj_bias}"
+                )
             if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
-                raise ValueError(f"qk_norm={self.qk_norm} is not expressible as {self.architecture}; "
-                                 "use Qwen3ForCausalLM for q/k norms")
+                raise ValueError(
+                    f"qk_norm={self.qk_norm} is not expressible as {self.architecture}; "
+                    "use Qwen3ForCausalLM for q/k norms"
+                )
             d["attention_bias"] = self.attention_bias
             if self.architecture == "LlamaForCausalLM":
                 d["mlp_bias"] = self.mlp_bias
@@ -238,36 +279,64 @@ class Eagle3Config:
 
     def __post_init__(self) -> None:
         self.taps = tuple(int(t) for t in self.taps)
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "draft_vocab_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "draft_vocab_size",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"Eagle3Config.{name}={getattr(self, name)} must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
-                             f"{self.vocab_size}; it must be in [1, {self.vocab_size}]")
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
+                f"{self.vocab_size}; it must be in [1, {self.vocab_size}]"
+            )
         if len(self.taps) != 3 or len(set(self.taps)) != 3 or min(self.taps) < 0:
-            raise ValueError(f"taps={self.taps} must be three distinct non-negative policy tap ids (vLLM's "
-                             "eagle_aux_hidden_state_layer_ids must be distinct), e.g. (2, L//2, L-3)")
+            raise ValueError(
+                f"taps={self.taps} must be three distinct non-negative policy tap ids (vLLM's "
+                "eagle_aux_hidden_state_layer_ids must be distinct), e.g. (2, L//2, L-3)"
+            )
         if list(self.taps) != sorted(self.taps):
-            raise ValueError(f"taps={self.taps} must be increasing, e.g. {tuple(sorted(self.taps))}: vLLM concatenates "
-                             "the aux hidden states for fc in layer order")
+            raise ValueError(
+                f"taps={self.taps} must be increasing, e.g. {tuple(sorted(self.taps))}: vLLM concatenates "
+                "the aux hidden states for fc in layer order"
+            )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json for vLLM's ``LlamaForCausalLMEagle3`` loader."""
         taps = list(self.taps)
         return dict(
-            architectures=[VLLM_ARCHITECTURE], model_type="llama", hidden_act="silu", num_hidden_layers=1,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size, target_hidden_size=self.hidden_size,
-            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, norm_before_residual=False,
+            architectures=[VLLM_ARCHITECTURE],
+            model_type="llama",
+            hidden_act="silu",
+            num_hidden_layers=1,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size,
+            target_hidden_size=self.hidden_size,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            norm_before_residual=False,
             eagle_aux_hidden_state_layer_ids=taps,
             eagle_config={"eagle_aux_hidden_state_layer_ids": taps, "use_aux_hidden_state": True},
         )
@@ -277,22 +346,28 @@ class Eagle3Config:
         """Inverse of :meth:`to_hf_dict`; accepts transformers-5 ``rope_parameters`` too."""
         archs = d.get("architectures") or []
         if not any(a in _ACCEPTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architectures {archs} in the draft's config.json; expected "
-                             f"{[VLLM_ARCHITECTURE]} (an EAGLE-3 draft)")
+            raise ValueError(
+                f"unsupported architectures {archs} in the draft's config.json; expected "
+                f"{[VLLM_ARCHITECTURE]} (an EAGLE-3 draft)"
+            )
         if int(d.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(f"num_hidden_layers={d['num_hidden_layers']}: only single-layer EAGLE-3 drafts "
-                             "(midlayer) are supported")
+            raise ValueError(
+                f"num_hidden_layers={d['num_hidden_layers']}: only single-layer EAGLE-3 drafts (midlayer) are supported"
+            )
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
         for flag in ("attention_bias", "mlp_bias", "norm_before_residual"):
             if d.get(flag):
                 raise ValueError(f"{flag}=true is not supported by Eagle3Draft; expected false")
         taps = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
+            "eagle_aux_hidden_state_layer_ids"
+        )
         if not taps:
-            raise ValueError("the draft's config.json has no eagle_aux_hidden_state_layer_ids; add the three policy "
-                             "tap ids the draft was trained on, or load it with policy= for vLLM's default "
-                             "[2, L//2, L-3]")
+            raise ValueError(
+                "the draft's config.json has no eagle_aux_hidden_state_layer_ids; add the three policy "
+                "tap ids the draft was trained on, or load it with policy= for vLLM's default "
+                "[2, L//2, L-3]"
+            )
         rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
         params = d.get("rope_parameters")
         if params:
@@ -301,11 +376,16 @@ class Eagle3Config:
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         heads = int(d["num_attention_heads"])
         return cls(
-            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-            num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads), vocab_size=int(d["vocab_size"]),
-            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]), taps=tuple(taps),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta or 10000.0),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            taps=tuple(taps),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
         )

@@ -56,8 +56,9 @@ class PolicyDecoder(Protocol):
         """ids ``(...)`` -> ``(..., H)`` token embeddings."""
         ...
 
-    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
-                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+    def forward(
+        self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Taps | None]:
         """S new tokens per row at positions ``cache.lengths[b] + arange(S)``; the cache advances by S.
 
         Args:
@@ -85,8 +86,9 @@ class DraftDecoder(Protocol):
         """Three ``(B, S, H)`` policy taps -> ``(B, S, H)`` draft hidden input ``fc(cat(taps))``."""
         ...
 
-    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
-             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def step(
+        self, hidden: Tensor, embeds: Tensor, cache: KVCache, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """One draft step over S positions per row; the cache advances by S.
 
         Args:
@@ -111,8 +113,11 @@ def custom_decode_math(module: nn.Module, base: type, methods: Sequence[str]) ->
     submodules of classes from outside this package and ``torch.nn`` (a swapped layer). The fused decoders
     re-implement the base class's math, so a module with any of these must decode through its own methods."""
     changed = [name for name in methods if getattr(type(module), name) is not getattr(base, name)]
-    changed += [f"{name} ({type(m).__name__})" for name, m in module.named_modules()
-                if name and not type(m).__module__.startswith(("lightning_codraft.models.", "torch.nn."))]
+    changed += [
+        f"{name} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if name and not type(m).__module__.startswith(("lightning_codraft.models.", "torch.nn."))
+    ]
     return changed
 
 
@@ -124,10 +129,12 @@ def _make_decoder(module: nn.Module, capacity: int, dtype: torch.dtype | None, f
         return make(capacity) if callable(make) else fallback(module)
     dec = make(capacity, dtype=dtype) if callable(make) else None
     if not isinstance(dec, _FusedMath):
-        raise ValueError(f"decoding a {type(module).__name__} in {dtype} needs its fused {kind} decoder (plain-tensor "
-                         f"parameters of a Policy / Eagle3Draft or a subclass); this module decodes through its own "
-                         f"forward, in its parameters' dtype {next(module.parameters()).dtype}: cast the module "
-                         "instead, or decode in that dtype")
+        raise ValueError(
+            f"decoding a {type(module).__name__} in {dtype} needs its fused {kind} decoder (plain-tensor "
+            f"parameters of a Policy / Eagle3Draft or a subclass); this module decodes through its own "
+            f"forward, in its parameters' dtype {next(module.parameters()).dtype}: cast the module "
+            "instead, or decode in that dtype"
+        )
     return dec
 
 
@@ -173,8 +180,9 @@ class ModulePolicyDecoder:
     def embed(self, ids: Tensor) -> Tensor:
         return self.module.embed(ids)
 
-    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
-                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+    def forward(
+        self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Taps | None]:
         out = self.module(ids, kv_cache=cache, taps=taps)
         return gather_rows(out.logits, logit_rows), out.taps
 
@@ -198,7 +206,8 @@ class ModuleDraftDecoder:
     def fuse(self, taps: Taps) -> Tensor:
         return self.module.fuse(taps)
 
-    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
-             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def step(
+        self, hidden: Tensor, embeds: Tensor, cache: KVCache, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         out, logits = self.module.step(hidden, embeds, cache)
         return gather_rows(out, logit_rows), gather_rows(logits, logit_rows)

@@ -111,8 +111,13 @@ class Eagle3Draft(nn.Module):
     # ----- construction -----
 
     @classmethod
-    def from_policy(cls, policy, draft_vocab_size: int | None = None, taps: Sequence[int] | None = None,
-                    token_counts: Tensor | None = None) -> Eagle3Draft:
+    def from_policy(
+        cls,
+        policy,
+        draft_vocab_size: int | None = None,
+        taps: Sequence[int] | None = None,
+        token_counts: Tensor | None = None,
+    ) -> Eagle3Draft:
         """A fresh draft shaped for ``policy`` (a :class:`~lightning_codraft.models.Policy`).
 
         The attention / MLP shapes, RoPE and norm epsilon are the policy's; ``lm_head`` starts as the policy's
@@ -131,23 +136,38 @@ class Eagle3Draft(nn.Module):
         V, L = int(pc.vocab_size), int(policy.num_layers)
         taps = _choose_taps(policy) if taps is None else tuple(policy.validate_taps(taps))
         if max(taps) > L:
-            raise ValueError(f"tap id {max(taps)} out of range for a draft: vLLM collects aux hidden states entering "
-                             f"layers 0..{L - 1} and the last layer's output ({L}) of this {L}-layer policy; got "
-                             f"taps={taps}")
+            raise ValueError(
+                f"tap id {max(taps)} out of range for a draft: vLLM collects aux hidden states entering "
+                f"layers 0..{L - 1} and the last layer's output ({L}) of this {L}-layer policy; got "
+                f"taps={taps}"
+            )
         if token_counts is not None and torch.as_tensor(token_counts).numel() != V:
-            raise ValueError(f"token_counts has {torch.as_tensor(token_counts).numel()} entries but the policy's "
-                             f"vocab_size is {V}; count tokens of the policy's tokenizer")
+            raise ValueError(
+                f"token_counts has {torch.as_tensor(token_counts).numel()} entries but the policy's "
+                f"vocab_size is {V}; count tokens of the policy's tokenizer"
+            )
         Vd = V if draft_vocab_size is None else int(draft_vocab_size)
         if not 1 <= Vd <= V:
             raise ValueError(f"draft_vocab_size={Vd} must be in [1, policy vocab_size={V}]")
         if Vd < V and token_counts is None:
-            raise ValueError(f"draft_vocab_size={Vd} < vocab_size={V} needs token_counts (V,) to pick the most "
-                             "frequent tokens; pass token_counts or draft_vocab_size=None for the full vocabulary")
+            raise ValueError(
+                f"draft_vocab_size={Vd} < vocab_size={V} needs token_counts (V,) to pick the most "
+                "frequent tokens; pass token_counts or draft_vocab_size=None for the full vocabulary"
+            )
         config = Eagle3Config(
-            hidden_size=pc.hidden_size, intermediate_size=pc.intermediate_size,
-            num_attention_heads=pc.num_attention_heads, num_key_value_heads=pc.num_key_value_heads,
-            head_dim=pc.head_dim, vocab_size=V, draft_vocab_size=Vd, taps=taps, rms_norm_eps=pc.rms_norm_eps,
-            rope_theta=pc.rope_theta, rope_scaling=pc.rope_scaling, max_position_embeddings=pc.max_position_embeddings)
+            hidden_size=pc.hidden_size,
+            intermediate_size=pc.intermediate_size,
+            num_attention_heads=pc.num_attention_heads,
+            num_key_value_heads=pc.num_key_value_heads,
+            head_dim=pc.head_dim,
+            vocab_size=V,
+            draft_vocab_size=Vd,
+            taps=taps,
+            rms_norm_eps=pc.rms_norm_eps,
+            rope_theta=pc.rope_theta,
+            rope_scaling=pc.rope_scaling,
+            max_position_embeddings=pc.max_position_embeddings,
+        )
         w = policy.lm_head.weight
         draft = cls(config).to(device=w.device, dtype=w.dtype)
         if Vd < V:
@@ -162,12 +182,16 @@ class Eagle3Draft(nn.Module):
         """Install a vocabulary map (see :func:`~lightning_codraft.models.vocab.build_vocab_mapping`)."""
         Vd, V = self.config.draft_vocab_size, self.config.vocab_size
         if tuple(d2t.shape) != (Vd,) or tuple(t2d.shape) != (V,):
-            raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} must be ({Vd},) / ({V},) for this "
-                             "draft's draft_vocab_size / vocab_size")
+            raise ValueError(
+                f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} must be ({Vd},) / ({V},) for this "
+                "draft's draft_vocab_size / vocab_size"
+            )
         targets = torch.arange(Vd) + d2t.cpu().long()
         if int(targets.min()) < 0 or int(targets.max()) >= V or targets.unique().numel() != Vd:
-            raise ValueError(f"d2t maps draft ids to invalid or repeated target ids (range [{int(targets.min())}, "
-                             f"{int(targets.max())}], vocab_size={V})")
+            raise ValueError(
+                f"d2t maps draft ids to invalid or repeated target ids (range [{int(targets.min())}, "
+                f"{int(targets.max())}], vocab_size={V})"
+            )
         if not bool(t2d.cpu().bool()[targets].all()) or int(t2d.sum()) != Vd:
             raise ValueError("t2d must be True exactly on the target ids arange(Vd) + d2t")
         self.d2t.copy_(d2t)
@@ -177,11 +201,15 @@ class Eagle3Draft(nn.Module):
         """Raise ``ValueError`` unless this draft fits ``policy`` (hidden size, vocabulary, tap ids)."""
         pc, c = policy.config, self.config
         if int(pc.vocab_size) != c.vocab_size:
-            raise ValueError(f"vocab mismatch: the draft was built for a target vocab_size={c.vocab_size} but the "
-                             f"policy has vocab_size={pc.vocab_size}")
+            raise ValueError(
+                f"vocab mismatch: the draft was built for a target vocab_size={c.vocab_size} but the "
+                f"policy has vocab_size={pc.vocab_size}"
+            )
         if int(pc.hidden_size) != c.hidden_size:
-            raise ValueError(f"hidden_size mismatch: draft {c.hidden_size}, policy {pc.hidden_size}; the draft fuses "
-                             "policy taps and embeddings of the policy's width")
+            raise ValueError(
+                f"hidden_size mismatch: draft {c.hidden_size}, policy {pc.hidden_size}; the draft fuses "
+                "policy taps and embeddings of the policy's width"
+            )
         policy.validate_taps(c.taps)
 
     # ----- forward -----
@@ -199,9 +227,15 @@ class Eagle3Draft(nn.Module):
     def _rope(self, position_ids: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
         return self.rotary_emb(position_ids, like.dtype)
 
-    def ttt_forward(self, taps: Sequence[Tensor], token_embeds: Sequence[Tensor], cu_seqlens: Tensor,
-                    position_ids: Tensor, cp_group=None, cu_seqlens_q: Tensor | None = None
-                    ) -> list[tuple[Tensor, Tensor]]:
+    def ttt_forward(
+        self,
+        taps: Sequence[Tensor],
+        token_embeds: Sequence[Tensor],
+        cu_seqlens: Tensor,
+        position_ids: Tensor,
+        cp_group=None,
+        cu_seqlens_q: Tensor | None = None,
+    ) -> list[tuple[Tensor, Tensor]]:
         """Training-time-test unroll of K steps on a packed batch.
 
         Args:
@@ -235,8 +269,10 @@ class Eagle3Draft(nn.Module):
         world = dist.get_world_size(cp_group) if cp_group is not None else 1
         validate_cu_seqlens(cu_seqlens, total_tokens=T * world)
         if cu_seqlens_q is not None and world > 1:
-            raise ValueError("ttt_forward: cu_seqlens_q (unroll a suffix of each document) is not supported under "
-                             "context parallelism; pass cu_seqlens_q=None")
+            raise ValueError(
+                "ttt_forward: cu_seqlens_q (unroll a suffix of each document) is not supported under "
+                "context parallelism; pass cu_seqlens_q=None"
+            )
         rows = None if cu_seqlens_q is None else suffix_rows(cu_seqlens, cu_seqlens_q).to(position_ids.device)
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
         hidden = self.fuse(taps)
@@ -255,14 +291,23 @@ class Eagle3Draft(nn.Module):
                 q, key, value = self.midlayer.qkv(hidden, pick(token_embeds[k]), cos, sin)
                 branch_k.append(key)
                 branch_v.append(value)
-            attn = codraft_attention(q, k0, v0, cu_seqlens, branch_k=tuple(branch_k), branch_v=tuple(branch_v),
-                                     group=cp_group, cu_seqlens_q=cu_seqlens_q)
+            attn = codraft_attention(
+                q,
+                k0,
+                v0,
+                cu_seqlens,
+                branch_k=tuple(branch_k),
+                branch_v=tuple(branch_v),
+                group=cp_group,
+                cu_seqlens_q=cu_seqlens_q,
+            )
             hidden = self.midlayer.finish(attn, hidden)
             outputs.append((self.lm_head(self.norm(hidden)), hidden))
         return outputs
 
-    def step(self, hidden: Tensor, token_embeds: Tensor, kv_cache: KVCache,
-             num_new: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+    def step(
+        self, hidden: Tensor, token_embeds: Tensor, kv_cache: KVCache, num_new: Tensor | int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Decode step with a key/value cache (chain drafting in the rollout engine).
 
         Args:
@@ -276,8 +321,10 @@ class Eagle3Draft(nn.Module):
             ``(hidden_out (B, S, H), logits (B, S, Vd))``.
         """
         if hidden.dim() != 3 or token_embeds.shape != hidden.shape:
-            raise ValueError(f"step: hidden {tuple(hidden.shape)} and token_embeds {tuple(token_embeds.shape)} must "
-                             "both be (B, S, H)")
+            raise ValueError(
+                f"step: hidden {tuple(hidden.shape)} and token_embeds {tuple(token_embeds.shape)} must "
+                "both be (B, S, H)"
+            )
         if kv_cache.num_layers != 1:
             raise ValueError(f"the draft has one layer; got a KVCache of {kv_cache.num_layers} layers")
         pos = kv_cache.positions(hidden.shape[1])
@@ -292,8 +339,9 @@ class Eagle3Draft(nn.Module):
     def allocate_kv_cache(self, batch_size: int, capacity: int, device=None, dtype=None) -> KVCache:
         """An empty one-layer :class:`KVCache` for :meth:`step`."""
         w, c = self.fc.weight, self.config
-        return KVCache.allocate(1, batch_size, c.num_key_value_heads, c.head_dim, capacity, dtype or w.dtype,
-                                device or w.device)
+        return KVCache.allocate(
+            1, batch_size, c.num_key_value_heads, c.head_dim, capacity, dtype or w.dtype, device or w.device
+        )
 
     # ----- decode and vLLM EAGLE-3 checkpoint I/O (models/decode.py, models/eagle3_io.py) -----
 
@@ -309,9 +357,11 @@ class Eagle3Draft(nn.Module):
         """
         custom = custom_decode_math(self, Eagle3Draft, ("fuse", "step"))
         if not custom and type(self).ttt_forward is not Eagle3Draft.ttt_forward:
-            raise ValueError(f"{type(self).__name__} overrides ttt_forward (the training math) but not step (the "
-                             f"decode math the rollout engine calls): override step (and fuse) with the same math, so "
-                             f"the draft that generates is the draft that trains")
+            raise ValueError(
+                f"{type(self).__name__} overrides ttt_forward (the training math) but not step (the "
+                f"decode math the rollout engine calls): override step (and fuse) with the same math, so "
+                f"the draft that generates is the draft that trains"
+            )
         if custom or not plain_parameters(self):
             return ModuleDraftDecoder(self)
         return FusedDraftDecoder(self, capacity, dtype)
@@ -321,8 +371,9 @@ class Eagle3Draft(nn.Module):
         return eagle3_io.save_draft(self, path)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-                        policy=None) -> Eagle3Draft:
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu", policy=None
+    ) -> Eagle3Draft:
         """Load a directory written by :meth:`save_pretrained`, or another EAGLE-3 draft: vLLM's, SpecForge's
         export (its ``embed_tokens`` is checked against ``policy``'s and dropped) or speculators' format.
 
@@ -343,10 +394,11 @@ def _choose_taps(policy) -> tuple[int, int, int]:
     """``policy.default_taps`` when distinct, else a distinct triple in ``[0, L-1]`` (small policies)."""
     L = int(policy.num_layers)
     if L < 3:
-        raise ValueError(f"a {L}-layer policy has fewer than 3 distinct tap ids in [0, L-1]; an EAGLE-3 draft needs "
-                         "three (use a policy with >= 3 layers)")
+        raise ValueError(
+            f"a {L}-layer policy has fewer than 3 distinct tap ids in [0, L-1]; an EAGLE-3 draft needs "
+            "three (use a policy with >= 3 layers)"
+        )
     taps = (2, L // 2, L - 3)
     if len(set(taps)) < 3:
         taps = (0, 1, 2) if L == 3 else (1, L // 2, L - 1)
     return tuple(policy.validate_taps(taps))
-

@@ -62,20 +62,27 @@ def save_draft_state(state: dict[str, Tensor], config: Eagle3Config, path: str |
 def _speculators_config(d: dict) -> dict:
     """A speculators EAGLE-3 ``config.json`` as the vLLM-style dict :meth:`Eagle3Config.from_hf_dict` reads."""
     if d.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"speculators_model_type={d.get('speculators_model_type')!r}: only 'eagle3' is an EAGLE-3 "
-                         f"draft")
+        raise ValueError(
+            f"speculators_model_type={d.get('speculators_model_type')!r}: only 'eagle3' is an EAGLE-3 draft"
+        )
     layer = dict(d.get("transformer_layer_config") or {})
     if not layer:
-        raise ValueError("a speculators EAGLE-3 config.json needs transformer_layer_config (the decoder layer's "
-                         "LlamaConfig)")
+        raise ValueError(
+            "a speculators EAGLE-3 config.json needs transformer_layer_config (the decoder layer's LlamaConfig)"
+        )
     target_hidden = d.get("target_hidden_size")
     if target_hidden is not None and int(target_hidden) != int(layer["hidden_size"]):
-        raise ValueError(f"target_hidden_size={target_hidden} differs from the draft's hidden_size="
-                         f"{layer['hidden_size']}; Eagle3Draft fuses taps of its own width only")
-    layer.update(architectures=[VLLM_ARCHITECTURE], num_hidden_layers=1,
-                 draft_vocab_size=d.get("draft_vocab_size") or layer.get("vocab_size"),
-                 norm_before_residual=d.get("norm_before_residual", True),
-                 eagle_aux_hidden_state_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"))
+        raise ValueError(
+            f"target_hidden_size={target_hidden} differs from the draft's hidden_size="
+            f"{layer['hidden_size']}; Eagle3Draft fuses taps of its own width only"
+        )
+    layer.update(
+        architectures=[VLLM_ARCHITECTURE],
+        num_hidden_layers=1,
+        draft_vocab_size=d.get("draft_vocab_size") or layer.get("vocab_size"),
+        norm_before_residual=d.get("norm_before_residual", True),
+        eagle_aux_hidden_state_layer_ids=d.get("eagle_aux_hidden_state_layer_ids"),
+    )
     return layer
 
 
@@ -86,8 +93,10 @@ def _read_config(path: Path, policy: Optional[nn.Module]) -> Eagle3Config:
     d = json.loads(cfg_file.read_text())
     if "speculators_model_type" in d:
         d = _speculators_config(d)
-    if policy is not None and not (d.get("eagle_aux_hidden_state_layer_ids")
-                                   or (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")):
+    if policy is not None and not (
+        d.get("eagle_aux_hidden_state_layer_ids")
+        or (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ):
         d = {**d, "eagle_aux_hidden_state_layer_ids": list(policy.default_taps)}  # vLLM's default
     try:
         return Eagle3Config.from_hf_dict(d)
@@ -98,23 +107,34 @@ def _read_config(path: Path, policy: Optional[nn.Module]) -> Eagle3Config:
 def _drop_embedding(path: Path, embed: Tensor, policy: Optional[nn.Module]) -> None:
     """Check a checkpoint's copy of the target embedding (SpecForge writes one) against the policy's."""
     if policy is None:
-        raise ValueError(f"{path}: the checkpoint carries embed_tokens.weight (a SpecForge export: the target's "
-                         f"embedding); pass policy= to from_pretrained so it is checked against the policy's and "
-                         f"dropped (the draft reads the policy's embedding)")
+        raise ValueError(
+            f"{path}: the checkpoint carries embed_tokens.weight (a SpecForge export: the target's "
+            f"embedding); pass policy= to from_pretrained so it is checked against the policy's and "
+            f"dropped (the draft reads the policy's embedding)"
+        )
     own = policy.model.embed_tokens.weight.detach().to("cpu")
     if own.shape != embed.shape:
-        raise ValueError(f"{path}: embed_tokens.weight has shape {tuple(embed.shape)} but the policy's embedding is "
-                         f"{tuple(own.shape)}: the draft was trained for another target")
+        raise ValueError(
+            f"{path}: embed_tokens.weight has shape {tuple(embed.shape)} but the policy's embedding is "
+            f"{tuple(own.shape)}: the draft was trained for another target"
+        )
     ref = own.to(embed.dtype).float()
     diff = float((embed.float() - ref).abs().max())
     tol = 1e-6 if embed.dtype == torch.float32 else 1e-2 * float(ref.abs().max())
     if diff > tol:
-        raise ValueError(f"{path}: embed_tokens.weight differs from the policy's embedding (max difference "
-                         f"{diff:.3g}): the draft was trained against another target's weights")
+        raise ValueError(
+            f"{path}: embed_tokens.weight differs from the policy's embedding (max difference "
+            f"{diff:.3g}): the draft was trained against another target's weights"
+        )
 
 
-def load_draft(draft_cls: type[nn.Module], path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", policy: Optional[nn.Module] = None) -> nn.Module:
+def load_draft(
+    draft_cls: type[nn.Module],
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    policy: Optional[nn.Module] = None,
+) -> nn.Module:
     """A ``draft_cls`` (:class:`~lightning_codraft.models.eagle3.Eagle3Draft` or a subclass) holding the draft
     directory ``path`` (ours, vLLM's, SpecForge's or speculators' format; see the module docstring), in ``dtype``
     on ``device``. ``policy``: the target the draft serves; needed for a checkpoint with ``embed_tokens.weight``
@@ -124,16 +144,22 @@ def load_draft(draft_cls: type[nn.Module], path: str | Path, dtype: torch.dtype 
     if policy is not None:
         pc = policy.config
         if (config.vocab_size, config.hidden_size) != (pc.vocab_size, pc.hidden_size):
-            raise ValueError(f"{path}: the draft was built for vocab_size={config.vocab_size}, hidden_size="
-                             f"{config.hidden_size} but the policy has {pc.vocab_size}, {pc.hidden_size}")
+            raise ValueError(
+                f"{path}: the draft was built for vocab_size={config.vocab_size}, hidden_size="
+                f"{config.hidden_size} but the policy has {pc.vocab_size}, {pc.hidden_size}"
+            )
         policy.validate_taps(config.taps)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     state: dict[str, Tensor] = {}
     for f in files:
-        state.update({("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-                      for k, v in load_file(str(f)).items()})
+        state.update(
+            {
+                ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
+                for k, v in load_file(str(f)).items()
+            }
+        )
     if "embed_tokens.weight" in state:
         _drop_embedding(path, state.pop("embed_tokens.weight"), policy)
     draft = draft_cls(config)
@@ -149,12 +175,14 @@ def load_draft(draft_cls: type[nn.Module], path: str | Path, dtype: torch.dtype 
     expected = draft.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match an EAGLE-3 draft of this config: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"{path}: weights do not match an EAGLE-3 draft of this config: missing {missing}, unexpected {unexpected}"
+        )
     for name, t in state.items():
         if t.shape != expected[name].shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)} "
-                             "from config.json")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)} from config.json"
+            )
     buffers = {"d2t": state.pop("d2t").long(), "t2d": state.pop("t2d").bool()}
     draft.load_state_dict(state, strict=False)
     draft.set_vocab_mapping(buffers["d2t"], buffers["t2d"])

@@ -64,19 +64,32 @@ class _Layer:
     k_norm: Tensor | None = None
 
     @classmethod
-    def pack(cls, ln1: nn.Module, ln2: nn.Module, attn: nn.Module, mlp: nn.Module, eps: float,
-             dtype: torch.dtype | None = None) -> _Layer:
+    def pack(
+        cls,
+        ln1: nn.Module,
+        ln2: nn.Module,
+        attn: nn.Module,
+        mlp: nn.Module,
+        eps: float,
+        dtype: torch.dtype | None = None,
+    ) -> _Layer:
         q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         c = _caster(dtype)
-        return cls(ln1=c(ln1.weight), ln2=c(ln2.weight),
-                   qkv=PackedLinear(c(torch.cat([q.weight, k.weight, v.weight])), c(_cat(q.bias, k.bias, v.bias))),
-                   o=PackedLinear(c(o.weight), c(o.bias)),
-                   gu=PackedLinear(c(torch.cat([g.weight, u.weight])), c(_cat(g.bias, u.bias))),
-                   down=PackedLinear(c(d.weight), c(d.bias)),
-                   heads=int(attn.num_heads), kv_heads=int(attn.num_kv_heads), head_dim=int(attn.head_dim),
-                   eps=float(eps), q_norm=c(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
-                   k_norm=c(attn.k_norm.weight) if hasattr(attn, "k_norm") else None)
+        return cls(
+            ln1=c(ln1.weight),
+            ln2=c(ln2.weight),
+            qkv=PackedLinear(c(torch.cat([q.weight, k.weight, v.weight])), c(_cat(q.bias, k.bias, v.bias))),
+            o=PackedLinear(c(o.weight), c(o.bias)),
+            gu=PackedLinear(c(torch.cat([g.weight, u.weight])), c(_cat(g.bias, u.bias))),
+            down=PackedLinear(c(d.weight), c(d.bias)),
+            heads=int(attn.num_heads),
+            kv_heads=int(attn.num_kv_heads),
+            head_dim=int(attn.head_dim),
+            eps=float(eps),
+            q_norm=c(attn.q_norm.weight) if hasattr(attn, "q_norm") else None,
+            k_norm=c(attn.k_norm.weight) if hasattr(attn, "k_norm") else None,
+        )
 
 
 @dataclass
@@ -85,10 +98,10 @@ class _Geometry:
 
     rows: Tensor | None  # (B, S) row index of each new token; None for a single row
     slots: Tensor | int  # (B, S) cache slot (= absolute position) of each new token; a single row's first slot
-    cos: Tensor         # (B, S, 1, D)
-    sin: Tensor         # (B, S, 1, D)
-    visible: int        # slots any query can see: max position + 1
-    width: int          # slots attended (attention.cached.attended_slots): ``visible`` or the whole cache
+    cos: Tensor  # (B, S, 1, D)
+    sin: Tensor  # (B, S, 1, D)
+    visible: int  # slots any query can see: max position + 1
+    width: int  # slots attended (attention.cached.attended_slots): ``visible`` or the whole cache
     mask: Tensor | None  # (B, 1, S, width) additive 0 / -inf, None when every query sees every attended slot
 
 
@@ -107,7 +120,7 @@ class _FusedMath:
         self.capacity = int(capacity)
         self.dtype = like.dtype
         positions = torch.arange(self.capacity, device=like.device)
-        self.cos, self.sin = rotary(positions, like.dtype)                         # (C, D) each
+        self.cos, self.sin = rotary(positions, like.dtype)  # (C, D) each
         self._rotate_half: dict[int, Tensor] = {}
 
     def allocate_cache(self, batch_size: int, capacity: int) -> KVCache:
@@ -118,10 +131,12 @@ class _FusedMath:
         start = cache.lengths
         batch = start.shape[0]
         first = int(start[0]) if batch == 1 else None
-        top = (first if batch == 1 else int(start.max())) + num_tokens   # the one host sync of the forward
+        top = (first if batch == 1 else int(start.max())) + num_tokens  # the one host sync of the forward
         if top > capacity:
-            raise ValueError(f"KV cache overflow: a row at length {top - num_tokens} + {num_tokens} new tokens "
-                             f"needs {top} slots but capacity is {capacity}; allocate a larger cache")
+            raise ValueError(
+                f"KV cache overflow: a row at length {top - num_tokens} + {num_tokens} new tokens "
+                f"needs {top} slots but capacity is {capacity}; allocate a larger cache"
+            )
         offsets = torch.arange(num_tokens, device=start.device)
         cos, sin = self.cos, self.sin
         width = attended_slots(top, cache.capacity, num_tokens, start.device)
@@ -129,18 +144,32 @@ class _FusedMath:
         if first is not None:  # one row: its slots are the contiguous range [first, top)
             mask = None
             if num_tokens > 1 or width > top:
-                visible = slot_ids[None, :] <= (offsets + first)[:, None]                            # (S, W)
+                visible = slot_ids[None, :] <= (offsets + first)[:, None]  # (S, W)
                 mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
                 mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
-            return _Geometry(rows=None, slots=first, cos=cos[first:top][None, :, None],
-                             sin=sin[first:top][None, :, None], visible=top, width=width, mask=mask)
-        slots = start[:, None] + offsets                        # (B, S)
+            return _Geometry(
+                rows=None,
+                slots=first,
+                cos=cos[first:top][None, :, None],
+                sin=sin[first:top][None, :, None],
+                visible=top,
+                width=width,
+                mask=mask,
+            )
+        slots = start[:, None] + offsets  # (B, S)
         rows = torch.arange(batch, device=start.device)[:, None].expand(batch, num_tokens)
         visible = slot_ids[None, None, :] <= slots[:, :, None]  # (B, S, W)
         mask = torch.zeros(visible.shape, dtype=cos.dtype, device=start.device)
         mask = mask.masked_fill_(~visible, float("-inf"))[:, None]
-        return _Geometry(rows=rows, slots=slots, cos=cos[slots][:, :, None], sin=sin[slots][:, :, None],
-                         visible=top, width=width, mask=mask)
+        return _Geometry(
+            rows=rows,
+            slots=slots,
+            cos=cos[slots][:, :, None],
+            sin=sin[slots][:, :, None],
+            visible=top,
+            width=width,
+            mask=mask,
+        )
 
     def _rotate(self, x: Tensor, geo: _Geometry) -> Tensor:
         """x: (B, S, h, D) -> RoPE-rotated ``x * cos + rotate_half(x) * sin`` (half-split layout).
@@ -165,16 +194,16 @@ class _FusedMath:
         heads, kv_heads = layer.heads, layer.kv_heads
         qkv = layer.qkv(x).view(B, S, heads + 2 * kv_heads, layer.head_dim)
         if layer.q_norm is None:
-            qk = self._rotate(qkv[:, :, :heads + kv_heads], geo)
+            qk = self._rotate(qkv[:, :, : heads + kv_heads], geo)
             q, k = qk[:, :, :heads], qk[:, :, heads:]
         else:
             q = self._rotate(_rms(qkv[:, :, :heads], layer.q_norm, layer.eps), geo)
-            k = self._rotate(_rms(qkv[:, :, heads:heads + kv_heads], layer.k_norm, layer.eps), geo)
-        v = qkv[:, :, heads + kv_heads:]
+            k = self._rotate(_rms(qkv[:, :, heads : heads + kv_heads], layer.k_norm, layer.eps), geo)
+        v = qkv[:, :, heads + kv_heads :]
         L = geo.visible
         if geo.rows is None:  # one row: slice copy into slots [L - S, L)
-            k_cache[0, :, L - S:L] = k[0].transpose(0, 1)
-            v_cache[0, :, L - S:L] = v[0].transpose(0, 1)
+            k_cache[0, :, L - S : L] = k[0].transpose(0, 1)
+            v_cache[0, :, L - S : L] = v[0].transpose(0, 1)
         else:
             k_cache[geo.rows, :, geo.slots] = k.to(k_cache.dtype)
             v_cache[geo.rows, :, geo.slots] = v.to(v_cache.dtype)
@@ -198,8 +227,10 @@ class FusedPolicyDecoder(_FusedMath):
         backbone, eps, c = policy.model, float(policy.config.rms_norm_eps), _caster(dtype)
         self.embed_weight = c(backbone.embed_tokens.weight)
         super().__init__(policy, capacity, policy.rotary, self.embed_weight)
-        self.layers = [_Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps, dtype)
-                       for l in backbone.layers]
+        self.layers = [
+            _Layer.pack(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.mlp, eps, dtype)
+            for l in backbone.layers
+        ]
         tied = policy.lm_head.weight is backbone.embed_tokens.weight
         self.eps, self.norm = eps, c(backbone.norm.weight)
         self.lm_head = PackedLinear(self.embed_weight if tied else c(policy.lm_head.weight))
@@ -207,8 +238,9 @@ class FusedPolicyDecoder(_FusedMath):
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.embed_weight)
 
-    def forward(self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None,
-                logit_rows: Tensor | None = None) -> tuple[Tensor, Taps | None]:
+    def forward(
+        self, ids: Tensor, cache: KVCache, taps: Sequence[int] | None = None, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Taps | None]:
         B, S = ids.shape
         geo = self._geometry(cache, S)
         x = self.embed(ids)
@@ -235,15 +267,15 @@ class FusedDraftDecoder(_FusedMath):
         self.fc = PackedLinear(c(draft.fc.weight))
         super().__init__(draft, capacity, draft.rotary_emb, self.fc.weight)
         self.in_ln, self.hidden_ln = c(mid.input_layernorm.weight), c(mid.hidden_norm.weight)
-        self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps,
-                                 dtype)
+        self.layer = _Layer.pack(mid.input_layernorm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, eps, dtype)
         self.eps, self.norm, self.lm_head = eps, c(draft.norm.weight), PackedLinear(c(draft.lm_head.weight))
 
     def fuse(self, taps: Taps) -> Tensor:
         return self.fc(torch.cat(taps, dim=-1))
 
-    def step(self, hidden: Tensor, embeds: Tensor, cache: KVCache,
-             logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def step(
+        self, hidden: Tensor, embeds: Tensor, cache: KVCache, logit_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         S = hidden.shape[1]
         geo = self._geometry(cache, S)
         x = torch.cat([_rms(embeds, self.in_ln, self.eps), _rms(hidden, self.hidden_ln, self.eps)], dim=-1)

@@ -81,8 +81,12 @@ def _empty_policy(policy_cls: type[nn.Module], config: PolicyConfig, device: str
     return policy
 
 
-def load_policy(policy_cls: type[nn.Module], path: str | Path, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> nn.Module:
+def load_policy(
+    policy_cls: type[nn.Module],
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
     """Build a ``policy_cls`` (:class:`~lightning_codraft.models.policy.Policy` or a subclass) from a HF checkpoint
     directory, converting tensors to ``dtype``.
 
@@ -108,12 +112,16 @@ def load_policy(policy_cls: type[nn.Module], path: str | Path, dtype: torch.dtyp
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match {config.architecture} with this config: missing "
-                         f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
-                         f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {path} does not match {config.architecture} with this config: missing "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
+            f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
     for k, v in expected.items():
         if tuple(state[k].shape) != tuple(v.shape):
-            raise ValueError(f"checkpoint tensor {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}"
+            )
     policy.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     if config.tie_word_embeddings:
         policy.lm_head.weight = policy.model.embed_tokens.weight
@@ -179,7 +187,8 @@ def write_config(path: str | Path, config: PolicyConfig, dtype: torch.dtype) -> 
 def write_index(path: str | Path, weight_map: dict[str, str], total_size: int) -> None:
     """``model.safetensors.index.json``, which ``transformers`` and vLLM read to find every tensor."""
     (Path(path) / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": int(total_size)}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": int(total_size)}, "weight_map": weight_map}, indent=2)
+    )
 
 
 def clear_weights(path: str | Path) -> None:
@@ -188,8 +197,9 @@ def clear_weights(path: str | Path) -> None:
         old.unlink()
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], config: PolicyConfig, path: str | Path,
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
+def save_checkpoint(
+    state: dict[str, torch.Tensor], config: PolicyConfig, path: str | Path, max_shard_bytes: int = 5 * 2**30
+) -> Path:
     """Write ``config.json`` and the HF-named ``state`` as safetensors (sharded above ``max_shard_bytes``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -228,9 +238,10 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     with torch.device("meta"):
-        hf_meta = AutoModelForCausalLM.from_config(hf_config)       # only for GGUF -> HF tensor names
-    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_meta,
-                                   torch_dtype=dtype)["tensors"]
+        hf_meta = AutoModelForCausalLM.from_config(hf_config)  # only for GGUF -> HF tensor names
+    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_meta, torch_dtype=dtype)[
+        "tensors"
+    ]
     config = PolicyConfig.from_hf_dict(hf_config.to_dict())
     # HF parameter names are the policy's (models/policy.py); a tied lm_head is not stored
     expected = set(hf_meta.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
@@ -267,7 +278,7 @@ def _convert_once(gguf_file: Path, out: Path) -> Path:
         convert_gguf(gguf_file, tmp)
         try:
             tmp.chmod(0o755)
-            tmp.rename(out)                      # atomic; a concurrent converter may have won the race
+            tmp.rename(out)  # atomic; a concurrent converter may have won the race
         except OSError:
             if not (out / "model.safetensors").is_file():
                 raise

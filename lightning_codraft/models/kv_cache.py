@@ -40,17 +40,32 @@ class KVCache:
     lengths: Tensor
 
     @classmethod
-    def allocate(cls, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> KVCache:
+    def allocate(
+        cls,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
         """Zero-filled cache of ``capacity`` slots per row, all rows empty."""
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("capacity", capacity)):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("capacity", capacity),
+        ):
             if value < 1:
                 raise ValueError(f"KVCache.allocate: {name}={value} must be >= 1")
         shape = (batch_size, num_kv_heads, capacity, head_dim)
-        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   lengths=torch.zeros(batch_size, dtype=torch.int64, device=device))
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            lengths=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        )
 
     @property
     def num_layers(self) -> int:
@@ -68,8 +83,10 @@ class KVCache:
         """``(B, S)`` int64 absolute positions of ``S = num_tokens`` new tokens per row; checks capacity."""
         need = int(self.lengths.max()) + num_tokens
         if need > self.capacity:
-            raise ValueError(f"KVCache overflow: a row at length {int(self.lengths.max())} + {num_tokens} new tokens "
-                             f"needs {need} slots but capacity is {self.capacity}; allocate a larger cache")
+            raise ValueError(
+                f"KVCache overflow: a row at length {int(self.lengths.max())} + {num_tokens} new tokens "
+                f"needs {need} slots but capacity is {self.capacity}; allocate a larger cache"
+            )
         return self.lengths[:, None] + torch.arange(num_tokens, device=self.lengths.device)
 
     def write(self, layer: int, k_new: Tensor, v_new: Tensor) -> None:
@@ -82,8 +99,10 @@ class KVCache:
         """
         B, S = k_new.shape[:2]
         if B != self.batch_size or k_new.shape[2:] != (self.k[layer].shape[1], self.k[layer].shape[3]):
-            raise ValueError(f"KVCache.write: k_new {tuple(k_new.shape)} does not fit cache rows (B, Hkv, C, D)="
-                             f"{tuple(self.k[layer].shape)}; expected (B, S, Hkv, D)")
+            raise ValueError(
+                f"KVCache.write: k_new {tuple(k_new.shape)} does not fit cache rows (B, Hkv, C, D)="
+                f"{tuple(self.k[layer].shape)}; expected (B, S, Hkv, D)"
+            )
         slots = self.positions(S)
         rows = torch.arange(B, device=slots.device)[:, None].expand(B, S)
         self.k[layer][rows, :, slots] = k_new.to(self.k[layer].dtype)
@@ -125,8 +144,9 @@ class KVCache:
         """Roll rows back to ``lengths`` (an int or ``(B,)``), each ``<=`` its current length."""
         lengths = torch.as_tensor(lengths, dtype=torch.int64, device=self.lengths.device).expand(self.batch_size)
         if bool((lengths < 0).any()) or bool((lengths > self.lengths).any()):
-            raise ValueError(f"KVCache.truncate: lengths {lengths.tolist()} must be in [0, current lengths "
-                             f"{self.lengths.tolist()}]")
+            raise ValueError(
+                f"KVCache.truncate: lengths {lengths.tolist()} must be in [0, current lengths {self.lengths.tolist()}]"
+            )
         self.lengths = lengths.clone()
 
     def select(self, rows: Tensor | int | slice) -> KVCache:
@@ -136,8 +156,11 @@ class KVCache:
         if isinstance(rows, (int, slice)):
             rows = slice(0, rows) if isinstance(rows, int) else rows
             return KVCache(k=[t[rows] for t in self.k], v=[t[rows] for t in self.v], lengths=self.lengths[rows])
-        return KVCache(k=[t.index_select(0, rows) for t in self.k], v=[t.index_select(0, rows) for t in self.v],
-                       lengths=self.lengths.index_select(0, rows))
+        return KVCache(
+            k=[t.index_select(0, rows) for t in self.k],
+            v=[t.index_select(0, rows) for t in self.v],
+            lengths=self.lengths.index_select(0, rows),
+        )
 
     def compact(self, rows: Sequence[int]) -> KVCache:
         """Keep ``rows`` (new slot ``i`` holds old row ``rows[i]``) in this cache's own storage, copying only the
@@ -152,8 +175,10 @@ class KVCache:
         n = len(rows)
         moves = [(i, r) for i, r in enumerate(rows) if r != i]
         if n < 1 or len(set(rows)) != n or not all(0 <= r < B for r in rows) or any(r < n for _, r in moves):
-            raise ValueError(f"KVCache.compact: rows {rows} must be distinct rows of this {B}-row cache, each either "
-                             f"in its own slot or moved from past slot {n - 1} (use hole_filling_order)")
+            raise ValueError(
+                f"KVCache.compact: rows {rows} must be distinct rows of this {B}-row cache, each either "
+                f"in its own slot or moved from past slot {n - 1} (use hole_filling_order)"
+            )
         if moves:
             dst = torch.tensor([i for i, _ in moves], device=self.lengths.device)
             src = torch.tensor([r for _, r in moves], device=self.lengths.device)

@@ -64,16 +64,19 @@ class PackedLinear:
         """``(..., in) -> (..., out)``; a one-row input runs as two copies of the row (a bf16 one-row product over
         1536 inputs rounds ~1 output in 5000 differently from the same row among others: a one-row decode step
         must equal that row of a verify), a bf16 input of more than :data:`ROW_BLOCK` rows in blocks of that many."""
-        if self.packed is None or x.dtype != self.weight.dtype or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if (
+            self.packed is None
+            or x.dtype != self.weight.dtype
+            or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        ):
             return F.linear(x, self.weight, self.bias)
         if x.numel() == x.shape[-1]:  # one row: oneDNN's one-row kernel rounds differently; two rows take the
-            two = x.reshape(1, -1).expand(2, -1).contiguous()   # kernel every other row count takes
+            two = x.reshape(1, -1).expand(2, -1).contiguous()  # kernel every other row count takes
             y = self._call(two)
             return y[:1].view(*x.shape[:-1], y.shape[-1])
         rows = x.reshape(-1, x.shape[-1])
         if x.dtype == torch.bfloat16 and rows.shape[0] > ROW_BLOCK:
-            y = torch.cat([self(block) for block in rows.split(ROW_BLOCK)])   # a last block of one row: as above
+            y = torch.cat([self(block) for block in rows.split(ROW_BLOCK)])  # a last block of one row: as above
             return y.view(*x.shape[:-1], y.shape[-1])
         return self._call(x.contiguous())
 

@@ -171,8 +171,10 @@ class Policy(nn.Module):
         taps = tuple(taps)
         for t in taps:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= L:
-                raise ValueError(f"tap id {t!r} out of range: tap ids are ints in [0, {L}] (tap l = hidden state "
-                                 f"entering layer l of this {L}-layer policy); got taps={taps}")
+                raise ValueError(
+                    f"tap id {t!r} out of range: tap ids are ints in [0, {L}] (tap l = hidden state "
+                    f"entering layer l of this {L}-layer policy); got taps={taps}"
+                )
         return taps
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -191,9 +193,18 @@ class Policy(nn.Module):
 
     # ----- forward -----
 
-    def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                position_ids: Tensor | None = None, taps: Sequence[int] | None = None, cp_group=None,
-                kv_cache: KVCache | None = None, num_new: Tensor | None = None) -> PolicyOutput:
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        taps: Sequence[int] | None = None,
+        cp_group=None,
+        kv_cache: KVCache | None = None,
+        num_new: Tensor | None = None,
+    ) -> PolicyOutput:
         """Logits (and taps) for packed, padded or decode input; see the module docstring.
 
         Args:
@@ -212,8 +223,10 @@ class Policy(nn.Module):
         taps = None if taps is None else self.validate_taps(taps)
         if kv_cache is not None:
             if attention_mask is not None or cu_seqlens is not None or cp_group is not None:
-                raise ValueError("decode with kv_cache takes input_ids (B, S) only: no attention_mask (right-pad "
-                                 "and pass num_new instead), cu_seqlens or cp_group")
+                raise ValueError(
+                    "decode with kv_cache takes input_ids (B, S) only: no attention_mask (right-pad "
+                    "and pass num_new instead), cu_seqlens or cp_group"
+                )
             return self._forward_decode(input_ids, kv_cache, num_new, taps)
         if num_new is not None:
             raise ValueError("num_new is only meaningful with kv_cache")
@@ -223,8 +236,10 @@ class Policy(nn.Module):
             return self._forward_packed(input_ids, cu_seqlens, position_ids, taps, cp_group)
         if input_ids.dim() == 2:
             if cu_seqlens is not None or cp_group is not None:
-                raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} is padded (B, T); cu_seqlens and "
-                                 "cp_group are for packed (T,) input")
+                raise ValueError(
+                    f"input_ids of shape {tuple(input_ids.shape)} is padded (B, T); cu_seqlens and "
+                    "cp_group are for packed (T,) input"
+                )
             return self._forward_padded(input_ids, attention_mask, position_ids, taps)
         raise ValueError(f"input_ids must be (T,) packed or (B, T) padded, got shape {tuple(input_ids.shape)}")
 
@@ -248,8 +263,10 @@ class Policy(nn.Module):
         validate_cu_seqlens(cu_seqlens, total_tokens=T * world, multiple_of=2 * world if world > 1 else 1)
         if position_ids is None:
             if world > 1:
-                raise ValueError("packed input under CP needs position_ids of this rank's zigzag shard "
-                                 "(zigzag_shard(position_ids_from_cu_seqlens(cu_seqlens), ...))")
+                raise ValueError(
+                    "packed input under CP needs position_ids of this rank's zigzag shard "
+                    "(zigzag_shard(position_ids_from_cu_seqlens(cu_seqlens), ...))"
+                )
             position_ids = position_ids_from_cu_seqlens(cu_seqlens).to(input_ids.device)
         if position_ids.shape != (T,):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must match input_ids ({T},)")
@@ -273,8 +290,10 @@ class Policy(nn.Module):
         contiguous = (ar >= start[:, None]) & (ar < (start + lengths)[:, None])
         if not torch.equal(contiguous, mask):
             bad = int((contiguous != mask).any(1).nonzero()[0])
-            raise ValueError(f"attention_mask row {bad} = {mask[bad].int().tolist()} is not left- or right-padded; "
-                             "real tokens must be contiguous")
+            raise ValueError(
+                f"attention_mask row {bad} = {mask[bad].int().tolist()} is not left- or right-padded; "
+                "real tokens must be contiguous"
+            )
         if position_ids is None:
             position_ids = (ar - start[:, None]).clamp(min=0)
         elif position_ids.shape != (B, T):
@@ -301,8 +320,10 @@ class Policy(nn.Module):
             raise ValueError(f"decode input_ids must be (B, S), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
         if kv_cache.batch_size != B or kv_cache.num_layers != self.num_layers:
-            raise ValueError(f"kv_cache has batch {kv_cache.batch_size} and {kv_cache.num_layers} layers; input has "
-                             f"batch {B} and the policy {self.num_layers} layers")
+            raise ValueError(
+                f"kv_cache has batch {kv_cache.batch_size} and {kv_cache.num_layers} layers; input has "
+                f"batch {B} and the policy {self.num_layers} layers"
+            )
         if num_new is not None and (torch.as_tensor(num_new) > S).any():
             raise ValueError(f"num_new={torch.as_tensor(num_new).tolist()} exceeds the {S} tokens given per row")
         q_pos = kv_cache.positions(S)
@@ -322,8 +343,15 @@ class Policy(nn.Module):
         """An empty :class:`KVCache` shaped for this policy."""
         w = self.model.embed_tokens.weight
         c = self.config
-        return KVCache.allocate(c.num_hidden_layers, batch_size, c.num_key_value_heads, c.head_dim, capacity,
-                                dtype or w.dtype, device or w.device)
+        return KVCache.allocate(
+            c.num_hidden_layers,
+            batch_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            capacity,
+            dtype or w.dtype,
+            device or w.device,
+        )
 
     def decoder(self, capacity: int, dtype: torch.dtype | None = None) -> PolicyDecoder:
         """The decode-time forward the rollout engine calls, over caches of at most ``capacity`` slots, in
@@ -335,8 +363,9 @@ class Policy(nn.Module):
         ``_forward_decode``, ``embed`` or ``head``, or swap a layer) get the module path, :meth:`forward` with
         ``kv_cache``.
         """
-        if custom_decode_math(self, Policy, ("forward", "_forward_decode", "embed", "head")) or \
-                not plain_parameters(self):
+        if custom_decode_math(self, Policy, ("forward", "_forward_decode", "embed", "head")) or not plain_parameters(
+            self
+        ):
             return ModulePolicyDecoder(self)
         return FusedPolicyDecoder(self, capacity, dtype)
 

@@ -36,45 +36,113 @@ from lightning_codraft.models.tokenizer import CharTokenizer
 #: preset name -> the HF config.json fields that shape the model (plus token ids and the context length)
 _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(  # Qwen/Qwen3-8B config.json
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
-        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, bos_token_id=151643,
-        eos_token_id=151645),
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
     "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B config.json
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}),
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B config.json
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
-        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-        use_sliding_window=False, bos_token_id=151643, eos_token_id=151643),
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
     "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct config.json
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None, max_position_embeddings=8192,
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2),
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    ),
 }
 
 PRESETS: tuple[str, ...] = tuple(_HF_CONFIGS)
 """Names of the built-in architectures."""
 
 #: PolicyConfig fields that do not change which parameters a model has or their shapes
-_NOT_SHAPE = ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "bos_token_id",
-              "eos_token_id", "pad_token_id", "extra")
+_NOT_SHAPE = (
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "extra",
+)
 
 
 def preset_config(name: str) -> PolicyConfig:
     """The :class:`PolicyConfig` of built-in architecture ``name`` (one of :data:`PRESETS`, case-insensitive)."""
     key = name.strip().lower()
     if key not in _HF_CONFIGS:
-        raise ValueError(f"unknown built-in architecture {name!r}; built-in: {', '.join(PRESETS)} (or give the path "
-                         f"of a Hugging Face config.json)")
+        raise ValueError(
+            f"unknown built-in architecture {name!r}; built-in: {', '.join(PRESETS)} (or give the path "
+            f"of a Hugging Face config.json)"
+        )
     return PolicyConfig.from_hf_dict(_HF_CONFIGS[key])
 
 
@@ -91,8 +159,10 @@ def resolve_architecture(spec: str) -> PolicyConfig:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{spec!r} is neither a built-in architecture ({', '.join(PRESETS)}) nor a "
-                                f"config.json file or a directory holding one")
+        raise FileNotFoundError(
+            f"{spec!r} is neither a built-in architecture ({', '.join(PRESETS)}) nor a "
+            f"config.json file or a directory holding one"
+        )
     return PolicyConfig.from_hf_dict(json.loads(path.read_text()))
 
 
@@ -111,12 +181,18 @@ def recipe_architecture(model) -> PolicyConfig:
     """
     if model.source == "tiny":
         tok = CharTokenizer()
-        return PolicyConfig.tiny(vocab_size=tok.vocab_size, hidden_size=model.hidden_size,
-                                 intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
-                                 num_attention_heads=model.num_attention_heads,
-                                 num_key_value_heads=model.num_key_value_heads,
-                                 max_position_embeddings=model.max_position_embeddings, bos_token_id=tok.bos_token_id,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        return PolicyConfig.tiny(
+            vocab_size=tok.vocab_size,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+            num_hidden_layers=model.num_hidden_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            max_position_embeddings=model.max_position_embeddings,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     if model.config is not None:
         try:
             return resolve_architecture(model.config)
@@ -126,9 +202,11 @@ def recipe_architecture(model) -> PolicyConfig:
         return preset_config("smollm2-135m")
     path = Path(model.source) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"model.source={model.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
-                                f"checkpoint directory with config.json (to plan without the weights, name its "
-                                f"architecture: model.config=qwen3-8b or a config.json path)")
+        raise FileNotFoundError(
+            f"model.source={model.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
+            f"checkpoint directory with config.json (to plan without the weights, name its "
+            f"architecture: model.config=qwen3-8b or a config.json path)"
+        )
     return PolicyConfig.from_hf_dict(json.loads(path.read_text()))
 
 

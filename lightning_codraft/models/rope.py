@@ -64,8 +64,10 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Mapping[str, A
             high = float(rope_scaling["high_freq_factor"])
             old_len = float(rope_scaling["original_max_position_embeddings"])
         except KeyError as e:
-            raise ValueError(f"llama3 rope_scaling {dict(rope_scaling)} lacks {e.args[0]!r}; it needs factor, "
-                             "low_freq_factor, high_freq_factor, original_max_position_embeddings") from None
+            raise ValueError(
+                f"llama3 rope_scaling {dict(rope_scaling)} lacks {e.args[0]!r}; it needs factor, "
+                "low_freq_factor, high_freq_factor, original_max_position_embeddings"
+            ) from None
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -110,8 +112,10 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ``(..., H, D)`` rotated ``x``.
     """
     if cos.shape[-1] != x.shape[-1] or cos.shape[:-1] != x.shape[:-2]:
-        raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} does not match x {tuple(x.shape)}; "
-                         "expected cos of shape x.shape[:-2] + (D,)")
+        raise ValueError(
+            f"apply_rotary: cos {tuple(cos.shape)} does not match x {tuple(x.shape)}; "
+            "expected cos of shape x.shape[:-2] + (D,)"
+        )
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
 

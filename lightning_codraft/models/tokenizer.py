@@ -33,8 +33,9 @@ class CharTokenizer:
         try:
             return [self._to_id[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet "
-                             f"{self.alphabet!r}") from None
+            raise ValueError(
+                f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet {self.alphabet!r}"
+            ) from None
 
     def to_transformers(self):
         """This tokenizer as a ``transformers`` ``PreTrainedTokenizerFast`` with the same ids (one per character,
@@ -70,7 +71,9 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, (list, tuple)):
         encode = getattr(tokenizer, "encode_messages", None)
         if encode is None:
-            raise ValueError(f"the prompt is a list of chat messages but the tokenizer ({type(tokenizer).__name__}) "
-                             f"has no chat template to render it; use a text prompt column or a chat model")
+            raise ValueError(
+                f"the prompt is a list of chat messages but the tokenizer ({type(tokenizer).__name__}) "
+                f"has no chat template to render it; use a text prompt column or a chat model"
+            )
         return list(encode(list(prompt)))
     return list(getattr(tokenizer, "encode_prompt", tokenizer.encode)(prompt))

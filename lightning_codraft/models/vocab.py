@@ -29,15 +29,17 @@ def build_vocab_mapping(token_counts: Tensor, draft_vocab_size: int) -> tuple[Te
     """
     counts = torch.as_tensor(token_counts)
     if counts.dim() != 1 or counts.numel() == 0:
-        raise ValueError(f"token_counts must be a non-empty 1-D tensor of length vocab_size, got shape "
-                         f"{tuple(counts.shape)}")
+        raise ValueError(
+            f"token_counts must be a non-empty 1-D tensor of length vocab_size, got shape {tuple(counts.shape)}"
+        )
     vocab_size = counts.numel()
     if not 1 <= int(draft_vocab_size) <= vocab_size:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, vocab_size={vocab_size}]")
     counts = counts.detach().to("cpu", torch.float64)
     if bool((counts < 0).any()) or not bool(torch.isfinite(counts).all()):
-        raise ValueError("token_counts must be finite and non-negative; got min "
-                         f"{counts.min().item()} max {counts.max().item()}")
+        raise ValueError(
+            f"token_counts must be finite and non-negative; got min {counts.min().item()} max {counts.max().item()}"
+        )
     # stable sort on -count keeps equal counts in increasing id order
     order = torch.sort(-counts, stable=True).indices[: int(draft_vocab_size)]
     chosen = torch.sort(order).values
@@ -56,8 +58,9 @@ def count_tokens(token_ids: Tensor, vocab_size: int) -> Tensor:
     """
     ids = torch.as_tensor(token_ids).reshape(-1).to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}), got range "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"token ids must lie in [0, vocab_size={vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]"
+        )
     return torch.bincount(ids.cpu(), minlength=vocab_size)
 
 
@@ -67,8 +70,12 @@ def check_vocabularies(policy: torch.nn.Module, draft: torch.nn.Module) -> None:
     dv = getattr(getattr(draft, "config", None), "vocab_size", None)
     t2d = getattr(draft, "t2d", None)
     if pv is not None and dv is not None and pv != dv:
-        raise ValueError(f"mismatched vocabularies: the policy has vocab_size={pv} but the draft was built for "
-                         f"vocab_size={dv}; build the draft with Eagle3Draft.from_policy(policy)")
+        raise ValueError(
+            f"mismatched vocabularies: the policy has vocab_size={pv} but the draft was built for "
+            f"vocab_size={dv}; build the draft with Eagle3Draft.from_policy(policy)"
+        )
     if pv is not None and isinstance(t2d, Tensor) and t2d.numel() != pv:
-        raise ValueError(f"mismatched vocabularies: draft.t2d has {t2d.numel()} entries but the policy has "
-                         f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy")
+        raise ValueError(
+            f"mismatched vocabularies: draft.t2d has {t2d.numel()} entries but the policy has "
+            f"vocab_size={pv}; rebuild the draft vocabulary mapping for this policy"
+        )

@@ -63,8 +63,11 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 # ------------------------------------------------------------------------------------------------ rng and json
 def capture_rng() -> dict[str, Any]:
     """This process' RNG states as JSON-able data: torch CPU (+ CUDA), Python ``random`` and numpy."""
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-             "python": _jsonable(random.getstate()), "numpy": _jsonable(numpy.random.get_state())}
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": _jsonable(random.getstate()),
+        "numpy": _jsonable(numpy.random.get_state()),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
     return state
@@ -95,8 +98,10 @@ def _jsonable(obj: Any, where: str = "state") -> Any:
         return obj.tolist()
     if isinstance(obj, numpy.generic):
         return obj.item()
-    raise CheckpointError(f"cannot store {where} of type {type(obj).__name__} in a checkpoint: plain entries must be "
-                          f"numbers, strings, lists or dicts (tensors are stored through DCP)")
+    raise CheckpointError(
+        f"cannot store {where} of type {type(obj).__name__} in a checkpoint: plain entries must be "
+        f"numbers, strings, lists or dicts (tensors are stored through DCP)"
+    )
 
 
 def _is_stateful(obj: Any) -> bool:
@@ -126,8 +131,10 @@ def _owner(optimizer: Optimizer, modules: dict[str, nn.Module]) -> nn.Module:
         held = {id(p) for p in module.parameters()}
         if params <= held:
             return module
-    raise CheckpointError("the optimizer's parameters belong to no module of the checkpoint state; save the module "
-                          "that owns them in the same checkpoint")
+    raise CheckpointError(
+        "the optimizer's parameters belong to no module of the checkpoint state; save the module "
+        "that owns them in the same checkpoint"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -148,8 +155,10 @@ def _check_finite(tensors: dict[str, Any], dims: ParallelDims) -> None:
     flag = reduced(torch.tensor([float(len(bad))]), dist.group.WORLD, op="max")  # WORLD is None before init
     if float(flag) > 0:
         where = f"e.g. {bad[:3]}" if bad else "on another rank"
-        raise CheckpointError(f"refusing to write a checkpoint from a non-finite state: non-finite values in {where}; "
-                              f"the last checkpoint written is the last finite state")
+        raise CheckpointError(
+            f"refusing to write a checkpoint from a non-finite state: non-finite values in {where}; "
+            f"the last checkpoint written is the last finite state"
+        )
 
 
 @contextlib.contextmanager
@@ -196,9 +205,15 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
 def _save(path: Path, state: dict[str, Any], dims: ParallelDims) -> None:
     modules = {k: unwrap_module(v) for k, v in state.items() if isinstance(v, nn.Module)}
     tensors: dict[str, Any] = {}
-    meta: dict[str, Any] = {"format": FORMAT, "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp},
-                            "modules": sorted(modules), "optimizers": {}, "stateful": {}, "entries": {},
-                            "tensor_entries": []}
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "mesh": {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp},
+        "modules": sorted(modules),
+        "optimizers": {},
+        "stateful": {},
+        "entries": {},
+        "tensor_entries": [],
+    }
     for key, obj in state.items():
         if key in modules:
             tensors[key] = get_model_state_dict(modules[key])
@@ -234,8 +249,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     f = path / META_FILE
     if not f.is_file():
-        raise CheckpointError(f"{path} is not a lightning_codraft checkpoint directory (no {META_FILE}; checkpoints "
-                              f"of the older pickled format must be re-created)")
+        raise CheckpointError(
+            f"{path} is not a lightning_codraft checkpoint directory (no {META_FILE}; checkpoints "
+            f"of the older pickled format must be re-created)"
+        )
     meta = json.loads(f.read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{f} has format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -250,8 +267,8 @@ def _tied_alias(fqn: str, available: set[str], prefix: str) -> Optional[str]:
     """With tied embeddings the optimizer state is keyed by the first name of the shared weight: ``lm_head.weight``
     on a last pipeline stage, ``model.embed_tokens.weight`` elsewhere; map one onto the other."""
     for a, b in (("lm_head.weight", "model.embed_tokens.weight"), ("model.embed_tokens.weight", "lm_head.weight")):
-        if fqn.endswith(a) and f"{prefix}{fqn[:-len(a)] + b}" in available:
-            return fqn[:-len(a)] + b
+        if fqn.endswith(a) and f"{prefix}{fqn[: -len(a)] + b}" in available:
+            return fqn[: -len(a)] + b
     return None
 
 
@@ -263,14 +280,17 @@ def _param_groups(current: list[dict], saved: list[dict], path: Path) -> list[di
         if not match and i < len(saved) and "name" not in group:
             match = [saved[i]]
         if not match:
-            raise CheckpointError(f"checkpoint {path} has no optimizer parameter group {group.get('name', i)!r}; it "
-                                  f"holds {[g.get('name', j) for j, g in enumerate(saved)]}")
+            raise CheckpointError(
+                f"checkpoint {path} has no optimizer parameter group {group.get('name', i)!r}; it "
+                f"holds {[g.get('name', j) for j, g in enumerate(saved)]}"
+            )
         out.append({**match[0], "params": group["params"]})
     return out
 
 
-def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None,
-                    strict: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, state: dict[str, Any], dims: Optional[ParallelDims] = None, strict: bool = True
+) -> dict[str, Any]:
     """Restore ``state``'s objects in place from ``path`` (written on any mesh); plain entries are replaced.
 
     Args:
@@ -288,8 +308,13 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     meta = read_meta(path)
     reader = SafeFileSystemReader(path)
     available = _keys(reader)
-    known = set(meta["modules"]) | set(meta["optimizers"]) | set(meta["stateful"]) | set(meta["entries"]) | set(
-        meta["tensor_entries"])
+    known = (
+        set(meta["modules"])
+        | set(meta["optimizers"])
+        | set(meta["stateful"])
+        | set(meta["entries"])
+        | set(meta["tensor_entries"])
+    )
     if strict:
         unknown = [k for k in state if k not in known]
         if unknown:
@@ -318,8 +343,11 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
         osd = _initialised_state_dict(owner, opt)  # the state tensors DCP loads into
         loaded, renames[key] = {}, {}
         for fqn, value in osd["state"].items():
-            src = fqn if any(k.startswith(f"{key}.{fqn}.") for k in available) else _tied_alias(
-                fqn, {k.rsplit(".", 1)[0] for k in available}, f"{key}.")
+            src = (
+                fqn
+                if any(k.startswith(f"{key}.{fqn}.") for k in available)
+                else _tied_alias(fqn, {k.rsplit(".", 1)[0] for k in available}, f"{key}.")
+            )
             if src is None:
                 raise CheckpointError(f"checkpoint {path} has no optimizer state for {fqn!r} in {key!r}")
             loaded[src] = value
@@ -336,8 +364,16 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any], dims: Option
     for key, opt in optimizers.items():
         owner = _owner(opt, modules)
         opt_state = {renames[key][src]: v for src, v in to_load[key].items()}
-        set_optimizer_state_dict(owner, opt, {"state": opt_state, "param_groups": _param_groups(
-            get_optimizer_state_dict(owner, opt)["param_groups"], meta["optimizers"][key], path)})
+        set_optimizer_state_dict(
+            owner,
+            opt,
+            {
+                "state": opt_state,
+                "param_groups": _param_groups(
+                    get_optimizer_state_dict(owner, opt)["param_groups"], meta["optimizers"][key], path
+                ),
+            },
+        )
     rest = dict(meta["entries"])
     for key, obj in list(state.items()):
         if key in meta["stateful"] and _is_stateful(obj) and not isinstance(obj, (nn.Module, Optimizer)):

@@ -29,8 +29,13 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def export_pretrained(module: nn.Module, out_dir: str | Path, dims: Optional[ParallelDims] = None,
-                      max_shard_bytes: int = 5 * 2**30, dtype: Optional[torch.dtype] = None) -> tuple[Path, Path]:
+def export_pretrained(
+    module: nn.Module,
+    out_dir: str | Path,
+    dims: Optional[ParallelDims] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: Optional[torch.dtype] = None,
+) -> tuple[Path, Path]:
     """Write ``out_dir/policy`` (HF: config.json + safetensors + index) and ``out_dir/draft`` (vLLM EAGLE-3).
 
     Args:
@@ -53,8 +58,11 @@ def export_pretrained(module: nn.Module, out_dir: str | Path, dims: Optional[Par
         policy_dir.mkdir(parents=True, exist_ok=True)
         clear_weights(policy_dir)
     _barrier()
-    writer = ShardWriter(policy_dir, prefix=f"model-pp{dims.pp_rank:02d}", max_shard_bytes=max_shard_bytes) \
-        if writer_rank else None
+    writer = (
+        ShardWriter(policy_dir, prefix=f"model-pp{dims.pp_rank:02d}", max_shard_bytes=max_shard_bytes)
+        if writer_rank
+        else None
+    )
     out_dtype = None
     for name, value in policy.state_dict().items():
         if tied and name == "lm_head.weight":

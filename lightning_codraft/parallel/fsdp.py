@@ -112,10 +112,12 @@ def bf16_resolution_warning(params: Iterable[torch.Tensor], lr: float, precision
     if not rms:
         return None
     typical = rms[len(rms) // 2]
-    half_spacing = typical * 2.0 ** -8
+    half_spacing = typical * 2.0**-8
     if lr >= half_spacing:
         return None
-    return (f"precision='bf16-true' with learning rate {lr:g}: bf16 weights of typical size {typical:.3g} move in "
-            f"steps of {2 * half_spacing:.2g}, so updates of ~{lr:g} round away and the model barely trains; use "
-            f"precision='bf16-mixed' (fp32 master weights, bf16 compute) or a learning rate >= "
-            f"{half_spacing:.2g} ({math.log2(half_spacing / lr):.1f} binary orders more)")
+    return (
+        f"precision='bf16-true' with learning rate {lr:g}: bf16 weights of typical size {typical:.3g} move in "
+        f"steps of {2 * half_spacing:.2g}, so updates of ~{lr:g} round away and the model barely trains; use "
+        f"precision='bf16-mixed' (fp32 master weights, bf16 compute) or a learning rate >= "
+        f"{half_spacing:.2g} ({math.log2(half_spacing / lr):.1f} binary orders more)"
+    )

@@ -55,8 +55,7 @@ class StageLayout:
         return len(self.layer_ranges)
 
     @classmethod
-    def split(cls, num_layers: int, num_stages: int,
-              layers_per_stage: Optional[Sequence[int]] = None) -> StageLayout:
+    def split(cls, num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> StageLayout:
         """Cut ``num_layers`` layers into ``num_stages`` stages.
 
         Args:
@@ -69,19 +68,25 @@ class StageLayout:
         if num_stages < 1:
             raise ValueError(f"num_stages={num_stages} must be >= 1")
         if num_stages > num_layers:
-            raise ValueError(f"{num_stages} pipeline stages for a policy of {num_layers} layers: every stage needs "
-                             f"at least one layer; use pp <= {num_layers}")
+            raise ValueError(
+                f"{num_stages} pipeline stages for a policy of {num_layers} layers: every stage needs "
+                f"at least one layer; use pp <= {num_layers}"
+            )
         if layers_per_stage is None:
             base, extra = divmod(num_layers, num_stages)
             sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
         else:
             sizes = [int(n) for n in layers_per_stage]
             if len(sizes) != num_stages:
-                raise ValueError(f"layers_per_stage={list(layers_per_stage)} has {len(sizes)} entries for "
-                                 f"{num_stages} stages; give one layer count per stage")
+                raise ValueError(
+                    f"layers_per_stage={list(layers_per_stage)} has {len(sizes)} entries for "
+                    f"{num_stages} stages; give one layer count per stage"
+                )
             if min(sizes) < 1 or sum(sizes) != num_layers:
-                raise ValueError(f"layers_per_stage={sizes} must be >= 1 each and sum to the {num_layers} layers "
-                                 f"of the policy (sums to {sum(sizes)})")
+                raise ValueError(
+                    f"layers_per_stage={sizes} must be >= 1 each and sum to the {num_layers} layers "
+                    f"of the policy (sums to {sum(sizes)})"
+                )
         ranges, start = [], 0
         for n in sizes:
             ranges.append((start, start + n))
@@ -97,8 +102,10 @@ class StageLayout:
     def tap_owner(self, tap: int) -> int:
         """Stage computing tap ``tap`` (the hidden state entering layer ``tap``; tap ``L`` is the last output)."""
         if not 0 <= tap <= self.num_layers:
-            raise ValueError(f"tap layer {tap} is outside the model: tap ids are 0..{self.num_layers} for a "
-                             f"policy of {self.num_layers} layers (tap l = hidden state entering layer l)")
+            raise ValueError(
+                f"tap layer {tap} is outside the model: tap ids are 0..{self.num_layers} for a "
+                f"policy of {self.num_layers} layers (tap l = hidden state entering layer l)"
+            )
         if tap == self.num_layers:
             return self.num_stages - 1
         for s, (start, stop) in enumerate(self.layer_ranges):
@@ -136,8 +143,15 @@ class PolicyStage(nn.Module):
         tap_ids: taps to hand to ``tap_sink``.
     """
 
-    def __init__(self, policy: nn.Module, layout: StageLayout, stage: int, cp_group: Optional[Any] = None,
-                 tap_sink: Optional[Callable[[int, int, Tensor], None]] = None, tap_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        policy: nn.Module,
+        layout: StageLayout,
+        stage: int,
+        cp_group: Optional[Any] = None,
+        tap_sink: Optional[Callable[[int, int, Tensor], None]] = None,
+        tap_ids: Sequence[int] = (),
+    ):
         super().__init__()
         if layout.num_layers != policy.num_layers:
             raise ValueError(f"the layout splits {layout.num_layers} layers but the policy has {policy.num_layers}")
@@ -187,8 +201,9 @@ class PolicyStage(nn.Module):
         """
         m = int(mb.reshape(-1)[0])
         if not 0 <= m < len(self._microbatches):
-            raise RuntimeError(f"stage {self.stage} got microbatch {m} but set_microbatches() registered "
-                               f"{len(self._microbatches)}")
+            raise RuntimeError(
+                f"stage {self.stage} got microbatch {m} but set_microbatches() registered {len(self._microbatches)}"
+            )
         meta = self._microbatches[m]
         policy = self._policy
         h = policy.embed(x.reshape(-1)) if self.is_first else x
@@ -216,8 +231,10 @@ class Pruned(nn.Module):
         self.pruned_name = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self.pruned_name} lives on another pipeline stage; this rank holds only its own stage "
-                           f"(run it through the pipeline, or build a whole model for it)")
+        raise RuntimeError(
+            f"{self.pruned_name} lives on another pipeline stage; this rank holds only its own stage "
+            f"(run it through the pipeline, or build a whole model for it)"
+        )
 
     def extra_repr(self) -> str:
         return f"{self.pruned_name} (on another pipeline stage)"
@@ -255,8 +272,10 @@ def prune_unowned(module: nn.Module, keep: Iterable[nn.Module]) -> int:
     def visit(parent: nn.Module, prefix: str) -> None:
         for n, p in parent.named_parameters(recurse=False):
             if id(p) not in kept_params:
-                raise ValueError(f"cannot prune {prefix or type(parent).__name__}: it holds parameter {n!r} "
-                                 f"directly next to modules of this stage; give it a submodule of its own")
+                raise ValueError(
+                    f"cannot prune {prefix or type(parent).__name__}: it holds parameter {n!r} "
+                    f"directly next to modules of this stage; give it a submodule of its own"
+                )
         for name, child in list(parent._modules.items()):
             if child is None or id(child) in kept:
                 continue
@@ -282,15 +301,25 @@ def check_num_microbatches(schedule: str, num_microbatches: int, num_stages: int
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
     if schedule == "1f1b" and num_microbatches < num_stages:
-        raise ValueError(f"the 1F1B schedule needs at least as many microbatches as stages: got "
-                         f"{num_microbatches} microbatches for {num_stages} stages; use >= {num_stages} "
-                         f"microbatches or schedule='gpipe'")
+        raise ValueError(
+            f"the 1F1B schedule needs at least as many microbatches as stages: got "
+            f"{num_microbatches} microbatches for {num_stages} stages; use >= {num_stages} "
+            f"microbatches or schedule='gpipe'"
+        )
 
 
-def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_microbatches: int, tokens: int,
-                   schedule: str = "1f1b", loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
-                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                   out_width: Optional[int] = None, out_dtype: Optional[torch.dtype] = None):
+def build_schedule(
+    stage_module: PolicyStage,
+    pp_group: Optional[Any],
+    num_microbatches: int,
+    tokens: int,
+    schedule: str = "1f1b",
+    loss_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    out_width: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
+):
     """Wrap ``stage_module`` in a ``PipelineStage`` with static shapes and a GPipe / 1F1B schedule.
 
     Args:
@@ -323,8 +352,15 @@ def build_schedule(stage_module: PolicyStage, pp_group: Optional[Any], num_micro
     width = (out_width or policy.config.vocab_size) if stage_module.is_last else hidden
     o_dtype = (out_dtype or dtype) if stage_module.is_last else dtype
     example_out = torch.empty(tokens, width, dtype=o_dtype, device="meta", requires_grad=True)
-    pipe_stage = PipelineStage(stage_module, stage_module.stage, stage_module.num_stages, device,
-                               input_args=(example_in,), output_args=(example_out,), group=pp_group)
+    pipe_stage = PipelineStage(
+        stage_module,
+        stage_module.stage,
+        stage_module.num_stages,
+        device,
+        input_args=(example_in,),
+        output_args=(example_out,),
+        group=pp_group,
+    )
     cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     # every stage gets the loss_fn: the schedule runs backward only when one is set (it is called on the last)
     return cls(pipe_stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -64,9 +64,19 @@ class PipelineRunner:
     """Schedules kept for distinct ``(M, T)``: each holds receive buffers for all M microbatches, so keeping more
     than the current one would hold several steps' worth of activations; RL batches vary in length."""
 
-    def __init__(self, policy: nn.Module, *, stage: int, num_stages: int, pp_group: Optional[Any],
-                 tap_group: Optional[Any], cp_group: Optional[Any] = None, tap_ids: Sequence[int] = (),
-                 schedule: str = "1f1b", layers_per_stage: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        *,
+        stage: int,
+        num_stages: int,
+        pp_group: Optional[Any],
+        tap_group: Optional[Any],
+        cp_group: Optional[Any] = None,
+        tap_ids: Sequence[int] = (),
+        schedule: str = "1f1b",
+        layers_per_stage: Optional[Sequence[int]] = None,
+    ):
         self.layout = StageLayout.split(policy.num_layers, num_stages, layers_per_stage)
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage={stage} is outside [0, {num_stages})")
@@ -78,8 +88,14 @@ class PipelineRunner:
         self.pp_group, self.cp_group = pp_group, cp_group
         self.tap_ids = tuple(sorted({int(t) for t in tap_ids}))
         self.channel = TapChannel(self.layout.tap_owners(self.tap_ids), stage, num_stages, tap_group)
-        self.stage_module = PolicyStage(policy, self.layout, stage, cp_group=cp_group,
-                                        tap_sink=self.channel.send if self.tap_ids else None, tap_ids=self.tap_ids)
+        self.stage_module = PolicyStage(
+            policy,
+            self.layout,
+            stage,
+            cp_group=cp_group,
+            tap_sink=self.channel.send if self.tap_ids else None,
+            tap_ids=self.tap_ids,
+        )
         self.tied = bool(getattr(policy.config, "tie_word_embeddings", False)) and num_stages > 1
         self._schedules: dict[tuple[int, int], Any] = {}
         self._mbs: list[RLBatch] = []
@@ -96,17 +112,31 @@ class PipelineRunner:
 
     # ----- the step -----
 
-    def _schedule(self, num_microbatches: int, tokens: int, dtype: torch.dtype, device: torch.device,
-                  backward: bool = True, out: Optional[tuple[int, torch.dtype]] = None):
+    def _schedule(
+        self,
+        num_microbatches: int,
+        tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backward: bool = True,
+        out: Optional[tuple[int, torch.dtype]] = None,
+    ):
         key = (num_microbatches, tokens, backward, out)
         if key not in self._schedules:
             if len(self._schedules) >= self.max_cached_schedules:  # RL batches vary in length: bound the memory
                 self._schedules.pop(next(iter(self._schedules)))
-            self._schedules[key] = build_schedule(self.stage_module, self.pp_group, num_microbatches, tokens,
-                                                  self.schedule_name if backward else "gpipe",
-                                                  loss_fn=self._schedule_loss if backward else None, dtype=dtype,
-                                                  device=device, out_width=out[0] if out else None,
-                                                  out_dtype=out[1] if out else None)
+            self._schedules[key] = build_schedule(
+                self.stage_module,
+                self.pp_group,
+                num_microbatches,
+                tokens,
+                self.schedule_name if backward else "gpipe",
+                loss_fn=self._schedule_loss if backward else None,
+                dtype=dtype,
+                device=device,
+                out_width=out[0] if out else None,
+                out_dtype=out[1] if out else None,
+            )
         return self._schedules[key]
 
     def _schedule_loss(self, logits: Tensor, mb: Tensor) -> Tensor:
@@ -124,9 +154,11 @@ class PipelineRunner:
             raise ValueError("step() needs at least one microbatch")
         tokens = {mb.num_rows for mb in microbatches}
         if len(tokens) != 1:
-            raise ValueError(f"microbatches have different token counts {sorted(tokens)}; the pipeline sends "
-                             f"fixed-shape activations: pad every whole microbatch with RLBatch.pad_to(...) to one "
-                             f"length before sharding")
+            raise ValueError(
+                f"microbatches have different token counts {sorted(tokens)}; the pipeline sends "
+                f"fixed-shape activations: pad every whole microbatch with RLBatch.pad_to(...) to one "
+                f"length before sharding"
+            )
         return tokens.pop()
 
     def step(self, microbatches: Sequence[RLBatch], loss_fn: LossFn) -> list[Any]:
@@ -148,8 +180,9 @@ class PipelineRunner:
         dtype, device = self.activation_dtype or own.dtype, own.device
         schedule = self._schedule(num_mb, rows, dtype, device)
         self._mbs, self._loss_fn, self._records = list(microbatches), loss_fn, []
-        self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(device), mb.position_ids.to(device))
-                                            for mb in microbatches])
+        self.stage_module.set_microbatches(
+            [MicrobatchMeta(mb.cu_seqlens.to(device), mb.position_ids.to(device)) for mb in microbatches]
+        )
         self._tap_bytes_before = self.channel.bytes_sent
         window = self.num_stages if self.schedule_name == "1f1b" else None  # GPipe runs every forward first
         self.channel.begin(num_mb, (rows, self.policy.config.hidden_size), dtype, device, window=window)
@@ -157,8 +190,13 @@ class PipelineRunner:
         try:
             if self.stage_module.is_first:
                 ids = torch.stack([mb.input_ids.to(device) for mb in microbatches])
-                schedule.step(ids, mb=mb_index, target=mb_index if self.is_last else None,
-                              losses=[] if self.is_last else None, return_outputs=False)
+                schedule.step(
+                    ids,
+                    mb=mb_index,
+                    target=mb_index if self.is_last else None,
+                    losses=[] if self.is_last else None,
+                    return_outputs=False,
+                )
             elif self.is_last:
                 schedule.step(mb=mb_index, target=mb_index, losses=[], return_outputs=False)
             else:
@@ -177,8 +215,9 @@ class PipelineRunner:
         return records
 
     @torch.no_grad()
-    def forward(self, microbatches: Sequence[RLBatch],
-                reduce: Optional[tuple[Callable[[Tensor, RLBatch], Tensor], int]] = None) -> Optional[list[Tensor]]:
+    def forward(
+        self, microbatches: Sequence[RLBatch], reduce: Optional[tuple[Callable[[Tensor, RLBatch], Tensor], int]] = None
+    ) -> Optional[list[Tensor]]:
         """A forward-only pass of the pipeline (e.g. the reference policy): the logits of every microbatch.
 
         Args:
@@ -194,10 +233,10 @@ class PipelineRunner:
         num_mb = len(microbatches)
         own = next(self.stage_module.parameters())
         out = (reduce[1], torch.float32) if reduce is not None else None
-        schedule = self._schedule(num_mb, rows, self.activation_dtype or own.dtype, own.device, backward=False,
-                                  out=out)
-        self.stage_module.set_microbatches([MicrobatchMeta(mb.cu_seqlens.to(own.device),
-                                                           mb.position_ids.to(own.device)) for mb in microbatches])
+        schedule = self._schedule(num_mb, rows, self.activation_dtype or own.dtype, own.device, backward=False, out=out)
+        self.stage_module.set_microbatches(
+            [MicrobatchMeta(mb.cu_seqlens.to(own.device), mb.position_ids.to(own.device)) for mb in microbatches]
+        )
         if reduce is not None and self.is_last:
             fn = reduce[0]
             self.stage_module.head_fn = lambda logits, m: fn(logits, microbatches[m]).to(torch.float32)
@@ -232,8 +271,10 @@ class PipelineRunner:
         grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
         peer = self.num_stages - 1 if self.stage_module.is_first else 0
         mine, other = grad.detach().clone().contiguous(), torch.empty_like(grad)
-        ops = [dist.P2POp(dist.isend, mine, group=self.pp_group, group_peer=peer),
-               dist.P2POp(dist.irecv, other, group=self.pp_group, group_peer=peer)]
+        ops = [
+            dist.P2POp(dist.isend, mine, group=self.pp_group, group_peer=peer),
+            dist.P2POp(dist.irecv, other, group=self.pp_group, group_peer=peer),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         grad.add_(other)

@@ -18,9 +18,16 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing, of another format, lacks what was asked for, or is unsafe to read."""
 
 
-_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                 ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 
 
@@ -32,8 +39,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"refusing to load checkpoint metadata: it references {module}.{name}, which DCP "
-                              f"metadata never contains (the file may have been crafted to run code)")
+        raise CheckpointError(
+            f"refusing to load checkpoint metadata: it references {module}.{name}, which DCP "
+            f"metadata never contains (the file may have been crafted to run code)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -58,6 +67,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner that refuses pickled (non-tensor) entries: ours hold tensors only, the rest is JSON."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which "
-                              f"lightning_codraft checkpoints never contain (their non-tensor state is JSON); "
-                              f"refusing to unpickle it")
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which "
+            f"lightning_codraft checkpoints never contain (their non-tensor state is JSON); "
+            f"refusing to unpickle it"
+        )

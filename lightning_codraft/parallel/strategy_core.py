@@ -42,8 +42,9 @@ def check_codraft_module(module: nn.Module) -> None:
             f"{' and '.join(missing)}"
         )
     if not callable(getattr(module, "configure_parallel", None)):
-        raise TypeError(f"{type(module).__name__} has no configure_parallel(dims); subclass "
-                        f"lightning_codraft.CoDraftModule")
+        raise TypeError(
+            f"{type(module).__name__} has no configure_parallel(dims); subclass lightning_codraft.CoDraftModule"
+        )
 
 
 def reduce_gradients(params: Iterable[nn.Parameter], group: Optional[Any]) -> None:
@@ -64,7 +65,7 @@ def reduce_gradients(params: Iterable[nn.Parameter], group: Optional[Any]) -> No
         offset = 0
         for p in ps:
             n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
 
@@ -82,11 +83,20 @@ class CoDraftCore:
             ``torch.distributed.checkpoint`` directories itself).
     """
 
-    def __init__(self, dp: int = -1, pp: int = 1, cp: int = 1, sharding: Optional[str] = None,
-                 ddp_kwargs: Optional[dict] = None, checkpoint_io: Any = None):
+    def __init__(
+        self,
+        dp: int = -1,
+        pp: int = 1,
+        cp: int = 1,
+        sharding: Optional[str] = None,
+        ddp_kwargs: Optional[dict] = None,
+        checkpoint_io: Any = None,
+    ):
         if checkpoint_io is not None:
-            raise ValueError(f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
-                             f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin")
+            raise ValueError(
+                f"CoDraftStrategy writes torch.distributed.checkpoint directories itself and cannot use "
+                f"checkpoint_io={type(checkpoint_io).__name__}; remove the plugin"
+            )
         for name, value in (("pp", pp), ("cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -137,15 +147,17 @@ class CoDraftCore:
         check_codraft_module(module)
         dims = self.require_dims()
         sharding = self.resolved_sharding()
-        warning = bf16_resolution_warning(module.policy.parameters(), float(getattr(
-            getattr(module, "config", None), "policy_lr", 0.0)), precision)
+        warning = bf16_resolution_warning(
+            module.policy.parameters(), float(getattr(getattr(module, "config", None), "policy_lr", 0.0)), precision
+        )
         if warning is not None:
             warnings.warn(warning, RuntimeWarning, stacklevel=3)
         ddp = sharding == "ddp" and (not dims.pp_enabled) and dims.dp_cp > 1
         fsdp = sharding == "fsdp" and dims.dp_cp > 1
         compute_dtype = mixed_precision_policy(precision).param_dtype if fsdp else None
-        module.configure_parallel(dims, grad_average_size=dims.dp_cp if ddp else 1, sharding=sharding,
-                                  compute_dtype=compute_dtype)
+        module.configure_parallel(
+            dims, grad_average_size=dims.dp_cp if ddp else 1, sharding=sharding, compute_dtype=compute_dtype
+        )
         if fsdp:
             return shard_codraft(module, dims.dp_cp_mesh, precision)
         if not ddp:
@@ -162,14 +174,23 @@ class CoDraftCore:
         if not dist.is_available() or not dist.is_initialized():
             return tensor
         if isinstance(reduce_op, dist.ReduceOp.RedOpType):  # Lightning passes enums too
-            reduce_op = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max",
-                         dist.ReduceOp.MIN: "min"}.get(reduce_op, reduce_op)
+            reduce_op = {
+                dist.ReduceOp.SUM: "sum",
+                dist.ReduceOp.AVG: "mean",
+                dist.ReduceOp.MAX: "max",
+                dist.ReduceOp.MIN: "min",
+            }.get(reduce_op, reduce_op)
         op = str(reduce_op).lower()
         if op not in ("mean", "avg", "sum", "max", "min"):
             raise ValueError(f"reduce_op={reduce_op!r}; expected 'mean', 'sum', 'max' or 'min'")
         out = tensor.clone()
-        torch_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-                    "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        torch_op = {
+            "sum": dist.ReduceOp.SUM,
+            "mean": dist.ReduceOp.SUM,
+            "avg": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
         dist.all_reduce(out, op=torch_op, group=group)
         if op in ("mean", "avg"):
             out = out / dist.get_world_size(group)

@@ -25,8 +25,9 @@ def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def stream_full_state(state: Mapping[str, Tensor], dims: Optional[ParallelDims] = None,
-                      device: Optional[torch.device] = None) -> Iterator[tuple[str, Tensor]]:
+def stream_full_state(
+    state: Mapping[str, Tensor], dims: Optional[ParallelDims] = None, device: Optional[torch.device] = None
+) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, whole tensor)`` for every entry of every stage's ``state``; call on every rank, consume fully.
 
     Args:

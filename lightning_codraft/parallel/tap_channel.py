@@ -57,14 +57,20 @@ class TapChannel:
                 raise ValueError(f"tap {tap} is owned by stage {owner}, outside [0, {num_stages}) stages")
         if num_stages > 1:
             if group is None:
-                raise ValueError(f"a TapChannel over {num_stages} stages needs a process group (one rank per "
-                                 f"stage, group rank == stage), got group=None")
+                raise ValueError(
+                    f"a TapChannel over {num_stages} stages needs a process group (one rank per "
+                    f"stage, group rank == stage), got group=None"
+                )
             if dist.get_world_size(group) != num_stages:
-                raise ValueError(f"the TapChannel group has {dist.get_world_size(group)} ranks but there are "
-                                 f"{num_stages} stages; pass the group of this (dp, cp) coordinate's stages")
+                raise ValueError(
+                    f"the TapChannel group has {dist.get_world_size(group)} ranks but there are "
+                    f"{num_stages} stages; pass the group of this (dp, cp) coordinate's stages"
+                )
             if dist.get_rank(group) != stage:
-                raise ValueError(f"this rank is group rank {dist.get_rank(group)} of the TapChannel group but "
-                                 f"stage {stage}; order the group's ranks by stage")
+                raise ValueError(
+                    f"this rank is group rank {dist.get_rank(group)} of the TapChannel group but "
+                    f"stage {stage}; order the group's ranks by stage"
+                )
         self.tap_ids: tuple[int, ...] = tuple(sorted(owners))
         self.owners = {t: owners[t] for t in self.tap_ids}
         self.stage = stage
@@ -91,8 +97,14 @@ class TapChannel:
     def _tag(self, microbatch: int, tap: int) -> int:
         return microbatch * len(self.tap_ids) + self.tap_ids.index(tap)
 
-    def begin(self, num_microbatches: int, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device | str = "cpu", window: Optional[int] = None) -> None:
+    def begin(
+        self,
+        num_microbatches: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        window: Optional[int] = None,
+    ) -> None:
         """Start a step: on the last stage, pre-post the receives of the first ``window`` microbatches.
 
         Args:
@@ -153,8 +165,10 @@ class TapChannel:
         if (microbatch, tap) in self._sent:
             raise RuntimeError(f"tap {tap} of microbatch {microbatch} was already sent in this step")
         if tuple(hidden.shape) != self._shape or hidden.dtype != self._dtype:
-            raise ValueError(f"tap {tap} of microbatch {microbatch} is {tuple(hidden.shape)} {hidden.dtype} but the "
-                             f"channel was begun with {self._shape} {self._dtype}; pad every microbatch to one length")
+            raise ValueError(
+                f"tap {tap} of microbatch {microbatch} is {tuple(hidden.shape)} {hidden.dtype} but the "
+                f"channel was begun with {self._shape} {self._dtype}; pad every microbatch to one length"
+            )
         self._sent.add((microbatch, tap))
         t = hidden.detach()
         if self.is_last:
@@ -173,8 +187,9 @@ class TapChannel:
             tap id -> ``(T, H)`` detached tensor, for every tap of the channel.
         """
         if not self.is_last:
-            raise RuntimeError(f"TapChannel.receive() on stage {self.stage}: only the last stage "
-                               f"({self.last}) receives taps")
+            raise RuntimeError(
+                f"TapChannel.receive() on stage {self.stage}: only the last stage ({self.last}) receives taps"
+            )
         if not self._active:
             raise RuntimeError("TapChannel.receive() outside a step: call begin() first")
         if not 0 <= microbatch < self._num_microbatches:
@@ -191,8 +206,10 @@ class TapChannel:
         local = self._local.pop(microbatch, {})
         for tap in self.local_taps:
             if tap not in local:
-                raise RuntimeError(f"tap {tap} of microbatch {microbatch} belongs to the last stage but was not "
-                                   f"sent before receive(); the stage forward must send it")
+                raise RuntimeError(
+                    f"tap {tap} of microbatch {microbatch} belongs to the last stage but was not "
+                    f"sent before receive(); the stage forward must send it"
+                )
             out[tap] = local[tap]
         self._received.add(microbatch)
         return {t: out[t] for t in self.tap_ids}
@@ -207,8 +224,7 @@ class TapChannel:
             return
         for work, _ in self._sends:
             work.wait()
-        missing = [(m, t) for m in range(self._num_microbatches) for t in self.local_taps
-                   if (m, t) not in self._sent]
+        missing = [(m, t) for m in range(self._num_microbatches) for t in self.local_taps if (m, t) not in self._sent]
         if self.is_last:  # drain what was sent but not received (post the rest so every sender completes)
             self._post_until(self._num_microbatches - 1)
             for m, posted in self._recvs.items():
@@ -218,6 +234,8 @@ class TapChannel:
         self._sends, self._recvs, self._local = [], {}, {}
         self._active = False
         if missing:
-            raise RuntimeError(f"stage {self.stage} never sent (microbatch, tap) {missing[:4]}"
-                               f"{' ...' if len(missing) > 4 else ''}; every owned tap must be sent once per "
-                               f"microbatch")
+            raise RuntimeError(
+                f"stage {self.stage} never sent (microbatch, tap) {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}; every owned tap must be sent once per "
+                f"microbatch"
+            )

@@ -57,17 +57,35 @@ def policy_layer_saved(c: PolicyConfig, a: int) -> int:
     H, D = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
     qk_norm = (norm_saved(D, a) * (c.num_attention_heads + c.num_key_value_heads)) if c.qk_norm else 0
-    return (norm_saved(H, a) + a * H + attention_saved(q, kv, c.num_attention_heads, a) + qk_norm
-            + norm_saved(H, a) + a * H + 4 * a * c.intermediate_size)
+    return (
+        norm_saved(H, a)
+        + a * H
+        + attention_saved(q, kv, c.num_attention_heads, a)
+        + qk_norm
+        + norm_saved(H, a)
+        + a * H
+        + 4 * a * c.intermediate_size
+    )
 
 
 def draft_step_saved(c: Eagle3Config, a: int) -> int:
     """Bytes one training-time-test step of the draft saves per token."""
     H, D = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
-    return (2 * a * D + a * H + norm_saved(H, a) + 2 * a * H + attention_saved(q, kv, c.num_attention_heads, a)
-            + norm_saved(H, a) + a * H + 4 * a * c.intermediate_size + norm_saved(H, a) + a * H
-            + a * c.draft_vocab_size + 4)
+    return (
+        2 * a * D
+        + a * H
+        + norm_saved(H, a)
+        + 2 * a * H
+        + attention_saved(q, kv, c.num_attention_heads, a)
+        + norm_saved(H, a)
+        + a * H
+        + 4 * a * c.intermediate_size
+        + norm_saved(H, a)
+        + a * H
+        + a * c.draft_vocab_size
+        + 4
+    )
 
 
 def draft_saved(c: Eagle3Config, steps: int, a: int, cp: bool = False) -> int:
@@ -89,8 +107,16 @@ class StageShape:
     """Holds the final norm, ``lm_head``, the losses and the draft."""
 
 
-def saved_per_token(policy: PolicyConfig, draft: Eagle3Config, stage: StageShape, a: int, ttt_steps: int,
-                    trains_draft: bool, kl: bool, cp: bool = False) -> int:
+def saved_per_token(
+    policy: PolicyConfig,
+    draft: Eagle3Config,
+    stage: StageShape,
+    a: int,
+    ttt_steps: int,
+    trains_draft: bool,
+    kl: bool,
+    cp: bool = False,
+) -> int:
     """Bytes autograd saves per token of one microbatch on one rank of ``stage`` (formulas in the module
     docstring; ``cp``: context parallelism is on)."""
     total = 2 * a * policy.head_dim + stage.layers * policy_layer_saved(policy, a)
@@ -104,8 +130,9 @@ def saved_per_token(policy: PolicyConfig, draft: Eagle3Config, stage: StageShape
     return total
 
 
-def loss_workspace_per_token(policy: PolicyConfig, draft: Eagle3Config, a: int, ttt_steps: int,
-                             runs_draft: bool) -> int:
+def loss_workspace_per_token(
+    policy: PolicyConfig, draft: Eagle3Config, a: int, ttt_steps: int, runs_draft: bool
+) -> int:
     """Bytes per token alive, but not saved, while the last stage computes the losses of one microbatch.
 
     The logits in the compute dtype (``aV``; under PP the schedule keeps them until the microbatch's backward),

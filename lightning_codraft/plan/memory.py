@@ -108,8 +108,9 @@ def _stage_label(stages: tuple[int, ...], pp: int) -> str:
     return f"{where} ({role})"
 
 
-def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 0,
-              tokens: Optional[int] = None) -> RankPlan:
+def plan_rank(
+    spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 0, tokens: Optional[int] = None
+) -> RankPlan:
     """The memory of one rank.
 
     Args:
@@ -130,17 +131,29 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
     start, stop = models.layout.layer_range(stage)
     F = spec.in_flight(stage)
     s = state_bytes(models, spec, stage, shard_rank)
-    per_mb = T * saved_per_token(pol, dcfg, StageShape(stop - start, first, last), a, spec.ttt_steps,
-                                 spec.trains_draft, spec.with_reference, spec.cp > 1)
-    lines = [Line("parameters", "parameters", s.parameters, BOTH), Line("gradients", "gradients", s.gradients, BOTH),
-             Line("optimizer", "AdamW state", s.optimizer, BOTH), Line("buffers", "buffers", s.buffers, BOTH),
-             Line("reference", "reference policy", s.reference, BOTH)]
+    per_mb = T * saved_per_token(
+        pol,
+        dcfg,
+        StageShape(stop - start, first, last),
+        a,
+        spec.ttt_steps,
+        spec.trains_draft,
+        spec.with_reference,
+        spec.cp > 1,
+    )
+    lines = [
+        Line("parameters", "parameters", s.parameters, BOTH),
+        Line("gradients", "gradients", s.gradients, BOTH),
+        Line("optimizer", "AdamW state", s.optimizer, BOTH),
+        Line("buffers", "buffers", s.buffers, BOTH),
+        Line("reference", "reference policy", s.reference, BOTH),
+    ]
     lines.append(Line("ddp_buckets", "DDP gradient buckets", s.gradients if spec.ddp_wrapper else 0, BOTH))
     act = T * H * a
     recv = 0
     if pp > 1:
         overlap = F * T * H * 4 if (a == 4 and not first) else 0  # the input buffer is layer 0's saved input
-        per_schedule = ((0 if first else M) + (0 if last else M) + (M if spec.with_reference and not first else 0))
+        per_schedule = (0 if first else M) + (0 if last else M) + (M if spec.with_reference and not first else 0)
         recv = CACHED_SCHEDULES * per_schedule * act - overlap
     lines.append(Line("pipeline_buffers", f"pipeline receive buffers (x{CACHED_SCHEDULES} schedules)", recv, BOTH))
     lines.append(Line("reference_root_unsharded", "reference root all-gathered", s.reference_root_unsharded, BOTH))
@@ -174,8 +187,14 @@ def plan_rank(spec: PlanSpec, models: MetaModels, stage: int, shard_rank: int = 
     lines.append(Line("reference_forward", "reference forward (before the step)", ref, BEFORE))
     lines.append(Line("optimizer_step", "AdamW temporaries (after the step)", s.trained_elements * o_b, AFTER))
     lines += _rollout_lines(spec, models)
-    return RankPlan(stages=(stage,), label=_stage_label((stage,), pp), tokens=T, in_flight=F,
-                    activations_per_microbatch=per_mb, lines=lines)
+    return RankPlan(
+        stages=(stage,),
+        label=_stage_label((stage,), pp),
+        tokens=T,
+        in_flight=F,
+        activations_per_microbatch=per_mb,
+        lines=lines,
+    )
 
 
 def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
@@ -186,8 +205,9 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
     a_e = p_b if shares else a
     policy_params = {id(p): p for p in models.policy.parameters()}
     draft_params = list(models.draft.parameters()) if K else []
-    weights = 0 if shares else (sum(p.numel() for p in policy_params.values())
-                                + sum(p.numel() for p in draft_params)) * a_e
+    weights = (
+        0 if shares else (sum(p.numel() for p in policy_params.values()) + sum(p.numel() for p in draft_params)) * a_e
+    )
     sleeps = spec.engine == "vllm" and spec.accelerator != "cpu"
     keeps_cache = spec.engine == "vllm" and not sleeps
     pol, dcfg = spec.policy, models.draft.config
@@ -202,12 +222,16 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
         refit = 2 * largest * p_b + int(2.25 * min(spec.refit_bucket_bytes, max(weights, largest * a_e)))
     released = sleeps or spec.engine == "embedded"  # vLLM asleep / the embedded engine's released copies
-    return [Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if released else BOTH),
-            Line("kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv,
-                 BOTH if keeps_cache else ROLLOUT),
-            Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
-            Line("refit", f"refit (a tensor gathered, two {spec.refit_bucket_bytes / 2**20:g} MiB buckets)", refit,
-                 ROLLOUT)]
+    return [
+        Line("engine_weights", "engine weights (policy + draft)", weights, ROLLOUT if released else BOTH),
+        Line(
+            "kv_cache", f"engine KV cache ({B} sequence{'s' if B != 1 else ''})", kv, BOTH if keeps_cache else ROLLOUT
+        ),
+        Line("engine_workspace", "engine verification logits", B * (K + 1) * pol.vocab_size * (a_e + 4), ROLLOUT),
+        Line(
+            "refit", f"refit (a tensor gathered, two {spec.refit_bucket_bytes / 2**20:g} MiB buckets)", refit, ROLLOUT
+        ),
+    ]
 
 
 @dataclass
@@ -248,7 +272,7 @@ def plan_memory(spec: PlanSpec, device_memory: int = 80 * 2**30) -> MemoryPlan:
     for stage in range(spec.pp):
         plan = plan_rank(spec, models, stage)
         prev = ranks[-1] if ranks else None
-        if (prev is not None and prev.lines == plan.lines and stage != spec.pp - 1 and prev.stages[0] != 0):
+        if prev is not None and prev.lines == plan.lines and stage != spec.pp - 1 and prev.stages[0] != 0:
             prev.stages = prev.stages + (stage,)
             prev.label = _stage_label(prev.stages, spec.pp)
             continue
@@ -257,23 +281,34 @@ def plan_memory(spec: PlanSpec, device_memory: int = 80 * 2**30) -> MemoryPlan:
 
 
 def _notes(spec: PlanSpec) -> list[str]:
-    notes = ["training totals count the gradients next to the peak activations (the backward frees the one while it "
-             "fills the other: an upper bound); no allowance for the CUDA context, communication buffers and "
-             "allocator fragmentation (a few GiB)"]
+    notes = [
+        "training totals count the gradients next to the peak activations (the backward frees the one while it "
+        "fills the other: an upper bound); no allowance for the CUDA context, communication buffers and "
+        "allocator fragmentation (a few GiB)"
+    ]
     if spec.engine == "vllm":
-        notes.append("vLLM sleeps (level 2) while training on an accelerator: its weights and KV cache count in the "
-                     "rollout phase only" if spec.accelerator != "cpu" else
-                     "vLLM on CPU has no sleep mode: its weights and KV cache stay resident in both phases")
+        notes.append(
+            "vLLM sleeps (level 2) while training on an accelerator: its weights and KV cache count in the "
+            "rollout phase only"
+            if spec.accelerator != "cpu"
+            else "vLLM on CPU has no sleep mode: its weights and KV cache stay resident in both phases"
+        )
     else:
-        notes.append("the embedded engine's copies (under FSDP2 / PP) are released while training runs and refilled "
-                     "one tensor at a time before each rollout phase; its KV cache is freed between rollouts")
+        notes.append(
+            "the embedded engine's copies (under FSDP2 / PP) are released while training runs and refilled "
+            "one tensor at a time before each rollout phase; its KV cache is freed between rollouts"
+        )
     if spec.pp > 1:
-        notes.append(f"pipeline receive buffers: torch.distributed.pipelining allocates them for all M microbatches "
-                     f"of a step and PipelineRunner keeps {CACHED_SCHEDULES} schedule; the TapChannel's landing "
-                     f"buffers cover {'pp microbatches (1F1B)' if spec.pp_schedule == '1f1b' else 'all M (GPipe)'}")
+        notes.append(
+            f"pipeline receive buffers: torch.distributed.pipelining allocates them for all M microbatches "
+            f"of a step and PipelineRunner keeps {CACHED_SCHEDULES} schedule; the TapChannel's landing "
+            f"buffers cover {'pp microbatches (1F1B)' if spec.pp_schedule == '1f1b' else 'all M (GPipe)'}"
+        )
     if spec.precision == "bf16-mixed" and not spec.fsdp:
-        notes.append("bf16-mixed without FSDP2 runs under autocast: its activations are counted with the fp32 "
-                     "formulas (an upper bound)")
+        notes.append(
+            "bf16-mixed without FSDP2 runs under autocast: its activations are counted with the fp32 "
+            "formulas (an upper bound)"
+        )
     if spec.with_reference:
         notes.append("the reference policy is planned as CoDraftModule(reference=...), sharded like the policy")
     return notes

@@ -26,11 +26,7 @@ from lightning_codraft.models.config import PolicyConfig
 from lightning_codraft.models.presets import recipe_architecture
 
 #: precision -> (parameter, gradient, optimizer-state, compute, reduce) bytes per element
-PRECISION_BYTES = {
-    "32-true": (4, 4, 4, 4, 4),
-    "bf16-mixed": (4, 4, 4, 2, 4),
-    "bf16-true": (2, 2, 2, 2, 2),
-}
+PRECISION_BYTES = {"32-true": (4, 4, 4, 4, 4), "bf16-mixed": (4, 4, 4, 2, 4), "bf16-true": (2, 2, 2, 2, 2)}
 
 VLLM_DEFAULT_MAX_SEQS = 64
 """Sequences vLLM batches when ``parallel.engine_batch_size`` is null (``RolloutWorker`` passes 64)."""
@@ -101,14 +97,28 @@ class PlanSpec:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         context = min(cfg.model.max_position_embeddings, policy.max_position_embeddings)
-        return cls(policy=policy, draft_vocab_size=d.draft_vocab_size, draft_mode=d.mode, ttt_steps=d.ttt_steps,
-                   num_speculative_tokens=d.num_speculative_tokens, with_reference=r.kl_coef > 0 or r.track_drift,
-                   dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding, precision=p.precision,
-                   num_microbatches=p.num_microbatches, pp_schedule=p.pp_schedule,
-                   layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage),
-                   samples_per_replica=r.prompts_per_step // p.dp * r.group_size, seq_len=context, engine=p.engine,
-                   accelerator=p.accelerator, engine_batch_size=p.engine_batch_size,
-                   refit_bucket_bytes=int(p.refit_bucket_mb * 2**20))
+        return cls(
+            policy=policy,
+            draft_vocab_size=d.draft_vocab_size,
+            draft_mode=d.mode,
+            ttt_steps=d.ttt_steps,
+            num_speculative_tokens=d.num_speculative_tokens,
+            with_reference=r.kl_coef > 0 or r.track_drift,
+            dp=p.dp,
+            pp=p.pp,
+            cp=p.cp,
+            sharding=p.sharding,
+            precision=p.precision,
+            num_microbatches=p.num_microbatches,
+            pp_schedule=p.pp_schedule,
+            layers_per_stage=None if p.layers_per_stage is None else tuple(p.layers_per_stage),
+            samples_per_replica=r.prompts_per_step // p.dp * r.group_size,
+            seq_len=context,
+            engine=p.engine,
+            accelerator=p.accelerator,
+            engine_batch_size=p.engine_batch_size,
+            refit_bucket_bytes=int(p.refit_bucket_mb * 2**20),
+        )
 
     # ------------------------------------------------------------------ derived
     @property

@@ -100,6 +100,7 @@ def _units_of(model: nn.Module, owned: Iterable[nn.Module], prefix: str, trained
 
 def rank_units(models: MetaModels, spec: PlanSpec, stage: int) -> list[Unit]:
     """The parameter units pipeline stage ``stage`` holds, each shared tensor in one unit only."""
+
     def owned(model: Policy) -> list[nn.Module]:
         if spec.pp == 1:
             m = model.model

@@ -125,14 +125,26 @@ class DraftSchedule:
         trains: False for a frozen or absent draft (then nothing trains, every schedule alike).
     """
 
-    def __init__(self, schedule: str = "every_step", total_steps: int = 1, every: int = 1, horizon: int = 10,
-                 window: int = 10, trains: bool = True):
+    def __init__(
+        self,
+        schedule: str = "every_step",
+        total_steps: int = 1,
+        every: int = 1,
+        horizon: int = 10,
+        window: int = 10,
+        trains: bool = True,
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"draft schedule {schedule!r} must be one of {SCHEDULES}")
         if every < 1 or horizon < 1 or window < 1:
             raise ValueError(f"every={every}, horizon={horizon} and window={window} must be >= 1")
-        self.schedule, self.total_steps, self.every, self.horizon, self.window = (schedule, total_steps, every,
-                                                                                  horizon, window)
+        self.schedule, self.total_steps, self.every, self.horizon, self.window = (
+            schedule,
+            total_steps,
+            every,
+            horizon,
+            window,
+        )
         self.trains = trains
         self.history: list[Decision] = []
 
@@ -146,14 +158,27 @@ class DraftSchedule:
         """Steps that trained the draft so far (its version)."""
         return sum(d.train for d in self.history)
 
-    def decide(self, step: int, acceptance: float, rollout_s: float, tokens: float = math.nan,
-               speculation: float = 1.0, saving_s: float = math.nan) -> Decision:
+    def decide(
+        self,
+        step: int,
+        acceptance: float,
+        rollout_s: float,
+        tokens: float = math.nan,
+        speculation: float = 1.0,
+        saving_s: float = math.nan,
+    ) -> Decision:
         """The decision for RL step ``step`` (0-based) from its measured acceptance, rollout seconds, completion
         tokens, the share of its rounds' capacity the engine drafted (:attr:`Decision.speculation`) and the seconds
         speculation saved (:attr:`Decision.saving_s`); call :meth:`record` after the step. Every rank must pass the
         same (global) figures."""
-        figures = dict(acceptance=float(acceptance), rollout_s=float(rollout_s), tokens=float(tokens),
-                       speculation=float(speculation), saving_s=float(saving_s), credit_s=self._credit(saving_s))
+        figures = dict(
+            acceptance=float(acceptance),
+            rollout_s=float(rollout_s),
+            tokens=float(tokens),
+            speculation=float(speculation),
+            saving_s=float(saving_s),
+            credit_s=self._credit(saving_s),
+        )
         if not self.trains:
             return Decision(step + 1, False, "the draft is not co-trained (draft.mode)", **figures)
         if self.schedule == "every_step":
@@ -181,7 +206,7 @@ class DraftSchedule:
         for prev, m0, m1 in zip(rows, margin, margin[1:]):
             if math.isfinite(m1 - m0):
                 after[prev.train].append(m1 - m0)
-        trained, skipped = after[True][-self.window:], after[False][-self.window:]
+        trained, skipped = after[True][-self.window :], after[False][-self.window :]
         if not trained:
             return math.nan, 0
         base = sum(skipped) / len(skipped) if len(skipped) >= 2 else 0.0
@@ -190,8 +215,11 @@ class DraftSchedule:
     def _cost(self, tokens: float) -> float:
         """Estimated seconds of one draft update on a step of ``tokens`` completion tokens (module docstring)."""
         scaled = math.isfinite(tokens) and tokens > 0 and all(math.isfinite(d.tokens) for d in self.history)
-        per = [(d.train, d.train_s / d.tokens if scaled else d.train_s) for d in self.history[-20:]
-               if math.isfinite(d.train_s)]
+        per = [
+            (d.train, d.train_s / d.tokens if scaled else d.train_s)
+            for d in self.history[-20:]
+            if math.isfinite(d.train_s)
+        ]
         trained = [x for t, x in per if t][-5:]
         skipped = [x for t, x in per if not t][-5:]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -209,10 +237,11 @@ class DraftSchedule:
         a, rollout_s, tokens, speculation = (figures[k] for k in ("acceptance", "rollout_s", "tokens", "speculation"))
         prev = self.history[-1] if self.history else None
         s = a if prev is None or math.isnan(prev.smoothed) else 0.5 * a + 0.5 * prev.smoothed
-        recent = [d for d in self.history[-(self.window - 1):] if not math.isnan(d.smoothed)]
+        recent = [d for d in self.history[-(self.window - 1) :] if not math.isnan(d.smoothed)]
         best = max([d.smoothed for d in recent] + [s])
         resid = [b.acceptance - a0.smoothed for a0, b in zip(recent, recent[1:])] + (
-            [a - recent[-1].smoothed] if recent else [])
+            [a - recent[-1].smoothed] if recent else []
+        )
         sigma = math.sqrt(sum(x * x for x in resid) / len(resid)) if len(resid) >= 3 else math.inf
         noise = 2 * math.sqrt(1 / 3) * sigma
         deficit = max(best - s - noise, 0.0) if math.isfinite(noise) else 0.0
@@ -225,30 +254,55 @@ class DraftSchedule:
         training = prev is not None and prev.train
         figures = dict(figures, smoothed=s, best=best, noise=noise, update_gain=u, gain_s=gain, cost_s=cost)
         if share == 0.0:  # the adaptive engine's own economics: speculation does not pay at this batch
-            return Decision(step + 1, False, "the engine decoded plainly (speculation does not pay at this batch): "
-                                             "an update buys no rollout time, skip", idle=True, **figures)
+            return Decision(
+                step + 1,
+                False,
+                "the engine decoded plainly (speculation does not pay at this batch): "
+                "an update buys no rollout time, skip",
+                idle=True,
+                **figures,
+            )
         credit = figures["credit_s"]
         if math.isfinite(credit) and (credit < cost if math.isfinite(cost) else credit <= 0):
-            return Decision(step + 1, False, f"credit {credit:.2f} s (the decode time speculation saved so far less "
-                                             f"the updates' cost) is below one update's {cost:.2f} s: skip (updates "
-                                             "are paid only out of time speculation saved)", idle=True, **figures)
+            return Decision(
+                step + 1,
+                False,
+                f"credit {credit:.2f} s (the decode time speculation saved so far less "
+                f"the updates' cost) is below one update's {cost:.2f} s: skip (updates "
+                "are paid only out of time speculation saved)",
+                idle=True,
+                **figures,
+            )
         if measured < WARMUP:
-            return Decision(step + 1, True, f"measuring what an update buys ({measured} of {WARMUP} measured)",
-                            **figures)
-        if len(self.history) >= self.window and not any(d.train for d in self.history[-self.window:]):
-            return Decision(step + 1, True, f"no update in {self.window} steps: a probe of what one buys now",
-                            **figures)
+            return Decision(
+                step + 1, True, f"measuring what an update buys ({measured} of {WARMUP} measured)", **figures
+            )
+        if len(self.history) >= self.window and not any(d.train for d in self.history[-self.window :]):
+            return Decision(
+                step + 1, True, f"no update in {self.window} steps: a probe of what one buys now", **figures
+            )
         need = cost / 2 if training else cost
         train = gain >= need and gain > 0
-        fig = (f"an update adds {u:+.3f} to the margin over the reference, drift cost {deficit:.2f} (acceptance "
-               f"{a:.2f}, smoothed {s:.2f}, recent best {best:.2f}, noise {noise:.2f}): worth {gain:.2f} s of "
-               f"rollouts over {H} steps")
-        verdict = (f">= {'half ' if training else ''}one update's {cost:.2f} s: train" if train else
-                   f"< {'half ' if training else ''}one update's {cost:.2f} s: skip")
+        fig = (
+            f"an update adds {u:+.3f} to the margin over the reference, drift cost {deficit:.2f} (acceptance "
+            f"{a:.2f}, smoothed {s:.2f}, recent best {best:.2f}, noise {noise:.2f}): worth {gain:.2f} s of "
+            f"rollouts over {H} steps"
+        )
+        verdict = (
+            f">= {'half ' if training else ''}one update's {cost:.2f} s: train"
+            if train
+            else f"< {'half ' if training else ''}one update's {cost:.2f} s: skip"
+        )
         return Decision(step + 1, train, f"{fig} {verdict}", **figures)
 
-    def record(self, decision: Decision, train_s: float, ab_gain: float = math.nan,
-               implied_rates: Sequence[float] = (), reference: float = math.nan) -> None:
+    def record(
+        self,
+        decision: Decision,
+        train_s: float,
+        ab_gain: float = math.nan,
+        implied_rates: Sequence[float] = (),
+        reference: float = math.nan,
+    ) -> None:
         """Append the step's decision with its measured training seconds (the same on every rank) and A/B figures
         (``reference``: the reference draft's implied acceptance)."""
         decision.train_s, decision.ab_gain, decision.reference = float(train_s), float(ab_gain), float(reference)
@@ -267,8 +321,10 @@ class DraftSchedule:
         return [asdict(d) for d in self.history]
 
     def load_state_dict(self, rows: Sequence[dict[str, Any]]) -> None:
-        self.history = [Decision(**{k: (math.nan if v is None else tuple(v) if isinstance(v, list) else v)
-                                    for k, v in r.items()}) for r in rows]
+        self.history = [
+            Decision(**{k: (math.nan if v is None else tuple(v) if isinstance(v, list) else v) for k, v in r.items()})
+            for r in rows
+        ]
 
 
 def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool]:
@@ -276,8 +332,14 @@ def replay(rows: Sequence[dict[str, Any]], schedule: DraftSchedule) -> list[bool
     out = []
     for r in rows:
         num = lambda k, r=r: math.nan if r.get(k) is None else float(r[k])
-        d = schedule.decide(int(r["step"]) - 1, num("acceptance"), num("rollout_s"), num("tokens"),
-                            1.0 if r.get("speculation") is None else float(r["speculation"]), num("saving_s"))
+        d = schedule.decide(
+            int(r["step"]) - 1,
+            num("acceptance"),
+            num("rollout_s"),
+            num("tokens"),
+            1.0 if r.get("speculation") is None else float(r["speculation"]),
+            num("saving_s"),
+        )
         schedule.record(d, num("train_s"), num("ab_gain"), r.get("implied_rates", ()), num("reference"))
         out.append(d.train)
     return out

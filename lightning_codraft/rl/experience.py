@@ -36,8 +36,9 @@ class Rollout:
     extra: dict = field(default_factory=dict)
 
 
-def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std: str = "population",
-                     valid: Tensor | None = None) -> Tensor:
+def group_advantages(
+    rewards: Tensor, eps: float = 1e-6, scale: bool = True, std: str = "population", valid: Tensor | None = None
+) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's std (when ``scale``).
 
     Computed in float64, so a group of equal rewards gets exactly 0 whatever the value (in float32 the mean of eight
@@ -80,8 +81,13 @@ def group_advantages(rewards: Tensor, eps: float = 1e-6, scale: bool = True, std
     return adv.to(torch.float32)
 
 
-def build_rl_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cp: int = 1,
-                   pad_id: int = 0, ref_logprobs: Sequence[Sequence[float]] | None = None) -> RLBatch:
+def build_rl_batch(
+    rollouts: Sequence[Rollout],
+    advantages: Sequence[float],
+    cp: int = 1,
+    pad_id: int = 0,
+    ref_logprobs: Sequence[Sequence[float]] | None = None,
+) -> RLBatch:
     """Pack rollouts into the next-token-aligned :class:`~lightning_codraft.batch.RLBatch` (whole, unsharded).
 
     Args:
@@ -93,16 +99,29 @@ def build_rl_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cp:
     """
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}")
-    return RLBatch.pack([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                        [r.logprobs for r in rollouts], advantages, ref_logprobs=ref_logprobs, multiple_of=2 * cp,
-                        pad_id=pad_id)
+    return RLBatch.pack(
+        [r.prompt_ids for r in rollouts],
+        [r.completion_ids for r in rollouts],
+        [r.logprobs for r in rollouts],
+        advantages,
+        ref_logprobs=ref_logprobs,
+        multiple_of=2 * cp,
+        pad_id=pad_id,
+    )
 
 
-def sft_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], cp: int = 1,
-              pad_id: int = 0) -> RLBatch:
+def sft_batch(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], cp: int = 1, pad_id: int = 0
+) -> RLBatch:
     """The same next-token-aligned packed batch for supervised warm-up (loss on completion rows only).
 
     Advantages are 1 and old log-probs 0 on completion rows.
     """
-    return RLBatch.pack(prompts, completions, [[0.0] * len(c) for c in completions], [1.0] * len(prompts),
-                        multiple_of=2 * cp, pad_id=pad_id)
+    return RLBatch.pack(
+        prompts,
+        completions,
+        [[0.0] * len(c) for c in completions],
+        [1.0] * len(prompts),
+        multiple_of=2 * cp,
+        pad_id=pad_id,
+    )

@@ -71,7 +71,7 @@ class _Split:
             if not item[0].startswith(prefix):
                 self._pending = item
                 return
-            yield item[0][len(prefix):], item[1]
+            yield item[0][len(prefix) :], item[1]
 
 
 class RolloutWorker:
@@ -145,10 +145,24 @@ class RolloutWorker:
         if p.engine == "vllm":
             workdir = Path(self.cfg.run.out_dir) / "vllm" / f"rank{self.dims.rank}"
             context = min(self.cfg.model.max_position_embeddings, int(self.policy.config.max_position_embeddings))
-            return VLLMEngine.from_modules(self.policy, draft, k, workdir=workdir, max_model_len=context,
-                                           max_num_seqs=p.engine_batch_size or 64, draft_sample_method="probabilistic")
-        return SpeculativeEngine(self.policy, draft, k, max_batch_size=p.engine_batch_size,
-                                 adaptive=bool(d.adaptive and k), sampling=d.sampling, dtype=p.engine_dtype)
+            return VLLMEngine.from_modules(
+                self.policy,
+                draft,
+                k,
+                workdir=workdir,
+                max_model_len=context,
+                max_num_seqs=p.engine_batch_size or 64,
+                draft_sample_method="probabilistic",
+            )
+        return SpeculativeEngine(
+            self.policy,
+            draft,
+            k,
+            max_batch_size=p.engine_batch_size,
+            adaptive=bool(d.adaptive and k),
+            sampling=d.sampling,
+            dtype=p.engine_dtype,
+        )
 
     def release(self) -> None:
         """The training phase begins: free the engine's copies (or put vLLM to sleep where it can)."""
@@ -210,8 +224,13 @@ class RolloutWorker:
             yield bucket
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[list[int]], seeds: Sequence[int], temperature: Optional[float] = None,
-                 group: Any = "replica") -> tuple[list[RolloutOutput], AcceptanceStats, float]:
+    def generate(
+        self,
+        requests: Sequence[list[int]],
+        seeds: Sequence[int],
+        temperature: Optional[float] = None,
+        group: Any = "replica",
+    ) -> tuple[list[RolloutOutput], AcceptanceStats, float]:
         """``requests`` decoded by the ranks of ``group`` (default: this replica), each rank its share.
 
         Args:
@@ -223,8 +242,13 @@ class RolloutWorker:
         Returns:
             ``(outputs of every request in order, their total acceptance statistics, the slowest rank's seconds)``.
         """
-        group = {"replica": self.dims.replica_group, "world": dist.group.WORLD if is_distributed() else None}.get(
-            group, group) if isinstance(group, str) else group
+        group = (
+            {"replica": self.dims.replica_group, "world": dist.group.WORLD if is_distributed() else None}.get(
+                group, group
+            )
+            if isinstance(group, str)
+            else group
+        )
         parts = dist.get_world_size(group) if group is not None else 1
         index = dist.get_rank(group) if group is not None else 0
         mine = share(len(requests), parts, index)
@@ -232,10 +256,14 @@ class RolloutWorker:
         t0 = time.perf_counter()
         outs: list[RolloutOutput] = []
         if len(mine):
-            outs = self.engine.generate([list(requests[i]) for i in mine], max_new_tokens=r.max_new_tokens,
-                                        temperature=r.temperature if temperature is None else temperature,
-                                        top_p=r.top_p, request_seeds=[int(seeds[i]) for i in mine],
-                                        stop_token_ids=[self.eos_token_id])
+            outs = self.engine.generate(
+                [list(requests[i]) for i in mine],
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature if temperature is None else temperature,
+                top_p=r.top_p,
+                request_seeds=[int(seeds[i]) for i in mine],
+                stop_token_ids=[self.eos_token_id],
+            )
         seconds = time.perf_counter() - t0
         self.requests_generated += len(mine)
         gathered = [(outs, seconds)]

@@ -81,16 +81,19 @@ def check_versions(outputs, versions: dict[str, int], drafts: bool) -> None:
     the current weights only."""
     for i, o in enumerate(outputs):
         if o.policy_version != versions["policy"] or (drafts and o.draft_version != versions["draft"]):
-            raise RolloutError(f"rollout {i} was generated with policy version {o.policy_version} and draft version "
-                               f"{o.draft_version}; the training state is policy {versions['policy']}, draft "
-                               f"{versions['draft']}: the engine was not refitted (a stale engine)")
+            raise RolloutError(
+                f"rollout {i} was generated with policy version {o.policy_version} and draft version "
+                f"{o.draft_version}; the training state is policy {versions['policy']}, draft "
+                f"{versions['draft']}: the engine was not refitted (a stale engine)"
+            )
 
 
 def draft_schedule(cfg: CoDraftConfig) -> DraftSchedule:
     """The run's draft update schedule from ``cfg.draft``."""
     d = cfg.draft
-    return DraftSchedule(d.schedule, cfg.rl.steps, d.train_every, d.schedule_horizon,
-                         trains=d.mode == "cotrain" and d.loss_weight > 0)
+    return DraftSchedule(
+        d.schedule, cfg.rl.steps, d.train_every, d.schedule_horizon, trains=d.mode == "cotrain" and d.loss_weight > 0
+    )
 
 
 class RLStep:
@@ -111,8 +114,22 @@ class RLStep:
             front end that builds a step object per step); default: a new one from ``cfg.draft``.
     """
 
-    def __init__(self, cfg: CoDraftConfig, fabric, dims, task, reward_fn, tokenizer, context: int, worker, model,
-                 optimizer, scheduler, log: Callable[[str], None] = print, schedule: Optional[DraftSchedule] = None):
+    def __init__(
+        self,
+        cfg: CoDraftConfig,
+        fabric,
+        dims,
+        task,
+        reward_fn,
+        tokenizer,
+        context: int,
+        worker,
+        model,
+        optimizer,
+        scheduler,
+        log: Callable[[str], None] = print,
+        schedule: Optional[DraftSchedule] = None,
+    ):
         self.cfg, self.fabric, self.dims = cfg, fabric, dims
         self.task, self.rewards, self.tokenizer, self.context = task, as_reward_set(reward_fn), tokenizer, context
         self.worker, self.model, self.optimizer, self.scheduler = worker, model, optimizer, scheduler
@@ -132,14 +149,30 @@ class RLStep:
         """The draft schedule's decision for ``step`` from the whole world's rollout figures, set on ``module``'s
         flags (train, run, score the reference) and logged under the adaptive schedule."""
         dims, K = self.dims, self.worker.num_speculative_tokens
-        seen = self.fabric.all_reduce(torch.tensor([float(acc.accepted), float(acc.draft_steps), rollout_s,
-                                                    float(n_tok), float(acc.drafted), float(acc.policy_forwards),
-                                                    acc.plain_s - acc.round_s, float(acc.plain_s > 0)],
-                                                   dtype=torch.float64), reduce_op="sum").tolist()
-        decision = self.schedule.decide(step, 1.0 + seen[0] / seen[1] if seen[1] else 1.0, seen[2] / dims.world_size,
-                                        seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
-                                        seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
-                                        seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan)
+        seen = self.fabric.all_reduce(
+            torch.tensor(
+                [
+                    float(acc.accepted),
+                    float(acc.draft_steps),
+                    rollout_s,
+                    float(n_tok),
+                    float(acc.drafted),
+                    float(acc.policy_forwards),
+                    acc.plain_s - acc.round_s,
+                    float(acc.plain_s > 0),
+                ],
+                dtype=torch.float64,
+            ),
+            reduce_op="sum",
+        ).tolist()
+        decision = self.schedule.decide(
+            step,
+            1.0 + seen[0] / seen[1] if seen[1] else 1.0,
+            seen[2] / dims.world_size,
+            seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
+            seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
+            seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan,
+        )
         if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
         module.train_draft_this_step = decision.train
@@ -160,11 +193,16 @@ class RLStep:
         module = unwrap_module(self.model)
         decision = self._decide_draft(step, gen.acc, gen.rollout_s, gen.tokens, module)
         t0 = time.perf_counter()
-        m = {k: float(v) for k, v in optimizer_step(self.model, module, batch, self.optimizer,
-                                                    self.scheduler, self.fabric.backward).items()}
+        m = {
+            k: float(v)
+            for k, v in optimizer_step(
+                self.model, module, batch, self.optimizer, self.scheduler, self.fabric.backward
+            ).items()
+        }
         # the slowest rank's seconds: every rank's schedule must see the same figures to decide alike
-        train_s = self.fabric.all_reduce(torch.tensor(time.perf_counter() - t0, dtype=torch.float64),
-                                         reduce_op="max").item()
+        train_s = self.fabric.all_reduce(
+            torch.tensor(time.perf_counter() - t0, dtype=torch.float64), reduce_op="max"
+        ).item()
         implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
         rates = [m[f"draft/implied_rate{k}"] for k in range(self.cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
         self.schedule.record(decision, train_s, implied - reference, rates, reference)
@@ -176,16 +214,18 @@ class RLStep:
         if samples is None:
             samples = step_prompts(self.task, cfg, step)
         if len(samples) != cfg.rl.prompts_per_step:
-            raise ValueError(f"step {step + 1} got {len(samples)} prompts; rl.prompts_per_step="
-                             f"{cfg.rl.prompts_per_step}")
+            raise ValueError(
+                f"step {step + 1} got {len(samples)} prompts; rl.prompts_per_step={cfg.rl.prompts_per_step}"
+            )
         per_rank = cfg.rl.prompts_per_step // dims.dp
-        return samples[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
+        return samples[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
 
     def _generate(self, step: int, mine: list) -> Generation:
         """Refit the engine to the training state, then sample ``rl.group_size`` completions of each prompt."""
         cfg, G = self.cfg, self.cfg.rl.group_size
-        prompts = fit_prompts([encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context,
-                              cfg.rl.max_new_tokens)
+        prompts = fit_prompts(
+            [encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens
+        )
         requests = [p for p in prompts for _ in range(G)]
         first = self.dims.dp_rank * len(mine)  # the step's index of this replica's first prompt
         seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
@@ -205,20 +245,34 @@ class RLStep:
         cfg, G = self.cfg, self.cfg.rl.group_size
         texts, per_sample = [self.tokenizer.decode(o.token_ids) for o in outs], [s for s in mine for _ in range(G)]
         scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
-        self.last_completions = [{"prompt": s.prompt, "completion": text, "reward": scores.total[i],
-                                  **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts}}
-                                 for i, (s, text) in enumerate(zip(per_sample, texts))]
+        self.last_completions = [
+            {
+                "prompt": s.prompt,
+                "completion": text,
+                "reward": scores.total[i],
+                **{f"reward/{k}": scores.parts[k][i] for k in self.rewards.logged_parts},
+            }
+            for i, (s, text) in enumerate(zip(per_sample, texts))
+        ]
         failures = scores.failures
         for name in scores.not_applied:  # TRL's None for every sample: legal, but never silent
             self.log(f"step {step + 1}: reward {name!r} returned None (does not apply) for every sample of the step")
         skip = cfg.task.on_reward_error == "skip"
         for f in failures if skip else ():  # every skipped sample is reported
-            self.log(f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
-                     f"{f.reason}")
+            self.log(
+                f"step {step + 1}: skipped sample {f.index} (prompt {f.prompt!r}): reward function {f.function} "
+                f"{f.reason}"
+            )
         counts = self.fabric.all_reduce(
-            torch.tensor([float(len(failures)), float(len(failures) == len(scores.total))]), reduce_op="sum").tolist()
-        check_failure_budget(failures, int(counts[0]), cfg.rl.prompts_per_step * G,
-                             cfg.task.reward_failure_budget if skip else 0.0, empty_replicas=int(counts[1]))
+            torch.tensor([float(len(failures)), float(len(failures) == len(scores.total))]), reduce_op="sum"
+        ).tolist()
+        check_failure_budget(
+            failures,
+            int(counts[0]),
+            cfg.rl.prompts_per_step * G,
+            cfg.task.reward_failure_budget if skip else 0.0,
+            empty_replicas=int(counts[1]),
+        )
         r = torch.tensor(scores.total, dtype=torch.float64).view(len(mine), G)
         return scores, r, torch.isfinite(r)  # a skipped sample's reward is NaN: out of its group and the loss
 
@@ -227,22 +281,40 @@ class RLStep:
         loss aggregation, token / sequence / constant, is the module's: ``CoDraftModule.normalize``)."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         adv = group_advantages(r, scale=cfg.rl.scale_advantages, std=cfg.rl.std, valid=scored).view(-1).tolist()
-        rollouts = [Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
-                    for i, (req, o, rw) in enumerate(zip(gen.requests, gen.outs, rewards))]
+        rollouts = [
+            Rollout(req, o.token_ids, o.logprobs, group=i // G, reward=rw)
+            for i, (req, o, rw) in enumerate(zip(gen.requests, gen.outs, rewards))
+        ]
         self.last_rollouts = rollouts
         rollouts, adv = zip(*[(ro, a) for ro, a, keep in zip(rollouts, adv, scored.view(-1).tolist()) if keep])
         return build_rl_batch(rollouts, adv, cp=self.dims.cp, pad_id=self.tokenizer.pad_token_id)
 
-    def _metrics(self, step: int, t_start: float, gen: Generation, scores, r, scored, decision: Decision,
-                 m: dict[str, float], train_s: float) -> StepMetrics:
+    def _metrics(
+        self,
+        step: int,
+        t_start: float,
+        gen: Generation,
+        scores,
+        r,
+        scored,
+        decision: Decision,
+        m: dict[str, float],
+        train_s: float,
+    ) -> StepMetrics:
         """The step's :class:`StepMetrics`: replica means of the rollout figures, the module's loss figures."""
         _, ab_low, ab_high = ab_difference([d.ab_gain for d in self.schedule.history])
         ok, acc = r[scored].tolist(), gen.acc
-        local = {"reward": sum(ok) / len(ok), "reward_std": torch.tensor(ok).std(unbiased=False).item(),
-                 "accuracy": sum(x >= 1.0 for x in ok) / len(ok), "reward_failures": float(len(scores.failures)),
-                 "completion_tokens": float(gen.tokens), "accepted": float(acc.accepted),
-                 "draft_steps": float(acc.draft_steps), "drafted": float(acc.drafted),
-                 "policy_forwards": float(acc.policy_forwards)}
+        local = {
+            "reward": sum(ok) / len(ok),
+            "reward_std": torch.tensor(ok).std(unbiased=False).item(),
+            "accuracy": sum(x >= 1.0 for x in ok) / len(ok),
+            "reward_failures": float(len(scores.failures)),
+            "completion_tokens": float(gen.tokens),
+            "accepted": float(acc.accepted),
+            "draft_steps": float(acc.draft_steps),
+            "drafted": float(acc.drafted),
+            "policy_forwards": float(acc.policy_forwards),
+        }
         parts = self.rewards.logged_parts
         for name in parts:
             kept = [v for v, keep in zip(scores.parts[name], scored.view(-1).tolist()) if keep and not math.isnan(v)]
@@ -250,23 +322,47 @@ class RLStep:
         means = self.fabric.all_reduce(torch.tensor(list(local.values()), dtype=torch.float64), reduce_op="mean")
         g = dict(zip(local, means.tolist()))  # replica means, by name
         step_s = time.perf_counter() - t_start
-        mean_acc = AcceptanceStats(draft_steps=g["draft_steps"], drafted=g["drafted"], accepted=g["accepted"],
-                                   policy_forwards=g["policy_forwards"])
+        mean_acc = AcceptanceStats(
+            draft_steps=g["draft_steps"],
+            drafted=g["drafted"],
+            accepted=g["accepted"],
+            policy_forwards=g["policy_forwards"],
+        )
         implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
         return StepMetrics(
-            step=step + 1, reward=g["reward"], reward_std=g["reward_std"], accuracy=g["accuracy"],
-            reward_failures=g["reward_failures"], completion_tokens=g["completion_tokens"],
-            acceptance_length=mean_acc.acceptance_length, acceptance_rate=mean_acc.acceptance_rate,
-            mean_k=mean_acc.mean_k, tokens_per_round=mean_acc.tokens_per_round,
-            draft_loss=m.get("draft/loss", math.nan), draft_acc0=m.get("draft/acc_step0", math.nan),
+            step=step + 1,
+            reward=g["reward"],
+            reward_std=g["reward_std"],
+            accuracy=g["accuracy"],
+            reward_failures=g["reward_failures"],
+            completion_tokens=g["completion_tokens"],
+            acceptance_length=mean_acc.acceptance_length,
+            acceptance_rate=mean_acc.acceptance_rate,
+            mean_k=mean_acc.mean_k,
+            tokens_per_round=mean_acc.tokens_per_round,
+            draft_loss=m.get("draft/loss", math.nan),
+            draft_acc0=m.get("draft/acc_step0", math.nan),
             draft_oov_share=m.get("draft/oov_share", math.nan),
-            policy_loss=m.get("policy/pg_loss", math.nan), clip_frac=m.get("policy/clip_frac", math.nan),
+            policy_loss=m.get("policy/pg_loss", math.nan),
+            clip_frac=m.get("policy/clip_frac", math.nan),
             kl=m.get("policy/kl", math.nan) if self.model.reference is not None else math.nan,
-            greedy_agreement=m.get("drift/greedy_agreement", math.nan), eval_accuracy=math.nan,
-            eval_reward=math.nan, skipped=m.get("skipped", 0.0), rollout_s=gen.rollout_s, train_s=train_s,
-            refit_s=gen.refit_s, refit_share=gen.refit_s / step_s, policy_version=float(gen.versions["policy"]),
-            draft_version=float(gen.versions["draft"]), draft_trained=float(decision.train),
-            implied_acceptance=implied, reference_acceptance=reference, ab_gain=implied - reference,
-            ab_gain_low=ab_low, ab_gain_high=ab_high, step_s=step_s,
+            greedy_agreement=m.get("drift/greedy_agreement", math.nan),
+            eval_accuracy=math.nan,
+            eval_reward=math.nan,
+            skipped=m.get("skipped", 0.0),
+            rollout_s=gen.rollout_s,
+            train_s=train_s,
+            refit_s=gen.refit_s,
+            refit_share=gen.refit_s / step_s,
+            policy_version=float(gen.versions["policy"]),
+            draft_version=float(gen.versions["draft"]),
+            draft_trained=float(decision.train),
+            implied_acceptance=implied,
+            reference_acceptance=reference,
+            ab_gain=implied - reference,
+            ab_gain_low=ab_low,
+            ab_gain_high=ab_high,
+            step_s=step_s,
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
-            reward_parts={name: g[f"reward/{name}"] for name in parts})
+            reward_parts={name: g[f"reward/{name}"] for name in parts},
+        )

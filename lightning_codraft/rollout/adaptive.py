@@ -124,13 +124,18 @@ class AdaptiveConfig:
     costs more than the fits of narrower rounds say), but for a probe every ``explore_every`` choices."""
 
     def __post_init__(self) -> None:
-        for name in ("prior_acceptance", "global_decay", "request_decay", "idle_decay", "failed_rate",
-                     "realized_decay"):
+        for name in (
+            "prior_acceptance",
+            "global_decay",
+            "request_decay",
+            "idle_decay",
+            "failed_rate",
+            "realized_decay",
+        ):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"AdaptiveConfig.{name}={value} must be in (0, 1]")
-        for name in ("global_prior_weight", "request_prior_weight", "position_prior_weight",
-                     "confidence_prior_weight"):
+        for name in ("global_prior_weight", "request_prior_weight", "position_prior_weight", "confidence_prior_weight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be > 0")
         for name, low in (("cost_history", 8), ("resume_window", 1), ("resume_horizon", 1), ("explore_every", 2)):
@@ -138,8 +143,9 @@ class AdaptiveConfig:
                 raise ValueError(f"AdaptiveConfig.{name}={getattr(self, name)} must be >= {low}")
         first, longest = self.probe_backoff
         if not 0 <= first <= longest:
-            raise ValueError(f"AdaptiveConfig.probe_backoff={self.probe_backoff} must be (first, longest) with "
-                             "0 <= first <= longest")
+            raise ValueError(
+                f"AdaptiveConfig.probe_backoff={self.probe_backoff} must be (first, longest) with 0 <= first <= longest"
+            )
 
 
 def expected_tokens(rates: Sequence[Sequence[float]], remaining: Sequence[int]) -> list[float]:
@@ -155,7 +161,7 @@ def expected_tokens(rates: Sequence[Sequence[float]], remaining: Sequence[int]) 
         ``(K + 1,)``: entry k is ``sum_b 1 + sum_{j <= min(k, r_b - 1)} prod_{i <= j} rates[b][i]``.
     """
     K = len(rates[0]) if len(rates) else 0
-    reach = [0.0] * (K + 1)                       # reach[j]: sum_b P(draft position j accepted)
+    reach = [0.0] * (K + 1)  # reach[j]: sum_b P(draft position j accepted)
     for row, r in zip(rates, remaining):
         p = 1.0
         for j in range(min(K, int(r) - 1)):
@@ -172,14 +178,14 @@ def expected_tokens(rates: Sequence[Sequence[float]], remaining: Sequence[int]) 
 class _Setting:
     """Engine-wide state of one sampling setting: decayed acceptance counts and the probe backoff."""
 
-    acc: float          # draft tokens accepted
-    tried: float        # draft tokens verified (a round accepting a of k verifies min(a + 1, k))
-    pos_acc: list[float]      # (K,) accepted at position j
+    acc: float  # draft tokens accepted
+    tried: float  # draft tokens verified (a round accepting a of k verifies min(a + 1, k))
+    pos_acc: list[float]  # (K,) accepted at position j
     pos_expected: list[float]  # (K,) what the rows' overall rates predicted there, where position j was verified
-    backoff: int        # rounds drafting stays off the next time it stops paying
-    hold: int = 0       # rounds left in the current wait
+    backoff: int  # rounds drafting stays off the next time it stops paying
+    hold: int = 0  # rounds left in the current wait
     hold_batch: int = 0  # the batch size when it began (it ends once the batch has halved)
-    run: int = 0        # consecutive drafting rounds up to the previous one
+    run: int = 0  # consecutive drafting rounds up to the previous one
     drafting_rounds: int = 0  # for explore_every
     confidence: ConfidenceCalibration | None = None  # acceptance by the draft's confidence (use_confidence only)
 
@@ -203,7 +209,7 @@ class AcceptanceEstimates:
     def __init__(self, num_requests: int, shared: _Setting, config: AdaptiveConfig):
         self.shared, self.config = shared, config
         self.acc, self.tried = [0.0] * num_requests, [0.0] * num_requests
-        self._alpha: list[float] | None = None   # request_rates() of the current counts, reused by observe
+        self._alpha: list[float] | None = None  # request_rates() of the current counts, reused by observe
 
     def global_rate(self) -> float:
         """The engine-wide rate of this sampling setting."""
@@ -275,9 +281,9 @@ class SpeculationController:
         self.config = config or AdaptiveConfig()
         self.costs = costs or CostModel(self.config.cost_history)
         self._settings: dict[tuple, _Setting] = {}
-        self._checked_size: int | None = None   # needs_calibration's last batch size and answer
+        self._checked_size: int | None = None  # needs_calibration's last batch size and answer
         self._near_calibration = False
-        self.realized: dict[int, list[float]] = {}   # width bin -> [decayed seconds saved, decayed rounds]
+        self.realized: dict[int, list[float]] = {}  # width bin -> [decayed seconds saved, decayed rounds]
         self._round_tokens, self._round_catch_up, self._vetoes = 0, 0.0, 0
 
     def new_batch(self, num_requests: int, sampling_key: tuple) -> AcceptanceEstimates:
@@ -285,8 +291,13 @@ class SpeculationController:
         if sampling_key not in self._settings:
             c = self.config
             self._settings[sampling_key] = _Setting(
-                0.0, 0.0, [0.0] * self.max_k, [0.0] * self.max_k, c.probe_backoff[0],
-                confidence=ConfidenceCalibration(c.confidence_prior_weight) if c.use_confidence else None)
+                0.0,
+                0.0,
+                [0.0] * self.max_k,
+                [0.0] * self.max_k,
+                c.probe_backoff[0],
+                confidence=ConfidenceCalibration(c.confidence_prior_weight) if c.use_confidence else None,
+            )
         return AcceptanceEstimates(num_requests, self._settings[sampling_key], self.config)
 
     def needs_calibration(self, batch_size: int) -> bool:
@@ -320,12 +331,12 @@ class SpeculationController:
                 return 0
         first, longest = self.config.probe_backoff
         if k == 0 and st.run > 0:
-            needed = min(self.config.failed_rate, max(0.0, times[1] / times[0] - 1.0))   # break-even rate of k = 1
+            needed = min(self.config.failed_rate, max(0.0, times[1] / times[0] - 1.0))  # break-even rate of k = 1
             alpha = estimates.request_rates()
-            if sum(alpha) < needed * len(alpha):   # accepted too rarely to pay: wait, longer each time
+            if sum(alpha) < needed * len(alpha):  # accepted too rarely to pay: wait, longer each time
                 st.hold, st.hold_batch, st.backoff = st.backoff, B, min(2 * st.backoff, longest)
         st.run = st.run + 1 if k > 0 else 0
-        if st.run >= first:                # drafting lasted: the next failure waits the least again
+        if st.run >= first:  # drafting lasted: the next failure waits the least again
             st.backoff = first
         if k > 0:
             st.drafting_rounds += 1
@@ -333,8 +344,13 @@ class SpeculationController:
                 k = k + 1 if k < self.max_k else k - 1
         return k
 
-    def verify_length(self, estimates: AcceptanceEstimates, remaining: Sequence[int],
-                      confidences: Sequence[Sequence[float]], max_k: int) -> int | None:
+    def verify_length(
+        self,
+        estimates: AcceptanceEstimates,
+        remaining: Sequence[int],
+        confidences: Sequence[Sequence[float]],
+        max_k: int,
+    ) -> int | None:
         """After the round drew ``n = len(confidences)`` proposals (``confidences``: ``(n, B)``), how many of them to
         verify, or None to draft another (only while ``n < max_k``).
 
@@ -360,8 +376,13 @@ class SpeculationController:
         saved, rounds = self.realized.get(width_bin(batch_size), (0.0, 0.0))
         return saved / rounds if rounds else 0.0
 
-    def observe(self, estimates: AcceptanceEstimates, k: int, accepted: Sequence[int],
-                confidences: Sequence[Sequence[float]] | None = None) -> None:
+    def observe(
+        self,
+        estimates: AcceptanceEstimates,
+        k: int,
+        accepted: Sequence[int],
+        confidences: Sequence[Sequence[float]] | None = None,
+    ) -> None:
         """Record a round's outcome (``accepted``: ``(B,)`` accepted draft tokens per row of the k verified;
         ``confidences``: ``(n, B)`` of the n >= k proposals drawn, when measured)."""
         self._round_tokens = sum(min(a, k) + 1 for a in accepted)
@@ -372,14 +393,16 @@ class SpeculationController:
                 st.confidence.observe(confidences, accepted, k)
         estimates.observe(k, accepted)
 
-    def record_round(self, batch_size: int, k: int, policy_s: float, draft_s: float, rest_s: float,
-                     drafted: int | None = None) -> None:
+    def record_round(
+        self, batch_size: int, k: int, policy_s: float, draft_s: float, rest_s: float, drafted: int | None = None
+    ) -> None:
         """Measured seconds of a round's verify block (k proposals verified), its proposal chain (``drafted``
         proposals drawn, default k) and the rest of the round."""
         drafted = k if drafted is None else drafted
         if k > 0:  # what the round really saved: its tokens at the plain step's price, less its measured seconds
-            saved = (self.costs.plain_seconds(batch_size, self._round_tokens)
-                     - (policy_s + draft_s + rest_s + self._round_catch_up))
+            saved = self.costs.plain_seconds(batch_size, self._round_tokens) - (
+                policy_s + draft_s + rest_s + self._round_catch_up
+            )
             entry = self.realized.setdefault(width_bin(batch_size), [0.0, 0.0])
             d = self.config.realized_decay
             entry[0], entry[1] = entry[0] * d + saved, entry[1] * d + 1.0
@@ -394,8 +417,16 @@ class SpeculationController:
         self._round_catch_up += seconds
         self.costs.add("catch_up", batch_size, span, seconds)
 
-    def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
-                  pending: torch.Tensor, taps: Sequence[int], sampler: TokenSampler) -> None:
+    def calibrate(
+        self,
+        pdec: PolicyDecoder,
+        ddec: DraftDecoder,
+        pcache: KVCache,
+        dcache: KVCache,
+        pending: torch.Tensor,
+        taps: Sequence[int],
+        sampler: TokenSampler,
+    ) -> None:
         """Time forwards on the live caches around this batch size (:meth:`CostModel.calibrate`)."""
         self.costs.calibrate(pdec, ddec, pcache, dcache, pending, taps, sampler, self.max_k)
         self._checked_size = None

@@ -23,20 +23,20 @@ Taps = tuple[torch.Tensor, ...]
 class LiveRows:
     """The live rows of one ``generate`` chunk and everything indexed by them."""
 
-    active: list[int]             # original index of each live row
-    emitted: list[int]            # tokens emitted so far per row
-    budget: list[int]             # tokens each row may emit
+    active: list[int]  # original index of each live row
+    emitted: list[int]  # tokens emitted so far per row
+    budget: list[int]  # tokens each row may emit
     pcache: KVCache
     dcache: KVCache | None
-    pending: torch.Tensor         # (B,) emitted token not yet fed to the policy
-    length: torch.Tensor          # (B,) tokens in the policy cache
-    doff: torch.Tensor            # (B,) draft cache slot = policy position - doff (positions skipped by round.resume)
-    h_last: torch.Tensor | None   # (B, H) draft output at position length - 1 (stale while a catch-up is deferred)
+    pending: torch.Tensor  # (B,) emitted token not yet fed to the policy
+    length: torch.Tensor  # (B,) tokens in the policy cache
+    doff: torch.Tensor  # (B,) draft cache slot = policy position - doff (positions skipped by round.resume)
+    h_last: torch.Tensor | None  # (B, H) draft output at position length - 1 (stale while a catch-up is deferred)
     dl_last: torch.Tensor | None  # (B, Vd) its logits
     backlog: list[tuple[Taps, torch.Tensor]]  # k = 0 rounds whose draft catch-up is deferred: taps, next ids
     estimates: AcceptanceEstimates | None
-    noise: CounterNoise           # the rows' counter-based noise (their seeds)
-    out_pos: torch.Tensor         # (B,) output position of the pending token's successor (tokens emitted so far)
+    noise: CounterNoise  # the rows' counter-based noise (their seeds)
+    out_pos: torch.Tensor  # (B,) output position of the pending token's successor (tokens emitted so far)
     prompt: tuple[Taps, torch.Tensor, torch.Tensor] | None = None
     """The prompts' draft catch-up, deferred until the first drafting round (adaptive engines: a batch that never
     drafts never runs its draft over the prompts): taps ``(B, P, H)`` each, next ids ``(B, P)``, lengths ``(B,)``."""
@@ -56,8 +56,9 @@ class LiveRows:
     def keep(self, rows: list[int]) -> None:
         """Keep ``rows`` (an order :meth:`KVCache.compact` accepts), slot ``i`` taking row ``rows[i]``."""
         sel = torch.tensor(rows, device=self.pending.device)
-        self.active, self.emitted, self.budget = ([xs[i] for i in rows] for xs in (self.active, self.emitted,
-                                                                                   self.budget))
+        self.active, self.emitted, self.budget = (
+            [xs[i] for i in rows] for xs in (self.active, self.emitted, self.budget)
+        )
         self.pcache = self.pcache.compact(rows)
         self.dcache = None if self.dcache is None else self.dcache.compact(rows)
         self.pending, self.length, self.doff = self.pending[sel], self.length[sel], self.doff[sel]
@@ -84,5 +85,3 @@ def decode_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "
     if isinstance(dtype, str) and (dtype in DECODE_DTYPES or dtype == AUTO):
         return DECODE_DTYPES[resolve_dtype(dtype, device)]
     raise ValueError(f"dtype={dtype!r} must be None, 'auto' or one of {sorted(DECODE_DTYPES)} (or the torch dtype)")
-
-

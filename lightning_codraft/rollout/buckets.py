@@ -72,7 +72,7 @@ class WeightBucket:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, view)`` of every entry: views into the buffer, valid until the buffer is reused."""
         for e in self.entries:
-            yield e.name, self.buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            yield e.name, self.buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
 def bucket_checksum(data: torch.Tensor) -> tuple[int, int, int]:
@@ -83,12 +83,12 @@ def bucket_checksum(data: torch.Tensor) -> tuple[int, int, int]:
     move a weighted one. Two passes over the bytes at memory speed (no int64 copy is made)."""
     words = data.view(torch.int64)
     rows = words.numel() // 512
-    body, tail = words[:rows * 512].view(rows, 512), words[rows * 512:]
+    body, tail = words[: rows * 512].view(rows, 512), words[rows * 512 :]
     row_sums = torch.cat([body.sum(dim=1), tail.sum().view(1)])
     col_sums = body.sum(dim=0)
-    col_sums[:tail.numel()] += tail
+    col_sums[: tail.numel()] += tail
     index = torch.arange(1, max(rows + 1, 512) + 1, device=words.device, dtype=torch.int64)
-    return (int(row_sums.sum()), int((row_sums * index[:rows + 1]).sum()), int((col_sums * index[:512]).sum()))
+    return (int(row_sums.sum()), int((row_sums * index[: rows + 1]).sum()), int((col_sums * index[:512]).sum()))
 
 
 def _align(n: int) -> int:
@@ -125,10 +125,16 @@ class BucketPool:
         self.buffers, self.turn = [], 0
 
 
-def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device | str] = None, shared: bool = False,
-                 pool: Optional[BucketPool] = None) -> Iterator[WeightBucket]:
+def pack_buckets(
+    items: Iterable[tuple[str, torch.Tensor]],
+    kind: str,
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device | str] = None,
+    shared: bool = False,
+    pool: Optional[BucketPool] = None,
+) -> Iterator[WeightBucket]:
     """Pack a ``(name, tensor)`` stream into buckets of at most ``bucket_bytes`` (one oversized tensor: a bucket of
     its own), floating tensors cast to ``dtype`` (None: as they come), on ``device`` (None: each tensor's).
 
@@ -143,7 +149,7 @@ def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: 
 
     def finish(bucket: WeightBucket, last: bool) -> WeightBucket:
         bucket.last = last
-        bucket.checksum = bucket_checksum(bucket.buffer[:bucket.size])
+        bucket.checksum = bucket_checksum(bucket.buffer[: bucket.size])
         return bucket
 
     current: Optional[WeightBucket] = None
@@ -161,11 +167,11 @@ def pack_buckets(items: Iterable[tuple[str, torch.Tensor]], kind: str, version: 
             current = WeightBucket(kind, index, int(version), buffer(max(bucket_bytes, _align(nbytes)), dev))
             index += 1
         offset = _align(current.size)
-        current.buffer[current.size:offset].zero_()  # padding bytes are part of the checksum
-        current.buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)  # no view kept: see the pool
+        current.buffer[current.size : offset].zero_()  # padding bytes are part of the checksum
+        current.buffer[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)  # no view kept: see the pool
         current.entries.append(BucketEntry(name, offset, tuple(t.shape), t.dtype))
         current.size = _align(offset + nbytes)
-        current.buffer[offset + nbytes:current.size].zero_()
+        current.buffer[offset + nbytes : current.size].zero_()
     if current is None:  # an empty model still ends its push: the receiver checks completeness on it
         current = WeightBucket(kind, index, int(version), buffer(16, torch.device(device or "cpu")))
     yield finish(current, last=True)
@@ -207,8 +213,13 @@ class BucketReceiver:
         verify: recompute every bucket's checksum on arrival (``"buckets"``, default) or not (``"off"``).
     """
 
-    def __init__(self, kind: str, version: Optional[int] = None, expected: Optional[Iterable[str]] = None,
-                 verify: str = "buckets"):
+    def __init__(
+        self,
+        kind: str,
+        version: Optional[int] = None,
+        expected: Optional[Iterable[str]] = None,
+        verify: str = "buckets",
+    ):
         if verify not in ("buckets", "off"):
             raise ValueError(f"verify={verify!r} must be 'buckets' or 'off'")
         self.kind, self.version, self.verify = kind, version, verify
@@ -226,14 +237,20 @@ class BucketReceiver:
         if self.version is None:
             self.version = bucket.version
         if bucket.version != self.version:
-            raise RefitError(f"{self.kind}: bucket {bucket.index} carries version {bucket.version}, the push is "
-                             f"version {self.version} (a stale bucket)")
+            raise RefitError(
+                f"{self.kind}: bucket {bucket.index} carries version {bucket.version}, the push is "
+                f"version {self.version} (a stale bucket)"
+            )
         if bucket.index != self.next_index:
-            raise RefitError(f"{self.kind}: bucket {bucket.index} arrived where bucket {self.next_index} was due (a "
-                             f"dropped or reordered bucket)")
-        if self.verify == "buckets" and bucket_checksum(bucket.buffer[:bucket.size]) != tuple(bucket.checksum):
-            raise RefitError(f"{self.kind}: bucket {bucket.index} (version {bucket.version}) does not match its "
-                             f"checksum: its bytes changed on the way")
+            raise RefitError(
+                f"{self.kind}: bucket {bucket.index} arrived where bucket {self.next_index} was due (a "
+                f"dropped or reordered bucket)"
+            )
+        if self.verify == "buckets" and bucket_checksum(bucket.buffer[: bucket.size]) != tuple(bucket.checksum):
+            raise RefitError(
+                f"{self.kind}: bucket {bucket.index} (version {bucket.version}) does not match its "
+                f"checksum: its bytes changed on the way"
+            )
         self.next_index += 1
         self.done = bucket.last
         for name, view in bucket.tensors():
@@ -243,12 +260,16 @@ class BucketReceiver:
     def finish(self) -> None:
         """Raise :class:`RefitError` unless the push ended with its last bucket and filled every expected name."""
         if not self.done:
-            raise RefitError(f"{self.kind}: the push of version {self.version} ended after {self.next_index} "
-                             f"buckets without its last one (a dropped bucket)")
+            raise RefitError(
+                f"{self.kind}: the push of version {self.version} ended after {self.next_index} "
+                f"buckets without its last one (a dropped bucket)"
+            )
         missing = (self.expected or set()) - self.filled
         if missing:
-            raise RefitError(f"{self.kind}: the push of version {self.version} left {len(missing)} tensors of the "
-                             f"engine unfilled, e.g. {sorted(missing)[:3]}")
+            raise RefitError(
+                f"{self.kind}: the push of version {self.version} left {len(missing)} tensors of the "
+                f"engine unfilled, e.g. {sorted(missing)[:3]}"
+            )
 
 
 def copy_into(params: dict[str, torch.Tensor], pairs: Iterable[tuple[str, torch.Tensor]], bucket: WeightBucket) -> None:
@@ -257,8 +278,10 @@ def copy_into(params: dict[str, torch.Tensor], pairs: Iterable[tuple[str, torch.
     with torch.no_grad():
         for name, view in pairs:
             if name not in params:
-                raise RefitError(f"{bucket.kind}: bucket {bucket.index} carries {name!r}, which the engine's "
-                                 f"{bucket.kind} does not have")
+                raise RefitError(
+                    f"{bucket.kind}: bucket {bucket.index} carries {name!r}, which the engine's "
+                    f"{bucket.kind} does not have"
+                )
             params[name].data.copy_(view)
 
 
@@ -266,9 +289,15 @@ def share_handle(bucket: WeightBucket) -> tuple:
     """A plain-data reference to ``bucket``'s buffer for another process (no bytes copied; picklable by any
     pickler): a CPU buffer must be in shared memory (``pack_buckets(shared=True)``) and travels by the name of its
     shared-memory file; a CUDA buffer travels as a CUDA IPC handle."""
-    meta = dict(kind=bucket.kind, index=bucket.index, version=bucket.version, size=bucket.size,
-                checksum=tuple(bucket.checksum), last=bucket.last,
-                entries=[(e.name, e.offset, e.shape, str(e.dtype).removeprefix("torch.")) for e in bucket.entries])
+    meta = dict(
+        kind=bucket.kind,
+        index=bucket.index,
+        version=bucket.version,
+        size=bucket.size,
+        checksum=tuple(bucket.checksum),
+        last=bucket.last,
+        entries=[(e.name, e.offset, e.shape, str(e.dtype).removeprefix("torch.")) for e in bucket.entries],
+    )
     if bucket.buffer.device.type == "cpu":
         if not bucket.buffer.is_shared():
             raise ValueError("the bucket's CPU buffer is not in shared memory; pack with shared=True")
@@ -287,5 +316,13 @@ def open_handle(handle: tuple) -> WeightBucket:
     else:
         raise ValueError(f"unknown bucket handle kind {how!r}")
     entries = [BucketEntry(n, o, tuple(s), getattr(torch, d)) for n, o, s, d in meta["entries"]]
-    return WeightBucket(meta["kind"], meta["index"], meta["version"], buffer, entries, meta["size"],
-                        tuple(meta["checksum"]), meta["last"])
+    return WeightBucket(
+        meta["kind"],
+        meta["index"],
+        meta["version"],
+        buffer,
+        entries,
+        meta["size"],
+        tuple(meta["checksum"]),
+        meta["last"],
+    )

@@ -96,7 +96,7 @@ class _LinearFit:
     def __init__(self, num_features: int, history: int):
         self.anchors: list[tuple[tuple[float, ...], float]] = []
         self._n, self._decay, self._clock = num_features, 1.0 - 1.0 / history, 0
-        self._bins: dict[int, list] = {}        # bin -> [xtx, xty, clock of last update] (measured points)
+        self._bins: dict[int, list] = {}  # bin -> [xtx, xty, clock of last update] (measured points)
         self._anchor_bins: dict[int, list] = {}
         self._solved: dict[int, tuple[float, ...]] = {}
         self._stale = 0
@@ -152,7 +152,7 @@ class _LinearFit:
                     w = math.exp(-0.5 * ((i - q) / 2) ** 2) * (self._decay ** (self._clock - last) if fading else 1)
                     A += w * np.array(xtx).reshape(self._n, self._n)
                     b += w * np.array(xty)
-            A += np.eye(self._n) * 1e-9 * max(np.trace(A), 1e-30)   # ridge: a feature never varied stays 0
+            A += np.eye(self._n) * 1e-9 * max(np.trace(A), 1e-30)  # ridge: a feature never varied stays 0
             keep, coef = list(range(self._n)), np.zeros(self._n)
             while keep:  # active set: drop features whose weight comes out negative
                 sol = np.linalg.solve(A[np.ix_(keep, keep)], b[keep])
@@ -180,7 +180,7 @@ class CostModel:
         self.policy_fit = _LinearFit(4, history)
         self.catch_up_fit = _LinearFit(3, history)
         self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
-        self.sizes: list[int] = []   # batch sizes the calibration timed
+        self.sizes: list[int] = []  # batch sizes the calibration timed
 
     def policy(self, B: int, S: int) -> float:
         c = self.policy_fit.coef(B)
@@ -233,8 +233,17 @@ class CostModel:
         for fit in (self.policy_fit, self.draft_fit, self.catch_up_fit, self.rest_fit):
             fit.drop_anchors(lambda f: not any(_near(f[1], n) for n in sizes))
 
-    def calibrate(self, pdec: PolicyDecoder, ddec: DraftDecoder, pcache: KVCache, dcache: KVCache,
-                  pending: torch.Tensor, taps: Sequence[int], sampler: TokenSampler, max_k: int) -> None:
+    def calibrate(
+        self,
+        pdec: PolicyDecoder,
+        ddec: DraftDecoder,
+        pcache: KVCache,
+        dcache: KVCache,
+        pending: torch.Tensor,
+        taps: Sequence[int],
+        sampler: TokenSampler,
+        max_k: int,
+    ) -> None:
         """Time verify forwards (1..K+1 tokens per row, with the sampling math), draft catch-ups and a draft
         step with its sampling, on the live caches: their first B and B/2 rows, lengths untouched (what the
         forwards write lies past every row's length and is overwritten before it is read).
@@ -271,7 +280,7 @@ class CostModel:
                 if S in (1, max_k + 1):
                     self.add("catch_up", n, S, min(catch[1:]), anchor=True)
             hidden, step = ddec.fuse(tuple(t[:, :1] for t in tapped)), []
-            rn = sampler.start_round(noise, at, 1)   # a round's noise is timed with its verify
+            rn = sampler.start_round(noise, at, 1)  # a round's noise is timed with its verify
             for _ in range(3):
                 t0 = clock(device)
                 _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), dcache.select(n))

@@ -108,12 +108,14 @@ class AcceptanceStats:
             draft_steps=self.draft_steps + other.draft_steps,
             drafted=self.drafted + other.drafted,
             accepted=self.accepted + other.accepted,
-            accepted_per_position=[a + b for a, b in zip(pad(self.accepted_per_position),
-                                                         pad(other.accepted_per_position))],
+            accepted_per_position=[
+                a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))
+            ],
             policy_forwards=self.policy_forwards + other.policy_forwards,
             proposed_per_position=[a + b for a, b in zip(pad(self._proposed()), pad(other._proposed()))],
             plain_rounds=self.plain_rounds + other.plain_rounds,
-            round_s=self.round_s + other.round_s, plain_s=self.plain_s + other.plain_s,
+            round_s=self.round_s + other.round_s,
+            plain_s=self.plain_s + other.plain_s,
         )
 
     @staticmethod
@@ -124,10 +126,15 @@ class AcceptanceStats:
         return out
 
     def as_dict(self) -> dict[str, float]:
-        d = {"draft_steps": float(self.draft_steps), "drafted": float(self.drafted),
-             "accepted": float(self.accepted), "acceptance_length": self.acceptance_length,
-             "acceptance_rate": self.acceptance_rate, "plain_rounds": float(self.plain_rounds),
-             "mean_k": self.mean_k}
+        d = {
+            "draft_steps": float(self.draft_steps),
+            "drafted": float(self.drafted),
+            "accepted": float(self.accepted),
+            "acceptance_length": self.acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "plain_rounds": float(self.plain_rounds),
+            "mean_k": self.mean_k,
+        }
         d.update({f"acc/pos{j}": r for j, r in enumerate(self.per_position_rate())})
         return d
 
@@ -175,9 +182,7 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(
-        self,
-        policy_state: Mapping[str, torch.Tensor] | None,
-        draft_state: Mapping[str, torch.Tensor] | None,
+        self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
     ) -> None:
         """Load full HF-named policy / vLLM-named draft state dicts (None leaves that model unchanged)."""
         ...
@@ -220,14 +225,21 @@ class ForwardObserver(Protocol):
     taps: Sequence[int]
     """The policy tap ids to receive (tap ``l``: hidden state entering layer ``l``; ``L``: last layer's output)."""
 
-    def prefill(self, requests: list[int], lengths: list[int], taps: tuple[torch.Tensor, ...],
-                last_logits: torch.Tensor) -> None:
+    def prefill(
+        self, requests: list[int], lengths: list[int], taps: tuple[torch.Tensor, ...], last_logits: torch.Tensor
+    ) -> None:
         """The prompts' forward: ``taps`` each ``(B, S, H)`` (row i valid up to ``lengths[i]``), ``last_logits``
         ``(B, V)`` at each prompt's last position."""
         ...
 
-    def decode(self, requests: list[int], start: list[int], counts: list[int], taps: tuple[torch.Tensor, ...],
-               logits: torch.Tensor) -> None:
+    def decode(
+        self,
+        requests: list[int],
+        start: list[int],
+        counts: list[int],
+        taps: tuple[torch.Tensor, ...],
+        logits: torch.Tensor,
+    ) -> None:
         """One decode (verify) forward: row i fed positions ``start[i] .. start[i] + counts[i] - 1`` of its
         sequence (its emitted tokens; positions past the request's final length, after a stop token, may occur
         and are not part of it); ``taps`` each ``(B, S, H)`` and ``logits`` ``(B, S, V)`` at those positions."""
@@ -242,12 +254,16 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cont
         if len(prompt) == 0:
             raise ValueError(f"request {i}: prompt is empty; every prompt needs at least one token id")
         if len(prompt) >= max_context:
-            raise ValueError(f"request {i}: prompt has {len(prompt)} tokens but the context holds "
-                             f"{max_context}; prompts must be shorter than the context to generate anything")
+            raise ValueError(
+                f"request {i}: prompt has {len(prompt)} tokens but the context holds "
+                f"{max_context}; prompts must be shorter than the context to generate anything"
+            )
         if not all(isinstance(t, numbers.Integral) for t in prompt):
             bad = next(t for t in prompt if not isinstance(t, numbers.Integral))
-            raise ValueError(f"request {i}: token ids must be Python ints, got {type(bad).__name__} {bad!r}; "
-                             "encode text with the tokenizer first")
+            raise ValueError(
+                f"request {i}: token ids must be Python ints, got {type(bad).__name__} {bad!r}; "
+                "encode text with the tokenizer first"
+            )
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi

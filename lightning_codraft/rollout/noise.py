@@ -41,7 +41,7 @@ import torch
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_CHUNK = 1 << 16        # elements per hashed block: two int64 buffers of 512 KiB stay in L2
+_CHUNK = 1 << 16  # elements per hashed block: two int64 buffers of 512 KiB stay in L2
 
 
 def _signed(x: int) -> int:
@@ -98,16 +98,19 @@ def resolve_request_seeds(num_requests: int, seed: int | None, request_seeds: Se
             raise ValueError(f"seed={seed!r} must be an int or None")
         return [request_seed(int(seed), i) for i in range(num_requests)]
     if seed is not None:
-        raise ValueError(f"got both seed={seed} and request_seeds; pass one: request_seeds fixes each request's "
-                         "samples, seed derives them as request_seed(seed, i)")
+        raise ValueError(
+            f"got both seed={seed} and request_seeds; pass one: request_seeds fixes each request's "
+            "samples, seed derives them as request_seed(seed, i)"
+        )
     seeds = list(request_seeds)
     if len(seeds) != num_requests:
-        raise ValueError(f"request_seeds has {len(seeds)} entries for {num_requests} prompts; pass one seed per "
-                         "prompt")
+        raise ValueError(f"request_seeds has {len(seeds)} entries for {num_requests} prompts; pass one seed per prompt")
     for i, s in enumerate(seeds):
         if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= int(s) < 1 << 63:
-            raise ValueError(f"request_seeds[{i}]={s!r} must be an int in [0, 2**63); derive seeds with "
-                             "lightning_codraft.rollout.noise.request_seed(seed, index)")
+            raise ValueError(
+                f"request_seeds[{i}]={s!r} must be an int in [0, 2**63); derive seeds with "
+                "lightning_codraft.rollout.noise.request_seed(seed, index)"
+            )
     return [int(s) for s in seeds]
 
 
@@ -161,8 +164,13 @@ class CounterNoise:
         z = self._rows[purpose][:, None] + (positions.long() + 1) * _G
         return _mix64_(z, torch.empty_like(z))
 
-    def uniform(self, positions: torch.Tensor, purpose: int, ids: torch.Tensor | None = None,
-                transform: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def uniform(
+        self,
+        positions: torch.Tensor,
+        purpose: int,
+        ids: torch.Tensor | None = None,
+        transform: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Counter-based uniforms ``U(seed_b, positions[b, s], purpose, ids[n])`` in (0, 1).
 
         Args:
@@ -178,8 +186,8 @@ class CounterNoise:
         device = self.seeds.device
         if ids is None:
             ids = torch.zeros(1, dtype=torch.long, device=device)
-        streams = self.streams(positions, purpose).reshape(-1, 1)                    # (B*S, 1)
-        steps = (ids.long() + 1) * _G                                                # (N,) wraps like uint64
+        streams = self.streams(positions, purpose).reshape(-1, 1)  # (B*S, 1)
+        steps = (ids.long() + 1) * _G  # (N,) wraps like uint64
         count, n_ids = streams.shape[0], ids.shape[0]
         out = torch.empty(count, n_ids, dtype=torch.float32, device=device)
         rows = max(1, _CHUNK // max(1, n_ids))
@@ -187,12 +195,12 @@ class CounterNoise:
         tmp = torch.empty_like(z)
         for r0 in range(0, count, rows):
             n = min(rows, count - r0)
-            zb, ob = z[:n], out[r0:r0 + n]
-            torch.add(streams[r0:r0 + n], steps, out=zb)
+            zb, ob = z[:n], out[r0 : r0 + n]
+            torch.add(streams[r0 : r0 + n], steps, out=zb)
             _mix64_(zb, tmp[:n])
-            zb.bitwise_and_((1 << 63) - 1)                                           # 63 random bits, >= 0
-            ob.copy_(zb).mul_(2.0 ** -63)                                            # the nearest float32
-            ob.clamp_(2.0 ** -64, 1.0 - 2.0 ** -24)
+            zb.bitwise_and_((1 << 63) - 1)  # 63 random bits, >= 0
+            ob.copy_(zb).mul_(2.0**-63)  # the nearest float32
+            ob.clamp_(2.0**-64, 1.0 - 2.0**-24)
             if transform is not None:
                 transform(ob)
         return out.reshape(*positions.shape, n_ids)

@@ -18,8 +18,9 @@ from lightning_codraft.models.decode import PolicyDecoder, Taps
 from lightning_codraft.models.kv_cache import KVCache
 
 
-def prefill_groups(lengths: Sequence[int], group_tokens: int, max_padding: float = 0.125,
-                   min_group_tokens: int = 256) -> list[tuple[int, int]]:
+def prefill_groups(
+    lengths: Sequence[int], group_tokens: int, max_padding: float = 0.125, min_group_tokens: int = 256
+) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` consecutive row ranges covering ``lengths`` (ascending), each of at most
     ``group_tokens`` padded positions ``(stop - start) * lengths[stop - 1]`` (a single row may exceed it).
 
@@ -31,8 +32,9 @@ def prefill_groups(lengths: Sequence[int], group_tokens: int, max_padding: float
     if any(b < a for a, b in zip(lengths, lengths[1:])):
         raise ValueError(f"prefill_groups needs ascending prompt lengths, got {list(lengths)}")
     if not 0.0 <= max_padding < 1.0 or min_group_tokens < 0:
-        raise ValueError(f"prefill_groups: max_padding={max_padding} must be in [0, 1) and min_group_tokens="
-                         f"{min_group_tokens} >= 0")
+        raise ValueError(
+            f"prefill_groups: max_padding={max_padding} must be in [0, 1) and min_group_tokens={min_group_tokens} >= 0"
+        )
     groups, start, real = [], 0, 0
     for i, n in enumerate(lengths):
         padded = (i + 1 - start) * n
@@ -46,8 +48,14 @@ def prefill_groups(lengths: Sequence[int], group_tokens: int, max_padding: float
     return groups
 
 
-def prefill(pdec: PolicyDecoder, cache: KVCache, ids: Tensor, lengths: Sequence[int], taps: Sequence[int] | None,
-            group_tokens: int = 4096) -> tuple[Tensor, Taps | None]:
+def prefill(
+    pdec: PolicyDecoder,
+    cache: KVCache,
+    ids: Tensor,
+    lengths: Sequence[int],
+    taps: Sequence[int] | None,
+    group_tokens: int = 4096,
+) -> tuple[Tensor, Taps | None]:
     """Prefill rows sorted by prompt length, group by group (:func:`prefill_groups`).
 
     Args:

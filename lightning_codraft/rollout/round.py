@@ -46,9 +46,16 @@ def pick(captured: Optional[Taps], ids: Optional[Sequence[int]], want: Optional[
 # engine defers (the prompts until the first drafting round, the k = 0 rounds since drafting stopped) is kept on
 # the LiveRows and done by ``resume`` when drafting starts again.
 
-def propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, k: int, sampler: TokenSampler, rn: RoundNoise,
-            stop: Callable[[list[list[float]]], int | None] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, list[list[float]]]:
+
+def propose(
+    pdec: PolicyDecoder,
+    ddec: DraftDecoder,
+    b: LiveRows,
+    k: int,
+    sampler: TokenSampler,
+    rn: RoundNoise,
+    stop: Callable[[list[list[float]]], int | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[list[float]]]:
     """Chain-draft up to k tokens from the step-0 output ``b.h_last`` (B, H), ``b.dl_last`` (B, Vd).
 
     Args:
@@ -86,8 +93,15 @@ def propose(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, k: int, sample
     return draft_ids, sampler.target_probs(probs) if probs else None, confidences
 
 
-def catch_up(pdec: PolicyDecoder, ddec: DraftDecoder, b: LiveRows, taps: Taps, next_ids: torch.Tensor,
-             last: torch.Tensor, new_lengths: torch.Tensor) -> None:
+def catch_up(
+    pdec: PolicyDecoder,
+    ddec: DraftDecoder,
+    b: LiveRows,
+    taps: Taps,
+    next_ids: torch.Tensor,
+    last: torch.Tensor,
+    new_lengths: torch.Tensor,
+) -> None:
     """Draft forward at verified positions with the policy's taps; its output at index ``last`` becomes
     ``b.h_last`` / ``b.dl_last``.
 
@@ -127,16 +141,16 @@ class Chunk:
     pdec: PolicyDecoder
     ddec: Optional[DraftDecoder]
     sampler: TokenSampler
-    controller: Any                        # a SpeculationController, or None for a fixed K
-    max_k: int                             # K
-    spare: int                             # cache slots a round may write past the committed length
-    fwd_taps: Optional[tuple[int, ...]]    # taps each policy forward captures (the draft's and the observer's)
+    controller: Any  # a SpeculationController, or None for a fixed K
+    max_k: int  # K
+    spare: int  # cache slots a round may write past the committed length
+    fwd_taps: Optional[tuple[int, ...]]  # taps each policy forward captures (the draft's and the observer's)
     draft_taps: Optional[tuple[int, ...]]  # the draft's taps (None without a draft)
     observer_taps: tuple[int, ...] = ()
     observer: Optional[ForwardObserver] = None
-    requests: Sequence[int] = ()           # row -> the request index the observer knows it by
+    requests: Sequence[int] = ()  # row -> the request index the observer knows it by
     stops: frozenset = frozenset()
-    tokens: list[list[int]] = field(default_factory=list)       # per original row
+    tokens: list[list[int]] = field(default_factory=list)  # per original row
     logprobs: list[list[float]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     stats: list[AcceptanceStats] = field(default_factory=list)
@@ -150,17 +164,17 @@ class Chunk:
 class Verified:
     """What one round verified, per live row (``B`` rows)."""
 
-    k: int                     # draft tokens verified
-    drafted: int               # proposals the draft made (> k when a confidence stop cut the chain)
-    confidences: Any           # the draft's confidence per proposal (adaptive, confidence stop) or None
-    accepted: torch.Tensor     # (B,) accepted proposals
-    host_accepted: list[int]   # the same, on the host
-    bonus: torch.Tensor        # (B,) the token after the accepted ones (the policy's)
-    new_ids: torch.Tensor      # (B, k + 1) accepted proposals, then the bonus at column ``accepted``
-    new_lp: torch.Tensor       # (B, k + 1) their log-probabilities under the sampling distribution
-    new_length: torch.Tensor   # (B,) policy cache length after the round
-    logits: torch.Tensor       # (B, k + 1, V) the verify forward's logits (for the observer)
-    taps: Optional[Taps]       # the verify forward's captured taps (chunk.fwd_taps)
+    k: int  # draft tokens verified
+    drafted: int  # proposals the draft made (> k when a confidence stop cut the chain)
+    confidences: Any  # the draft's confidence per proposal (adaptive, confidence stop) or None
+    accepted: torch.Tensor  # (B,) accepted proposals
+    host_accepted: list[int]  # the same, on the host
+    bonus: torch.Tensor  # (B,) the token after the accepted ones (the policy's)
+    new_ids: torch.Tensor  # (B, k + 1) accepted proposals, then the bonus at column ``accepted``
+    new_lp: torch.Tensor  # (B, k + 1) their log-probabilities under the sampling distribution
+    new_length: torch.Tensor  # (B,) policy cache length after the round
+    logits: torch.Tensor  # (B, k + 1, V) the verify forward's logits (for the observer)
+    taps: Optional[Taps]  # the verify forward's captured taps (chunk.fwd_taps)
 
 
 def run_round(b: LiveRows, chunk: Chunk, done: list[bool]) -> None:
@@ -190,8 +204,13 @@ def run_round(b: LiveRows, chunk: Chunk, done: list[bool]) -> None:
         _charge(b, chunk, v.k, clock.elapsed(), emitted)
     if observed is not None:  # after the round's clocks: the observer's time is not the engine's
         active, fed_from, seen_taps = observed
-        chunk.observer.decode([chunk.requests[r] for r in active], fed_from.tolist(),
-                              [a + 1 for a in v.host_accepted], seen_taps, v.logits)
+        chunk.observer.decode(
+            [chunk.requests[r] for r in active],
+            fed_from.tolist(),
+            [a + 1 for a in v.host_accepted],
+            seen_taps,
+            v.logits,
+        )
 
 
 def _charge(b: LiveRows, chunk: Chunk, k: int, seconds: float, emitted_before: list[int]) -> None:
@@ -244,10 +263,19 @@ def _verify(b: LiveRows, chunk: Chunk, draft_ids: torch.Tensor, q, rn, drafted: 
     new_ids[torch.arange(len(b.active), device=new_ids.device), accepted] = bonus
     new_length = b.length + 1 + accepted
     b.pcache.lengths = new_length
-    return Verified(k=draft_ids.shape[1], drafted=drafted, confidences=confidences, accepted=accepted,
-                    host_accepted=accepted.tolist(), bonus=bonus, new_ids=new_ids,
-                    new_lp=lp.gather(2, new_ids[..., None]).squeeze(2), new_length=new_length, logits=logits,
-                    taps=taps)
+    return Verified(
+        k=draft_ids.shape[1],
+        drafted=drafted,
+        confidences=confidences,
+        accepted=accepted,
+        host_accepted=accepted.tolist(),
+        bonus=bonus,
+        new_ids=new_ids,
+        new_lp=lp.gather(2, new_ids[..., None]).squeeze(2),
+        new_length=new_length,
+        logits=logits,
+        taps=taps,
+    )
 
 
 def _feed_draft(b: LiveRows, chunk: Chunk, v: Verified, clock: RoundClock) -> None:
@@ -258,8 +286,15 @@ def _feed_draft(b: LiveRows, chunk: Chunk, v: Verified, clock: RoundClock) -> No
     if v.k:
         span = max(v.host_accepted) + 1
         with clock.block("catch_up"):
-            catch_up(chunk.pdec, chunk.ddec, b, tuple(t[:, :span] for t in taps), v.new_ids[:, :span], v.accepted,
-                     v.new_length)
+            catch_up(
+                chunk.pdec,
+                chunk.ddec,
+                b,
+                tuple(t[:, :span] for t in taps),
+                v.new_ids[:, :span],
+                v.accepted,
+                v.new_length,
+            )
         if chunk.controller is not None:
             chunk.controller.record_catch_up(len(b.active), span, clock.last)
         return

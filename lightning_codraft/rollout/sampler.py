@@ -86,13 +86,12 @@ class TokenSampler:
         out = RoundNoise(noise, positions)
         if self.greedy or self.mode == "coupled" or not k:
             return out
-        at = positions[:, None] + torch.arange(k, device=positions.device)   # (B, k)
+        at = positions[:, None] + torch.arange(k, device=positions.device)  # (B, k)
         out.draft = noise.gumbel(at, DRAFT, self._draft_vocab(positions.device))
         out.accept = noise.uniform(at, ACCEPT)[..., 0]
         return out
 
-    def token_noise(self, rn: RoundNoise, j: int, ids: torch.Tensor, rows: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+    def token_noise(self, rn: RoundNoise, j: int, ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """(n, N) coupled TOKEN noise of the round's position j (output position ``rn.positions + j``) over token
         ids ``ids`` (N,), for rows ``rows`` (n,) or every row; an id's noise does not depend on the other ids drawn."""
         noise, at = (rn.noise, rn.positions) if rows is None else (rn.noise.select(rows), rn.positions[rows])
@@ -142,8 +141,9 @@ class TokenSampler:
         out = q.new_zeros(*q.shape[:2], self.vocab_size)
         return out.index_copy_(2, self.index, q)
 
-    def verify(self, logprobs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               rn: RoundNoise) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, logprobs: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, rn: RoundNoise
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Verify k proposals per row.
 
         Args:
@@ -162,10 +162,15 @@ class TokenSampler:
         batch, k = draft_ids.shape
         if draft_probs is None:  # no draft: an empty proposal, the next token comes from p_0
             draft_probs = logprobs.new_zeros(batch, 0, logprobs.shape[-1])
-        uniforms = rn.accept[:, :k] if k else logprobs.new_zeros(batch, 0)   # a round may verify fewer than drawn
+        uniforms = rn.accept[:, :k] if k else logprobs.new_zeros(batch, 0)  # a round may verify fewer than drawn
         ids = self._vocab(logprobs.device)
-        return rejection_sample(logprobs.exp(), draft_probs, draft_ids, uniforms,
-                                lambda accepted: rn.noise.gumbel((rn.positions + accepted)[:, None], TOKEN, ids)[:, 0])
+        return rejection_sample(
+            logprobs.exp(),
+            draft_probs,
+            draft_ids,
+            uniforms,
+            lambda accepted: rn.noise.gumbel((rn.positions + accepted)[:, None], TOKEN, ids)[:, 0],
+        )
 
 
 class Proposal(NamedTuple):

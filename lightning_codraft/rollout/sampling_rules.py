@@ -140,8 +140,9 @@ def greedy_verify(target_ids: torch.Tensor, draft_ids: torch.Tensor) -> tuple[to
     return num_accepted, next_ids
 
 
-def lazy_coupled_verify(target_logprobs: torch.Tensor, gumbel_at: Callable[[torch.Tensor, int], torch.Tensor],
-                        draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lazy_coupled_verify(
+    target_logprobs: torch.Tensor, gumbel_at: Callable[[torch.Tensor, int], torch.Tensor], draft_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gumbel-coupled verification — the policy's own samples (:func:`gumbel_argmax` of its log-probabilities and the
     noise the draft proposed with) verified greedily against the proposals (``greedy_verify(gumbel_argmax(logprobs,
     gumbel), draft_ids)``: how many of its samples the draft guessed) — drawing the noise of a position only for the
@@ -168,10 +169,10 @@ def lazy_coupled_verify(target_logprobs: torch.Tensor, gumbel_at: Callable[[torc
         samples[rows, j] = y
         if j + 1 == k_plus_1:
             break
-        rows = rows[draft_ids[rows, j] == y]   # a row reaches position j + 1 only if proposal j + 1 was its sample
+        rows = rows[draft_ids[rows, j] == y]  # a row reaches position j + 1 only if proposal j + 1 was its sample
         if rows.numel() == 0:
             break
-    return greedy_verify(samples, draft_ids)   # an undrawn position (-1) equals no proposal
+    return greedy_verify(samples, draft_ids)  # an undrawn position (-1) equals no proposal
 
 
 def rejection_sample(
@@ -216,4 +217,3 @@ def rejection_sample(
         p_next = torch.where(empty, p_next, residual)
     next_ids = gumbel_argmax(torch.log(p_next), next_noise(num_accepted))
     return num_accepted, next_ids
-

@@ -97,25 +97,38 @@ class SpeculativeEngine:
     :meth:`update_weights` loads new weights into them in place.
     """
 
-    def __init__(self, policy: nn.Module, draft: nn.Module | None = None, num_speculative_tokens: int = 3,
-                 *, max_batch_size: int | None = None, adaptive: bool | SpeculationController = False,
-                 sampling: str = "coupled", dtype: torch.dtype | str | None = None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        draft: nn.Module | None = None,
+        num_speculative_tokens: int = 3,
+        *,
+        max_batch_size: int | None = None,
+        adaptive: bool | SpeculationController = False,
+        sampling: str = "coupled",
+        dtype: torch.dtype | str | None = None,
+    ):
         if sampling not in SAMPLING_MODES:
-            raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}: 'coupled' (Gumbel-coupled, "
-                             "rollouts independent of the draft and batch) or 'rejection'")
+            raise ValueError(
+                f"sampling={sampling!r} must be one of {SAMPLING_MODES}: 'coupled' (Gumbel-coupled, "
+                "rollouts independent of the draft and batch) or 'rejection'"
+            )
         if int(num_speculative_tokens) < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0 "
-                             "(0 = plain decoding without the draft)")
+            raise ValueError(
+                f"num_speculative_tokens={num_speculative_tokens} must be >= 0 (0 = plain decoding without the draft)"
+            )
         if max_batch_size is not None and int(max_batch_size) < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         for role, module in (("policy", policy), ("draft", draft)):
             if module is not None and any(isinstance(p, DTensor) for p in module.parameters()):
-                raise ValueError(f"the engine's {role} holds FSDP2 / DTensor shards: every rank would decode its own "
-                                 f"prompts through collectives the other ranks are not in. Build the engine over a "
-                                 f"separate, unsharded copy and fill it with the training module's full weights each "
-                                 f"step (CoDraftModule.full_state_dicts(); the RL loop's RolloutWorker and "
-                                 f"lightning_codraft.pytorch.WeightSyncCallback do this), or train with "
-                                 f"CoDraftStrategy(sharding='ddp')")
+                raise ValueError(
+                    f"the engine's {role} holds FSDP2 / DTensor shards: every rank would decode its own "
+                    f"prompts through collectives the other ranks are not in. Build the engine over a "
+                    f"separate, unsharded copy and fill it with the training module's full weights each "
+                    f"step (CoDraftModule.full_state_dicts(); the RL loop's RolloutWorker and "
+                    f"lightning_codraft.pytorch.WeightSyncCallback do this), or train with "
+                    f"CoDraftStrategy(sharding='ddp')"
+                )
         self.policy = policy
         self.draft = draft if int(num_speculative_tokens) > 0 else None
         self.num_speculative_tokens = int(num_speculative_tokens) if draft is not None else 0
@@ -128,11 +141,16 @@ class SpeculativeEngine:
         self.controller: SpeculationController | None = None
         self.weight_versions = {"policy": -1, "draft": -1}
         if adaptive is not False and self.draft is not None:
-            ctl = adaptive if isinstance(adaptive, SpeculationController) else SpeculationController(
-                self.num_speculative_tokens)
+            ctl = (
+                adaptive
+                if isinstance(adaptive, SpeculationController)
+                else SpeculationController(self.num_speculative_tokens)
+            )
             if ctl.max_k != self.num_speculative_tokens:
-                raise ValueError(f"the controller's max_k={ctl.max_k} differs from num_speculative_tokens="
-                                 f"{self.num_speculative_tokens}; build it with SpeculationController(K)")
+                raise ValueError(
+                    f"the controller's max_k={ctl.max_k} differs from num_speculative_tokens="
+                    f"{self.num_speculative_tokens}; build it with SpeculationController(K)"
+                )
             self.controller = ctl
 
     # ------------------------------------------------------------------ setup
@@ -151,16 +169,22 @@ class SpeculativeEngine:
         if not callable(getattr(self.draft, "decoder", None)):
             missing += [name for name in ("fuse", "step") if not callable(getattr(self.draft, name, None))]
         if missing:
-            raise TypeError(f"the engine's draft {type(self.draft).__name__} lacks {missing}: a draft needs the "
-                            f"EAGLE-3 decode contract (config, draft_to_target, and decoder() or fuse + step); "
-                            f"subclass lightning_codraft.models.Eagle3Draft")
+            raise TypeError(
+                f"the engine's draft {type(self.draft).__name__} lacks {missing}: a draft needs the "
+                f"EAGLE-3 decode contract (config, draft_to_target, and decoder() or fuse + step); "
+                f"subclass lightning_codraft.models.Eagle3Draft"
+            )
         pc, dc = self.policy.config, self.draft.config
         if int(dc.hidden_size) != int(pc.hidden_size):
-            raise ValueError(f"draft hidden_size={dc.hidden_size} does not fit the policy's "
-                             f"hidden_size={pc.hidden_size}; build the draft with Eagle3Draft.from_policy(policy)")
+            raise ValueError(
+                f"draft hidden_size={dc.hidden_size} does not fit the policy's "
+                f"hidden_size={pc.hidden_size}; build the draft with Eagle3Draft.from_policy(policy)"
+            )
         if int(dc.vocab_size) != int(pc.vocab_size):
-            raise ValueError(f"draft vocab_size={dc.vocab_size} (target vocabulary) does not match the policy's "
-                             f"vocab_size={pc.vocab_size}; build the draft with Eagle3Draft.from_policy(policy)")
+            raise ValueError(
+                f"draft vocab_size={dc.vocab_size} (target vocabulary) does not match the policy's "
+                f"vocab_size={pc.vocab_size}; build the draft with Eagle3Draft.from_policy(policy)"
+            )
         taps = tuple(int(t) for t in dc.taps)
         num_layers = int(pc.num_hidden_layers)
         if len(taps) != 3 or any(t < 0 or t > num_layers for t in taps):
@@ -179,10 +203,18 @@ class SpeculativeEngine:
         return next(self.policy.parameters()).device
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 request_seeds: Sequence[int] | None = None, observer: ForwardObserver | None = None
-                 ) -> list[RolloutOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        request_seeds: Sequence[int] | None = None,
+        observer: ForwardObserver | None = None,
+    ) -> list[RolloutOutput]:
         """Generate one continuation per prompt.
 
         Args:
@@ -201,8 +233,14 @@ class SpeculativeEngine:
         Returns:
             B :class:`RolloutOutput` in prompt order.
         """
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop_token_ids=tuple(stop_token_ids))
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+        )
         validate_prompts(prompts, self.vocab_size, self.max_context)
         seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
         device = self._device()
@@ -225,26 +263,33 @@ class SpeculativeEngine:
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
                 shown = lens if len(lens) <= 8 else f"{min(lens)}..{max(lens)} over {len(lens)} prompts"
-                raise RolloutError(f"generation failed for requests {start}..{start + len(batch) - 1} "
-                                   f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
-                                   f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}") from err
+                raise RolloutError(
+                    f"generation failed for requests {start}..{start + len(batch) - 1} "
+                    f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
+                    f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}"
+                ) from err
         for out in outputs:
             out.policy_version, out.draft_version = self.weight_versions["policy"], self.weight_versions["draft"]
         return outputs
 
-    def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
-                       draft_state: Mapping[str, torch.Tensor] | None) -> None:
+    def update_weights(
+        self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
+    ) -> None:
         """Copy full HF-named policy / vLLM-named draft state dicts into the engine's modules (None: keep)."""
         for name, module, state in (("policy", self.policy, policy_state), ("draft", self.draft, draft_state)):
             if state is None:
                 continue
             if module is None:
-                raise ValueError(f"update_weights got a {name} state but the engine has no {name} "
-                                 "(constructed with draft=None or num_speculative_tokens=0)")
+                raise ValueError(
+                    f"update_weights got a {name} state but the engine has no {name} "
+                    "(constructed with draft=None or num_speculative_tokens=0)"
+                )
             result = module.load_state_dict(dict(state), strict=False)
             if result.missing_keys or result.unexpected_keys:
-                raise ValueError(f"{name} state does not match the engine's {name}: missing "
-                                 f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
+                raise ValueError(
+                    f"{name} state does not match the engine's {name}: missing "
+                    f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
+                )
         self._draft_to_target = None
         if self.draft is not None:
             self._check_draft()
@@ -273,16 +318,25 @@ class SpeculativeEngine:
         self._draft_to_target = None
 
     def sleep(self, level: int = 1) -> None:
-        raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False): release its modules' storage "
-                           "with rollout.weight_sync.release_parameters instead")
+        raise RuntimeError(
+            "the embedded engine cannot sleep (supports_sleep is False): release its modules' storage "
+            "with rollout.weight_sync.release_parameters instead"
+        )
 
     def wake_up(self) -> None:
         raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False)")
 
     # ------------------------------------------------------------------ decoding
-    def _generate_batch(self, prompts: list[list[int]], sampler: TokenSampler, noise: CounterNoise,
-                        pdec: PolicyDecoder, ddec: DraftDecoder | None, observer: ForwardObserver | None = None,
-                        requests: list[int] | None = None) -> list[RolloutOutput]:
+    def _generate_batch(
+        self,
+        prompts: list[list[int]],
+        sampler: TokenSampler,
+        noise: CounterNoise,
+        pdec: PolicyDecoder,
+        ddec: DraftDecoder | None,
+        observer: ForwardObserver | None = None,
+        requests: list[int] | None = None,
+    ) -> list[RolloutOutput]:
         """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/round.py) until every row is
         done; ``requests[i]``: row i's index in the call (the observer's)."""
         K, batch, params = self.num_speculative_tokens, len(prompts), sampler.params
@@ -293,15 +347,26 @@ class SpeculativeEngine:
         # start at the prompts' size and grow in blocks as rows lengthen (KVCache.reserve), so that on CPU the
         # attention reads each whole cache instead of copying a slice of it (attention.cached.attended_slots)
         fwd_taps = draft_taps if observer is None else tuple(dict.fromkeys((draft_taps or ()) + seen))
-        chunk = Chunk(pdec=pdec, ddec=ddec if draft_taps else None, sampler=sampler, controller=self.controller,
-                      max_k=K, spare=2 * (K + 1), fwd_taps=fwd_taps, draft_taps=draft_taps, observer_taps=seen,
-                      observer=observer, requests=list(range(batch)) if requests is None else requests,
-                      stops=frozenset(params.stop_token_ids))
+        chunk = Chunk(
+            pdec=pdec,
+            ddec=ddec if draft_taps else None,
+            sampler=sampler,
+            controller=self.controller,
+            max_k=K,
+            spare=2 * (K + 1),
+            fwd_taps=fwd_taps,
+            draft_taps=draft_taps,
+            observer_taps=seen,
+            observer=observer,
+            requests=list(range(batch)) if requests is None else requests,
+            stops=frozenset(params.stop_token_ids),
+        )
         b, first_lp = self._start(prompts, chunk, noise)
         chunk.tokens = [[t] for t in b.pending.tolist()]
         chunk.logprobs = [[x] for x in first_lp.tolist()]
-        chunk.stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K)
-                       for _ in range(batch)]
+        chunk.stats = [
+            AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(batch)
+        ]
         chunk.finish = ["stop" if t[0] in chunk.stops else "length" for t in chunk.tokens]
         done = [chunk.finish[i] == "stop" or b.budget[i] <= 1 for i in range(batch)]
         while not all(done):
@@ -309,8 +374,15 @@ class SpeculativeEngine:
                 b.keep(hole_filling_order([not d for d in done]))
                 done = [False] * len(b.active)
             run_round(b, chunk, done)
-        return [RolloutOutput(token_ids=chunk.tokens[i], logprobs=chunk.logprobs[i], finish_reason=chunk.finish[i],
-                              stats=chunk.stats[i]) for i in range(batch)]
+        return [
+            RolloutOutput(
+                token_ids=chunk.tokens[i],
+                logprobs=chunk.logprobs[i],
+                finish_reason=chunk.finish[i],
+                stats=chunk.stats[i],
+            )
+            for i in range(batch)
+        ]
 
     def _start(self, prompts: list[list[int]], chunk: Chunk, noise: CounterNoise) -> tuple[LiveRows, torch.Tensor]:
         """The chunk's live rows after the prefill: every row's first token sampled (pending) and the draft caught
@@ -321,20 +393,31 @@ class SpeculativeEngine:
         budget = [min(self.max_context - n, params.max_new_tokens) for n in host_lens]  # tokens each row may emit
         capacity = max(host_lens) + chunk.spare
         key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
-        b = LiveRows(active=list(range(batch)), emitted=[1] * batch, budget=budget,
-                     pcache=chunk.pdec.allocate_cache(batch, capacity),
-                     dcache=chunk.ddec.allocate_cache(batch, capacity) if chunk.drafts else None, pending=lens,
-                     length=lens.clone(), doff=torch.zeros_like(lens), h_last=None, dl_last=None, backlog=[],
-                     estimates=None if self.controller is None else self.controller.new_batch(batch, key),
-                     noise=noise, out_pos=torch.zeros_like(lens))
+        b = LiveRows(
+            active=list(range(batch)),
+            emitted=[1] * batch,
+            budget=budget,
+            pcache=chunk.pdec.allocate_cache(batch, capacity),
+            dcache=chunk.ddec.allocate_cache(batch, capacity) if chunk.drafts else None,
+            pending=lens,
+            length=lens.clone(),
+            doff=torch.zeros_like(lens),
+            h_last=None,
+            dl_last=None,
+            backlog=[],
+            estimates=None if self.controller is None else self.controller.new_batch(batch, key),
+            noise=noise,
+            out_pos=torch.zeros_like(lens),
+        )
         # prefill, right-padded per group of similar lengths (padding slots lie beyond each row's length)
         ids = torch.zeros(batch, max(host_lens), dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         last_logits, taps = prefill(chunk.pdec, b.pcache, ids, host_lens, chunk.fwd_taps)  # rows sorted by length
         if chunk.observer is not None:
-            chunk.observer.prefill(list(chunk.requests), host_lens, pick(taps, chunk.fwd_taps, chunk.observer_taps),
-                                   last_logits)
+            chunk.observer.prefill(
+                list(chunk.requests), host_lens, pick(taps, chunk.fwd_taps, chunk.observer_taps), last_logits
+            )
             taps = pick(taps, chunk.fwd_taps, chunk.draft_taps)
         b.pcache.lengths = lens
         lp = sampling_logprobs(last_logits, params.temperature, params.top_k, params.top_p)

@@ -41,8 +41,9 @@ _PROBES = (  # (dtype, values, replace_from, replace_to): per-request values, on
 _PROBE_CU = [2, 5, 6]  # cumulative tokens per request: 2, 3 and 1 tokens
 
 
-def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: Any = 0,
-                           replace_to: Any = 0) -> torch.Tensor:
+def expand_batch_to_tokens(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: Any = 0, replace_to: Any = 0
+) -> torch.Tensor:
     """Pure-torch ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``.
 
     Args:
@@ -107,8 +108,10 @@ def probe_expand(expand: Callable, device: str | torch.device = "cpu") -> str | 
         got_list = got.tolist() if isinstance(got, torch.Tensor) else list(got)
         if got_list != expected:
             got_list = [float(f"{v:.4g}") if isinstance(v, float) else v for v in got_list]
-            return (f"expand_batch_to_tokens({values} {dtype}, cu_num_tokens={_PROBE_CU}, replace {replace_from}->"
-                    f"{replace_to}) returned {got_list}, expected {expected}")
+            return (
+                f"expand_batch_to_tokens({values} {dtype}, cu_num_tokens={_PROBE_CU}, replace {replace_from}->"
+                f"{replace_to}) returned {got_list}, expected {expected}"
+            )
     return None
 
 
@@ -125,8 +128,12 @@ def probe_top_k_only(apply_top_k_only: Callable, device: str | torch.device = "c
     return None
 
 
-def apply_fixes(rejection_sampler: ModuleType | Any, topk_topp_sampler: ModuleType | Any, enabled: bool = True,
-                device: str | torch.device = "cpu") -> dict[str, str]:
+def apply_fixes(
+    rejection_sampler: ModuleType | Any,
+    topk_topp_sampler: ModuleType | Any,
+    enabled: bool = True,
+    device: str | torch.device = "cpu",
+) -> dict[str, str]:
     """Probe the two functions and replace each module attribute whose probe fails (when ``enabled``).
 
     Args:

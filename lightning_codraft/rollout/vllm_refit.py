@@ -38,8 +38,12 @@ class VLLMWeights:
         self._live().sleep(level=level)
         self._asleep = level
 
-    def wake_up(self, policy_state: Mapping[str, torch.Tensor] | None = None,
-                draft_state: Mapping[str, torch.Tensor] | None = None, refit: bool = False) -> None:
+    def wake_up(
+        self,
+        policy_state: Mapping[str, torch.Tensor] | None = None,
+        draft_state: Mapping[str, torch.Tensor] | None = None,
+        refit: bool = False,
+    ) -> None:
         """Wake from :meth:`sleep`, load any given weights, and verify BOTH policy and draft (always).
 
         After level 1 the weights come back from host memory and must equal their last verified checksums;
@@ -53,23 +57,30 @@ class VLLMWeights:
             self._asleep = None
             return
         if self._asleep == 2 and (policy_state is None or (self.num_speculative_tokens and draft_state is None)):
-            raise ValueError("level-2 sleep discarded the weights: pass wake_up(policy_state, draft_state) with "
-                             f"both states{'' if self.num_speculative_tokens else ' (policy only: no drafter)'}")
+            raise ValueError(
+                "level-2 sleep discarded the weights: pass wake_up(policy_state, draft_state) with "
+                f"both states{'' if self.num_speculative_tokens else ' (policy only: no drafter)'}"
+            )
         self.llm.wake_up()
         self._asleep = None
         self._push(policy_state, draft_state)
         self.verify(policy_state, draft_state)
 
     # ------------------------------------------------------------------ weights
-    def _push(self, policy_state: Mapping[str, torch.Tensor] | None,
-              draft_state: Mapping[str, torch.Tensor] | None) -> None:
+    def _push(
+        self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
+    ) -> None:
         if draft_state is not None and self.num_speculative_tokens == 0:
             raise ValueError("update_weights got a draft state but this VLLMEngine runs without a draft")
         if policy_state is None and draft_state is None:
             return
         llm = self._live()
-        push_weights(llm, self.weight_update_path, None if policy_state is None else tensors_to_bytes(policy_state),
-                     None if draft_state is None else tensors_to_bytes(draft_state))
+        push_weights(
+            llm,
+            self.weight_update_path,
+            None if policy_state is None else tensors_to_bytes(policy_state),
+            None if draft_state is None else tensors_to_bytes(draft_state),
+        )
         llm.reset_prefix_cache()
 
     def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
@@ -91,8 +102,9 @@ class VLLMWeights:
                     session = bucket.kind
                     llm.collective_rpc("start_weight_update" if session == "policy" else "start_draft_weight_update")
                 if native:
-                    llm.collective_rpc("update_weights",
-                                       kwargs={"update_info": {"handle": share_handle(bucket), "verify": verify}})
+                    llm.collective_rpc(
+                        "update_weights", kwargs={"update_info": {"handle": share_handle(bucket), "verify": verify}}
+                    )
                 pushed[bucket.kind] = bucket.version
         finally:  # the session closes whatever happened; the workers' problems are asked for below
             if session is not None:
@@ -107,16 +119,20 @@ class VLLMWeights:
             self.verify(kept.get("policy"), kept.get("draft"))
         self.weight_versions.update(pushed)
 
-    def update_weights(self, policy_state: Mapping[str, torch.Tensor] | None,
-                       draft_state: Mapping[str, torch.Tensor] | None) -> None:
+    def update_weights(
+        self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
+    ) -> None:
         """Load new weights into every vLLM worker in place and reset the prefix cache; with ``verify_updates``
         check both models (:meth:`verify`): the pushed ones against the pushed tensors, the other unchanged."""
         self._push(policy_state, draft_state)
         if self.verify_updates:
             self.verify(policy_state, draft_state)
 
-    def verify(self, policy_state: Mapping[str, torch.Tensor] | None = None,
-               draft_state: Mapping[str, torch.Tensor] | None = None) -> None:
+    def verify(
+        self,
+        policy_state: Mapping[str, torch.Tensor] | None = None,
+        draft_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Raise RuntimeError unless every worker holds exactly the expected policy and draft.
 
         A given state is compared with the engine's float64 sums / sums of squares of its tensors; a model
@@ -138,6 +154,8 @@ class VLLMWeights:
                     problems += [f"worker {rank}: {p}" for p in compare_resident(kind, before, report[kind])]
         if problems:
             failed = sorted({k for k in kinds if any(f": {k}" in p or f"no {k} " in p for p in problems)})
-            raise RuntimeError(f"vLLM weights not verified for the {' and '.join(failed)} (the engine does not hold "
-                               "the expected weights):\n  " + "\n  ".join(problems[:20]))
+            raise RuntimeError(
+                f"vLLM weights not verified for the {' and '.join(failed)} (the engine does not hold "
+                "the expected weights):\n  " + "\n  ".join(problems[:20])
+            )
         self._resident = reports

@@ -33,8 +33,11 @@ PROBE_ROWS = 4
 """Rows of the fixed probe input pushed through packed linear layers."""
 
 _FUSED = {  # vLLM stacks these checkpoint parameters into one (their sums add up)
-    ".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
-    ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj.",
+    ".q_proj.": ".qkv_proj.",
+    ".k_proj.": ".qkv_proj.",
+    ".v_proj.": ".qkv_proj.",
+    ".gate_proj.": ".gate_up_proj.",
+    ".up_proj.": ".gate_up_proj.",
 }
 
 Report = dict[str, tuple[str, float, float]]
@@ -74,8 +77,9 @@ def probe_input(in_features: int, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.randn(PROBE_ROWS, in_features, generator=g, dtype=torch.float64).to(dtype)
 
 
-def expected_checksums(state: Mapping[str, torch.Tensor], draft: bool,
-                       kinds: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+def expected_checksums(
+    state: Mapping[str, torch.Tensor], draft: bool, kinds: Mapping[str, str]
+) -> dict[str, tuple[float, float]]:
     """Checksums of a pushed state dict, keyed and computed the way the engine reports them.
 
     ``kinds[key]`` is ``"param"`` (checksum of the parameter itself) or ``"probe"`` (checksum of
@@ -139,8 +143,9 @@ def compare_pushed(kind: str, state: Mapping[str, torch.Tensor], actual: Report,
             continue
         _, a_s, a_q = actual[key]
         if _mismatch(s, q, a_s, a_q, rel):
-            problems.append(f"{kind}: {key} ({kinds[key]}) sum/sumsq in engine ({a_s:.6g}, {a_q:.6g}) != pushed "
-                            f"({s:.6g}, {q:.6g})")
+            problems.append(
+                f"{kind}: {key} ({kinds[key]}) sum/sumsq in engine ({a_s:.6g}, {a_q:.6g}) != pushed ({s:.6g}, {q:.6g})"
+            )
     return problems
 
 
@@ -157,8 +162,10 @@ def compare_resident(kind: str, before: Report, actual: Report, rel: float = 1e-
         if kind == "draft" and key in SHARED_WITH_POLICY:
             continue
         if key in actual and _mismatch(s, q, actual[key][1], actual[key][2], rel):
-            problems.append(f"{kind}: {key} ({k}) sum/sumsq in engine ({actual[key][1]:.6g}, {actual[key][2]:.6g}) "
-                            f"!= last verified ({s:.6g}, {q:.6g})")
+            problems.append(
+                f"{kind}: {key} ({k}) sum/sumsq in engine ({actual[key][1]:.6g}, {actual[key][2]:.6g}) "
+                f"!= last verified ({s:.6g}, {q:.6g})"
+            )
     return problems
 
 
@@ -175,9 +182,11 @@ def resolve_update_path(requested: str, api: Mapping[str, Any], has_draft: bool)
         raise ValueError(f"weight_update={requested!r}; use one of {UPDATE_PATHS}")
     native = bool(api.get("native")) and (bool(api.get("native_draft")) or not has_draft)
     if requested == "native" and not native:
-        raise ValueError(f"weight_update='native' but the installed vLLM's workers report {dict(api)} (need "
-                         "start_weight_update / update_weights / finish_weight_update with a transfer backend"
-                         f"{', and start_draft_weight_update' if has_draft else ''}); use weight_update='auto'")
+        raise ValueError(
+            f"weight_update='native' but the installed vLLM's workers report {dict(api)} (need "
+            "start_weight_update / update_weights / finish_weight_update with a transfer backend"
+            f"{', and start_draft_weight_update' if has_draft else ''}); use weight_update='auto'"
+        )
     return "extension" if requested == "extension" or not native else "native"
 
 

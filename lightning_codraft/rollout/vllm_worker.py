@@ -31,8 +31,9 @@ from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_samp
 from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 
 
-def _split_draft_state(state: dict[str, torch.Tensor], draft: torch.nn.Module
-                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def _split_draft_state(
+    state: dict[str, torch.Tensor], draft: torch.nn.Module
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Our draft state dict -> (what vLLM's EAGLE-3 ``load_weights`` accepts, the lm_head weight (Vd, H) or None).
 
     ``t2d`` is not a vLLM parameter; ``d2t`` only exists in vLLM for a reduced draft vocabulary; the lm_head is
@@ -248,12 +249,19 @@ class CoDraftWorkerExtension:
         """Whether this worker can take vLLM's native weight-update session, for the policy and for the draft."""
         engine = getattr(self, "weight_transfer_engine", None)
         native = engine is not None and all(
-            callable(getattr(self, m, None)) for m in ("start_weight_update", "update_weights", "finish_weight_update"))
+            callable(getattr(self, m, None)) for m in ("start_weight_update", "update_weights", "finish_weight_update")
+        )
         draft_check = getattr(self, "supports_draft_weight_updates", None)
-        draft = native and callable(getattr(self, "start_draft_weight_update", None)) and bool(
-            draft_check() if callable(draft_check) else getattr(engine, "supports_draft_weight_update", False))
-        return {"native": native, "native_draft": draft,
-                "backend": type(engine).__name__ if engine is not None else None}
+        draft = (
+            native
+            and callable(getattr(self, "start_draft_weight_update", None))
+            and bool(draft_check() if callable(draft_check) else getattr(engine, "supports_draft_weight_update", False))
+        )
+        return {
+            "native": native,
+            "native_draft": draft,
+            "backend": type(engine).__name__ if engine is not None else None,
+        }
 
     def codraft_cpu_fixes(self) -> dict[str, str]:
         """:data:`CPU_FIXES` of this worker process."""

@@ -35,14 +35,18 @@ def full_state_dict(module: Optional[torch.nn.Module]) -> Optional[dict[str, tor
         return None
     pruned = [n for n, m in module.named_modules() if hasattr(m, "pruned_name")]
     if pruned:
-        raise RuntimeError(f"{type(module).__name__} holds only its pipeline stage ({pruned[0]} and "
-                           f"{len(pruned) - 1} more live on other stages); build the whole state with "
-                           f"CoDraftModule.full_state_dicts() (a collective over the pipeline group)")
+        raise RuntimeError(
+            f"{type(module).__name__} holds only its pipeline stage ({pruned[0]} and "
+            f"{len(pruned) - 1} more live on other stages); build the whole state with "
+            f"CoDraftModule.full_state_dicts() (a collective over the pipeline group)"
+        )
     out = {}
     for name, value in module.state_dict().items():
         if value.device.type == "meta":
-            raise RuntimeError(f"{name} is not materialised on this rank (device 'meta'); build the state where the "
-                               f"whole module lives, e.g. with CoDraftModule.full_state_dicts()")
+            raise RuntimeError(
+                f"{name} is not materialised on this rank (device 'meta'); build the state where the "
+                f"whole module lives, e.g. with CoDraftModule.full_state_dicts()"
+            )
         while name.startswith(_WRAPPER_PREFIXES):
             name = name.split(".", 1)[1]
         if hasattr(value, "full_tensor"):  # DTensor (FSDP2 / TP): gather the shards
@@ -91,9 +95,15 @@ def _pairs(items: Items) -> Iterable[tuple[str, torch.Tensor]]:
     return items.items() if isinstance(items, Mapping) else items
 
 
-def refit_buckets(policy: Items, draft: Items, versions: Mapping[str, int], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  dtype: Optional[torch.dtype] = None, shared: bool = False,
-                  pool: Optional[BucketPool] = None) -> Iterator[WeightBucket]:
+def refit_buckets(
+    policy: Items,
+    draft: Items,
+    versions: Mapping[str, int],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: Optional[torch.dtype] = None,
+    shared: bool = False,
+    pool: Optional[BucketPool] = None,
+) -> Iterator[WeightBucket]:
     """The buckets of one refit: the policy's (if given), then the draft's, each tagged with its version."""
     pool = pool if pool is not None else BucketPool(shared)
     for kind, items in (("policy", policy), ("draft", draft)):
@@ -118,8 +128,14 @@ class WeightSync:
         sync_seconds: seconds of every sync (state function + push).
     """
 
-    def __init__(self, engine: Optional[RolloutEngine], states: StatesFn, every_n_steps: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: str = "buckets"):
+    def __init__(
+        self,
+        engine: Optional[RolloutEngine],
+        states: StatesFn,
+        every_n_steps: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: str = "buckets",
+    ):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1")
         self.engine = engine
@@ -135,8 +151,9 @@ class WeightSync:
         """Whether optimizer step ``step`` (>= 1 once an optimizer step ran) needs a push."""
         return step >= 1 and step != self.last_synced_step and step % self.every_n_steps == 0
 
-    def __call__(self, step: int, push: bool = True, force: bool = False,
-                 versions: Optional[Mapping[str, int]] = None) -> Optional[float]:
+    def __call__(
+        self, step: int, push: bool = True, force: bool = False, versions: Optional[Mapping[str, int]] = None
+    ) -> Optional[float]:
         """Sync after optimizer step ``step`` if due (or ``force``); returns the seconds taken, or None when not due.
 
         The state function runs on every rank that calls (it may be a collective: its streams are consumed here
@@ -155,8 +172,9 @@ class WeightSync:
             versions = dict(versions or {"policy": step, "draft": step})
             load = getattr(self.engine, "load_buckets", None)
             if load is None:  # an engine of the earlier protocol: whole state dicts
-                self.engine.update_weights(None if policy is None else dict(_pairs(policy)),
-                                           None if draft is None else dict(_pairs(draft)))
+                self.engine.update_weights(
+                    None if policy is None else dict(_pairs(policy)), None if draft is None else dict(_pairs(draft))
+                )
             else:
                 if self.pool is None:
                     self.pool = BucketPool(shared=bool(getattr(self.engine, "keeps_own_weights", False)))

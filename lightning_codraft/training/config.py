@@ -172,8 +172,9 @@ class CoDraftModuleConfig(PolicyLossConfig, DraftLossConfig, MicrobatchConfig):
         DraftLossConfig.check(self)
         MicrobatchConfig.check(self)
         if self.draft_loss_weight < 0:
-            raise ValueError(f"draft_loss_weight (lambda)={self.draft_loss_weight} must be >= 0; "
-                             f"use 0 to train the policy only")
+            raise ValueError(
+                f"draft_loss_weight (lambda)={self.draft_loss_weight} must be >= 0; use 0 to train the policy only"
+            )
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.total_steps < 1:
@@ -186,8 +187,10 @@ class CoDraftModuleConfig(PolicyLossConfig, DraftLossConfig, MicrobatchConfig):
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip={self.grad_clip} must be > 0 or None")
         if self.loss_aggregation == "constant" and (self.max_new_tokens is None or self.max_new_tokens < 1):
-            raise ValueError(f"loss_aggregation='constant' (Dr. GRPO) divides by samples x max_new_tokens; set "
-                             f"max_new_tokens >= 1, got {self.max_new_tokens}")
+            raise ValueError(
+                f"loss_aggregation='constant' (Dr. GRPO) divides by samples x max_new_tokens; set "
+                f"max_new_tokens >= 1, got {self.max_new_tokens}"
+            )
 
     @property
     def trains_draft(self) -> bool:

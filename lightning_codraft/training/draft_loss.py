@@ -230,7 +230,7 @@ def ttt_draft_loss(
         if world == 1:
             # rows i and i + s of the packed batch: views, no shifted copy; a row whose i + s leaves its
             # document has mask 0, and the last s rows have no source row at all
-            nums.append(draft_loss_sum(logits[:T - s], target_p[s:], mask[:T - s], loss_type))
+            nums.append(draft_loss_sum(logits[: T - s], target_p[s:], mask[: T - s], loss_type))
         else:
             nums.append(draft_loss_sum(logits, shifted[:, :Vd], mask, loss_type))
         with torch.no_grad():
@@ -243,8 +243,13 @@ def ttt_draft_loss(
     # value of the global sum, gradient of the local part only (see the module docstring)
     per_step = _step_losses(local_num + (packed[:, 0] - local_num.detach()), total, denominators)
     weights = _step_weights(num_steps, decay, step_weights, device)
-    return DraftLossOutput(loss=(weights * per_step).sum(), per_step_loss=per_step.detach(),
-                           correct=correct, total=total, in_vocab=in_vocab)
+    return DraftLossOutput(
+        loss=(weights * per_step).sum(),
+        per_step_loss=per_step.detach(),
+        correct=correct,
+        total=total,
+        in_vocab=in_vocab,
+    )
 
 
 def _check_draft_loss_inputs(step_logits, policy_logits, loss_mask, d2t, t2d, loss_type) -> tuple[int, int]:
@@ -259,8 +264,10 @@ def _check_draft_loss_inputs(step_logits, policy_logits, loss_mask, d2t, t2d, lo
     Vd = int(d2t.shape[0])
     for k, lg in enumerate(step_logits):
         if tuple(lg.shape) != (T, Vd):
-            raise ValueError(f"step_logits[{k}] has shape {tuple(lg.shape)}, expected (T, Vd)=({T}, {Vd}) "
-                             "matching policy_logits rows and len(d2t)")
+            raise ValueError(
+                f"step_logits[{k}] has shape {tuple(lg.shape)}, expected (T, Vd)=({T}, {Vd}) "
+                "matching policy_logits rows and len(d2t)"
+            )
     if tuple(t2d.shape) != (V,):
         raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({V},) = the policy vocabulary")
     if tuple(loss_mask.shape) != (T,):
@@ -269,8 +276,9 @@ def _check_draft_loss_inputs(step_logits, policy_logits, loss_mask, d2t, t2d, lo
 
 
 @torch.no_grad()
-def _draft_targets(policy_logits: Tensor, loss_mask: Tensor, t2d: Tensor, target_ids: Tensor,
-                   with_targets: bool) -> tuple[Tensor, Tensor]:
+def _draft_targets(
+    policy_logits: Tensor, loss_mask: Tensor, t2d: Tensor, target_ids: Tensor, with_targets: bool
+) -> tuple[Tensor, Tensor]:
     """The policy's targets over the draft vocabulary and the per-row side columns the unroll shifts.
 
     Returns:
@@ -294,8 +302,9 @@ def _step_losses(global_num: Tensor, total: Tensor, denominators: Optional[Tenso
     if denominators is None:
         denominators = total.clamp(min=1)
     elif tuple(denominators.shape) != tuple(global_num.shape):
-        raise ValueError(f"denominators has shape {tuple(denominators.shape)}, expected ({global_num.shape[0]},), "
-                         f"one per step")
+        raise ValueError(
+            f"denominators has shape {tuple(denominators.shape)}, expected ({global_num.shape[0]},), one per step"
+        )
     return global_num / denominators.to(global_num)
 
 

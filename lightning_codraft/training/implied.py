@@ -89,8 +89,16 @@ def target_to_draft(d2t: Tensor, vocab_size: int) -> Tensor:
 
 
 @torch.no_grad()
-def row_acceptance(step_logits: Sequence[Tensor], target_ids: Tensor, target_logprobs: Optional[Tensor],
-                   cu_seqlens: Tensor, d2t: Tensor, vocab_size: int, temperature: float, group=None) -> Tensor:
+def row_acceptance(
+    step_logits: Sequence[Tensor],
+    target_ids: Tensor,
+    target_logprobs: Optional[Tensor],
+    cu_seqlens: Tensor,
+    d2t: Tensor,
+    vocab_size: int,
+    temperature: float,
+    group=None,
+) -> Tensor:
     """Per row and unroll step, the probability that the engine accepts the draft's proposal (module docstring).
 
     Args:
@@ -115,8 +123,9 @@ def row_acceptance(step_logits: Sequence[Tensor], target_ids: Tensor, target_log
     draft_targets = torch.arange(d2t.numel(), device=device) + d2t.long()
     inv = target_to_draft(d2t, vocab_size)
     lp = target_logprobs if target_logprobs is not None else torch.zeros(T, device=device)
-    side = torch.stack([target_ids.to(device).double(), lp.to(device).double(), torch.ones(T, device=device,
-                                                                                            dtype=torch.float64)], 1)
+    side = torch.stack(
+        [target_ids.to(device).double(), lp.to(device).double(), torch.ones(T, device=device, dtype=torch.float64)], 1
+    )
     out = []
     for k, z in enumerate(step_logits):
         shifted = shift_left(side, cu_seqlens, k + 1, group=group, fill=0)
@@ -170,7 +179,7 @@ def walk_rounds(accept: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, group=Non
     N, L = len(starts), int(n.max())
     offsets = torch.arange(L)
     src = (torch.tensor(starts)[:, None] + offsets).clamp(max=rows.shape[0] - 1)
-    A = acc_rows[src] * (offsets < n[:, None])[..., None]                       # (N, L, K)
+    A = acc_rows[src] * (offsets < n[:, None])[..., None]  # (N, L, K)
     chain = torch.cat([torch.ones(N, L, 1, dtype=torch.float64), torch.cumprod(A, dim=2)], 2)  # c_0 .. c_K
     exact = torch.cat([chain[..., :-1] - chain[..., 1:], chain[..., -1:]], 2)  # P(a = m), m = 0..K
     s = torch.zeros(N, L + K + 2, dtype=torch.float64)
@@ -178,22 +187,23 @@ def walk_rounds(accept: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, group=Non
     rounds = accepted = 0.0
     m = torch.arange(K + 1)
     for p in range(L):
-        left = (n - p).clamp(min=0)                                              # (N,) tokens left to emit
+        left = (n - p).clamp(min=0)  # (N,) tokens left to emit
         sp = s[:, p] * (left > 0)
         if not bool(sp.any()):
             continue
-        emitted = torch.minimum(m[None, :] + 1, left[:, None])                   # (N, K + 1)
+        emitted = torch.minimum(m[None, :] + 1, left[:, None])  # (N, K + 1)
         w = sp[:, None] * exact[:, p]
         rounds += float(sp.sum())
         accepted += float((w * (emitted - 1)).sum())
         s.scatter_add_(1, p + emitted, w)
-        usable = (torch.arange(1, K + 1)[None, :] <= (left[:, None] - 1))      # proposal j+1 can be emitted
+        usable = torch.arange(1, K + 1)[None, :] <= (left[:, None] - 1)  # proposal j+1 can be emitted
         per_position += (sp[:, None] * chain[:, p, 1:] * usable).sum(0)
     return RoundCounts(rounds, accepted, per_position.tolist())
 
 
-def implied_counts(step_logits: Sequence[Tensor], batch, d2t: Tensor, vocab_size: int, temperature: float,
-                   cp_group=None, dp_group=None) -> Tensor:
+def implied_counts(
+    step_logits: Sequence[Tensor], batch, d2t: Tensor, vocab_size: int, temperature: float, cp_group=None, dp_group=None
+) -> Tensor:
     """``(K + 2,)`` float64 :class:`RoundCounts` of one microbatch (:meth:`RoundCounts.as_tensor`), summed over the
     data-parallel replicas: the rounds the engine would run on these rollouts with the draft of ``step_logits``.
 
@@ -203,8 +213,16 @@ def implied_counts(step_logits: Sequence[Tensor], batch, d2t: Tensor, vocab_size
         d2t: the draft's ``(Vd,)`` id offsets; vocab_size: the policy's V; temperature: the rollouts' temperature.
         cp_group, dp_group: the CP and data-parallel groups, or None.
     """
-    accept = row_acceptance(step_logits, batch.target_ids, batch.old_logprobs, batch.cu_seqlens, d2t, vocab_size,
-                            temperature, group=cp_group)
+    accept = row_acceptance(
+        step_logits,
+        batch.target_ids,
+        batch.old_logprobs,
+        batch.cu_seqlens,
+        d2t,
+        vocab_size,
+        temperature,
+        group=cp_group,
+    )
     counts = walk_rounds(accept, batch.loss_mask, batch.cu_seqlens, group=cp_group).as_tensor()
     return reduced(counts, dp_group)
 
@@ -227,6 +245,11 @@ class ReferenceDraft:
         if next(self.module.parameters()).device != device:
             self.module.to(device)
         dtype = next(self.module.parameters()).dtype  # its own precision (fp32 under bf16-mixed: an exact reference)
-        steps = self.module.ttt_forward([t.to(dtype) for t in taps], [e.to(dtype) for e in token_embeds],
-                                        batch.cu_seqlens, batch.position_ids, cp_group=cp_group)
+        steps = self.module.ttt_forward(
+            [t.to(dtype) for t in taps],
+            [e.to(dtype) for e in token_embeds],
+            batch.cu_seqlens,
+            batch.position_ids,
+            cp_group=cp_group,
+        )
         return [logits for logits, _ in steps]

@@ -31,9 +31,11 @@ def check_metric_names(names, where: str) -> None:
     """Raise ``KeyError`` naming the new name when ``names`` holds a renamed metric (``where``: who asked for it)."""
     for name in names:
         if name in RENAMED_METRICS:
-            raise KeyError(f"{where} asks for the metric {name!r}, renamed {RENAMED_METRICS[name]!r} (the acceptance "
-                           f"length implied by the draft's top-1 accuracy; the engine's measured one is "
-                           f"'acceptance_length', the distribution-implied one 'draft/implied_acceptance')")
+            raise KeyError(
+                f"{where} asks for the metric {name!r}, renamed {RENAMED_METRICS[name]!r} (the acceptance "
+                f"length implied by the draft's top-1 accuracy; the engine's measured one is "
+                f"'acceptance_length', the distribution-implied one 'draft/implied_acceptance')"
+            )
 
 
 def implied_acceptance_length(rates: Tensor | Sequence[float]) -> float:
@@ -41,7 +43,7 @@ def implied_acceptance_length(rates: Tensor | Sequence[float]) -> float:
     probability ``r_k`` given that the positions before it were (``rates``: ``(K,)``). The one home of this formula:
     the draft's top-1-implied figure, the warm start's reports and the calibration all call it."""
     total, prod = 1.0, 1.0
-    for r in (rates.tolist() if isinstance(rates, Tensor) else rates):
+    for r in rates.tolist() if isinstance(rates, Tensor) else rates:
         prod *= float(r)
         total += prod
     return total
@@ -86,11 +88,14 @@ class DraftAcceptance(Metric):
         correct = torch.as_tensor(correct).detach().reshape(-1)
         total = torch.as_tensor(total).detach().reshape(-1)
         if correct.numel() != self.num_steps or total.numel() != self.num_steps:
-            raise ValueError(f"DraftAcceptance(num_steps={self.num_steps}) got correct of {correct.numel()} and "
-                             f"total of {total.numel()} entries; pass one count per step")
+            raise ValueError(
+                f"DraftAcceptance(num_steps={self.num_steps}) got correct of {correct.numel()} and "
+                f"total of {total.numel()} entries; pass one count per step"
+            )
         if bool((correct > total).any()) or bool((correct < 0).any()):
-            raise ValueError(f"need 0 <= correct <= total per step, got correct={correct.tolist()} "
-                             f"total={total.tolist()}")
+            raise ValueError(
+                f"need 0 <= correct <= total per step, got correct={correct.tolist()} total={total.tolist()}"
+            )
         self.correct += correct.to(self.correct)
         self.total += total.to(self.total)
 

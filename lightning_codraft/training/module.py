@@ -67,12 +67,21 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             carry ``ref_logprobs``. None: batches must carry them when ``kl_coef > 0``.
     """
 
-    def __init__(self, policy: nn.Module, draft: nn.Module, config: Optional[CoDraftModuleConfig] = None, *,
-                 reference: Optional[nn.Module] = None, **overrides: Any):
+    def __init__(
+        self,
+        policy: nn.Module,
+        draft: nn.Module,
+        config: Optional[CoDraftModuleConfig] = None,
+        *,
+        reference: Optional[nn.Module] = None,
+        **overrides: Any,
+    ):
         super().__init__()
         if not isinstance(policy, nn.Module) or not isinstance(draft, nn.Module):
-            raise TypeError(f"CoDraftModule needs a policy and a draft nn.Module, got policy="
-                            f"{type(policy).__name__}, draft={type(draft).__name__}")
+            raise TypeError(
+                f"CoDraftModule needs a policy and a draft nn.Module, got policy="
+                f"{type(policy).__name__}, draft={type(draft).__name__}"
+            )
         renamed = {"policy_warmup_steps": "policy_lr_warmup_steps", "draft_warmup_steps": "draft_lr_warmup_steps"}
         for old in set(overrides) & set(renamed):  # "warm-up" alone names the SFT and draft phases before RL
             raise TypeError(f"CoDraftModule({old}=...) is now {renamed[old]} (the learning rate's warm-up)")
@@ -128,8 +137,13 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         else:
             taps, records, losses = self._tap_ids(), [], []
             for mb in microbatches:
-                out = self.policy(mb.input_ids, cu_seqlens=mb.cu_seqlens, position_ids=mb.position_ids, taps=taps,
-                                  cp_group=self.parallel_dims.cp_group)
+                out = self.policy(
+                    mb.input_ids,
+                    cu_seqlens=mb.cu_seqlens,
+                    position_ids=mb.position_ids,
+                    taps=taps,
+                    cp_group=self.parallel_dims.cp_group,
+                )
                 mb_loss, record = self.objective(out.logits, dict(zip(taps or (), out.taps or ())), mb)
                 losses.append(mb_loss)
                 records.append(record)
@@ -137,23 +151,35 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         metrics, counts = step_metrics(records)
         if "draft/implied_rate0" in metrics:
             self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)])
-        return CoDraftStepOutput(loss=loss, metrics=metrics, draft_counts=counts,
-                                 microbatch_losses=[float(r.metrics["loss"]) for r in records])
+        return CoDraftStepOutput(
+            loss=loss,
+            metrics=metrics,
+            draft_counts=counts,
+            microbatch_losses=[float(r.metrics["loss"]) for r in records],
+        )
 
     def normalize(self, batch: RLBatch) -> RLBatch:
         """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
         ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it."""
         c, dims = self.config, self.parallel_dims
-        return normalize_step(batch, c.loss_aggregation, c.ttt_steps, max_new_tokens=c.max_new_tokens,
-                              dp_group=dims.dp_group, cp_group=dims.cp_group)
+        return normalize_step(
+            batch,
+            c.loss_aggregation,
+            c.ttt_steps,
+            max_new_tokens=c.max_new_tokens,
+            dp_group=dims.dp_group,
+            cp_group=dims.cp_group,
+        )
 
     def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
         """This rank's microbatches: ``num_microbatches`` of whole documents (one length under PP), CP-sharded."""
         dims, M = self.parallel_dims, self.config.num_microbatches
         if batch.is_sharded:
             if M != 1 or self.pipeline is not None:
-                raise ValueError(f"a batch already sharded over cp cannot be cut into num_microbatches={M} or "
-                                 f"pipelined; pass the replica's whole batch")
+                raise ValueError(
+                    f"a batch already sharded over cp cannot be cut into num_microbatches={M} or "
+                    f"pipelined; pass the replica's whole batch"
+                )
             return [batch]
         mbs = batch.split(M)
         if self.pipeline is not None:  # fixed-shape pipeline activations: pad to one multiple of 2*cp
@@ -172,8 +198,11 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             return microbatches
         if self.reference is None:
             need = f"kl_coef={c.kl_coef} > 0" if c.kl_coef > 0 else "track_drift=True"
-            raise ValueError(f"{need} needs batch.ref_logprobs or a reference policy: "
-                             f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))")
+            raise ValueError(
+                f"{need} needs batch.ref_logprobs or a reference policy: "
+                f"CoDraftModule(policy, draft, ..., reference=copy.deepcopy(policy))"
+            )
+
         def scored(logits: Tensor, mb: RLBatch) -> Tensor:  # (T, 2): the target's log-prob, the argmax id
             return torch.stack([self.sampled_logprobs(logits, mb.target_ids).float(), logits.argmax(-1).float()], -1)
 
@@ -183,12 +212,23 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             rows = []
             with torch.no_grad():
                 for mb in microbatches:  # one microbatch's logits alive at a time
-                    rows.append(scored(self.reference(mb.input_ids, cu_seqlens=mb.cu_seqlens,
-                                                      position_ids=mb.position_ids,
-                                                      cp_group=self.parallel_dims.cp_group).logits, mb))
-        return [mb if r is None else replace(mb, ref_logprobs=r[:, 0] * mb.loss_mask,
-                                             ref_greedy=r[:, 1].long() if drift else mb.ref_greedy)
-                for mb, r in zip(microbatches, rows)]
+                    rows.append(
+                        scored(
+                            self.reference(
+                                mb.input_ids,
+                                cu_seqlens=mb.cu_seqlens,
+                                position_ids=mb.position_ids,
+                                cp_group=self.parallel_dims.cp_group,
+                            ).logits,
+                            mb,
+                        )
+                    )
+        return [
+            mb
+            if r is None
+            else replace(mb, ref_logprobs=r[:, 0] * mb.loss_mask, ref_greedy=r[:, 1].long() if drift else mb.ref_greedy)
+            for mb, r in zip(microbatches, rows)
+        ]
 
     def _tap_ids(self) -> Optional[tuple[int, ...]]:
         """Taps the objective reads: 0 (the token embeddings) and :meth:`configure_taps`; None without a draft."""
@@ -213,8 +253,9 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         rl, rl_stats = self.rl_loss(self.sampled_logprobs(logits, batch.target_ids), batch)
         metrics = {f"policy/{k}": v.detach() for k, v in rl_stats.items()}
         if batch.ref_greedy is not None:
-            metrics["drift/greedy_agreement"] = greedy_agreement(logits.detach(), batch.ref_greedy, batch.loss_mask,
-                                                                 self.parallel_dims.dp_cp_group, batch.norm.tokens)
+            metrics["drift/greedy_agreement"] = greedy_agreement(
+                logits.detach(), batch.ref_greedy, batch.loss_mask, self.parallel_dims.dp_cp_group, batch.norm.tokens
+            )
         value, loss = rl_stats["loss"].detach(), rl
         dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
         reference = self.reference_draft if self.score_reference_this_step else None
@@ -226,17 +267,28 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             logits, taps = logits[rows], {t: x[rows] for t, x in taps.items()}
         embeds = self.draft_token_embeds(taps[0].detach(), batch)
         feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
-        implied = partial(implied_counts, batch=batch, vocab_size=logits.shape[-1], temperature=c.temperature,
-                          cp_group=dims.cp_group, dp_group=dims.dp_group)
+        implied = partial(
+            implied_counts,
+            batch=batch,
+            vocab_size=logits.shape[-1],
+            temperature=c.temperature,
+            cp_group=dims.cp_group,
+            dp_group=dims.dp_group,
+        )
         if reference is not None:  # the A/B: one forward of the frozen reference on the same taps
-            record.reference_implied = implied(reference.step_logits(feats, embeds, batch, dims.cp_group),
-                                               d2t=reference.module.d2t)
+            record.reference_implied = implied(
+                reference.step_logits(feats, embeds, batch, dims.cp_group), d2t=reference.module.d2t
+            )
         if run:
             with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
                 step_logits = self.draft_step_logits(feats, embeds, batch)
                 policy_logits = logits.detach()
-                d = global_draft_objective(lambda lg: self.draft_loss(lg, policy_logits, batch), step_logits,
-                                           self.draft_step_weights(), dims.dp_group)
+                d = global_draft_objective(
+                    lambda lg: self.draft_loss(lg, policy_logits, batch),
+                    step_logits,
+                    self.draft_step_weights(),
+                    dims.dp_group,
+                )
             record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
             record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
             metrics["draft/loss"] = d.loss.detach().float()
@@ -275,9 +327,19 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         """
         c, tokens = self.config, None if batch.norm is None else max(batch.norm.tokens, 1.0)
         return policy_gradient_loss(
-            logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=c.clip_eps,
-            clip_eps_high=c.clip_eps_high, ref_logprobs=batch.ref_logprobs, kl_coef=c.kl_coef, num_tokens=tokens,
-            group=self.parallel_dims.dp_cp_group, loss_weight=batch.loss_weight, dual_clip=c.dual_clip)
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            clip_eps=c.clip_eps,
+            clip_eps_high=c.clip_eps_high,
+            ref_logprobs=batch.ref_logprobs,
+            kl_coef=c.kl_coef,
+            num_tokens=tokens,
+            group=self.parallel_dims.dp_cp_group,
+            loss_weight=batch.loss_weight,
+            dual_clip=c.dual_clip,
+        )
 
     def draft_token_embeds(self, embeds: Tensor, batch: RLBatch) -> list[Tensor]:
         """The draft's token inputs: the policy's embeddings shifted left by ``k + 1`` within documents, k < K.
@@ -303,8 +365,9 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         Returns:
             K tensors ``(T, Vd)``: the draft logits of each unroll step.
         """
-        steps = self.draft.ttt_forward(list(taps), list(token_embeds), batch.cu_seqlens, batch.position_ids,
-                                       cp_group=self.parallel_dims.cp_group)
+        steps = self.draft.ttt_forward(
+            list(taps), list(token_embeds), batch.cu_seqlens, batch.position_ids, cp_group=self.parallel_dims.cp_group
+        )
         return [logits for logits, _ in steps]
 
     def draft_loss(self, step_logits: Sequence[Tensor], policy_logits: Tensor, batch: RLBatch) -> DraftLossOutput:
@@ -317,15 +380,25 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
                 ``norm`` the batch's own).
         """
         c = self.config
-        return ttt_draft_loss(list(step_logits), policy_logits, batch.cu_seqlens, batch.draft_targets,
-                              self.draft.d2t, self.draft.t2d, decay=c.ttt_decay, group=self.parallel_dims.cp_group,
-                              denominators=None if batch.norm is None else batch.norm.draft, loss_type=c.loss_type,
-                              step_weights=self.draft_step_weights())
+        return ttt_draft_loss(
+            list(step_logits),
+            policy_logits,
+            batch.cu_seqlens,
+            batch.draft_targets,
+            self.draft.d2t,
+            self.draft.t2d,
+            decay=c.ttt_decay,
+            group=self.parallel_dims.cp_group,
+            denominators=None if batch.norm is None else batch.norm.draft,
+            loss_type=c.loss_type,
+            step_weights=self.draft_step_weights(),
+        )
 
     def draft_step_weights(self) -> Tensor:
         """``(K,)`` weight of each unroll step in the draft loss (``config.position_weights``)."""
-        return unroll_weights(self.config.position_weights, self.config.ttt_decay, self.config.ttt_steps,
-                              self.live_position_rates)
+        return unroll_weights(
+            self.config.position_weights, self.config.ttt_decay, self.config.ttt_steps, self.live_position_rates
+        )
 
     def set_live_position_rates(self, rates: Sequence[float | Tensor]) -> None:
         """Set :attr:`live_position_rates` (a position never reached counts 0); empty: unchanged."""

@@ -24,11 +24,13 @@ class OptimizationHooks:
     def param_groups(self) -> list[dict[str, Any]]:
         """AdamW parameter groups: ``policy`` and (when trained) ``draft``, each with its own LR."""
         c = self.config
-        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad],
-                   "lr": c.policy_lr}]
+        groups = [
+            {"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": c.policy_lr}
+        ]
         if c.trains_draft:
-            groups.append({"name": "draft", "params": [p for p in self.draft.parameters() if p.requires_grad],
-                           "lr": c.draft_lr})
+            groups.append(
+                {"name": "draft", "params": [p for p in self.draft.parameters() if p.requires_grad], "lr": c.draft_lr}
+            )
         return groups
 
     def lr_lambda(self, group_name: str):

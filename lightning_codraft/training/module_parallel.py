@@ -22,8 +22,13 @@ from lightning_codraft.parallel.pp_runner import PipelineRunner
 class ParallelHooks:
     """Bind the module to its mesh; gather its whole state back."""
 
-    def configure_parallel(self, dims: ParallelDims, grad_average_size: int = 1, sharding: str = "ddp",
-                           compute_dtype: Optional[torch.dtype] = None) -> None:
+    def configure_parallel(
+        self,
+        dims: ParallelDims,
+        grad_average_size: int = 1,
+        sharding: str = "ddp",
+        compute_dtype: Optional[torch.dtype] = None,
+    ) -> None:
         """Called by the strategy with the mesh, before it wraps or shards the module and before optimizers exist.
 
         Args:
@@ -42,17 +47,25 @@ class ParallelHooks:
         binding = (dims.pp, dims.pp_rank, self.config.layers_per_stage) if dims.pp_enabled else None
         if self._stage_binding is not None and binding != self._stage_binding:
             pp, stage, sizes = self._stage_binding
-            raise ValueError(f"this CoDraftModule holds only pipeline stage {stage} of pp={pp} (layers_per_stage="
-                             f"{sizes}; the other stages were pruned), so it cannot be configured for pp={dims.pp} "
-                             f"stage {dims.pp_rank}; build a fresh module for the new mesh and load a checkpoint")
+            raise ValueError(
+                f"this CoDraftModule holds only pipeline stage {stage} of pp={pp} (layers_per_stage="
+                f"{sizes}; the other stages were pruned), so it cannot be configured for pp={dims.pp} "
+                f"stage {dims.pp_rank}; build a fresh module for the new mesh and load a checkpoint"
+            )
         self.parallel_dims = dims
         self.grad_average_size = int(grad_average_size)
         self.sharding = sharding
         if not dims.pp_enabled or self._stage_binding is not None:
             return
         c = self.config
-        stage = dict(stage=dims.pp_rank, num_stages=dims.pp, pp_group=dims.pp_group, tap_group=dims.tap_group,
-                     cp_group=dims.cp_group, layers_per_stage=c.layers_per_stage)
+        stage = dict(
+            stage=dims.pp_rank,
+            num_stages=dims.pp,
+            pp_group=dims.pp_group,
+            tap_group=dims.tap_group,
+            cp_group=dims.cp_group,
+            layers_per_stage=c.layers_per_stage,
+        )
         self.pipeline = PipelineRunner(self.policy, tap_ids=self._tap_ids() or (), schedule=c.pp_schedule, **stage)
         self.pipeline.activation_dtype = compute_dtype
         keep = self.pipeline.stage_module.owned_modules() + ([self.draft] if dims.is_last_stage else [])
@@ -74,6 +87,6 @@ class ParallelHooks:
         whole = gather_stage_states(state, self.parallel_dims.pp_group if self.pipeline else None)
         if whole is None:
             return None, None
-        policy = {k[len("policy."):]: v.detach() for k, v in whole.items() if k.startswith("policy.")}
-        draft = {k[len("draft."):]: v.detach() for k, v in whole.items() if k.startswith("draft.")}
+        policy = {k[len("policy.") :]: v.detach() for k, v in whole.items() if k.startswith("policy.")}
+        draft = {k[len("draft.") :]: v.detach() for k, v in whole.items() if k.startswith("draft.")}
         return policy, draft

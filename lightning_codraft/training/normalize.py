@@ -43,8 +43,15 @@ def _doc_index(batch: RLBatch) -> Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
 
 
-def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_tokens: Optional[int] = None,
-                   dp_group: Optional[Any] = None, cp_group: Optional[Any] = None) -> RLBatch:
+def normalize_step(
+    batch: RLBatch,
+    aggregation: str,
+    ttt_steps: int,
+    *,
+    max_new_tokens: Optional[int] = None,
+    dp_group: Optional[Any] = None,
+    cp_group: Optional[Any] = None,
+) -> RLBatch:
     """The replica's batch with ``loss_weight`` and ``norm`` set for the whole step.
 
     Call it on every rank with this dp replica's batch of the step (whole, or this rank's CP shard), before the batch
@@ -65,8 +72,10 @@ def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"loss aggregation {aggregation!r} must be one of {AGGREGATIONS}")
     if aggregation == "constant" and (max_new_tokens is None or max_new_tokens < 1):
-        raise ValueError(f"the 'constant' (Dr. GRPO) aggregation divides by samples x max_new_tokens; "
-                         f"pass max_new_tokens >= 1, got {max_new_tokens}")
+        raise ValueError(
+            f"the 'constant' (Dr. GRPO) aggregation divides by samples x max_new_tokens; "
+            f"pass max_new_tokens >= 1, got {max_new_tokens}"
+        )
     if batch.loss_weight is not None and batch.norm is not None:
         return batch
     if batch.is_sharded and cp_group is None:
@@ -74,11 +83,12 @@ def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_
     mask = batch.loss_mask.to(torch.float64)
     doc = _doc_index(batch)
     per_doc = torch.zeros(batch.num_docs, dtype=torch.float64, device=mask.device).index_add_(0, doc, mask)
-    draft_rows = torch.stack([batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum()
-                              for k in range(ttt_steps)])
+    draft_rows = torch.stack(
+        [batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum() for k in range(ttt_steps)]
+    )
     if batch.is_sharded:  # whole documents' counts: the shards of a document are on every CP rank
         summed = reduced(torch.cat([per_doc, draft_rows]), cp_group)
-        per_doc, draft_rows = summed[:batch.num_docs], summed[batch.num_docs:]
+        per_doc, draft_rows = summed[: batch.num_docs], summed[batch.num_docs :]
     local = torch.cat([torch.stack([per_doc.sum(), (per_doc > 0).sum().to(torch.float64)]), draft_rows])
     tokens, samples, *draft = reduced(local, dp_group).tolist()
     if aggregation == "token":
@@ -87,6 +97,10 @@ def normalize_step(batch: RLBatch, aggregation: str, ttt_steps: int, *, max_new_
         denominator, row = samples, mask / per_doc.clamp(min=1)[doc]
     else:
         denominator, row = samples * float(max_new_tokens), mask
-    norm = StepNorm(tokens=tokens, samples=samples, rl=max(denominator, 1.0),
-                    draft=torch.tensor(draft, dtype=torch.float32, device=mask.device).clamp(min=1))
+    norm = StepNorm(
+        tokens=tokens,
+        samples=samples,
+        rl=max(denominator, 1.0),
+        draft=torch.tensor(draft, dtype=torch.float32, device=mask.device).clamp(min=1),
+    )
     return dataclasses.replace(batch, loss_weight=(row / norm.rl).to(torch.float32), norm=norm)

@@ -96,14 +96,18 @@ def unroll_weights(kind: str, decay: float, num_steps: int, rates: Optional[Tens
         return torch.ones(num_steps)
     if kind == "acceptance" and rates is not None:
         r = rates.detach().float().cpu().clamp(0, 1)
-        return torch.cat([torch.ones(1), torch.cumprod(r[:num_steps - 1], 0)])
+        return torch.cat([torch.ones(1), torch.cumprod(r[: num_steps - 1], 0)])
     if kind not in ("decay", "acceptance"):
         raise ValueError(f"position weights {kind!r} must be decay, uniform or acceptance")
     return decay ** torch.arange(num_steps, dtype=torch.float32)
 
 
-def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_logits: Sequence[Tensor],
-                           weights: Tensor, dp_group: Optional[Any]) -> DraftObjective:
+def global_draft_objective(
+    draft_loss: Callable[[Sequence[Tensor]], Any],
+    step_logits: Sequence[Tensor],
+    weights: Tensor,
+    dp_group: Optional[Any],
+) -> DraftObjective:
     """The draft loss of one microbatch, summed over the CP group, made its share over dp x cp.
 
     Args:
@@ -116,13 +120,23 @@ def global_draft_objective(draft_loss: Callable[[Sequence[Tensor]], Any], step_l
     """
     out = draft_loss(step_logits)
     in_vocab = out.total if out.in_vocab is None else out.in_vocab
-    packed = reduced(torch.stack([out.per_step_loss.to(torch.float64), out.correct.to(torch.float64),
-                                  out.total.to(torch.float64), in_vocab.to(torch.float64)]), dp_group)
+    packed = reduced(
+        torch.stack(
+            [
+                out.per_step_loss.to(torch.float64),
+                out.correct.to(torch.float64),
+                out.total.to(torch.float64),
+                in_vocab.to(torch.float64),
+            ]
+        ),
+        dp_group,
+    )
     per_step = packed[0].float()
     value = (weights.to(per_step) * per_step).sum()
     local = out.loss + (value.to(out.loss) - out.loss).detach()
-    return DraftObjective(loss=local, per_step=per_step, correct=packed[1].float(), total=packed[2].float(),
-                          in_vocab=packed[3].float())
+    return DraftObjective(
+        loss=local, per_step=per_step, correct=packed[1].float(), total=packed[2].float(), in_vocab=packed[3].float()
+    )
 
 
 def merge_microbatch_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

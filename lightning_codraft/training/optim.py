@@ -25,8 +25,13 @@ def cosine_decay(progress: float, min_ratio: float = 0.0) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def adamw(params: Iterable[torch.nn.Parameter] | Sequence[dict], lr: float, betas: tuple[float, float],
-          weight_decay: float = 0.0, eps: float = 1e-8) -> torch.optim.AdamW:
+def adamw(
+    params: Iterable[torch.nn.Parameter] | Sequence[dict],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
     """``torch.optim.AdamW`` over ``params`` (tensors or parameter groups); every optimiser of the library is built
     here. Betas are the caller's: (0.9, 0.999) for RL (``CoDraftModuleConfig.betas``), (0.9, 0.95) for the offline
     draft fit, (0.9, 0.98) for the short warm-ups."""

@@ -80,14 +80,25 @@ def policy_gradient_loss(
         aggregation (TRL's ``kl`` / ``clip_ratio/region_mean``, verl's ``pg_clipfrac``: docs/rl.md); and
         ``num_tokens`` (scored rows).
     """
-    _check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_eps, clip_eps_high, kl_coef,
-                       loss_weight, dual_clip, ref_logprobs)
+    _check_loss_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_eps,
+        clip_eps_high,
+        kl_coef,
+        loss_weight,
+        dual_clip,
+        ref_logprobs,
+    )
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
     mask = loss_mask.to(dtype)
     logprobs_f = logprobs.to(dtype)
     log_ratio = logprobs_f - old_logprobs.to(dtype)
-    pg, clipped = clipped_surrogate(log_ratio, advantages.to(dtype), clip_eps,
-                                    clip_eps if clip_eps_high is None else clip_eps_high, dual_clip)
+    pg, clipped = clipped_surrogate(
+        log_ratio, advantages.to(dtype), clip_eps, clip_eps if clip_eps_high is None else clip_eps_high, dual_clip
+    )
     kl = k3_kl(logprobs_f, ref_logprobs, grad=kl_coef > 0) if ref_logprobs is not None else torch.zeros_like(pg)
     per_token = pg + kl_coef * kl if ref_logprobs is not None and kl_coef > 0 else pg
     if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
@@ -96,17 +107,32 @@ def policy_gradient_loss(
         weight = loss_weight.detach().to(dtype)
     loss = (per_token * weight).sum()
     with torch.no_grad():
-        per_tok = mask / (num_tokens if num_tokens is not None else  # the statistics' weights: token means
-                          reduced(mask.sum(), group).clamp(min=1.0))
-        sums = reduced(torch.stack([
-            (per_token * weight).sum(), (pg * weight).sum(), (kl * per_tok).sum(), (clipped * per_tok).sum(),
-            (torch.exp(log_ratio) * per_tok).sum(), (0.5 * log_ratio.square() * per_tok).sum(), mask.sum(),
-        ]), group)
+        per_tok = mask / (
+            num_tokens
+            if num_tokens is not None
+            # the statistics' weights: token means
+            else reduced(mask.sum(), group).clamp(min=1.0)
+        )
+        sums = reduced(
+            torch.stack(
+                [
+                    (per_token * weight).sum(),
+                    (pg * weight).sum(),
+                    (kl * per_tok).sum(),
+                    (clipped * per_tok).sum(),
+                    (torch.exp(log_ratio) * per_tok).sum(),
+                    (0.5 * log_ratio.square() * per_tok).sum(),
+                    mask.sum(),
+                ]
+            ),
+            group,
+        )
     return loss, dict(zip(("loss", "pg_loss", "kl", "clip_frac", "ratio", "approx_kl", "num_tokens"), sums))
 
 
-def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float,
-                      dual_clip: Optional[float] = None) -> tuple[Tensor, Tensor]:
+def clipped_surrogate(
+    log_ratio: Tensor, advantages: Tensor, clip_eps: float, clip_eps_high: float, dual_clip: Optional[float] = None
+) -> tuple[Tensor, Tensor]:
     """The per-token PPO clipped surrogate (verl's ``compute_policy_loss_vanilla`` before its aggregation).
 
     Args:
@@ -142,12 +168,26 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, grad: bool = True) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def _check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_eps, clip_eps_high, kl_coef,
-                       loss_weight, dual_clip, ref_logprobs) -> None:
+def _check_loss_inputs(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_eps,
+    clip_eps_high,
+    kl_coef,
+    loss_weight,
+    dual_clip,
+    ref_logprobs,
+) -> None:
     """:func:`policy_gradient_loss`'s argument checks (shapes, ranges), raising ``ValueError``."""
     shape = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("loss_mask", loss_mask),
-                    ("loss_weight", loss_weight)):
+    for name, t in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+        ("loss_weight", loss_weight),
+    ):
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; all are (T,) rows")
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
@@ -160,8 +200,13 @@ def _check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_eps, 
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs (T,) from the reference policy")
 
 
-def greedy_agreement(logits: Tensor, ref_greedy: Tensor, loss_mask: Tensor, group: Optional[Any] = None,
-                     num_tokens: Optional[float] = None) -> Tensor:
+def greedy_agreement(
+    logits: Tensor,
+    ref_greedy: Tensor,
+    loss_mask: Tensor,
+    group: Optional[Any] = None,
+    num_tokens: Optional[float] = None,
+) -> Tensor:
     """Share of completion rows where the policy's and the reference's most likely next token agree.
 
     A drift measure next to the KL (``policy_gradient_loss``'s ``kl`` stat): 1 for a policy equal to the reference,

@@ -65,17 +65,28 @@ class NonFiniteGuard:
             return None
         self.in_a_row += 1
         self.skipped.append((step, reason))
-        warnings.warn(f"optimizer step {step}: {reason}; skipped the update ({self.in_a_row} in a row)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"optimizer step {step}: {reason}; skipped the update ({self.in_a_row} in a row)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         if self.in_a_row >= self.max_consecutive:
-            raise NonFiniteError(f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient (last: "
-                                 f"step {step}, {reason}); stopping (lower the learning rate, check the rewards "
-                                 f"and the data, or resume from the last checkpoint, which is finite)")
+            raise NonFiniteError(
+                f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient (last: "
+                f"step {step}, {reason}); stopping (lower the learning rate, check the rewards "
+                f"and the data, or resume from the last checkpoint, which is finite)"
+            )
         return reason
 
 
-def optimizer_step(forward: Callable[[Any], Any], module: nn.Module, batch: Any, optimizer, scheduler=None,
-                   backward: Optional[Callable[[Tensor], None]] = None) -> dict[str, Tensor]:
+def optimizer_step(
+    forward: Callable[[Any], Any],
+    module: nn.Module,
+    batch: Any,
+    optimizer,
+    scheduler=None,
+    backward: Optional[Callable[[Tensor], None]] = None,
+) -> dict[str, Tensor]:
     """Run one optimizer step of the joint objective and return its metrics.
 
     A step whose loss or gradient is not finite is skipped (no update, no scheduler step) through the module's
@@ -111,8 +122,9 @@ def optimizer_step(forward: Callable[[Any], Any], module: nn.Module, batch: Any,
     return metrics
 
 
-def grad_norms(groups: Mapping[str, Iterable[nn.Parameter]], max_norm: Optional[float] = None,
-               norm_group: Optional[Any] = None) -> dict[str, Tensor]:
+def grad_norms(
+    groups: Mapping[str, Iterable[nn.Parameter]], max_norm: Optional[float] = None, norm_group: Optional[Any] = None
+) -> dict[str, Tensor]:
     """Global L2 gradient norm of every parameter group, each clipped to ``max_norm`` when given.
 
     Args:

@@ -59,13 +59,19 @@ class CompareResult:
         step = sum(r["step_s"] for r in rows)
         rewards = [r["reward"] for r in rows]
         n = len(rewards)
-        half = rewards[n // 2:] or rewards
+        half = rewards[n // 2 :] or rewards
         return {
-            "tokens": tok, "rollout_s": roll, "step_s": step, "rollout_tps": tok / roll, "e2e_tps": tok / step,
-            "reward_mean": sum(rewards) / n, "reward_last_half": sum(half) / len(half),
+            "tokens": tok,
+            "rollout_s": roll,
+            "step_s": step,
+            "rollout_tps": tok / roll,
+            "e2e_tps": tok / step,
+            "reward_mean": sum(rewards) / n,
+            "reward_last_half": sum(half) / len(half),
             "acceptance_last": rows[-1]["acceptance_length"],
             "acceptance_mean": sum(r["acceptance_length"] for r in rows) / n,
-            "eval_before": self.results[arm].eval_before, "eval_after": self.results[arm].eval_after,
+            "eval_before": self.results[arm].eval_before,
+            "eval_after": self.results[arm].eval_after,
         }
 
     def speedups(self, arm: str, base: str = "none") -> tuple[float, float]:
@@ -82,29 +88,37 @@ class CompareResult:
     def table(self, base: Optional[str] = "none") -> str:
         """A markdown table: one row per arm (speed-ups over ``base`` when it ran)."""
         k = self.cfg.draft.num_speculative_tokens
-        lines = [f"| arm | mean reward | reward, last half | greedy acc. before -> after | acceptance length "
-                 f"(K={k}), last step | mean | rollout tok/s | rollout speed-up | end-to-end tok/s | "
-                 f"end-to-end speed-up |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = [
+            f"| arm | mean reward | reward, last half | greedy acc. before -> after | acceptance length "
+            f"(K={k}), last step | mean | rollout tok/s | rollout speed-up | end-to-end tok/s | "
+            f"end-to-end speed-up |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for arm in self.results:
             t = self.totals(arm)
             ro, e2e = self.speedups(arm, base) if base in self.results else (math.nan, math.nan)
-            lines.append(f"| {self.label(arm)} | {t['reward_mean']:.3f} | {t['reward_last_half']:.3f} | "
-                         f"{t['eval_before']:.3f} -> {t['eval_after']:.3f} | {t['acceptance_last']:.2f} | "
-                         f"{t['acceptance_mean']:.2f} | {t['rollout_tps']:.1f} | {ro:.2f}x | {t['e2e_tps']:.1f} | "
-                         f"{e2e:.2f}x |")
+            lines.append(
+                f"| {self.label(arm)} | {t['reward_mean']:.3f} | {t['reward_last_half']:.3f} | "
+                f"{t['eval_before']:.3f} -> {t['eval_after']:.3f} | {t['acceptance_last']:.2f} | "
+                f"{t['acceptance_mean']:.2f} | {t['rollout_tps']:.1f} | {ro:.2f}x | {t['e2e_tps']:.1f} | "
+                f"{e2e:.2f}x |"
+            )
         return "\n".join(lines)
 
 
 def isolated(cfg: CoDraftConfig, out: Path, init_from: str | None) -> CoDraftConfig:
     """``cfg`` writing to ``out``, starting from ``init_from`` (or warming up), no resume, no periodic checkpoint."""
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out), resume=False,
-                                                             init_from=init_from, checkpoint_every=0,
-                                                             progress=False))
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(
+            cfg.run, out_dir=str(out), resume=False, init_from=init_from, checkpoint_every=0, progress=False
+        ),
+    )
 
 
-def run_side_by_side(configs: Mapping[str, CoDraftConfig], out: str | Path, base: CoDraftConfig,
-                     print_fn: Callable[[str], None] = print) -> CompareResult:
+def run_side_by_side(
+    configs: Mapping[str, CoDraftConfig], out: str | Path, base: CoDraftConfig, print_fn: Callable[[str], None] = print
+) -> CompareResult:
     """Run every ``name -> config`` arm interleaved, step by step, from one warm start.
 
     The first arm whose draft trains offline (``draft.mode != "none"``) is set up first and warms up (or starts from
@@ -123,8 +137,9 @@ def run_side_by_side(configs: Mapping[str, CoDraftConfig], out: str | Path, base
     runs: dict[str, CoDraftRun] = {}
     for name in [first] + [n for n in names if n != first]:
         init = configs[name].run.init_from if name == first else str(out / first / "warm")
-        runs[name] = CoDraftRun(isolated(configs[name], out / name, init),
-                                print_fn=lambda s, n=name: print_fn(f"[{n}] {s}"))
+        runs[name] = CoDraftRun(
+            isolated(configs[name], out / name, init), print_fn=lambda s, n=name: print_fn(f"[{n}] {s}")
+        )
         runs[name].setup()
     for step in range(steps.pop()):
         line = [f"step {step + 1}:"]
@@ -139,8 +154,9 @@ def run_side_by_side(configs: Mapping[str, CoDraftConfig], out: str | Path, base
     return res
 
 
-def compare_arms(cfg: CoDraftConfig, arms: Sequence[str] = ARMS,
-                 print_fn: Callable[[str], None] = print) -> CompareResult:
+def compare_arms(
+    cfg: CoDraftConfig, arms: Sequence[str] = ARMS, print_fn: Callable[[str], None] = print
+) -> CompareResult:
     """Run the arms (``draft.mode`` values) on ``cfg`` (outputs under ``run.out_dir/bench/<arm>``)."""
     for a in arms:
         if a not in ARMS:
@@ -153,15 +169,20 @@ def paired_lines(res: CompareResult) -> list[str]:
     """Markdown lines: per-step paired differences (last half of the run) between the arms that ran."""
     lines = []
     if "cotrain" in res.results and "frozen" in res.results:
-        lines.append(f"- acceptance length, co-trained - frozen, last half: "
-                     f"{res.paired('cotrain', 'frozen', 'acceptance_length')}")
-        lines.append(f"- reward, co-trained - frozen, whole run: "
-                     f"{res.paired('cotrain', 'frozen', 'reward', last_half=False)}")
+        lines.append(
+            f"- acceptance length, co-trained - frozen, last half: "
+            f"{res.paired('cotrain', 'frozen', 'acceptance_length')}"
+        )
+        lines.append(
+            f"- reward, co-trained - frozen, whole run: {res.paired('cotrain', 'frozen', 'reward', last_half=False)}"
+        )
     if "none" in res.results:
         for a in res.results:
             if a != "none":
-                lines.append(f"- reward, {res.label(a)} - no draft, whole run: "
-                             f"{res.paired(a, 'none', 'reward', last_half=False)}")
+                lines.append(
+                    f"- reward, {res.label(a)} - no draft, whole run: "
+                    f"{res.paired(a, 'none', 'reward', last_half=False)}"
+                )
     return lines
 
 
@@ -170,29 +191,50 @@ def write_report(res: CompareResult, out_dir: str | Path, name: str = "codraft_v
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     series = {res.label(a): r.rows for a, r in res.results.items()}
-    png = plot_curves(series, out / f"{name}_curves.png", keys=("reward", "acceptance_length", "kl", "rollout_s"),
-                      title="arms from the same seeds")
+    png = plot_curves(
+        series,
+        out / f"{name}_curves.png",
+        keys=("reward", "acceptance_length", "kl", "rollout_s"),
+        title="arms from the same seeds",
+    )
     c = res.cfg
-    lines = ["# RL with an online co-trained draft vs a frozen draft vs no draft", "",
-             f"Task `{c.task.name}`, policy `{c.model.source}` "
-             f"({c.model.num_hidden_layers} layers, hidden {c.model.hidden_size}), {c.rl.steps} GRPO steps x "
-             f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, temperature {c.rl.temperature}, "
-             f"K = {c.draft.num_speculative_tokens} ({'adaptive' if c.draft.adaptive else 'fixed'}), embedded "
-             f"engine decoding {c.parallel.engine_batch_size or 'all'} sequence(s) at a time, "
-             f"{c.parallel.accelerator}. Same seeds in every arm; steps interleaved across arms; ratios measured "
-             f"side by side in this one run.", "", res.table(), "", f"![curves]({png.name})", ""]
+    lines = [
+        "# RL with an online co-trained draft vs a frozen draft vs no draft",
+        "",
+        f"Task `{c.task.name}`, policy `{c.model.source}` "
+        f"({c.model.num_hidden_layers} layers, hidden {c.model.hidden_size}), {c.rl.steps} GRPO steps x "
+        f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, temperature {c.rl.temperature}, "
+        f"K = {c.draft.num_speculative_tokens} ({'adaptive' if c.draft.adaptive else 'fixed'}), embedded "
+        f"engine decoding {c.parallel.engine_batch_size or 'all'} sequence(s) at a time, "
+        f"{c.parallel.accelerator}. Same seeds in every arm; steps interleaved across arms; ratios measured "
+        f"side by side in this one run.",
+        "",
+        res.table(),
+        "",
+        f"![curves]({png.name})",
+        "",
+    ]
     counts = {len(r.rows) for r in res.results.values()}
     if len(counts) == 1 and counts.pop() >= 4:
-        lines += ["Paired per-step differences (mean, 95% confidence interval, steps where the first arm is "
-                  "higher):", "", *paired_lines(res), ""]
-    lines += ["Reproduce: `codraft bench --config recipes/tiny-cpu.yaml --out docs/benchmarks`.", "",
-              "Per step (reward / acceptance length):", ""]
+        lines += [
+            "Paired per-step differences (mean, 95% confidence interval, steps where the first arm is higher):",
+            "",
+            *paired_lines(res),
+            "",
+        ]
+    lines += [
+        "Reproduce: `codraft bench --config recipes/tiny-cpu.yaml --out docs/benchmarks`.",
+        "",
+        "Per step (reward / acceptance length):",
+        "",
+    ]
     arms = list(res.results)
     lines.append("| step | " + " | ".join(res.label(a) for a in arms) + " |")
     lines.append("|---|" + "---|" * len(arms))
     for i in range(len(res.results[arms[0]].rows)):
-        cells = [f"{res.results[a].rows[i]['reward']:.3f} / {res.results[a].rows[i]['acceptance_length']:.2f}"
-                 for a in arms]
+        cells = [
+            f"{res.results[a].rows[i]['reward']:.3f} / {res.results[a].rows[i]['acceptance_length']:.2f}" for a in arms
+        ]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     path = out / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")

@@ -12,10 +12,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-LOGGER_SHORTHANDS = {"wandb": ("lightning.pytorch.loggers.WandbLogger", "wandb"),
-                     "mlflow": ("lightning.pytorch.loggers.MLFlowLogger", "mlflow"),
-                     "comet": ("lightning.pytorch.loggers.CometLogger", "comet_ml"),
-                     "neptune": ("lightning.pytorch.loggers.NeptuneLogger", "neptune")}
+LOGGER_SHORTHANDS = {
+    "wandb": ("lightning.pytorch.loggers.WandbLogger", "wandb"),
+    "mlflow": ("lightning.pytorch.loggers.MLFlowLogger", "mlflow"),
+    "comet": ("lightning.pytorch.loggers.CometLogger", "comet_ml"),
+    "neptune": ("lightning.pytorch.loggers.NeptuneLogger", "neptune"),
+}
 """``run.loggers`` names: Lightning's logger class and the package it needs."""
 
 
@@ -24,14 +26,18 @@ def logger_spec(entry: Any, index: int) -> tuple[str, dict[str, Any], Optional[s
     key for an entry that is neither a known name nor ``{class_path, init_args}``."""
     if isinstance(entry, str):
         if entry not in LOGGER_SHORTHANDS:
-            raise ValueError(f"run.loggers[{index}]={entry!r} is not one of {sorted(LOGGER_SHORTHANDS)}; give "
-                             f"{{class_path: package.module.Class, init_args: {{...}}}} for another logger")
+            raise ValueError(
+                f"run.loggers[{index}]={entry!r} is not one of {sorted(LOGGER_SHORTHANDS)}; give "
+                f"{{class_path: package.module.Class, init_args: {{...}}}} for another logger"
+            )
         path, package = LOGGER_SHORTHANDS[entry]
         return path, {}, package
     if isinstance(entry, Mapping) and set(entry) <= {"class_path", "init_args"} and "class_path" in entry:
         return str(entry["class_path"]), dict(entry.get("init_args") or {}), None
-    raise ValueError(f"run.loggers[{index}]={entry!r}: give a name ({sorted(LOGGER_SHORTHANDS)}) or "
-                     f"{{class_path: package.module.Class, init_args: {{...}}}}")
+    raise ValueError(
+        f"run.loggers[{index}]={entry!r}: give a name ({sorted(LOGGER_SHORTHANDS)}) or "
+        f"{{class_path: package.module.Class, init_args: {{...}}}}"
+    )
 
 
 def logger_class(entry: Any, index: int) -> type:

@@ -30,8 +30,9 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        return [{k: (float(v) if v not in ("", None) else math.nan) for k, v in row.items()}
-                for row in csv.DictReader(f)]
+        return [
+            {k: (float(v) if v not in ("", None) else math.nan) for k, v in row.items()} for row in csv.DictReader(f)
+        ]
 
 
 class MetricsFile:
@@ -61,8 +62,14 @@ class MetricsFile:
         replace_file(self.path, text.getvalue())
 
     def _cells(self, row: Mapping[str, float]) -> dict[str, Any]:
-        return {k: ("" if row.get(k) is None or (isinstance(row[k], float) and math.isnan(row[k])) else
-                    (int(row[k]) if k == "step" else row[k])) for k in self.columns}
+        return {
+            k: (
+                ""
+                if row.get(k) is None or (isinstance(row[k], float) and math.isnan(row[k]))
+                else (int(row[k]) if k == "step" else row[k])
+            )
+            for k in self.columns
+        }
 
     def append(self, row: Mapping[str, float]) -> None:
         """Append one row; a column the file lacks extends its header (the file is rewritten whole, atomically)."""
@@ -93,25 +100,39 @@ class MetricsLogger:
         rows: every row of the run so far (kept ones included), as dicts of floats.
     """
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0,
-                 extra_columns: Sequence[str] = (), loggers: Sequence[Any] = (), completions: int = 0):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        tensorboard: bool = True,
+        resume_step: int = 0,
+        extra_columns: Sequence[str] = (),
+        loggers: Sequence[Any] = (),
+        completions: int = 0,
+    ):
         self.columns = (*COLUMNS, *extra_columns)
         self.loggers = list(loggers)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.completions, self.completions_path = int(completions), out_dir / "completions.jsonl"
         if self.completions > 0:  # a resumed run's file equals an uninterrupted one's
-            old = self.completions_path.read_text().splitlines() if resume_step and self.completions_path.exists() \
-                else []
-            replace_file(self.completions_path, "".join(line + "\n" for line in old
-                                                        if line.strip() and json.loads(line)["step"] <= resume_step))
+            old = (
+                self.completions_path.read_text().splitlines() if resume_step and self.completions_path.exists() else []
+            )
+            replace_file(
+                self.completions_path,
+                "".join(line + "\n" for line in old if line.strip() and json.loads(line)["step"] <= resume_step),
+            )
         self.file = MetricsFile(out_dir / "metrics.csv", self.columns, resume_step)
         self.tb: Optional[TensorBoardLogger] = None
         if tensorboard:
-            self.tb = TensorBoardLogger(root_dir=out_dir, name="tb", version="", default_hp_metric=False,
-                                        purge_step=resume_step + 1 if resume_step else None)
-        self.rows: list[dict[str, float]] = [{k: r.get(k, math.nan) for k in self.file.columns}
-                                             for r in self.file.rows]
+            self.tb = TensorBoardLogger(
+                root_dir=out_dir,
+                name="tb",
+                version="",
+                default_hp_metric=False,
+                purge_step=resume_step + 1 if resume_step else None,
+            )
+        self.rows: list[dict[str, float]] = [{k: r.get(k, math.nan) for k in self.file.columns} for r in self.file.rows]
 
     @property
     def path(self) -> Path:
@@ -138,17 +159,29 @@ class MetricsLogger:
         """The first ``completions`` of a step's ``samples`` (prompt, completion, reward, each reward's): appended
         to completions.jsonl with their ``step``, and as a table in TensorBoard's text tab (``completions``) and in
         every extra logger that has one (``log_text``, e.g. W&B)."""
-        picked = list(samples)[:self.completions]
+        picked = list(samples)[: self.completions]
         if not picked:
             return
         with open(self.completions_path, "a") as f:
-            f.writelines(json.dumps({"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                                      for k, v in s.items()}}) + "\n" for s in picked)
+            f.writelines(
+                json.dumps(
+                    {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in s.items()}}
+                )
+                + "\n"
+                for s in picked
+            )
         rows = [{k: ("" if v is None else v) for k, v in s.items()} for s in picked]
         keys = list(rows[0])
-        table = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-                           *("| " + " | ".join(str(r[k]).replace("|", "\\|").replace("\n", " ") for k in keys) + " |"
-                             for r in rows)])
+        table = "\n".join(
+            [
+                "| " + " | ".join(keys) + " |",
+                "|" + "---|" * len(keys),
+                *(
+                    "| " + " | ".join(str(r[k]).replace("|", "\\|").replace("\n", " ") for k in keys) + " |"
+                    for r in rows
+                ),
+            ]
+        )
         if self.tb is not None:
             self.tb.experiment.add_text("completions", table, global_step=step)
         for logger in self.loggers:
@@ -162,8 +195,12 @@ class MetricsLogger:
             self.tb.finalize("success")
 
 
-def plot_curves(series: Mapping[str, Sequence[Mapping[str, float]]], path: str | Path,
-                keys: Sequence[str] = ("reward", "acceptance_length"), title: str = "") -> Path:
+def plot_curves(
+    series: Mapping[str, Sequence[Mapping[str, float]]],
+    path: str | Path,
+    keys: Sequence[str] = ("reward", "acceptance_length"),
+    title: str = "",
+) -> Path:
     """One PNG with a panel per metric in ``keys``, one line per run in ``series`` (label -> rows)."""
     import matplotlib  # here, not at the top: selecting the Agg backend must not happen on import of the package
 
@@ -199,11 +236,16 @@ class StepProgress:
         self._progress = None
         if enabled:
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
                 TextColumn("reward {task.fields[reward]}  accept {task.fields[accept]}  {task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), transient=False)
-            self._task = self._progress.add_task(description, total=total, completed=start, reward="-",
-                                                 accept="-", tps="-")
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self._task = self._progress.add_task(
+                description, total=total, completed=start, reward="-", accept="-", tps="-"
+            )
 
     def __enter__(self) -> StepProgress:
         if self._progress is not None:
@@ -213,11 +255,12 @@ class StepProgress:
     def update(self, metrics: Mapping[str, float]) -> None:
         reward, acc, tps = metrics.get("reward"), metrics.get("acceptance_length"), metrics.get("tokens_per_s")
         if self._progress is not None:
-            self._progress.update(self._task, advance=1, reward=f"{reward:.3f}", accept=f"{acc:.2f}",
-                                  tps=f"{tps:.0f}")
+            self._progress.update(self._task, advance=1, reward=f"{reward:.3f}", accept=f"{acc:.2f}", tps=f"{tps:.0f}")
         else:
-            print(f"step {int(metrics['step'])}: reward {reward:.3f}  acceptance length {acc:.2f}  "
-                  f"{tps:.0f} tok/s", flush=True)
+            print(
+                f"step {int(metrics['step'])}: reward {reward:.3f}  acceptance length {acc:.2f}  {tps:.0f} tok/s",
+                flush=True,
+            )
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

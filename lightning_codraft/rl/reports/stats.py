@@ -29,8 +29,10 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 500):
-        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
-                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
+        for num in (
+            m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
+            -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -109,8 +111,10 @@ class PairedDifference:
     level: float = 0.95
 
     def __str__(self) -> str:
-        return (f"{self.mean:+.3f} (95% CI {self.low:+.3f} .. {self.high:+.3f}; sd {self.sd:.3f}; "
-                f"{self.wins}/{self.n} steps higher)")
+        return (
+            f"{self.mean:+.3f} (95% CI {self.low:+.3f} .. {self.high:+.3f}; sd {self.sd:.3f}; "
+            f"{self.wins}/{self.n} steps higher)"
+        )
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> PairedDifference:

@@ -68,14 +68,18 @@ class HFTokenizer:
         if getattr(self.tok, "chat_template", None) is None:
             raise ValueError("the prompt is a list of chat messages but the tokenizer has no chat template")
         last = messages[-1].get("role") if messages else None
-        ids = self.tok.apply_chat_template(list(messages), add_generation_prompt=last != "assistant",
-                                           continue_final_message=last == "assistant", tokenize=True)
+        ids = self.tok.apply_chat_template(
+            list(messages),
+            add_generation_prompt=last != "assistant",
+            continue_final_message=last == "assistant",
+            tokenize=True,
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
         if self.eos_token_id in ids:
-            ids = ids[:ids.index(self.eos_token_id)]
+            ids = ids[: ids.index(self.eos_token_id)]
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
@@ -86,16 +90,29 @@ def build_task(cfg, source=None) -> ArithmeticTask | DatasetTask:
     if source is not None:
         cfg = dataclasses.replace(cfg, name="dataset", source=source)
     if cfg.name == "arithmetic":
-        return ArithmeticTask(min_terms=cfg.min_terms, max_terms=cfg.max_terms, max_operand=cfg.max_operand,
-                              styles=tuple(cfg.styles), required_style=cfg.required_style,
-                              style_weights=None if cfg.style_weights is None else tuple(cfg.style_weights))
+        return ArithmeticTask(
+            min_terms=cfg.min_terms,
+            max_terms=cfg.max_terms,
+            max_operand=cfg.max_operand,
+            styles=tuple(cfg.styles),
+            required_style=cfg.required_style,
+            style_weights=None if cfg.style_weights is None else tuple(cfg.style_weights),
+        )
     if cfg.name == "gsm8k":
         return GSM8KTask(source=cfg.source, split=cfg.split, limit=cfg.limit, heldout=heldout)
     if cfg.name == "dataset":
-        return DatasetTask(source=cfg.source, prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
-                           template=cfg.template, split=cfg.split, subset=cfg.subset, limit=cfg.limit,
-                           heldout=heldout, eval_source=cfg.eval_source,
-                           solution_fn=None if cfg.solution_column is None else solution_column(cfg.solution_column))
+        return DatasetTask(
+            source=cfg.source,
+            prompt_column=cfg.prompt_column,
+            answer_column=cfg.answer_column,
+            template=cfg.template,
+            split=cfg.split,
+            subset=cfg.subset,
+            limit=cfg.limit,
+            heldout=heldout,
+            eval_source=cfg.eval_source,
+            solution_fn=None if cfg.solution_column is None else solution_column(cfg.solution_column),
+        )
     raise ValueError(f"task.name={cfg.name!r} is not one of ('arithmetic', 'gsm8k', 'dataset')")
 
 
@@ -138,8 +155,10 @@ def build_policy(cfg, seed: int = 0):
     else:
         path = Path(cfg.source)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model.source={cfg.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
-                                    f"checkpoint directory with config.json")
+            raise FileNotFoundError(
+                f"model.source={cfg.source!r} is not 'tiny', 'smollm2-135m' or a Hugging Face "
+                f"checkpoint directory with config.json"
+            )
         from transformers import AutoTokenizer
 
         policy = Policy.from_pretrained(path)
@@ -147,8 +166,10 @@ def build_policy(cfg, seed: int = 0):
     if cfg.config is not None:
         differences = architecture_differences(policy_config(cfg), policy.config)
         if differences:
-            raise ConfigError(f"model.config={cfg.config!r} does not describe the checkpoint {str(path)!r}: "
-                              f"{'; '.join(differences)}; fix model.config or set it to null")
+            raise ConfigError(
+                f"model.config={cfg.config!r} does not describe the checkpoint {str(path)!r}: "
+                f"{'; '.join(differences)}; fix model.config or set it to null"
+            )
     return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)
 
 
@@ -171,11 +192,18 @@ def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
     names in its own words (``draft.mode`` decides whether the draft trains and is scored)."""
     mode = cfg.draft.mode
     return CoDraftModuleConfig(
-        **shared_fields(cfg.rl, PolicyLossConfig), **shared_fields(cfg.draft, DraftLossConfig),
+        **shared_fields(cfg.rl, PolicyLossConfig),
+        **shared_fields(cfg.draft, DraftLossConfig),
         **shared_fields(cfg.parallel, MicrobatchConfig),
-        draft_loss_weight=cfg.draft.loss_weight, freeze_draft=mode != "cotrain", score_draft=mode != "none",
-        max_new_tokens=cfg.rl.max_new_tokens, track_drift=cfg.rl.track_drift, policy_lr=cfg.rl.lr,
-        draft_lr=cfg.draft.lr, grad_clip=cfg.rl.grad_clip)
+        draft_loss_weight=cfg.draft.loss_weight,
+        freeze_draft=mode != "cotrain",
+        score_draft=mode != "none",
+        max_new_tokens=cfg.rl.max_new_tokens,
+        track_drift=cfg.rl.track_drift,
+        policy_lr=cfg.rl.lr,
+        draft_lr=cfg.draft.lr,
+        grad_clip=cfg.rl.grad_clip,
+    )
 
 
 def check_pipeline_split(cfg: CoDraftConfig, policy: Policy) -> None:
@@ -195,9 +223,11 @@ def fit_prompts(prompts: list[list[int]], context: int, max_new_tokens: int) -> 
         if not p:
             raise ValueError(f"prompt {i} is empty after tokenization")
         if len(p) > room:
-            raise ConfigError(f"prompt {i} has {len(p)} tokens but the context {context} minus "
-                             f"rl.max_new_tokens={max_new_tokens} leaves {room}; raise model.max_position_embeddings "
-                             f"or lower rl.max_new_tokens")
+            raise ConfigError(
+                f"prompt {i} has {len(p)} tokens but the context {context} minus "
+                f"rl.max_new_tokens={max_new_tokens} leaves {room}; raise model.max_position_embeddings "
+                f"or lower rl.max_new_tokens"
+            )
     return prompts
 
 
@@ -242,7 +272,8 @@ def build_parts(cfg: CoDraftConfig, task=None, rewards=None, with_task: bool = T
 def is_rows(task) -> bool:
     """Whether ``task`` is data rather than a task object: a ``datasets.Dataset`` or a list of row dicts."""
     return (hasattr(task, "column_names") and not hasattr(task, "sample")) or (
-        isinstance(task, list) and bool(task) and isinstance(task[0], dict))
+        isinstance(task, list) and bool(task) and isinstance(task[0], dict)
+    )
 
 
 def check_prompts_render(task, tokenizer) -> None:
@@ -254,8 +285,9 @@ def check_prompts_render(task, tokenizer) -> None:
     try:
         encode_prompt(tokenizer, first.prompt)
     except ValueError as e:
-        raise ConfigError(f"task.prompt_column {getattr(task, 'prompt_column', 'prompt')!r} holds chat messages: "
-                          f"{e}") from None
+        raise ConfigError(
+            f"task.prompt_column {getattr(task, 'prompt_column', 'prompt')!r} holds chat messages: {e}"
+        ) from None
 
 
 def module_arguments(cfg: CoDraftConfig, parts: RunParts) -> dict[str, Any]:

@@ -21,8 +21,13 @@ from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
-def sample_rewards(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample],
-                   reward_fn: RewardFn | RewardSet, on_error: str = "raise") -> list[float]:
+def sample_rewards(
+    outputs: Sequence[RolloutOutput],
+    tokenizer,
+    samples: Sequence[TaskSample],
+    reward_fn: RewardFn | RewardSet,
+    on_error: str = "raise",
+) -> list[float]:
     """``(N,)`` the reward of each completion ``outputs[i]`` of ``samples[i]`` (NaN where it failed under
     ``on_error="skip"``)."""
     if not samples:
@@ -40,8 +45,13 @@ def mean_of(rewards: Sequence[float]) -> float:
     return sum(ok) / len(ok) if ok else float("nan")
 
 
-def mean_reward(outputs: Sequence[RolloutOutput], tokenizer, samples: Sequence[TaskSample],
-                reward_fn: RewardFn | RewardSet, on_error: str = "raise") -> float:
+def mean_reward(
+    outputs: Sequence[RolloutOutput],
+    tokenizer,
+    samples: Sequence[TaskSample],
+    reward_fn: RewardFn | RewardSet,
+    on_error: str = "raise",
+) -> float:
     """Mean reward of the completions ``outputs`` of ``samples`` (greedy ones: the greedy accuracy; decode them
     with any engine, e.g. ``RolloutWorker.generate(..., temperature=0.0)``). With ``on_error="skip"`` the mean is
     over the samples whose reward did not fail (NaN when all did)."""
@@ -63,8 +73,19 @@ def heldout_samples(task, seed: int, n: int, offset: int = 0) -> list[TaskSample
     return task.sample(n, seed=seed + EVAL_SEED + offset)
 
 
-def heldout_rewards(cfg, worker, tokenizer, task, rewards, steps_done: int, n: int, temperature: float = 0.0,
-                     release: bool = True, final: bool = False, draft_updates: int | None = None) -> list[float]:
+def heldout_rewards(
+    cfg,
+    worker,
+    tokenizer,
+    task,
+    rewards,
+    steps_done: int,
+    n: int,
+    temperature: float = 0.0,
+    release: bool = True,
+    final: bool = False,
+    draft_updates: int | None = None,
+) -> list[float]:
     """``(n,)`` the reward of each of the ``n`` fixed held-out prompts (or validation prompts: ``task.eval_set``) at
     ``temperature`` (0: greedy, the accuracy for a 0/1 reward; else one sample per prompt with fixed seeds) with the
     weights after ``steps_done`` optimizer steps, every rank of the world decoding a share through ``worker`` (an
@@ -105,22 +126,42 @@ class SpeedupResult:
 
 def _timed(engine, prompts, max_new_tokens, temperature, top_p, seed, stop):
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           seed=seed, stop_token_ids=stop)
+    outs = engine.generate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop
+    )
     dt = time.perf_counter() - t0
     return dt, sum(len(o.token_ids) for o in outs), AcceptanceStats.total(o.stats for o in outs)
 
 
-def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[list[int]], max_new_tokens: int,
-                    temperature: float, top_p: float, seed: int, stop_token_ids: Sequence[int],
-                    repeats: int = 3, max_batch_size: int | None = None, adaptive: bool = False,
-                    sampling: str = "coupled", dtype: str | None = None) -> SpeedupResult:
+def measure_speedup(
+    policy,
+    draft,
+    num_speculative_tokens: int,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    stop_token_ids: Sequence[int],
+    repeats: int = 3,
+    max_batch_size: int | None = None,
+    adaptive: bool = False,
+    sampling: str = "coupled",
+    dtype: str | None = None,
+) -> SpeedupResult:
     """Tokens/s of plain vs speculative decoding of ``prompts`` (best of ``repeats``, runs interleaved), both
     engines decoding ``max_batch_size`` sequences at a time (None: all together) in ``dtype`` (None: the
     weights')."""
     plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
-    spec = SpeculativeEngine(policy, draft, num_speculative_tokens, max_batch_size=max_batch_size,
-                             adaptive=adaptive, sampling=sampling, dtype=dtype)
+    spec = SpeculativeEngine(
+        policy,
+        draft,
+        num_speculative_tokens,
+        max_batch_size=max_batch_size,
+        adaptive=adaptive,
+        sampling=sampling,
+        dtype=dtype,
+    )
     best_p = best_s = None
     for _ in range(max(1, repeats)):
         p = _timed(plain, prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids)
@@ -128,6 +169,12 @@ def measure_speedup(policy, draft, num_speculative_tokens: int, prompts: list[li
         best_p = p if best_p is None or p[1] / p[0] > best_p[1] / best_p[0] else best_p
         best_s = s if best_s is None or s[1] / s[0] > best_s[1] / best_s[0] else best_s
     ptps, stps = best_p[1] / best_p[0], best_s[1] / best_s[0]
-    return SpeedupResult(plain_tokens_per_s=ptps, spec_tokens_per_s=stps, speedup=stps / ptps,
-                         acceptance_length=best_s[2].acceptance_length, plain_s=best_p[0], spec_s=best_s[0],
-                         sequences=len(prompts))
+    return SpeedupResult(
+        plain_tokens_per_s=ptps,
+        spec_tokens_per_s=stps,
+        speedup=stps / ptps,
+        acceptance_length=best_s[2].acceptance_length,
+        plain_s=best_p[0],
+        spec_s=best_s[0],
+        sequences=len(prompts),
+    )

@@ -126,10 +126,16 @@ class CoDraftRun:
     def launch(self) -> None:
         """Start the processes (Fabric with a ``CoDraftStrategy`` over the recipe's mesh)."""
         p = self.cfg.parallel
-        strategy = CoDraftStrategy(dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding,
-                                   timeout=timedelta(seconds=p.timeout_s))
-        self.fabric = Fabric(accelerator=p.accelerator, devices=p.devices, num_nodes=p.num_nodes, strategy=strategy,
-                             precision=p.precision)
+        strategy = CoDraftStrategy(
+            dp=p.dp, pp=p.pp, cp=p.cp, sharding=p.sharding, timeout=timedelta(seconds=p.timeout_s)
+        )
+        self.fabric = Fabric(
+            accelerator=p.accelerator,
+            devices=p.devices,
+            num_nodes=p.num_nodes,
+            strategy=strategy,
+            precision=p.precision,
+        )
         self.fabric.launch()
         self.dims = self.fabric.strategy.parallel_dims
         if self.cfg.run.threads:
@@ -140,8 +146,12 @@ class CoDraftRun:
         """Tokenizer, policy, draft, module, task, reward, reference policy and rollout worker of the recipe."""
         cfg = self.cfg
         parts = build_parts(cfg, self._given_task, self._given_rewards)
-        self.tokenizer, self.context, self.task, self.reward_fn = parts.tokenizer, parts.context, parts.task, \
-            parts.rewards
+        self.tokenizer, self.context, self.task, self.reward_fn = (
+            parts.tokenizer,
+            parts.context,
+            parts.task,
+            parts.rewards,
+        )
         self.module = build_module(cfg, parts)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)
 
@@ -160,8 +170,10 @@ class CoDraftRun:
         written, changed = self.out / "config.yaml", []
         if last is not None and written.is_file():
             changed = config_changes(written, cfg)
-            self.log(f"resuming {self.out} with {len(changed)} changed setting(s){':' if changed else ''}"
-                     + "".join(f"\n  {c}" for c in changed))
+            self.log(
+                f"resuming {self.out} with {len(changed)} changed setting(s){':' if changed else ''}"
+                + "".join(f"\n  {c}" for c in changed)
+            )
         if last is None and self.fabric.global_rank == 0:
             write_run_config(self.out, cfg, 0, [])
         if last is None:  # warm-ups on every rank, on the whole modules (before the strategy prunes PP stages)
@@ -174,8 +186,9 @@ class CoDraftRun:
             self.log(f"held-out mean reward before RL (greedy, {n_eval} prompts): {self.extra['eval_before']:.3f}")
         if last is None:
             self.checkpoints.save_warm(self.module.policy, self.module.draft, self.extra, key=warm_key(cfg))
-        self.module.set_reference_draft(reference_draft(cfg, self.module.draft,
-                                                        self.checkpoints.warm_file if last is not None else None))
+        self.module.set_reference_draft(
+            reference_draft(cfg, self.module.draft, self.checkpoints.warm_file if last is not None else None)
+        )
         self.model = self.fabric.setup_module(self.module)
         self.optimizer, self.scheduler = self.module.build_optimizer()
         self.optimizer = self.fabric.setup_optimizers(self.optimizer)
@@ -186,14 +199,31 @@ class CoDraftRun:
             self.log(f"resumed from {last[1]} (step {self.start_step})")
         if self.fabric.global_rank == 0 and last is not None:  # once the checkpoint read: a failed resume leaves
             write_run_config(self.out, cfg, self.start_step, changed)  # the record as it was
-        self.rl_step = RLStep(cfg, self.fabric, self.dims, self.task, self.reward_fn, self.tokenizer, self.context,
-                              self.worker, self.model, self.optimizer, self.scheduler, log=self.log)
+        self.rl_step = RLStep(
+            cfg,
+            self.fabric,
+            self.dims,
+            self.task,
+            self.reward_fn,
+            self.tokenizer,
+            self.context,
+            self.worker,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            log=self.log,
+        )
         self.rl_step.restore_schedule(self.extra.pop("draft_schedule", []))
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
-            self.logger = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=self.start_step,
-                                        extra_columns=parts, loggers=build_loggers(cfg.run.loggers, self.out),
-                                        completions=cfg.run.log_completions)
+            self.logger = MetricsLogger(
+                self.out,
+                tensorboard=cfg.run.tensorboard,
+                resume_step=self.start_step,
+                extra_columns=parts,
+                loggers=build_loggers(cfg.run.loggers, self.out),
+                completions=cfg.run.log_completions,
+            )
         self.result.eval_before = float(self.extra.get("eval_before", math.nan))
         self.result.eval_before_scores = list(self.extra.get("eval_before_scores", []))
         self.steps_done = self.start_step
@@ -212,8 +242,11 @@ class CoDraftRun:
         self.steps_done = step + 1  # the optimizer steps the training state has taken
         t = self.cfg.task
         if t.eval_every and t.eval_prompts and (step + 1) % t.eval_every == 0:
-            metrics = dataclasses.replace(metrics, eval_accuracy=self.evaluate(t.eval_prompts),
-                                          eval_reward=self.evaluate(t.eval_prompts, self.cfg.rl.temperature))
+            metrics = dataclasses.replace(
+                metrics,
+                eval_accuracy=self.evaluate(t.eval_prompts),
+                eval_reward=self.evaluate(t.eval_prompts, self.cfg.rl.temperature),
+            )
         return metrics
 
     def end_step(self, step: int, metrics: StepMetrics) -> None:
@@ -251,13 +284,25 @@ class CoDraftRun:
         """:func:`~lightning_codraft.rl.run.evaluate.heldout_samples` of this run's task."""
         return heldout_samples(self.task, self.cfg.run.seed, n, offset)
 
-    def evaluate(self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False,
-                 per_prompt: bool = False) -> float | list[float]:
+    def evaluate(
+        self, n: int, temperature: float = 0.0, release: bool = True, final: bool = False, per_prompt: bool = False
+    ) -> float | list[float]:
         """The mean of :func:`~lightning_codraft.rl.run.evaluate.heldout_rewards` after this run's steps, or with
         ``per_prompt`` the ``(n,)`` rewards themselves (call on every rank)."""
         updates = self.rl_step.schedule.updates if self.rl_step is not None else 0
-        scores = heldout_rewards(self.cfg, self.worker, self.tokenizer, self.task, self.reward_fn, self.steps_done,
-                                 n, temperature, release=release, final=final, draft_updates=updates)
+        scores = heldout_rewards(
+            self.cfg,
+            self.worker,
+            self.tokenizer,
+            self.task,
+            self.reward_fn,
+            self.steps_done,
+            n,
+            temperature,
+            release=release,
+            final=final,
+            draft_updates=updates,
+        )
         return scores if per_prompt else mean_of(scores)
 
     def finish(self, completed: bool = True) -> FitResult:
@@ -275,56 +320,82 @@ class CoDraftRun:
         cfg, tok = self.cfg, self.tokenizer
         measure = cfg.draft.mode != "none" and cfg.run.measure_speedup
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
-            result.eval_after_scores = self.evaluate(cfg.task.eval_prompts, release=not measure, final=True,
-                                                     per_prompt=True)
+            result.eval_after_scores = self.evaluate(
+                cfg.task.eval_prompts, release=not measure, final=True, per_prompt=True
+            )
             result.eval_after = mean_of(result.eval_after_scores)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
             if not cfg.task.eval_prompts:
-                self.worker.prepare(weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates),
-                                    full_verify=True)
+                self.worker.prepare(
+                    weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates), full_verify=True
+                )
             if self.fabric.global_rank == 0:
                 samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
                 prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
                 result.speedup = measure_speedup(
-                    self.worker.policy, self.worker.draft, cfg.draft.num_speculative_tokens, prompts,
-                    cfg.rl.max_new_tokens, cfg.rl.temperature, cfg.rl.top_p, seed=cfg.run.seed + EVAL_SEED,
-                    stop_token_ids=[tok.eos_token_id], max_batch_size=cfg.parallel.engine_batch_size,
-                    adaptive=cfg.draft.adaptive, sampling=cfg.draft.sampling, dtype=cfg.parallel.engine_dtype)
+                    self.worker.policy,
+                    self.worker.draft,
+                    cfg.draft.num_speculative_tokens,
+                    prompts,
+                    cfg.rl.max_new_tokens,
+                    cfg.rl.temperature,
+                    cfg.rl.top_p,
+                    seed=cfg.run.seed + EVAL_SEED,
+                    stop_token_ids=[tok.eos_token_id],
+                    max_batch_size=cfg.parallel.engine_batch_size,
+                    adaptive=cfg.draft.adaptive,
+                    sampling=cfg.draft.sampling,
+                    dtype=cfg.parallel.engine_dtype,
+                )
             self.fabric.barrier()
             self.worker.release()
         if self.fabric.global_rank != 0:
             return
         if cfg.run.plots and result.rows:
-            plot_curves({cfg.draft.mode: result.rows}, self.out / "curves.png",
-                        title=f"{cfg.task.name}: reward and acceptance length per RL step")
+            plot_curves(
+                {cfg.draft.mode: result.rows},
+                self.out / "curves.png",
+                title=f"{cfg.task.name}: reward and acceptance length per RL step",
+            )
             if any(math.isfinite(r.get("reference_acceptance", math.nan)) for r in result.rows):
-                ab = {label: [{"step": r["step"], "acceptance": r[key]} for r in result.rows]
-                      for label, key in (("engine, live draft", "acceptance_length"),
-                                         ("implied, live draft", "implied_acceptance"),
-                                         ("implied, reference draft", "reference_acceptance"))}
+                ab = {
+                    label: [{"step": r["step"], "acceptance": r[key]} for r in result.rows]
+                    for label, key in (
+                        ("engine, live draft", "acceptance_length"),
+                        ("implied, live draft", "implied_acceptance"),
+                        ("implied, reference draft", "reference_acceptance"),
+                    )
+                }
                 plot_curves(ab, self.out / "ab.png", keys=("acceptance",), title="the live A/B")
         r0, r1 = summarize(result.rows, "reward")
         a0, a1 = summarize(result.rows, "acceptance_length")
-        lines = [f"reward (mean of first / last steps): {r0:.3f} -> {r1:.3f}",
-                 f"held-out mean reward (greedy): {result.eval_before:.3f} -> {result.eval_after:.3f}"]
+        lines = [
+            f"reward (mean of first / last steps): {r0:.3f} -> {r1:.3f}",
+            f"held-out mean reward (greedy): {result.eval_before:.3f} -> {result.eval_after:.3f}",
+        ]
         if cfg.draft.mode != "none":
             lines.append(f"acceptance length (K={cfg.draft.num_speculative_tokens}): {a0:.2f} -> {a1:.2f}")
         last = result.rows[-1] if result.rows else {}
         if math.isfinite(last.get("ab_gain_low", math.nan)):
             mean = sum(r["ab_gain"] for r in result.rows if math.isfinite(r["ab_gain"])) / max(
-                1, sum(math.isfinite(r["ab_gain"]) for r in result.rows))
-            lines.append(f"live A/B, implied acceptance of the co-trained draft minus the reference's: {mean:+.3f} "
-                         f"(95% CI {last['ab_gain_low']:+.3f} .. {last['ab_gain_high']:+.3f}; ab.png)")
+                1, sum(math.isfinite(r["ab_gain"]) for r in result.rows)
+            )
+            lines.append(
+                f"live A/B, implied acceptance of the co-trained draft minus the reference's: {mean:+.3f} "
+                f"(95% CI {last['ab_gain_low']:+.3f} .. {last['ab_gain_high']:+.3f}; ab.png)"
+            )
         if result.speedup is not None:
             s = result.speedup
             batch = cfg.parallel.engine_batch_size or s.sequences
             dtype = resolve_dtype(cfg.parallel.engine_dtype, self.fabric.device)
-            lines.append(f"rollout speed-up with the {cfg.draft.mode} draft: {s.speedup:.2f}x "
-                         f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
-                         f"acceptance length {s.acceptance_length:.2f}; {s.sequences} held-out sequences, batch "
-                         f"{min(batch, s.sequences)}, T={cfg.rl.temperature}, K={cfg.draft.num_speculative_tokens}"
-                         f"{', adaptive' if cfg.draft.adaptive else ''}"
-                         f"{', ' + dtype if dtype else ''})")
+            lines.append(
+                f"rollout speed-up with the {cfg.draft.mode} draft: {s.speedup:.2f}x "
+                f"({s.spec_tokens_per_s:.0f} vs {s.plain_tokens_per_s:.0f} tokens/s without a draft, "
+                f"acceptance length {s.acceptance_length:.2f}; {s.sequences} held-out sequences, batch "
+                f"{min(batch, s.sequences)}, T={cfg.rl.temperature}, K={cfg.draft.num_speculative_tokens}"
+                f"{', adaptive' if cfg.draft.adaptive else ''}"
+                f"{', ' + dtype if dtype else ''})"
+            )
         lines.append(f"outputs: {self.out} (metrics.csv, tb/, curves.png, checkpoints/)")
         summary = "\n".join(lines)
         (self.out / "summary.txt").write_text(summary + "\n")
@@ -336,8 +407,13 @@ class CoDraftRun:
             self.worker.close()
 
 
-def fit(cfg: CoDraftConfig, stop_after: Optional[int] = None, print_fn: Callable[[str], None] = print, task=None,
-        rewards=None) -> FitResult:
+def fit(
+    cfg: CoDraftConfig,
+    stop_after: Optional[int] = None,
+    print_fn: Callable[[str], None] = print,
+    task=None,
+    rewards=None,
+) -> FitResult:
     """Run the config end to end (see the module docstring); returns the :class:`FitResult`. ``task`` / ``rewards``:
     Python objects instead of the recipe's (see :class:`CoDraftRun`). A rollout engine that runs its own processes
     (vLLM) is shut down before returning, also when the run fails."""

@@ -33,8 +33,12 @@ def row_format(cfg: CoDraftConfig) -> RowFormat:
     t = cfg.task
     if t.name == "gsm8k":
         return GSM8K_FORMAT
-    return RowFormat(t.prompt_column, t.answer_column, t.template,
-                     solution_fn=None if t.solution_column is None else solution_column(t.solution_column))
+    return RowFormat(
+        t.prompt_column,
+        t.answer_column,
+        t.template,
+        solution_fn=None if t.solution_column is None else solution_column(t.solution_column),
+    )
 
 
 def check_jsonl(path: Path, cfg: CoDraftConfig) -> tuple[list[str], Optional[TaskSample], int]:
@@ -74,8 +78,10 @@ def heldout_problem(cfg: CoDraftConfig, rows: int, path: Path) -> list[str]:
     heldout = t.eval_prompts if t.heldout is None else t.heldout
     if t.eval_source is not None or heldout < min(rows, t.limit or rows):
         return []
-    return [f"task.heldout={heldout} holds out every one of the {rows} rows of {path} (task.heldout, or "
-            f"task.eval_prompts when it is null): lower it or add rows, so some are left to train on"]
+    return [
+        f"task.heldout={heldout} holds out every one of the {rows} rows of {path} (task.heldout, or "
+        f"task.eval_prompts when it is null): lower it or add rows, so some are left to train on"
+    ]
 
 
 def renders_chat(cfg: CoDraftConfig) -> Optional[bool]:
@@ -108,16 +114,22 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
     """What would fail once the run started (see the module docstring); empty when nothing would."""
     t, problems, sample = cfg.task, [], None
     if not cfg.rl.temperature > 0:  # valid for a test of the mechanics (greedy rollouts), never for a real run
-        problems.append(f"rl.temperature={cfg.rl.temperature} makes every sample of a group the same (greedy): "
-                        f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
-                        f"(e.g. 1.0)")
+        problems.append(
+            f"rl.temperature={cfg.rl.temperature} makes every sample of a group the same (greedy): "
+            f"GRPO's advantages are then all 0 and the policy learns nothing; use a temperature > 0 "
+            f"(e.g. 1.0)"
+        )
     ref, init = cfg.draft.reference, cfg.run.init_from
     if cfg.draft.mode == "cotrain" and ref not in ("start", "none") and not warm_weights(ref).is_file():
-        problems.append(f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
-                        f"earlier run (or its weights.pt), or use start / none")
+        problems.append(
+            f"draft.reference={ref!r}: no weights.pt there; point it at the 'warm' directory of an "
+            f"earlier run (or its weights.pt), or use start / none"
+        )
     if init and not warm_weights(init).is_file():
-        problems.append(f"run.init_from={init!r}: no weights.pt there; point it at the 'warm' directory of an earlier "
-                        f"run (or its weights.pt)")
+        problems.append(
+            f"run.init_from={init!r}: no weights.pt there; point it at the 'warm' directory of an earlier "
+            f"run (or its weights.pt)"
+        )
     for i, entry in enumerate(cfg.run.loggers):
         try:
             logger_class(entry, i)
@@ -137,11 +149,14 @@ def preflight(cfg: CoDraftConfig) -> list[str]:
     except ValueError as e:  # an import failed: resolve_reward names the path
         return problems + [f"{'task.rewards' if t.rewards else 'task.reward'}: {e}"]
     if sample is not None and is_conversational(sample) and renders_chat(cfg) is False:
-        problems.append(f"task.prompt_column={t.prompt_column!r} holds chat messages (TRL's conversational form) but "
-                        f"the tokenizer of model.source={cfg.model.source!r} has no chat template to render them")
+        problems.append(
+            f"task.prompt_column={t.prompt_column!r} holds chat messages (TRL's conversational form) but "
+            f"the tokenizer of model.source={cfg.model.source!r} has no chat template to render them"
+        )
     if t.name == "arithmetic":
-        sample = ArithmeticTask(min_terms=t.min_terms, max_terms=t.max_terms, max_operand=t.max_operand,
-                                styles=tuple(t.styles)).sample(1, seed=0)[0]
+        sample = ArithmeticTask(
+            min_terms=t.min_terms, max_terms=t.max_terms, max_operand=t.max_operand, styles=tuple(t.styles)
+        ).sample(1, seed=0)[0]
     if sample is not None:
         completion = sample.solution or sample.answer
         scores = rewards.score([sample.prompt], [completion], [sample])

@@ -55,8 +55,9 @@ class RunCheckpoints:
 
     def complete(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every complete checkpoint (its ``COMPLETE`` marker written), oldest first."""
-        return sorted((int(p.name.split("-")[1]), p) for p in self.directory.glob("step-*")
-                      if (p / "COMPLETE").exists())
+        return sorted(
+            (int(p.name.split("-")[1]), p) for p in self.directory.glob("step-*") if (p / "COMPLETE").exists()
+        )
 
     def last(self) -> Optional[tuple[int, Path]]:
         """``(step, path)`` of the newest complete checkpoint, or None."""
@@ -70,7 +71,7 @@ class RunCheckpoints:
         self.fabric.barrier()
         if self.fabric.global_rank == 0:
             (path / "COMPLETE").write_text(str(step))
-            for _, old in self.complete()[:-self.keep] if self.keep else ():  # only once the new one is complete
+            for _, old in self.complete()[: -self.keep] if self.keep else ():  # only once the new one is complete
                 shutil.rmtree(old)
         self.fabric.barrier()
         return path
@@ -85,11 +86,17 @@ class RunCheckpoints:
             rest = self.fabric.load(path, state, strict=strict)
         except Exception as e:  # noqa: BLE001 - a damaged checkpoint fails in many ways; name it and the fix
             older = [p for _, p in self.complete() if p != path and p.name < path.name]
-            fix = (f"move it aside (mv {path} {path}.unreadable) and run the same command again: it resumes from "
-                   f"{older[-1]}" if older else f"no older complete checkpoint is in {self.directory}: move it "
-                   f"aside and the same command starts the run over (or restore the directory from a backup)")
-            raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); {fix}") from e
+            fix = (
+                f"move it aside (mv {path} {path}.unreadable) and run the same command again: it resumes from "
+                f"{older[-1]}"
+                if older
+                else f"no older complete checkpoint is in {self.directory}: move it "
+                f"aside and the same command starts the run over (or restore the directory from a backup)"
+            )
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); {fix}"
+            ) from e
         step = int(rest.pop("step", path.name.split("-")[1]))
         return step, rest
 
@@ -113,15 +120,27 @@ class RunCheckpoints:
         return dict(state.get("extra", {}))
 
 
-WARM_FREE = ("run", "rl.steps", "rl.lr", "task.reward", "task.rewards", "task.on_reward_error",
-             "task.reward_failure_budget", "task.eval_every", "task.eval_prompts")
+WARM_FREE = (
+    "run",
+    "rl.steps",
+    "rl.lr",
+    "task.reward",
+    "task.rewards",
+    "task.on_reward_error",
+    "task.reward_failure_budget",
+    "task.eval_every",
+    "task.eval_prompts",
+)
 """Settings the warm-ups do not read (run.seed aside): changing them keeps a run's warm start valid."""
 
 
 def warm_key(cfg) -> str:
     """A digest of the settings the warm-ups depend on (everything but :data:`WARM_FREE`, ``run.seed`` kept)."""
-    flat = {k: v for k, v in flatten(dataclasses.asdict(cfg)).items()
-            if not any(k == f or k.startswith(f + ".") for f in WARM_FREE)}
+    flat = {
+        k: v
+        for k, v in flatten(dataclasses.asdict(cfg)).items()
+        if not any(k == f or k.startswith(f + ".") for f in WARM_FREE)
+    }
     flat["run.seed"] = cfg.run.seed
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -137,8 +156,9 @@ def warm_state(path: str | Path, key: str = "run.init_from") -> dict[str, Any]:
     ``key`` names the setting that pointed at it in the error."""
     path, f = Path(path).expanduser(), warm_weights(path)
     if not f.is_file():
-        raise FileNotFoundError(f"{key}={str(path)!r} has no weights.pt; point it at the 'warm' directory of an "
-                                f"earlier run")
+        raise FileNotFoundError(
+            f"{key}={str(path)!r} has no weights.pt; point it at the 'warm' directory of an earlier run"
+        )
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
@@ -188,8 +208,9 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (every `codraft fit` "
-                                f"writes one in run.out_dir)")
+        raise FileNotFoundError(
+            f"{run_dir} is not a run directory: it has no config.yaml (every `codraft fit` writes one in run.out_dir)"
+        )
     cfg = load_config(run_dir / "config.yaml")
     parts = build_parts(cfg, with_task=False)  # the models only: no data file, no reward code needed
     module = build_module(cfg, parts)
@@ -204,8 +225,10 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
     else:
         source, done = run_dir / "warm" / "weights.pt", 0
         if not source.is_file():
-            raise FileNotFoundError(f"{run_dir} holds neither a complete checkpoint (checkpoints/step-*) nor warmed-up "
-                                    f"weights (warm/weights.pt)")
+            raise FileNotFoundError(
+                f"{run_dir} holds neither a complete checkpoint (checkpoints/step-*) nor warmed-up "
+                f"weights (warm/weights.pt)"
+            )
         RunCheckpoints.load_warm(source, module.policy, module.draft)
     draft = None if cfg.draft.mode == "none" else module.draft.eval()
     return LoadedRun(cfg, parts.tokenizer, module.policy.eval(), draft, done, source)
@@ -225,6 +248,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
         tok.tok.save_pretrained(paths["policy"])
     if run.draft is not None:
         paths["draft"] = Path(run.draft.save_pretrained(out / "draft"))
-    (out / "export.json").write_text(json.dumps({"run": str(Path(run_dir).resolve()), "step": run.step,
-                                                 "source": str(run.source)}, indent=1))
+    (out / "export.json").write_text(
+        json.dumps({"run": str(Path(run_dir).resolve()), "step": run.step, "source": str(run.source)}, indent=1)
+    )
     return paths

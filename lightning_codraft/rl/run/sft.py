@@ -37,9 +37,17 @@ def completion_loss(policy, batch: RLBatch) -> torch.Tensor:
     return F.cross_entropy(out.logits[mask].float(), batch.target_ids[mask])
 
 
-def sft_warmup(policy, tokenizer, sample_fn: Callable[[int, int], list[TaskSample]], steps: int,
-               batch_size: int, lr: float, seed: int, context: int,
-               on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def sft_warmup(
+    policy,
+    tokenizer,
+    sample_fn: Callable[[int, int], list[TaskSample]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    context: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """Supervised warm-up of ``policy`` on worked solutions.
 
     Args:
@@ -64,8 +72,9 @@ def sft_warmup(policy, tokenizer, sample_fn: Callable[[int, int], list[TaskSampl
         prompts, sols = encode_samples(tokenizer, sample_fn(batch_size, seed + i))
         keep = [j for j in range(len(prompts)) if len(prompts[j]) + len(sols[j]) <= context]
         if not keep:
-            raise ValueError(f"every SFT document is longer than the context {context}; raise "
-                             f"model.max_position_embeddings")
+            raise ValueError(
+                f"every SFT document is longer than the context {context}; raise model.max_position_embeddings"
+            )
         batch = sft_batch([prompts[j] for j in keep], [sols[j] for j in keep], pad_id=tokenizer.pad_token_id)
         loss = completion_loss(policy, batch)
         opt.zero_grad(set_to_none=True)

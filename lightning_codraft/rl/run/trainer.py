@@ -159,8 +159,9 @@ class GRPOModule(CoDraftModule):
         cfg = self.cfg
         key, warm = warm_key(cfg), RunCheckpoints(cfg.run.out_dir, fabric=None).warm_file
         ours = cfg.run.resume and not cfg.run.init_from and warm.is_file() and warm_state(warm).get("key") == key
-        extra = warm_start(cfg, self, self.tokenizer, self.task, self.context, log=self.log_line,
-                           cached=warm if ours else None)
+        extra = warm_start(
+            cfg, self, self.tokenizer, self.task, self.context, log=self.log_line, cached=warm if ours else None
+        )
         if not ours and self.trainer.is_global_zero:
             write_warm(warm, self.policy, self.draft, extra, key=key)
         return extra
@@ -183,25 +184,42 @@ class GRPOModule(CoDraftModule):
         """Refuse a Trainer whose length is not the run's: one RL step per optimizer step, ``rl.steps`` of them."""
         t, steps = self.trainer, self.cfg.rl.steps
         if t.max_steps > steps or (t.max_steps == -1 and t.max_epochs != 1):
-            raise ValueError(f"Trainer(max_steps={t.max_steps}, max_epochs={t.max_epochs}) for a run of rl.steps="
-                             f"{steps}: one training step is one RL step; pass max_steps={steps} (or fewer, to stop "
-                             f"early and resume later)")
+            raise ValueError(
+                f"Trainer(max_steps={t.max_steps}, max_epochs={t.max_epochs}) for a run of rl.steps="
+                f"{steps}: one training step is one RL step; pass max_steps={steps} (or fewer, to stop "
+                f"early and resume later)"
+            )
 
     def training_step(self, batch: StepBatch, batch_idx: int = 0) -> torch.Tensor:
         """One RL step: ``batch`` is a :class:`StepBatch` of :class:`PromptData`."""
         step, samples = batch.step, batch.samples
         if step != self.trainer.global_step:
-            raise RuntimeError(f"the data gave RL step {step + 1} but the Trainer has taken {self.trainer.global_step} "
-                               f"optimizer steps; feed GRPOModule with PromptData (it resumes at global_step)")
-        rl_step = RLStep(self.cfg, _StrategyCollectives(self), self.worker.dims, self.task, self.rewards,
-                         self.tokenizer, self.context, self.worker, self, self.optimizers(), self.lr_schedulers(),
-                         log=self.log_line, schedule=self.draft_schedule)
+            raise RuntimeError(
+                f"the data gave RL step {step + 1} but the Trainer has taken {self.trainer.global_step} "
+                f"optimizer steps; feed GRPOModule with PromptData (it resumes at global_step)"
+            )
+        rl_step = RLStep(
+            self.cfg,
+            _StrategyCollectives(self),
+            self.worker.dims,
+            self.task,
+            self.rewards,
+            self.tokenizer,
+            self.context,
+            self.worker,
+            self,
+            self.optimizers(),
+            self.lr_schedulers(),
+            log=self.log_line,
+            schedule=self.draft_schedule,
+        )
         metrics = rl_step(step, samples)
         self.last_metrics = metrics
         row = {k: float(v) for k, v in metrics.as_dict().items() if k != "step" and not math.isnan(float(v))}
         for name, value in row.items():  # the progress bar and callbacks (e.g. ModelCheckpoint(monitor=...))
-            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in PROGRESS_BAR, batch_size=1,
-                     logger=False)
+            self.log(
+                name, value, on_step=True, on_epoch=False, prog_bar=name in PROGRESS_BAR, batch_size=1, logger=False
+            )
         if self.trainer.is_global_zero:  # every RL step reaches the loggers, whatever Trainer(log_every_n_steps=)
             for logger in self.loggers:
                 logger.log_metrics(row, step=metrics.step)
@@ -212,8 +230,18 @@ class GRPOModule(CoDraftModule):
         ``eval_accuracy``)."""
         if not n or self.worker is None:
             return
-        value = mean_of(heldout_rewards(self.cfg, self.worker, self.tokenizer, self.task, self.rewards,
-                                        int(self.trainer.global_step), int(n), draft_updates=self.draft_schedule.updates))
+        value = mean_of(
+            heldout_rewards(
+                self.cfg,
+                self.worker,
+                self.tokenizer,
+                self.task,
+                self.rewards,
+                int(self.trainer.global_step),
+                int(n),
+                draft_updates=self.draft_schedule.updates,
+            )
+        )
         self.log("eval_accuracy", value, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
     def teardown(self, stage: str) -> None:

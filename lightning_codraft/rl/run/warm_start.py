@@ -22,8 +22,15 @@ from lightning_codraft.rl.run.run_dir import RunCheckpoints
 from lightning_codraft.rl.run.sft import SFT_SEED, sft_warmup
 
 
-def warm_start(cfg: CoDraftConfig, module, tokenizer, task, context: int, log: Callable[[str], None] = print,
-               cached: Optional[Path] = None) -> dict[str, Any]:
+def warm_start(
+    cfg: CoDraftConfig,
+    module,
+    tokenizer,
+    task,
+    context: int,
+    log: Callable[[str], None] = print,
+    cached: Optional[Path] = None,
+) -> dict[str, Any]:
     """The warm starts of a run (SFT, the draft's) or the weights of ``run.init_from``, on the whole modules; the
     reference policy starts from the result. Returns what they report (kept in checkpoints). ``cached``: this run's
     own warmed-up weights from an earlier launch, loaded instead (with what they reported)."""
@@ -43,8 +50,9 @@ def warm_start(cfg: CoDraftConfig, module, tokenizer, task, context: int, log: C
     return extra
 
 
-def run_warm_starts(cfg: CoDraftConfig, module, tokenizer, task, context: int,
-                    log: Callable[[str], None] = print) -> dict[str, float]:
+def run_warm_starts(
+    cfg: CoDraftConfig, module, tokenizer, task, context: int, log: Callable[[str], None] = print
+) -> dict[str, float]:
     """SFT of the policy (``sft.steps``), then the draft's warm start (``draft.warm_start``); returns their final
     losses (and the corpus warm start's implied acceptance). A bad ``draft.warm_start.corpus`` fails before SFT."""
     ws = cfg.draft.warm_start
@@ -58,25 +66,36 @@ def run_warm_starts(cfg: CoDraftConfig, module, tokenizer, task, context: int,
         t0 = time.perf_counter()
         every = max(1, cfg.sft.steps // 5)
         losses = sft_warmup(
-            module.policy, tokenizer, task.sample, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr,
-            seed=cfg.run.seed * 7919 + SFT_SEED, context=context,
-            on_step=lambda i, l: (i + 1) % every == 0 and log(f"  SFT step {i + 1}/{cfg.sft.steps}: loss {l:.3f}"))
+            module.policy,
+            tokenizer,
+            task.sample,
+            cfg.sft.steps,
+            cfg.sft.batch_size,
+            cfg.sft.lr,
+            seed=cfg.run.seed * 7919 + SFT_SEED,
+            context=context,
+            on_step=lambda i, l: (i + 1) % every == 0 and log(f"  SFT step {i + 1}/{cfg.sft.steps}: loss {l:.3f}"),
+        )
         info["sft_loss"] = losses[-1]
-        log(f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        log(
+            f"SFT warm-up: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        )
     if cfg.draft.mode != "none":
         info.update(draft_warm_start(cfg, module, tokenizer, task, context, log))
     return info
 
 
-def draft_warm_start(cfg: CoDraftConfig, module, tokenizer, task, context: int,
-                     log: Callable[[str], None] = print) -> dict[str, float]:
+def draft_warm_start(
+    cfg: CoDraftConfig, module, tokenizer, task, context: int, log: Callable[[str], None] = print
+) -> dict[str, float]:
     """Fit ``module.draft`` to ``module.policy`` from ``draft.warm_start``'s source: the cached corpus when
     ``corpus`` is set, else ``steps`` steps on a small pool of the policy's samples (none when 0)."""
     ws = cfg.draft.warm_start
     if ws.corpus is not None:
-        report = warm_start_draft(module.policy, tokenizer, task, module.draft, ws.corpus,
-                                  Path(ws.cache_dir).expanduser(), log=log)
+        report = warm_start_draft(
+            module.policy, tokenizer, task, module.draft, ws.corpus, Path(ws.cache_dir).expanduser(), log=log
+        )
         return {"draft_warmstart_acceptance": report.val_acceptance}
     if ws.steps <= 0:
         return {}
@@ -84,12 +103,30 @@ def draft_warm_start(cfg: CoDraftConfig, module, tokenizer, task, context: int,
     seed = cfg.run.seed + POOL_SEED
     samples = task.sample(pool_prompts(ws), seed=seed)
     prompts = fit_prompts([encode_prompt(tokenizer, s.prompt) for s in samples], context, cfg.rl.max_new_tokens)
-    batches = sample_pool(module.policy, module.draft, prompts, ws, max_new_tokens=cfg.rl.max_new_tokens,
-                          temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=seed,
-                          stop_ids=[tokenizer.eos_token_id], pad_id=tokenizer.pad_token_id)
+    batches = sample_pool(
+        module.policy,
+        module.draft,
+        prompts,
+        ws,
+        max_new_tokens=cfg.rl.max_new_tokens,
+        temperature=cfg.rl.temperature,
+        top_p=cfg.rl.top_p,
+        seed=seed,
+        stop_ids=[tokenizer.eos_token_id],
+        pad_id=tokenizer.pad_token_id,
+    )
     every = max(1, ws.steps // 5)
-    losses = fit_on_pool(module, batches, ws.steps, ws.lr, on_step=lambda i, l, a: (i + 1) % every == 0 and log(
-        f"  draft warm-up step {i + 1}/{ws.steps}: loss {l:.3f}, step-0 acc {a:.3f}"))
-    log(f"draft warm-start: {ws.steps} steps in {time.perf_counter() - t0:.0f}s, "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    losses = fit_on_pool(
+        module,
+        batches,
+        ws.steps,
+        ws.lr,
+        on_step=lambda i, l, a: (
+            (i + 1) % every == 0 and log(f"  draft warm-up step {i + 1}/{ws.steps}: loss {l:.3f}, step-0 acc {a:.3f}")
+        ),
+    )
+    log(
+        f"draft warm-start: {ws.steps} steps in {time.perf_counter() - t0:.0f}s, "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
     return {"draft_warmup_loss": losses[-1]}

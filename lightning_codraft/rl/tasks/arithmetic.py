@@ -87,21 +87,29 @@ class ArithmeticTask:
 
     def __post_init__(self):
         if not 2 <= self.min_terms <= self.max_terms:
-            raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={self.min_terms}, "
-                             f"max_terms={self.max_terms}")
+            raise ValueError(
+                f"need 2 <= min_terms <= max_terms, got min_terms={self.min_terms}, max_terms={self.max_terms}"
+            )
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
         self.styles = tuple(self.styles)
         bad = [x for x in (*self.styles, self.required_style) if x is not None and x not in STYLES]
         if bad or not self.styles:
-            raise ValueError(f"styles={list(self.styles)} / required_style={self.required_style!r}: every style must "
-                             f"be one of {STYLES} and styles non-empty")
+            raise ValueError(
+                f"styles={list(self.styles)} / required_style={self.required_style!r}: every style must "
+                f"be one of {STYLES} and styles non-empty"
+            )
         if self.style_weights is not None:
             self.style_weights = tuple(float(w) for w in self.style_weights)
-            if len(self.style_weights) != len(self.styles) or min(self.style_weights) < 0 or \
-                    sum(self.style_weights) <= 0:
-                raise ValueError(f"style_weights={list(self.style_weights)} needs one weight >= 0 per style "
-                                 f"{list(self.styles)}, not all 0")
+            if (
+                len(self.style_weights) != len(self.styles)
+                or min(self.style_weights) < 0
+                or sum(self.style_weights) <= 0
+            ):
+                raise ValueError(
+                    f"style_weights={list(self.style_weights)} needs one weight >= 0 per style "
+                    f"{list(self.styles)}, not all 0"
+                )
 
     def make(self, rng: random.Random) -> TaskSample:
         """Draw one problem with ``rng``."""

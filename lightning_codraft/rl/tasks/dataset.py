@@ -65,18 +65,22 @@ def load_rows(source, split: str = "train", subset: Optional[str] = None) -> lis
         try:
             data = ds.load_dataset(source, subset, split=split)
         except Exception as e:  # noqa: BLE001 - hub errors take many types; say which source and what to do
-            raise ValueError(f"could not load the data set {source!r} (subset {subset!r}, split {split!r}): "
-                             f"{type(e).__name__}: {e}. task.source must be a local .json/.jsonl/.parquet/.csv "
-                             f"file, a directory, or a hub name reachable from this machine") from e
+            raise ValueError(
+                f"could not load the data set {source!r} (subset {subset!r}, split {split!r}): "
+                f"{type(e).__name__}: {e}. task.source must be a local .json/.jsonl/.parquet/.csv "
+                f"file, a directory, or a hub name reachable from this machine"
+            ) from e
     return [dict(row) for row in data]
 
 
 def solution_column(name: str) -> Callable[[dict], str]:
     """A ``solution_fn`` reading the worked solution from column ``name``."""
+
     def solution(row: dict) -> str:
         if name not in row:
             raise ValueError(f"no column {name!r} (task.solution_column); the columns are {sorted(row)}")
         return str(row[name])
+
     return solution
 
 
@@ -101,23 +105,35 @@ class RowFormat:
         needed = [c for c in (self.prompt_column, self.answer_column) if c is not None]
         missing = [c for c in needed if c not in row]
         if missing:
-            raise ValueError(f"{where} has no column {missing[0]!r} (task.prompt_column / task.answer_column); its "
-                             f"columns are {sorted(row)}")
+            raise ValueError(
+                f"{where} has no column {missing[0]!r} (task.prompt_column / task.answer_column); its "
+                f"columns are {sorted(row)}"
+            )
         raw = row[self.prompt_column]
         if isinstance(raw, (list, tuple)):  # TRL's conversational form: rendered by the chat template, not repr'd
             if self.template is not None:
-                raise ValueError(f"{where}: task.template formats text, but column {self.prompt_column!r} holds chat "
-                                 f"messages; drop the template (the tokenizer's chat template renders them)")
-            return TaskSample(prompt=chat_messages(raw, f"{where} column {self.prompt_column!r}"),
-                              answer=self._answer(row, where), solution=self._solution(row), columns=row)
+                raise ValueError(
+                    f"{where}: task.template formats text, but column {self.prompt_column!r} holds chat "
+                    f"messages; drop the template (the tokenizer's chat template renders them)"
+                )
+            return TaskSample(
+                prompt=chat_messages(raw, f"{where} column {self.prompt_column!r}"),
+                answer=self._answer(row, where),
+                solution=self._solution(row),
+                columns=row,
+            )
         if not isinstance(raw, str) and self.template is None:
-            raise ValueError(f"{where}: column {self.prompt_column!r} holds a value of type {type(raw).__name__} "
-                             f"({raw!r}), not a prompt text or a list of chat messages")
+            raise ValueError(
+                f"{where}: column {self.prompt_column!r} holds a value of type {type(raw).__name__} "
+                f"({raw!r}), not a prompt text or a list of chat messages"
+            )
         try:
             prompt = raw if self.template is None else self.template.format(**row)
         except KeyError as e:
-            raise ValueError(f"task.template {self.template!r} names the column {e.args[0]!r}, which {where} does "
-                             f"not have; its columns are {sorted(row)}") from None
+            raise ValueError(
+                f"task.template {self.template!r} names the column {e.args[0]!r}, which {where} does "
+                f"not have; its columns are {sorted(row)}"
+            ) from None
         return TaskSample(prompt=prompt, answer=self._answer(row, where), solution=self._solution(row), columns=row)
 
     def _answer(self, row: dict, where: str) -> str:
@@ -186,28 +202,37 @@ class DatasetTask:
     def __post_init__(self):
         rows = load_rows(self.source, self.split, self.subset)
         if self.limit is not None:
-            rows = rows[:self.limit]
+            rows = rows[: self.limit]
         if not rows:
             raise ValueError(f"no rows in {self.where} (split {self.split!r}, limit={self.limit})")
         fmt = self.format
         self.samples = [fmt.sample(row, f"{self.where} row {i}") for i, row in enumerate(rows)]
         if self.eval_source is not None:
-            self.eval_samples = [fmt.sample(r, f"{self.eval_source!r} row {i}") for i, r in enumerate(load_rows(
-                self.eval_source, self.split, self.subset))]
+            self.eval_samples = [
+                fmt.sample(r, f"{self.eval_source!r} row {i}")
+                for i, r in enumerate(load_rows(self.eval_source, self.split, self.subset))
+            ]
             if self.heldout > len(self.eval_samples):
-                raise ValueError(f"heldout={self.heldout} exceeds the {len(self.eval_samples)} rows of "
-                                 f"eval_source {self.eval_source!r}")
+                raise ValueError(
+                    f"heldout={self.heldout} exceeds the {len(self.eval_samples)} rows of "
+                    f"eval_source {self.eval_source!r}"
+                )
             return
         if not 0 <= self.heldout < len(self.samples):
-            raise ValueError(f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {len(self.samples)} "
-                             f"rows of {self.where} (limit={self.limit}) must leave at least one to train on")
-        self.eval_samples = self.samples[len(self.samples) - self.heldout:]
+            raise ValueError(
+                f"heldout={self.heldout} must be in [0, {len(self.samples)}): the {len(self.samples)} "
+                f"rows of {self.where} (limit={self.limit}) must leave at least one to train on"
+            )
+        self.eval_samples = self.samples[len(self.samples) - self.heldout :]
 
     @property
     def where(self) -> str:
         """How messages name the source: its path or hub name, or the kind of object given in Python."""
-        return repr(str(self.source)) if isinstance(self.source, (str, Path)) else \
-            f"the {type(self.source).__name__} given as the task"
+        return (
+            repr(str(self.source))
+            if isinstance(self.source, (str, Path))
+            else f"the {type(self.source).__name__} given as the task"
+        )
 
     @property
     def format(self) -> RowFormat:
@@ -233,8 +258,9 @@ class DatasetTask:
     def heldout_samples(self, n: int) -> list[TaskSample]:
         """The first ``n`` held-out rows (a fixed set: the same ones every call)."""
         if n > self.heldout:
-            raise ValueError(f"{n} held-out problems asked for, but the task holds out heldout={self.heldout}; "
-                             f"raise task.heldout")
+            raise ValueError(
+                f"{n} held-out problems asked for, but the task holds out heldout={self.heldout}; raise task.heldout"
+            )
         return self.eval_samples[:n]
 
     def reward(self, prompt: str, completion: str, answer: str) -> float:

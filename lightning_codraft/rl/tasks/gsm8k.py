@@ -73,8 +73,13 @@ def _solution(row: dict) -> str:
     return " " + row["answer"]
 
 
-GSM8K_FORMAT = RowFormat(prompt_column="question", answer_column="answer", template=PROMPT_TEMPLATE,
-                         answer_fn=extract_answer, solution_fn=_solution)
+GSM8K_FORMAT = RowFormat(
+    prompt_column="question",
+    answer_column="answer",
+    template=PROMPT_TEMPLATE,
+    answer_fn=extract_answer,
+    solution_fn=_solution,
+)
 """How a GSM8K row becomes a sample: the question through :data:`PROMPT_TEMPLATE`, the answer's final number, the
 worked answer as the solution."""
 
@@ -96,18 +101,38 @@ class GSM8KTask(DatasetTask):
         template: the prompt format, over the row's columns.
     """
 
-    def __init__(self, source: str | os.PathLike = "excerpt", split: str = "train", limit: int | None = None,
-                 heldout: int = 0, template: str = PROMPT_TEMPLATE):
+    def __init__(
+        self,
+        source: str | os.PathLike = "excerpt",
+        split: str = "train",
+        limit: int | None = None,
+        heldout: int = 0,
+        template: str = PROMPT_TEMPLATE,
+    ):
         src = gsm8k_source(source)
         local = file_format(src) is not None or os.path.exists(src)
         f = GSM8K_FORMAT
-        super().__init__(source=src, prompt_column=f.prompt_column, answer_column=f.answer_column, template=template,
-                         split=split, subset=None if local else "main", limit=limit, heldout=heldout,
-                         answer_fn=f.answer_fn, solution_fn=f.solution_fn, reward_fn=math_equivalence)
+        super().__init__(
+            source=src,
+            prompt_column=f.prompt_column,
+            answer_column=f.answer_column,
+            template=template,
+            split=split,
+            subset=None if local else "main",
+            limit=limit,
+            heldout=heldout,
+            answer_fn=f.answer_fn,
+            solution_fn=f.solution_fn,
+            reward_fn=math_equivalence,
+        )
 
 
-def load_gsm8k(source: str | os.PathLike = EXCERPT_PATH, split: str = "train", limit: int | None = None,
-               template: str = PROMPT_TEMPLATE) -> list[TaskSample]:
+def load_gsm8k(
+    source: str | os.PathLike = EXCERPT_PATH,
+    split: str = "train",
+    limit: int | None = None,
+    template: str = PROMPT_TEMPLATE,
+) -> list[TaskSample]:
     """GSM8K problems as :class:`TaskSample` items (:class:`GSM8KTask`'s ``samples``): ``prompt`` = the template
     applied, ``answer`` = the normalised final number, ``solution`` = ``" " + answer text`` (worked steps ending in
     ``#### N``)."""

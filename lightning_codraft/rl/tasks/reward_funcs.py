@@ -54,8 +54,7 @@ def _math_verify():
     return math_verify
 
 
-def math_equivalence(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
-                     **_) -> list[float]:
+def math_equivalence(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_) -> list[float]:
     """1.0 where the completion's answer is mathematically equal to the reference ``answer``, else 0.0.
 
     Both are parsed by ``math-verify`` (LaTeX, fractions, numbers with separators, percentages, ``\\boxed{}``;
@@ -74,8 +73,9 @@ def math_equivalence(prompts: Sequence[str], completions: Sequence[str], answer:
     return out
 
 
-def format_match(prompts: Sequence[str], completions: Sequence[str], pattern: str = r"(?s).*#\s*-?\d+\s*",
-                 full: bool = True, **_) -> list[float]:
+def format_match(
+    prompts: Sequence[str], completions: Sequence[str], pattern: str = r"(?s).*#\s*-?\d+\s*", full: bool = True, **_
+) -> list[float]:
     """1.0 where the completion matches the regular expression ``pattern`` (``full``: the whole stripped
     completion, else anywhere in it), else 0.0: a format check (e.g. ``"<think>.*</think>.*"``)."""
     rx = re.compile(pattern)
@@ -99,6 +99,10 @@ def completion_text(completion) -> str:
     return completion
 
 
-BUILTINS = {"exact_answer": exact_answer, "math_equivalence": math_equivalence, "format_match": format_match,
-            "length_penalty": length_penalty}
+BUILTINS = {
+    "exact_answer": exact_answer,
+    "math_equivalence": math_equivalence,
+    "format_match": format_match,
+    "length_penalty": length_penalty,
+}
 """The built-in rewards by the name a recipe gives them in ``task.rewards[].fn``."""

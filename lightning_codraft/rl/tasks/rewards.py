@@ -62,11 +62,14 @@ def _name(fn) -> str:
 def reward_value(value) -> float:
     """``value`` as a float when it is one finite real number; else :class:`BadRewardValue` saying what it is and
     the fix."""
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__len__") and not isinstance(value, (str, bytes))
-                                            and getattr(value, "ndim", 1) != 0):
-        raise BadRewardValue(f"returned a {type(value).__name__} of {len(value)} values for one sample: this looks "
-                             f"like a batched (TRL-style) reward; this task calls fn(prompt, completion, answer) -> "
-                             f"float once per sample, so wrap it: lambda p, c, a: fn([p], [c], answer=[a])[0]")
+    if isinstance(value, (list, tuple)) or (
+        hasattr(value, "__len__") and not isinstance(value, (str, bytes)) and getattr(value, "ndim", 1) != 0
+    ):
+        raise BadRewardValue(
+            f"returned a {type(value).__name__} of {len(value)} values for one sample: this looks "
+            f"like a batched (TRL-style) reward; this task calls fn(prompt, completion, answer) -> "
+            f"float once per sample, so wrap it: lambda p, c, a: fn([p], [c], answer=[a])[0]"
+        )
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 and not isinstance(value, numbers.Real):
         value = value.item()  # a 0-dim tensor / array
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -95,8 +98,9 @@ def resolve_reward(path: str) -> RewardFn:
     return fn
 
 
-def score_completions(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-                      answers: Sequence[str], on_error: str = "raise") -> tuple[list[float], list[RewardError]]:
+def score_completions(
+    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], on_error: str = "raise"
+) -> tuple[list[float], list[RewardError]]:
     """Apply ``fn`` to every (prompt, completion, answer).
 
     Args:
@@ -114,8 +118,9 @@ def score_completions(fn: RewardFn, prompts: Sequence[str], completions: Sequenc
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}; use one of {ON_ERROR}")
     if not len(prompts) == len(completions) == len(answers):
-        raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers; "
-                         f"they must be equal")
+        raise ValueError(
+            f"got {len(prompts)} prompts, {len(completions)} completions, {len(answers)} answers; they must be equal"
+        )
     rewards, failures = [], []
     for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
         try:
@@ -131,8 +136,9 @@ def score_completions(fn: RewardFn, prompts: Sequence[str], completions: Sequenc
     return rewards, failures
 
 
-def check_failure_budget(failures: Sequence[RewardError], num_failed: int, num_samples: int, budget: float,
-                         empty_replicas: int = 0) -> None:
+def check_failure_budget(
+    failures: Sequence[RewardError], num_failed: int, num_samples: int, budget: float, empty_replicas: int = 0
+) -> None:
     """Stop every rank alike when a step's reward failures exceed the budget.
 
     Args:
@@ -147,12 +153,21 @@ def check_failure_budget(failures: Sequence[RewardError], num_failed: int, num_s
     """
     if num_failed <= budget * num_samples and not empty_replicas:
         return
-    where = (f"{num_failed} of the step's {num_samples} samples failed"
-             + (f" (every sample of {empty_replicas} data-parallel replica(s): nothing to train on)"
-                if empty_replicas else "")
-             + ("" if budget == 0 else f", over task.reward_failure_budget={budget}"))
-    fix = ("; fix the reward function, or set task.on_reward_error=skip to leave failed samples out (a failure budget "
-           "per step, task.reward_failure_budget, still stops the run)" if budget == 0 else "")
+    where = (
+        f"{num_failed} of the step's {num_samples} samples failed"
+        + (
+            f" (every sample of {empty_replicas} data-parallel replica(s): nothing to train on)"
+            if empty_replicas
+            else ""
+        )
+        + ("" if budget == 0 else f", over task.reward_failure_budget={budget}")
+    )
+    fix = (
+        "; fix the reward function, or set task.on_reward_error=skip to leave failed samples out (a failure budget "
+        "per step, task.reward_failure_budget, still stops the run)"
+        if budget == 0
+        else ""
+    )
     if failures:
         first = failures[0]
         raise RewardError(first.index, first.prompt, f"{first.reason}; {where}{fix}", first.function)
@@ -229,8 +244,9 @@ class RewardSet:
         ``reward`` (``task.reward`` or a task's built-in reward: its scores are the reward itself)."""
         return [] if self.names == ["reward"] else self.names
 
-    def _batched(self, term: RewardTerm, prompts: Sequence, completions: Sequence,
-                 columns: Mapping[str, list]) -> tuple[list[float], dict[int, str]]:
+    def _batched(
+        self, term: RewardTerm, prompts: Sequence, completions: Sequence, columns: Mapping[str, list]
+    ) -> tuple[list[float], dict[int, str]]:
         """``(scores, {sample: reason})`` of one batched term; never raises.
 
         A batched call that raises fails every sample of the batch (the report names the exception): the scores of
@@ -245,16 +261,20 @@ class RewardSet:
                 return [math.nan], {0: raised}
             reasons = {}
             for i in range(n):
-                _, alone = self._batched(term, prompts[i:i + 1], completions[i:i + 1],
-                                         {k: v[i:i + 1] for k, v in columns.items()})
-                reasons[i] = (f"the batched call on {n} samples {raised}; "
-                              + (f"alone, this sample also fails ({alone[0]})" if alone else
-                                 "alone, this sample scores: the function fails only on batches"))
+                _, alone = self._batched(
+                    term, prompts[i : i + 1], completions[i : i + 1], {k: v[i : i + 1] for k, v in columns.items()}
+                )
+                reasons[i] = f"the batched call on {n} samples {raised}; " + (
+                    f"alone, this sample also fails ({alone[0]})"
+                    if alone
+                    else "alone, this sample scores: the function fails only on batches"
+                )
             return [math.nan] * n, reasons
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
             got = f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
-            return [math.nan] * n, {i: f"returned {got} for a batch of {n} samples; return one number per sample"
-                                    for i in range(n)}
+            return [math.nan] * n, {
+                i: f"returned {got} for a batch of {n} samples; return one number per sample" for i in range(n)
+            }
         scores, reasons = [], {}
         for i, v in enumerate(values):
             if v is None:  # TRL's "does not apply to this sample": no contribution, not a failure
@@ -267,26 +287,30 @@ class RewardSet:
                 reasons[i] = str(e)
         return scores, reasons
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], samples: Sequence[TaskSample]
-              ) -> RewardScores:
+    def score(self, prompts: Sequence[str], completions: Sequence[str], samples: Sequence[TaskSample]) -> RewardScores:
         """Score ``completions`` (texts) of ``prompts`` (``samples``: each one's task sample, for its answer and
         columns); never raises for a failing reward (see :class:`RewardScores`). Where a prompt is a conversation
         (TRL's conversational form) its completion reaches the rewards as ``[{"role": "assistant", "content":
         text}]``, as TRL passes it."""
         if not len(prompts) == len(completions) == len(samples):
-            raise ValueError(f"got {len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples; "
-                             f"they must be equal")
+            raise ValueError(
+                f"got {len(prompts)} prompts, {len(completions)} completions, {len(samples)} samples; "
+                f"they must be equal"
+            )
         columns = sample_columns(samples)
-        completions = [[{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
-                       for p, c in zip(prompts, completions)]  # a conversation's completion, as TRL gives it
+        completions = [
+            [{"role": "assistant", "content": c}] if isinstance(p, (list, tuple)) else c
+            for p, c in zip(prompts, completions)
+        ]  # a conversation's completion, as TRL gives it
         first: dict[int, RewardError] = {}
         parts: dict[str, list[float]] = {}
         none: list[str] = []
         for term in self.terms:
             if term.batched:
                 scores, reasons = self._batched(term, prompts, completions, columns)
-                errors = [RewardError(i, prompts[i], why, _label(term, _name(term.fn)))
-                          for i, why in sorted(reasons.items())]
+                errors = [
+                    RewardError(i, prompts[i], why, _label(term, _name(term.fn))) for i, why in sorted(reasons.items())
+                ]
             else:
                 scores, errors = score_completions(term.fn, prompts, completions, columns["answer"], on_error="skip")
                 errors = [RewardError(e.index, e.prompt, e.reason, _label(term, e.function)) for e in errors]
@@ -298,11 +322,17 @@ class RewardSet:
         applied = [[not math.isnan(parts[t.name][i]) for t in self.terms] for i in range(len(prompts))]
         for i, row in enumerate(applied):  # TRL's None: no function applies to this sample, so it has no reward
             if i not in first and not any(row):
-                first[i] = RewardError(i, prompts[i], "no reward function applies to it (every one returned None, "
-                                       "TRL's 'does not apply'); a sample needs at least one reward",
-                                       " / ".join(self.names))
-        total = [math.nan if i in first else sum(t.weight * parts[t.name][i] for t, on in zip(self.terms, row) if on)
-                 for i, row in enumerate(applied)]
+                first[i] = RewardError(
+                    i,
+                    prompts[i],
+                    "no reward function applies to it (every one returned None, "
+                    "TRL's 'does not apply'); a sample needs at least one reward",
+                    " / ".join(self.names),
+                )
+        total = [
+            math.nan if i in first else sum(t.weight * parts[t.name][i] for t, on in zip(self.terms, row) if on)
+            for i, row in enumerate(applied)
+        ]
         return RewardScores(total=total, parts=parts, failures=[first[i] for i in sorted(first)], not_applied=none)
 
 
@@ -314,8 +344,9 @@ def as_reward_set(reward) -> RewardSet:
     if isinstance(reward, (list, tuple)):
         return RewardSet(reward)
     if not callable(reward):
-        raise TypeError(f"a reward must be a RewardSet or a callable fn(prompt, completion, answer), got "
-                        f"{type(reward).__name__}")
+        raise TypeError(
+            f"a reward must be a RewardSet or a callable fn(prompt, completion, answer), got {type(reward).__name__}"
+        )
     return RewardSet([RewardTerm("reward", reward, 1.0, batched=False)])
 
 
@@ -340,9 +371,11 @@ def check_options(fn: Callable, options: Mapping[str, Any], key: str) -> None:
             raise ValueError(f"{key}.{option}: {option!r} is what the run passes every reward; it cannot be an option")
         if option not in named:
             close = difflib.get_close_matches(option, named, n=1)
-            raise ValueError(f"{key}.{option}: {_name(fn)} has no option {option!r}"
-                             f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options are {named} (an "
-                             f"option must be a named parameter of the function)")
+            raise ValueError(
+                f"{key}.{option}: {_name(fn)} has no option {option!r}"
+                f"{f' (did you mean {close[0]!r}?)' if close else ''}; its options are {named} (an "
+                f"option must be a named parameter of the function)"
+            )
 
 
 def build_reward(cfg, task) -> RewardSet:
