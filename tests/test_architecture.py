@@ -136,6 +136,26 @@ def test_no_package_file_over_450_lines():
     assert not long, f"files over 450 lines: {long}"
 
 
+def test_no_function_over_80_lines():
+    """Docstring and signature included: a function a reader takes in at once (docs/design/architecture.md)."""
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
+
+
+def test_the_package_is_linted_and_formatted_by_its_ruff_toml():
+    """`ruff check` and `ruff format --check` pass on the package (.ci/run runs both; ruff is in the test extra)."""
+    ruff = [sys.executable, "-m", "ruff"]
+    if subprocess.run([*ruff, "--version"], capture_output=True).returncode:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    for args in (["check", "lightning_codraft"], ["format", "--check", "lightning_codraft"]):
+        out = subprocess.run([*ruff, *args], capture_output=True, text=True, cwd=ROOT.parent)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
 def test_rollout_and_models_do_not_pull_in_lightning():
     code = ("import sys, lightning_codraft.rollout.speculative, lightning_codraft.rollout.weight_sync, "
             "lightning_codraft.rollout.vllm_engine, lightning_codraft.models.decode, lightning_codraft.batch; "

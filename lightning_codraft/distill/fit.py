@@ -262,17 +262,44 @@ def fit_draft(
             for group in pack_batches(lengths[order], config.batch_tokens):
                 yield cache.batch([train_docs[order[i]] for i in group])
 
+    ttt = (config.ttt_steps, config.decay, config.precision, config.target_temperature, config.loss_type)
+
     def loss(batch):
-        return draft_batch_loss(
-            draft,
-            embed,
-            batch,
-            config.ttt_steps,
-            config.decay,
-            config.precision,
-            config.target_temperature,
-            config.loss_type,
+        return draft_batch_loss(draft, embed, batch, *ttt)
+
+    report = _reporter(draft, embed, cache, val_docs, config, total_steps, log, on_eval)
+    draft.train()
+    with compiled_draft(draft, config.compile):
+        result = fit_loop(
+            params,
+            epochs(),
+            loss,
+            total_steps,
+            config.lr,
+            betas=(0.9, 0.95),
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            schedule=lambda p: lr_factor(p, config),
+            time_budget_s=config.time_budget_s,
+            report_every=config.eval_every,
+            report=report,
         )
+    draft.eval()
+    return result
+
+
+def _reporter(
+    draft,
+    embed,
+    cache: FeatureCache,
+    val_docs,
+    config: DraftFitConfig,
+    total_steps: int,
+    log: Callable[[str], None] | None,
+    on_eval: Callable[[dict], None] | None,
+):
+    """The fit's held-out report (:func:`fit_loop`'s ``report``): accuracy on ``val_docs``, one history entry, a
+    progress line and ``on_eval``; returns the seconds of logging and ``on_eval`` (not counted as fit time)."""
 
     def report(step: int, result: FitResult, window: list[float]) -> float:
         t0 = time.perf_counter()
@@ -300,21 +327,4 @@ def fit_draft(
             on_eval(entry)
         return time.perf_counter() - t0  # logging and on_eval are not counted
 
-    draft.train()
-    with compiled_draft(draft, config.compile):
-        result = fit_loop(
-            params,
-            epochs(),
-            loss,
-            total_steps,
-            config.lr,
-            betas=(0.9, 0.95),
-            weight_decay=config.weight_decay,
-            grad_clip=config.grad_clip,
-            schedule=lambda p: lr_factor(p, config),
-            time_budget_s=config.time_budget_s,
-            report_every=config.eval_every,
-            report=report,
-        )
-    draft.eval()
-    return result
+    return report

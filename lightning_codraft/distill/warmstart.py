@@ -149,29 +149,16 @@ def warm_start_draft(
     Returns:
         :class:`WarmStartReport`.
     """
-    t_start = time.perf_counter()
+    clock = _Clock(time.perf_counter(), on_eval)
     settings = resolve_settings(settings, next(policy.parameters()).device)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    train_texts, _ = split_prompts(task, settings)
-    limit = int(policy.config.max_position_embeddings) - settings.max_new_tokens
-    prompts = [p for p in (encode_prompt(tokenizer, t) for t in train_texts) if 0 < len(p) < limit]
-    if not prompts:
-        raise ValueError(
-            f"no training prompt fits the context: every one is longer than max_position_embeddings - "
-            f"max_new_tokens = {limit} tokens"
-        )
+    prompts = _training_prompts(policy, tokenizer, task, settings)
     corpus = corpus_key(state_fingerprint(policy), prompts, settings)
     key = draft_key(corpus, draft, settings)
     draft_dir = cache_dir / f"draft-{key}"
     if (draft_dir / _COMPLETE).is_file():
-        loaded = Eagle3Draft.from_pretrained(draft_dir, dtype=draft.fc.weight.dtype, device=draft.fc.weight.device)
-        draft.load_state_dict(loaded.state_dict())
-        saved = json.loads((draft_dir / "report.json").read_text())
-        saved.update(cache_hit=True, draft_dir=str(draft_dir), total_s=time.perf_counter() - t_start)
-        log(f"draft warm start: cache hit {draft_dir} (implied acceptance {saved['val_acceptance']:.2f})")
-        return WarmStartReport(**saved)
-
+        return _load_cached(draft, draft_dir, clock, log)
     report = WarmStartReport(
         cache_hit=False,
         draft_dir=str(draft_dir),
@@ -186,6 +173,75 @@ def warm_start_draft(
         f"draft warm start: sampling in {settings.generation_dtype or 'the policy dtype'}, features "
         f"{settings.feature_precision}, fit {settings.fit.precision}"
     )
+    cache = _corpus_and_features(policy, tokenizer, draft, prompts, settings, cache_dir, corpus, report, log)
+    result = _fit_and_calibrate(policy, draft, cache, settings, report, clock, log)
+    shutil.rmtree(draft_dir, ignore_errors=True)
+    draft.save_pretrained(draft_dir)
+    report.total_s = clock.elapsed()
+    (draft_dir / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
+    (draft_dir / _COMPLETE).write_text(key)
+    log(
+        f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "
+        f"{report.features_s:.0f}s, fit {report.fit_s:.0f}s), {result.tokens_seen} tokens seen, held-out step-0 acc "
+        f"{report.val_accuracy[0] if report.val_accuracy else float('nan'):.3f}, implied acceptance "
+        f"{report.val_acceptance:.2f}; saved {draft_dir}"
+    )
+    return report
+
+
+class _Clock:
+    """The warm start's wall clock, the caller's ``on_eval`` time excluded (its measurements are not warm start)."""
+
+    def __init__(self, start: float, on_eval: Callable[[dict], None] | None):
+        self.start, self.on_eval, self.outside = start, on_eval, 0.0
+
+    def elapsed(self) -> float:
+        """Warm-start seconds so far."""
+        return time.perf_counter() - self.start - self.outside
+
+    def eval_hook(self, entry: dict) -> None:
+        """The fit's held-out report, passed on to ``on_eval`` with ``warmstart_seconds``."""
+        if self.on_eval is not None:
+            t = time.perf_counter()
+            self.on_eval({**entry, "warmstart_seconds": t - self.start - self.outside})
+            self.outside += time.perf_counter() - t
+
+
+def _training_prompts(policy, tokenizer, task, settings: WarmStartSettings) -> list[list[int]]:
+    """The training prompts' ids that leave room for ``max_new_tokens`` in the policy's context."""
+    train_texts, _ = split_prompts(task, settings)
+    limit = int(policy.config.max_position_embeddings) - settings.max_new_tokens
+    prompts = [p for p in (encode_prompt(tokenizer, t) for t in train_texts) if 0 < len(p) < limit]
+    if not prompts:
+        raise ValueError(
+            f"no training prompt fits the context: every one is longer than max_position_embeddings - "
+            f"max_new_tokens = {limit} tokens"
+        )
+    return prompts
+
+
+def _load_cached(draft, draft_dir: Path, clock: _Clock, log: Callable[[str], None]) -> WarmStartReport:
+    """A finished draft of the cache, loaded into ``draft``; its saved report, marked a cache hit."""
+    loaded = Eagle3Draft.from_pretrained(draft_dir, dtype=draft.fc.weight.dtype, device=draft.fc.weight.device)
+    draft.load_state_dict(loaded.state_dict())
+    saved = json.loads((draft_dir / "report.json").read_text())
+    saved.update(cache_hit=True, draft_dir=str(draft_dir), total_s=clock.elapsed())
+    log(f"draft warm start: cache hit {draft_dir} (implied acceptance {saved['val_acceptance']:.2f})")
+    return WarmStartReport(**saved)
+
+
+def _corpus_and_features(
+    policy,
+    tokenizer,
+    draft,
+    prompts,
+    settings,
+    cache_dir: Path,
+    corpus: str,
+    report: WarmStartReport,
+    log: Callable[[str], None],
+):
+    """Stages 1-3 (stages.py): the corpus, the draft vocabulary, the feature cache; their times in ``report``."""
     t0 = time.perf_counter()
     samples, recorder = sample_corpus(policy, tokenizer, prompts, draft.config.taps, settings, cache_dir, corpus, log)
     report.generation_s = time.perf_counter() - t0
@@ -199,17 +255,9 @@ def warm_start_draft(
             recorder.close()
         raise
     t0 = time.perf_counter()
-    cache = corpus_features(
-        policy,
-        samples,
-        recorder,
-        target_ids,
-        draft.config.taps,
-        settings,
-        cache_dir,
-        features_key(corpus, target_ids, draft.config.taps, settings),
-        log,
-    )
+    taps = draft.config.taps
+    key = features_key(corpus, target_ids, taps, settings)
+    cache = corpus_features(policy, samples, recorder, target_ids, taps, settings, cache_dir, key, log)
     report.features_s = time.perf_counter() - t0
     report.entropy, report.argmax_coverage = cache.meta["entropy"], cache.meta["argmax_coverage"]
     log(
@@ -217,30 +265,30 @@ def warm_start_draft(
         f"{report.entropy:.3f} nats/token, draft vocabulary {cache.draft_vocab_size} covers "
         f"{report.argmax_coverage:.3f} of the policy's top-1"
     )
+    return cache
 
-    outside = [0.0]  # seconds spent in on_eval (the caller's measurements are not warm-start time)
 
-    def elapsed() -> float:
-        """Warm-start seconds so far, ``on_eval`` time excluded."""
-        return time.perf_counter() - t_start - outside[0]
-
-    def eval_hook(entry: dict) -> None:
-        if on_eval is not None:
-            t = time.perf_counter()
-            on_eval({**entry, "warmstart_seconds": t - t_start - outside[0]})
-            outside[0] += time.perf_counter() - t
-
+def _fit_and_calibrate(
+    policy,
+    draft,
+    cache,
+    settings: WarmStartSettings,
+    report: WarmStartReport,
+    clock: _Clock,
+    log: Callable[[str], None],
+) -> FitResult:
+    """Stage 4: the fit within what is left of the budget, then the proposal temperature; results in ``report``."""
     fit = settings.fit
     if settings.time_budget_s:
-        left = settings.time_budget_s - elapsed() - 10.0  # 10 s for saving the draft
+        left = settings.time_budget_s - clock.elapsed() - 10.0  # 10 s for saving the draft
         fit = dataclasses.replace(fit, time_budget_s=max(1e-3, min(left, fit.time_budget_s or left)))
-    t0 = time.perf_counter()
-    result: FitResult = fit_draft(draft, policy.embed, cache, fit, log=log, on_eval=eval_hook)
-    report.fit_s = time.perf_counter() - t0 - outside[0]
+    t0, outside = time.perf_counter(), clock.outside
+    result: FitResult = fit_draft(draft, policy.embed, cache, fit, log=log, on_eval=clock.eval_hook)
+    report.fit_s = time.perf_counter() - t0 - (clock.outside - outside)
     report.fit = result.as_dict()
     report.val_accuracy = list(result.history[-1]["val_accuracy"]) if result.history else []
     report.val_acceptance = implied_acceptance_length(report.val_accuracy)
-    unused = settings.time_budget_s - elapsed() if settings.time_budget_s else 0.0
+    unused = settings.time_budget_s - clock.elapsed() if settings.time_budget_s else 0.0
     if result.ended_by == "epochs" and unused > 60:
         log(
             f"draft warm start: the fit ran its {fit.epochs:g} epochs ({result.planned_steps} steps) with "
@@ -257,16 +305,4 @@ def warm_start_draft(
             f"draft warm start: proposal temperature scale {cal.scale:g} (implied acceptance by overlap "
             f"{cal.acceptance[0]:.2f} -> {max(cal.acceptance):.2f} on {cal.rows} held-out rows)"
         )
-
-    shutil.rmtree(draft_dir, ignore_errors=True)
-    draft.save_pretrained(draft_dir)
-    report.total_s = elapsed()
-    (draft_dir / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
-    (draft_dir / _COMPLETE).write_text(key)
-    log(
-        f"draft warm start: {report.total_s:.0f}s (generation {report.generation_s:.0f}s, features "
-        f"{report.features_s:.0f}s, fit {report.fit_s:.0f}s), {result.tokens_seen} tokens seen, held-out step-0 acc "
-        f"{report.val_accuracy[0] if report.val_accuracy else float('nan'):.3f}, implied acceptance "
-        f"{report.val_acceptance:.2f}; saved {draft_dir}"
-    )
-    return report
+    return result

@@ -331,28 +331,9 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensors of {key!r}, e.g. {missing[:3]}")
         to_load[key] = {k: v for k, v in sd.items() if k not in missing}
     optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer) and k in meta["optimizers"]}
-    for key in meta.get("fresh_optimizers", []):  # saved before its first step: restore a fresh optimizer
-        if key in optimizers:
-            opt = optimizers.pop(key)
-            opt.state.clear()
-            groups = _param_groups(opt.param_groups, meta["optimizers"][key], path)
-            for group, saved in zip(opt.param_groups, groups):
-                group.update(saved)
+    _restore_fresh_optimizers(optimizers, meta, path)
     for key, opt in optimizers.items():
-        owner = _owner(opt, modules)
-        osd = _initialised_state_dict(owner, opt)  # the state tensors DCP loads into
-        loaded, renames[key] = {}, {}
-        for fqn, value in osd["state"].items():
-            src = (
-                fqn
-                if any(k.startswith(f"{key}.{fqn}.") for k in available)
-                else _tied_alias(fqn, {k.rsplit(".", 1)[0] for k in available}, f"{key}.")
-            )
-            if src is None:
-                raise CheckpointError(f"checkpoint {path} has no optimizer state for {fqn!r} in {key!r}")
-            loaded[src] = value
-            renames[key][src] = fqn
-        to_load[key] = loaded
+        to_load[key], renames[key] = _optimizer_targets(key, opt, modules, available, path)
     for key in meta["tensor_entries"]:
         if key in state and isinstance(state[key], Tensor):
             to_load[f"entry.{key}"] = state[key]
@@ -363,17 +344,9 @@ def load_checkpoint(
             set_model_state_dict(module, to_load[key], options=StateDictOptions(strict=False))
     for key, opt in optimizers.items():
         owner = _owner(opt, modules)
-        opt_state = {renames[key][src]: v for src, v in to_load[key].items()}
-        set_optimizer_state_dict(
-            owner,
-            opt,
-            {
-                "state": opt_state,
-                "param_groups": _param_groups(
-                    get_optimizer_state_dict(owner, opt)["param_groups"], meta["optimizers"][key], path
-                ),
-            },
-        )
+        groups = _param_groups(get_optimizer_state_dict(owner, opt)["param_groups"], meta["optimizers"][key], path)
+        state_dict = {"state": {renames[key][src]: v for src, v in to_load[key].items()}, "param_groups": groups}
+        set_optimizer_state_dict(owner, opt, state_dict)
     rest = dict(meta["entries"])
     for key, obj in list(state.items()):
         if key in meta["stateful"] and _is_stateful(obj) and not isinstance(obj, (nn.Module, Optimizer)):
@@ -385,6 +358,38 @@ def load_checkpoint(
     rngs = meta["rng"]
     restore_rng(rngs[dims.rank] if len(rngs) == dims.world_size else rngs[0])
     return rest
+
+
+def _restore_fresh_optimizers(optimizers: dict[str, Optimizer], meta: dict[str, Any], path: Path) -> None:
+    """Optimizers saved before their first step: restored fresh (their param groups only) and taken out of
+    ``optimizers`` (DCP has no state tensors of theirs)."""
+    for key in meta.get("fresh_optimizers", []):
+        if key in optimizers:
+            opt = optimizers.pop(key)
+            opt.state.clear()
+            groups = _param_groups(opt.param_groups, meta["optimizers"][key], path)
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
+
+
+def _optimizer_targets(
+    key: str, opt: Optimizer, modules: dict[str, nn.Module], available: set[str], path: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The state tensors DCP loads optimizer ``key`` into, by the checkpoint's names, and those names' map back to
+    the optimizer's (a tied weight saved under its other name)."""
+    osd = _initialised_state_dict(_owner(opt, modules), opt)
+    loaded, renames = {}, {}
+    for fqn, value in osd["state"].items():
+        src = (
+            fqn
+            if any(k.startswith(f"{key}.{fqn}.") for k in available)
+            else _tied_alias(fqn, {k.rsplit(".", 1)[0] for k in available}, f"{key}.")
+        )
+        if src is None:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state for {fqn!r} in {key!r}")
+        loaded[src] = value
+        renames[src] = fqn
+    return loaded, renames
 
 
 def _initialised_state_dict(owner: nn.Module, opt: Optimizer) -> dict[str, Any]:

@@ -149,24 +149,10 @@ def plan_rank(
         Line("reference", "reference policy", s.reference, BOTH),
     ]
     lines.append(Line("ddp_buckets", "DDP gradient buckets", s.gradients if spec.ddp_wrapper else 0, BOTH))
-    act = T * H * a
-    recv = 0
-    if pp > 1:
-        overlap = F * T * H * 4 if (a == 4 and not first) else 0  # the input buffer is layer 0's saved input
-        per_schedule = (0 if first else M) + (0 if last else M) + (M if spec.with_reference and not first else 0)
-        recv = CACHED_SCHEDULES * per_schedule * act - overlap
+    recv, held = _pipeline_bytes(spec, models, stage, T * H * a, F, a == 4)
     lines.append(Line("pipeline_buffers", f"pipeline receive buffers (x{CACHED_SCHEDULES} schedules)", recv, BOTH))
     lines.append(Line("reference_root_unsharded", "reference root all-gathered", s.reference_root_unsharded, BOTH))
     lines.append(Line("activations", "activations (saved for backward)", F * per_mb, TRAINING))
-    held = 0
-    if pp > 1 and not last:
-        held += F * act  # the stage's outputs, kept by the schedule until their backward
-    if pp > 1 and last and spec.runs_draft:
-        owners = models.layout.tap_owners((0, *dcfg.taps))
-        remote = sum(1 for t, o in owners.items() if o != stage)
-        local = sum(1 for t, o in owners.items() if o == stage and t != start)
-        window = min(M, pp) if spec.pp_schedule == "1f1b" else M  # TapChannel landing buffers posted at once
-        held += window * remote * act + max(0, local * act - (F * local * act if a == 4 else 0))
     lines.append(Line("pipeline_held", "pipeline outputs and taps", held, TRAINING))
     workspace = 0
     if last:
@@ -195,6 +181,27 @@ def plan_rank(
         activations_per_microbatch=per_mb,
         lines=lines,
     )
+
+
+def _pipeline_bytes(spec: PlanSpec, models: MetaModels, stage: int, act: int, F: int, fp32: bool) -> tuple[int, int]:
+    """``(receive buffers, held outputs and taps)`` of a pipeline stage (0, 0 without PP); ``act``: one microbatch's
+    activation bytes ``T * H * a``, ``F``: microbatches in flight, ``fp32``: activations saved in fp32."""
+    M, pp = spec.num_microbatches, spec.pp
+    first, last = stage == 0, stage == pp - 1
+    if pp == 1:
+        return 0, 0
+    overlap = F * act if (fp32 and not first) else 0  # the input buffer is layer 0's saved input
+    per_schedule = (0 if first else M) + (0 if last else M) + (M if spec.with_reference and not first else 0)
+    recv = CACHED_SCHEDULES * per_schedule * act - overlap
+    held = 0 if last else F * act  # the stage's outputs, kept by the schedule until their backward
+    if last and spec.runs_draft:
+        start = models.layout.layer_range(stage)[0]
+        owners = models.layout.tap_owners((0, *models.draft.config.taps))
+        remote = sum(1 for t, o in owners.items() if o != stage)
+        local = sum(1 for t, o in owners.items() if o == stage and t != start)
+        window = min(M, pp) if spec.pp_schedule == "1f1b" else M  # TapChannel landing buffers posted at once
+        held += window * remote * act + max(0, local * act - (F * local * act if fp32 else 0))
+    return recv, held
 
 
 def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:

@@ -123,18 +123,7 @@ class VLLMEngine(VLLMWeights):
         adaptive: bool = False,
         **llm_kwargs: Any,
     ):
-        if adaptive:
-            raise ValueError(
-                "VLLMEngine(adaptive=True): vLLM 0.32 cannot choose 0..K draft tokens per request per round for "
-                "EAGLE-3 (its speculative_config offers enable_adaptive_verification for method='dspark' only, and "
-                "num_speculative_tokens_per_batch_size, which picks K from the batch size, not from the draft's "
-                "confidence). Use SpeculativeEngine(..., adaptive=True), or VLLMEngine with a fixed "
-                "num_speculative_tokens"
-            )
-        if int(num_speculative_tokens) < 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
-        if weight_update not in UPDATE_PATHS:
-            raise ValueError(f"weight_update={weight_update!r}; use one of {UPDATE_PATHS}")
+        _check_arguments(num_speculative_tokens, weight_update, adaptive)
         try:
             from vllm import LLM
             from vllm.engine.arg_utils import EngineArgs
@@ -153,22 +142,7 @@ class VLLMEngine(VLLMWeights):
         policy_dir = Path(policy_dir)
         cfg = json.loads((policy_dir / "config.json").read_text())
         k = int(num_speculative_tokens) if draft_dir is not None else 0
-        spec = None
-        if k > 0:
-            dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
-            if int(dcfg.get("hidden_size", -1)) != int(cfg["hidden_size"]):
-                raise ValueError(
-                    f"draft hidden_size={dcfg.get('hidden_size')} does not fit the policy's "
-                    f"hidden_size={cfg['hidden_size']}"
-                )
-            if int(dcfg.get("vocab_size", -1)) != int(cfg["vocab_size"]):
-                raise ValueError(
-                    f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's "
-                    f"vocab_size={cfg['vocab_size']}"
-                )
-            spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-            if draft_sample_method is not None:
-                spec["draft_sample_method"] = draft_sample_method
+        spec = _speculative_config(cfg, draft_dir, k, draft_sample_method)
         max_context = int(max_model_len or cfg.get("max_position_embeddings", 2048))
         if "weight_transfer_config" in EngineArgs.__dataclass_fields__ and weight_update != "extension":
             llm_kwargs.setdefault("weight_transfer_config", {"backend": TRANSFER_BACKEND})
@@ -199,14 +173,7 @@ class VLLMEngine(VLLMWeights):
                 os.environ.pop(FIXES_ENV, None)
             else:
                 os.environ[FIXES_ENV] = previous
-        no_sleep = None
-        if not current_platform.is_sleep_mode_available():
-            no_sleep = (
-                f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
-                "weights and KV cache stay resident); close() the engine to free its memory"
-            )
-        elif not enable_sleep:
-            no_sleep = "this VLLMEngine was started without enable_sleep=True"
+        no_sleep = _no_sleep_reason(current_platform, enable_sleep)
         self._attach(
             llm,
             vocab_size=int(cfg["vocab_size"]),
@@ -392,26 +359,8 @@ class VLLMEngine(VLLMWeights):
                 f"vLLM generation failed for {describe_requests(prompts)}, max_new_tokens="
                 f"{max_new_tokens}, max_model_len={self.max_context}: {type(err).__name__}: {err}"
             ) from err
+        outputs = [self._output(i, r, params.stop_token_ids) for i, r in enumerate(results)]
         k = self.num_speculative_tokens
-        outputs = []
-        for i, r in enumerate(results):
-            c = r.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs or [])]
-            if len(lps) != len(ids):
-                raise RolloutError(f"request {i}: vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
-            stopped = bool(ids) and ids[-1] in params.stop_token_ids
-            stats = request_stats(getattr(c, "spec_decode_metrics", None) if self._per_request_stats else None, k)
-            outputs.append(
-                RolloutOutput(
-                    token_ids=ids,
-                    logprobs=lps,
-                    finish_reason="stop" if stopped else "length",
-                    stats=stats,
-                    policy_version=self.weight_versions["policy"],
-                    draft_version=self.weight_versions["draft"],
-                )
-            )
         if before is None:
             self.last_stats = AcceptanceStats.total(o.stats for o in outputs)
             self.last_stats.accepted_per_position += [0] * (k - len(self.last_stats.accepted_per_position))
@@ -424,3 +373,72 @@ class VLLMEngine(VLLMWeights):
                 accepted_per_position=[a - b for a, b in zip(after[3], before[3])],
             )
         return outputs
+
+    def _output(self, i: int, result, stop_token_ids: Sequence[int]) -> RolloutOutput:
+        """Request ``i``'s :class:`RolloutOutput` from vLLM's ``RequestOutput`` (its tokens, their log-probs, why it
+        stopped, its acceptance figures where vLLM reports them per request, the weights' versions)."""
+        c = result.outputs[0]
+        ids = list(c.token_ids)
+        lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs or [])]
+        if len(lps) != len(ids):
+            raise RolloutError(f"request {i}: vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+        stopped = bool(ids) and ids[-1] in stop_token_ids
+        metrics = getattr(c, "spec_decode_metrics", None) if self._per_request_stats else None
+        return RolloutOutput(
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason="stop" if stopped else "length",
+            stats=request_stats(metrics, self.num_speculative_tokens),
+            policy_version=self.weight_versions["policy"],
+            draft_version=self.weight_versions["draft"],
+        )
+
+
+def _check_arguments(num_speculative_tokens: int, weight_update: str, adaptive: bool) -> None:
+    """:class:`VLLMEngine`'s argument checks (``ValueError`` naming the argument and the fix)."""
+    if adaptive:
+        raise ValueError(
+            "VLLMEngine(adaptive=True): vLLM 0.32 cannot choose 0..K draft tokens per request per round for "
+            "EAGLE-3 (its speculative_config offers enable_adaptive_verification for method='dspark' only, and "
+            "num_speculative_tokens_per_batch_size, which picks K from the batch size, not from the draft's "
+            "confidence). Use SpeculativeEngine(..., adaptive=True), or VLLMEngine with a fixed "
+            "num_speculative_tokens"
+        )
+    if int(num_speculative_tokens) < 0:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 0")
+    if weight_update not in UPDATE_PATHS:
+        raise ValueError(f"weight_update={weight_update!r}; use one of {UPDATE_PATHS}")
+
+
+def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str | None) -> dict | None:
+    """vLLM's ``speculative_config`` for the EAGLE-3 draft in ``draft_dir`` (None without one), after checking that
+    the draft fits the policy's ``config.json`` ``cfg``."""
+    spec = None
+    if k > 0:
+        dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
+        if int(dcfg.get("hidden_size", -1)) != int(cfg["hidden_size"]):
+            raise ValueError(
+                f"draft hidden_size={dcfg.get('hidden_size')} does not fit the policy's "
+                f"hidden_size={cfg['hidden_size']}"
+            )
+        if int(dcfg.get("vocab_size", -1)) != int(cfg["vocab_size"]):
+            raise ValueError(
+                f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's vocab_size={cfg['vocab_size']}"
+            )
+        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        if draft_sample_method is not None:
+            spec["draft_sample_method"] = draft_sample_method
+    return spec
+
+
+def _no_sleep_reason(current_platform, enable_sleep: bool) -> str | None:
+    """Why this engine cannot sleep (None: it can)."""
+    no_sleep = None
+    if not current_platform.is_sleep_mode_available():
+        no_sleep = (
+            f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
+            "weights and KV cache stay resident); close() the engine to free its memory"
+        )
+    elif not enable_sleep:
+        no_sleep = "this VLLMEngine was started without enable_sleep=True"
+    return no_sleep

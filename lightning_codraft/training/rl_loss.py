@@ -106,28 +106,26 @@ def policy_gradient_loss(
     else:  # the step's global weights: the count is only a statistic, reduced with the others
         weight = loss_weight.detach().to(dtype)
     loss = (per_token * weight).sum()
-    with torch.no_grad():
-        per_tok = mask / (
-            num_tokens
-            if num_tokens is not None
-            # the statistics' weights: token means
-            else reduced(mask.sum(), group).clamp(min=1.0)
-        )
-        sums = reduced(
-            torch.stack(
-                [
-                    (per_token * weight).sum(),
-                    (pg * weight).sum(),
-                    (kl * per_tok).sum(),
-                    (clipped * per_tok).sum(),
-                    (torch.exp(log_ratio) * per_tok).sum(),
-                    (0.5 * log_ratio.square() * per_tok).sum(),
-                    mask.sum(),
-                ]
-            ),
-            group,
-        )
-    return loss, dict(zip(("loss", "pg_loss", "kl", "clip_frac", "ratio", "approx_kl", "num_tokens"), sums))
+    return loss, _loss_stats(per_token, pg, kl, clipped, log_ratio, weight, mask, num_tokens, group)
+
+
+@torch.no_grad()
+def _loss_stats(per_token, pg, kl, clipped, log_ratio, weight, mask, num_tokens, group) -> dict[str, Tensor]:
+    """:func:`policy_gradient_loss`'s statistics, global sums over ``group``: ``loss`` and ``pg_loss`` with the loss's
+    weights, the others as token means (over ``num_tokens``, the step's completion tokens, when given)."""
+    per_tok = mask / (num_tokens if num_tokens is not None else reduced(mask.sum(), group).clamp(min=1.0))
+    sums = torch.stack(
+        [
+            (per_token * weight).sum(),
+            (pg * weight).sum(),
+            (kl * per_tok).sum(),
+            (clipped * per_tok).sum(),
+            (torch.exp(log_ratio) * per_tok).sum(),
+            (0.5 * log_ratio.square() * per_tok).sum(),
+            mask.sum(),
+        ]
+    )
+    return dict(zip(("loss", "pg_loss", "kl", "clip_frac", "ratio", "approx_kl", "num_tokens"), reduced(sums, group)))
 
 
 def clipped_surrogate(

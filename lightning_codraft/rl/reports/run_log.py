@@ -274,3 +274,17 @@ def summarize(rows: Iterable[Mapping[str, float]], key: str, head: int = 3) -> t
         return math.nan, math.nan
     n = max(1, min(head, len(vals) // 2 or 1))
     return sum(vals[:n]) / n, sum(vals[-n:]) / n
+
+
+def plot_run(rows: Sequence[Mapping[str, float]], out: Path, mode: str, task: str) -> None:
+    """A finished run's plots: ``out/curves.png`` (reward and acceptance length per step) and, where the live A/B
+    scored a reference draft, ``out/ab.png`` (the engine's acceptance and the two implied ones)."""
+    plot_curves({mode: rows}, out / "curves.png", title=f"{task}: reward and acceptance length per RL step")
+    if any(math.isfinite(r.get("reference_acceptance", math.nan)) for r in rows):
+        series = (
+            ("engine, live draft", "acceptance_length"),
+            ("implied, live draft", "implied_acceptance"),
+            ("implied, reference draft", "reference_acceptance"),
+        )
+        ab = {label: [{"step": r["step"], "acceptance": r[key]} for r in rows] for label, key in series}
+        plot_curves(ab, out / "ab.png", keys=("acceptance",), title="the live A/B")

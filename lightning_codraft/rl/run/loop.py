@@ -41,7 +41,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
-from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_curves, summarize
+from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_run, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.run.build import build_module, build_parts, fit_prompts
 from lightning_codraft.rl.run.evaluate import (
@@ -317,7 +317,7 @@ class CoDraftRun:
         return result
 
     def _summarize(self, result: FitResult) -> None:
-        cfg, tok = self.cfg, self.tokenizer
+        cfg = self.cfg
         measure = cfg.draft.mode != "none" and cfg.run.measure_speedup
         if cfg.task.eval_prompts:  # the speed-up below decodes with the same weights: one refill for both
             result.eval_after_scores = self.evaluate(
@@ -325,48 +325,11 @@ class CoDraftRun:
             )
             result.eval_after = mean_of(result.eval_after_scores)
         if measure:  # every rank refills its copies (a collective); rank 0 measures
-            if not cfg.task.eval_prompts:
-                self.worker.prepare(
-                    weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates), full_verify=True
-                )
-            if self.fabric.global_rank == 0:
-                samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
-                prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
-                result.speedup = measure_speedup(
-                    self.worker.policy,
-                    self.worker.draft,
-                    cfg.draft.num_speculative_tokens,
-                    prompts,
-                    cfg.rl.max_new_tokens,
-                    cfg.rl.temperature,
-                    cfg.rl.top_p,
-                    seed=cfg.run.seed + EVAL_SEED,
-                    stop_token_ids=[tok.eos_token_id],
-                    max_batch_size=cfg.parallel.engine_batch_size,
-                    adaptive=cfg.draft.adaptive,
-                    sampling=cfg.draft.sampling,
-                    dtype=cfg.parallel.engine_dtype,
-                )
-            self.fabric.barrier()
-            self.worker.release()
+            result.speedup = self._measure_speedup()
         if self.fabric.global_rank != 0:
             return
         if cfg.run.plots and result.rows:
-            plot_curves(
-                {cfg.draft.mode: result.rows},
-                self.out / "curves.png",
-                title=f"{cfg.task.name}: reward and acceptance length per RL step",
-            )
-            if any(math.isfinite(r.get("reference_acceptance", math.nan)) for r in result.rows):
-                ab = {
-                    label: [{"step": r["step"], "acceptance": r[key]} for r in result.rows]
-                    for label, key in (
-                        ("engine, live draft", "acceptance_length"),
-                        ("implied, live draft", "implied_acceptance"),
-                        ("implied, reference draft", "reference_acceptance"),
-                    )
-                }
-                plot_curves(ab, self.out / "ab.png", keys=("acceptance",), title="the live A/B")
+            plot_run(result.rows, self.out, cfg.draft.mode, cfg.task.name)
         r0, r1 = summarize(result.rows, "reward")
         a0, a1 = summarize(result.rows, "acceptance_length")
         lines = [
@@ -400,6 +363,35 @@ class CoDraftRun:
         summary = "\n".join(lines)
         (self.out / "summary.txt").write_text(summary + "\n")
         self.log(summary)
+
+    def _measure_speedup(self) -> Optional[SpeedupResult]:
+        """The final rollout speed-up on held-out prompts (global rank 0's; None elsewhere); every rank refills its
+        engine copies first (a collective) unless the final evaluation just did."""
+        cfg, tok = self.cfg, self.tokenizer
+        speedup = None
+        if not cfg.task.eval_prompts:
+            self.worker.prepare(weight_versions(cfg, self.steps_done, self.rl_step.schedule.updates), full_verify=True)
+        if self.fabric.global_rank == 0:
+            samples = self.heldout_samples(cfg.rl.prompts_per_step, offset=1)
+            prompts = [encode_prompt(tok, s.prompt) for s in samples for _ in range(cfg.rl.group_size)]
+            speedup = measure_speedup(
+                self.worker.policy,
+                self.worker.draft,
+                cfg.draft.num_speculative_tokens,
+                prompts,
+                cfg.rl.max_new_tokens,
+                cfg.rl.temperature,
+                cfg.rl.top_p,
+                seed=cfg.run.seed + EVAL_SEED,
+                stop_token_ids=[tok.eos_token_id],
+                max_batch_size=cfg.parallel.engine_batch_size,
+                adaptive=cfg.draft.adaptive,
+                sampling=cfg.draft.sampling,
+                dtype=cfg.parallel.engine_dtype,
+            )
+        self.fabric.barrier()
+        self.worker.release()
+        return speedup
 
     def close(self) -> None:
         """Stop engines that run processes of their own (vLLM)."""
