@@ -20,6 +20,23 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
 _MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 
 
+ATTENTION_FIELDS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+)
+"""The attention geometry a policy's and a draft's ``config.json`` both carry, under these names."""
+
+
+def attention_fields(config) -> dict:
+    """``config``'s :data:`ATTENTION_FIELDS`, by name (for a ``config.json``)."""
+    return {name: getattr(config, name) for name in ATTENTION_FIELDS}
+
+
 @dataclass
 class PolicyConfig:
     """Shape and numerics of a Llama-family decoder (field names as in HF ``config.json``)."""
@@ -200,13 +217,7 @@ class PolicyConfig:
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
+            **attention_fields(self),
             tie_word_embeddings=self.tie_word_embeddings,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
@@ -323,13 +334,7 @@ class Eagle3Config:
             num_hidden_layers=1,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
+            **attention_fields(self),
             vocab_size=self.vocab_size,
             draft_vocab_size=self.draft_vocab_size,
             target_hidden_size=self.hidden_size,

@@ -80,18 +80,8 @@ def policy_gradient_loss(
         aggregation (TRL's ``kl`` / ``clip_ratio/region_mean``, verl's ``pg_clipfrac``: docs/rl.md); and
         ``num_tokens`` (scored rows).
     """
-    _check_loss_inputs(
-        logprobs,
-        old_logprobs,
-        advantages,
-        loss_mask,
-        clip_eps,
-        clip_eps_high,
-        kl_coef,
-        loss_weight,
-        dual_clip,
-        ref_logprobs,
-    )
+    tensors = dict(old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, loss_weight=loss_weight)
+    _check_loss_inputs(logprobs, tensors, clip_eps, clip_eps_high, kl_coef, dual_clip, ref_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
     mask = loss_mask.to(dtype)
     logprobs_f = logprobs.to(dtype)
@@ -166,26 +156,10 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, grad: bool = True) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def _check_loss_inputs(
-    logprobs,
-    old_logprobs,
-    advantages,
-    loss_mask,
-    clip_eps,
-    clip_eps_high,
-    kl_coef,
-    loss_weight,
-    dual_clip,
-    ref_logprobs,
-) -> None:
+def _check_loss_inputs(logprobs, tensors: dict, clip_eps, clip_eps_high, kl_coef, dual_clip, ref_logprobs) -> None:
     """:func:`policy_gradient_loss`'s argument checks (shapes, ranges), raising ``ValueError``."""
     shape = logprobs.shape
-    for name, t in (
-        ("old_logprobs", old_logprobs),
-        ("advantages", advantages),
-        ("loss_mask", loss_mask),
-        ("loss_weight", loss_weight),
-    ):
+    for name, t in tensors.items():
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has {tuple(shape)}; all are (T,) rows")
     if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from typing import Optional
 
+from lightning_codraft.task_config import REWARD_BUILTINS
+
 
 def _final_answer(text: str) -> str:
     """The completion's final answer as written: after the last ``####`` or ``#`` marker, else inside the last
@@ -99,10 +101,6 @@ def completion_text(completion) -> str:
     return completion
 
 
-BUILTINS = {
-    "exact_answer": exact_answer,
-    "math_equivalence": math_equivalence,
-    "format_match": format_match,
-    "length_penalty": length_penalty,
-}
-"""The built-in rewards by the name a recipe gives them in ``task.rewards[].fn``."""
+BUILTINS = {name: globals()[name] for name in REWARD_BUILTINS}
+"""The built-in rewards by the name a recipe gives them in ``task.rewards[].fn`` (the names are task_config's, which
+the recipe's checks read without importing this module)."""
