@@ -259,21 +259,28 @@ _ACCEPTED_ARCHITECTURES = (VLLM_ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
 
 @dataclass
-class Eagle3Config:
-    """Shape of an EAGLE-3 draft (HF / vLLM config.json field names)."""
+class DrafterShape:
+    """What every drafter's config starts with: the policy's width and vocabulary, its draft layers' attention and
+    MLP geometry (HF / vLLM config.json field names)."""
 
     hidden_size: int
-    """H, equal to the policy's hidden size (the draft consumes policy embeddings and taps)."""
+    """H, equal to the policy's hidden size (a drafter consumes the policy's embeddings and taps)."""
     intermediate_size: int
-    """Inner width of the draft layer's gated MLP."""
+    """Inner width of a draft layer's gated MLP."""
     num_attention_heads: int
-    """Query heads of the draft layer."""
+    """Query heads of a draft layer."""
     num_key_value_heads: int
     """Key/value heads (GQA when smaller than ``num_attention_heads``)."""
     head_dim: int
     """Per-head width D (even, for RoPE)."""
     vocab_size: int
-    """V, the policy's (target) vocabulary; ``t2d`` has this length."""
+    """V, the policy's (target) vocabulary."""
+
+
+@dataclass
+class Eagle3Config(DrafterShape):
+    """Shape of an EAGLE-3 draft (HF / vLLM config.json field names); ``t2d`` has ``vocab_size`` entries."""
+
     draft_vocab_size: int
     """Vd <= V, rows of ``lm_head``; ``d2t`` has this length."""
     taps: tuple[int, ...]
