@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,8 @@ class DFlashConfig(DrafterShape):
     """RMSNorm epsilon of every norm of the drafter."""
     rope_theta: float = 10000.0
     """RoPE base of the draft's attention (the policy's)."""
+    rope_scaling: Optional[dict] = None
+    """HF ``rope_scaling`` of the draft's attention (the policy's), or None."""
     max_position_embeddings: int = 4096
     """Longest position the drafter is used at."""
     extra: dict = field(default_factory=dict)
@@ -142,7 +145,8 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @classmethod
     def from_policy(
@@ -173,6 +177,7 @@ class DFlashDraft(nn.Module):
                 mask_token_id=mask,
                 rms_norm_eps=float(pc.rms_norm_eps),
                 rope_theta=float(getattr(pc, "rope_theta", 10000.0)),
+                rope_scaling=getattr(pc, "rope_scaling", None),
                 max_position_embeddings=int(pc.max_position_embeddings),
             )
         )

@@ -177,3 +177,68 @@ def test_bad_shapes_and_configs_are_named():
         H = draft.config.hidden_size
         draft(torch.zeros(5, H), torch.arange(5), torch.zeros(2, 4, H), torch.zeros(2, dtype=torch.long),
               torch.ones(3, 5, dtype=torch.bool))
+
+
+def _zlab_checkpoint(path, H=64, I=128, heads=4, kv=2, D=16, layers=2, V=40, seed=8, extra_tensors=None):
+    """A checkpoint written the way z-lab publishes one: its config keys at the top level (as z-lab's config.json
+    files carry them) and its tensor names, listed here by hand."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
+    state = {"fc.weight": t(H, 3 * H), "hidden_norm.weight": 1 + t(H), "norm.weight": 1 + t(H)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state |= {p + "self_attn.q_proj.weight": t(heads * D, H), p + "self_attn.k_proj.weight": t(kv * D, H),
+                  p + "self_attn.v_proj.weight": t(kv * D, H), p + "self_attn.o_proj.weight": t(H, heads * D),
+                  p + "self_attn.q_norm.weight": 1 + t(D), p + "self_attn.k_norm.weight": 1 + t(D),
+                  p + "mlp.gate_proj.weight": t(I, H), p + "mlp.up_proj.weight": t(I, H),
+                  p + "mlp.down_proj.weight": t(H, I), p + "input_layernorm.weight": 1 + t(H),
+                  p + "post_attention_layernorm.weight": 1 + t(H)}
+    state |= extra_tensors or {}
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H, "intermediate_size": I,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": D,
+              "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+              "max_position_embeddings": 128, "vocab_size": V, "block_size": 4, "mask_token_id": 3,
+              "target_layer_ids": [0, 1, 2], "attention_dropout": 0.0, "hidden_act": "silu"}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    return state
+
+
+def test_a_published_dflash_checkpoint_loads_and_gives_the_reference_blocks(tmp_path):
+    from lightning_codraft.models.dflash_io import load_dflash, save_dflash
+
+    raw = _zlab_checkpoint(tmp_path / "zlab")
+    draft = load_dflash(tmp_path / "zlab")
+    c = draft.config
+    assert c.taps == (1, 2, 3) and c.block_size == 4 and c.mask_token_id == 3 and c.num_hidden_layers == 2
+    params = dict(draft.named_parameters())
+    assert set(params) == set(raw) and all(torch.equal(params[k], raw[k]) for k in raw)
+    torch.manual_seed(9)
+    policy = Policy(PolicyConfig.tiny(vocab_size=40, num_hidden_layers=4))
+    ids, cu, pos = _batch(seed=10)
+    anchors = torch.tensor([2, 10, 17])
+    _, ctx, emb, hidden = _forward(policy, draft, ids, cu, pos, anchors)
+    for n, a in enumerate(anchors.tolist()):
+        doc = int((cu[1:] <= a).sum())
+        ref = _reference_block(draft, ctx, pos, emb[n], int(pos[a]), torch.arange(int(cu[doc]), a))
+        torch.testing.assert_close(hidden[n], ref, atol=1e-5, rtol=1e-5)
+    # our export reads back the same, and vLLM's "model."-prefixed names load too
+    again = load_dflash(save_dflash(draft, tmp_path / "ours"))
+    assert again.config == draft.config and all(torch.equal(p, q) for p, q in zip(again.parameters(), draft.parameters()))
+    import json
+
+    exported = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert exported["dflash_config"] == {"target_layer_ids": [0, 1, 2], "block_size": 4, "mask_token_id": 3}
+
+
+def test_a_dflash_checkpoint_with_an_embedding_of_its_own_is_refused_by_name(tmp_path):
+    from lightning_codraft.models.dflash_io import load_dflash
+
+    _zlab_checkpoint(tmp_path / "emb", extra_tensors={"embed_tokens.weight": torch.zeros(40, 64)})
+    with pytest.raises(ValueError, match=r"\['embed_tokens.weight'\] are not a DFlash drafter's"):
+        load_dflash(tmp_path / "emb")
