@@ -1,0 +1,97 @@
+"""The block drafter's engine (rollout/block_engine.py) is lossless: greedy output equals plain decoding, coupled
+samples equal plain decoding's samples of the same seeds, rejection and coupled samples follow the policy's exact
+distributions (with negative controls that must fail)."""
+
+import pytest
+import torch
+from rollout_helpers import make_policy, random_prompts
+from test_speculative import _distribution_failures, _mutant_coupled_verify, _mutant_rejection_sample
+
+from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.rollout import sampler
+from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
+from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A tiny policy and a DFlash drafter fitted for a few seconds to its greedy continuations (so rounds accept
+    some proposals and reject others: both paths run)."""
+    policy = make_policy(seed=1)
+    torch.manual_seed(2)
+    drafter = DFlashDraft.from_policy(policy, block_size=4, mask_token_id=0)
+    prompts = random_prompts(16, policy.config.vocab_size, seed=4)
+    outs = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=0.0)
+    docs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    ids = torch.tensor([t for d in docs for t in d])
+    cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(len(d)) for d in docs])
+    with torch.no_grad():
+        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=tuple(drafter.config.taps))
+    mask = torch.ones_like(ids, dtype=torch.float32)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(250):
+        anchors = sample_anchors(cu, mask, 6, g)
+        ctx = drafter.context(list(out.taps))
+        emb = policy.embed(drafter.block_ids(ids[anchors])).detach()
+        hidden = drafter(ctx, pos, emb, pos[anchors], context_visibility(cu, anchors, ids.shape[0]))
+        loss = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, cu, mask).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return policy, drafter.eval(), prompts
+
+
+@pytest.mark.parametrize("batch", [4, 8, 16])
+def test_greedy_output_equals_plain_decoding(fitted, batch):
+    policy, drafter, fit_set = fitted
+    prompts = fit_set[: batch // 2] + random_prompts(batch - batch // 2, policy.config.vocab_size, seed=batch)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 20, temperature=0.0)
+    block = BlockSpeculativeEngine(policy, drafter).generate(prompts, 20, temperature=0.0)
+    assert [o.token_ids for o in block] == [o.token_ids for o in plain]
+    for b, p in zip(block, plain):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=0)
+    stats = sum((o.stats for o in block[1:]), block[0].stats)
+    assert 0 < stats.accepted < stats.drafted  # proposals accepted and rejected: both paths ran
+    assert stats.acceptance_length > 1.3
+
+
+def test_coupled_samples_equal_plain_decodings_of_the_same_seeds(fitted):
+    policy, drafter, fit_set = fitted
+    prompts = fit_set[:4] + random_prompts(4, policy.config.vocab_size, seed=9)
+    seeds = list(range(100, 108))
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 20, temperature=1.0, request_seeds=seeds)
+    block = BlockSpeculativeEngine(policy, drafter, 2).generate(prompts, 20, temperature=1.0, request_seeds=seeds)
+    assert [o.token_ids for o in block] == [o.token_ids for o in plain]
+
+
+def _sampling_engine(sampling):
+    policy = make_policy(seed=5, std=0.15, vocab_size=12)
+    torch.manual_seed(6)
+    return BlockSpeculativeEngine(policy, DFlashDraft.from_policy(policy, block_size=3).eval(), 2, sampling=sampling)
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_block_sampling_is_distributed_as_the_policy(sampling):
+    failures, stats, n_bonus = _distribution_failures(_sampling_engine(sampling), 2, 0, 1.0, n=3000)
+    assert not failures, failures
+    assert 0.02 < stats.acceptance_rate < 0.95 and n_bonus > 30
+
+
+@pytest.mark.slow  # three more runs of the distribution test (~20 s each): CI's slow set
+@pytest.mark.parametrize("sampling,mutation", [("rejection", "accept_with_p"), ("rejection", "residual_is_p"),
+                                               ("coupled", "emit_draft_at_mismatch")])
+def test_the_distribution_test_catches_a_wrong_rule_in_the_block_engine(monkeypatch, sampling, mutation):
+    if sampling == "rejection":
+        monkeypatch.setattr(sampler, "rejection_sample", _mutant_rejection_sample(mutation))
+    else:
+        monkeypatch.setattr(sampler, "lazy_coupled_verify", _mutant_coupled_verify(mutation))
+    failures, _, _ = _distribution_failures(_sampling_engine(sampling), 2, 0, 1.0, n=3000)
+    assert failures
