@@ -176,7 +176,7 @@ class DFlashDraft(nn.Module):
                 num_key_value_heads=int(getattr(pc, "num_key_value_heads", None) or heads),
                 head_dim=head_dim,
                 vocab_size=int(pc.vocab_size),
-                taps=tuple(dict.fromkeys(taps if taps is not None else policy.default_taps)),
+                taps=tuple(taps) if taps is not None else tuple(dict.fromkeys(policy.default_taps)),
                 num_hidden_layers=num_hidden_layers,
                 block_size=block_size,
                 mask_token_id=mask,
