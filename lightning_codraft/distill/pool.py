@@ -65,9 +65,10 @@ def sample_pool(
     )
     kept = [(p, list(o.token_ids)) for p, o in zip(prompts, outs) if o.token_ids]
     V = policy.config.vocab_size
-    if draft.config.draft_vocab_size < V:
+    draft_vocab = getattr(draft.config, "draft_vocab_size", None)  # a block drafter uses the policy's head
+    if draft_vocab is not None and draft_vocab < V:
         ids = torch.tensor([t for p, c in kept for t in p + c])
-        d2t, t2d = build_vocab_mapping(torch.bincount(ids, minlength=V), draft.config.draft_vocab_size)
+        d2t, t2d = build_vocab_mapping(torch.bincount(ids, minlength=V), draft_vocab)
         draft.set_vocab_mapping(d2t, t2d)
     bs = config.batch_size
     return [

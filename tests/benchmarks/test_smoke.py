@@ -301,3 +301,12 @@ def test_same_steps_smoke():
                 "run.checkpoint_every=0")
     assert "pinned: identical step reward" in text and "  different: none" in text
     assert text.rstrip().endswith("same run before and after")
+
+
+def test_dflash_tiny_smoke(tmp_path):
+    text = _run("dflash_tiny.py", "--steps", 2, "--prompts", 2, "--max-new-tokens", 6, "--repeats", 1,
+                "--recipe-overrides", "sft.steps=2", "draft.warm_start.steps=2", "--out", tmp_path,
+                "--work-dir", tmp_path / "work")
+    assert "lossless True" in text and "| dflash |" not in text  # the table is on the page
+    page = (tmp_path / "dflash_tiny.md").read_text()
+    assert "| 0 | dflash |" in page and (tmp_path / "dflash_tiny.png").is_file()
