@@ -33,6 +33,7 @@ sft.steps=2 draft.warmup_steps=2``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -253,7 +254,8 @@ def measure(model: Model, prompts: list[list[int]], T: float, max_new: int, repe
                tokens=tokens, dtype=model.dtype or "float32",
                lengths=[min(lengths), int(statistics.median(lengths)), max(lengths)],
                mismatches=mismatches if exact else [], divergences=[] if exact else mismatches,
-               compared=2 * repeats * B)
+               compared=2 * repeats * B,
+               token_digest=hashlib.sha256(repr([o.token_ids for o in outs["none"]]).encode()).hexdigest())
     for arm in ARMS:
         stats = AcceptanceStats.total(o.stats for o in outs[arm])
         rounds = max(o.stats.policy_forwards for o in outs[arm])  # batch rounds (the longest row's)
@@ -581,6 +583,9 @@ def finish(rows, notes, args, elapsed, out: Path) -> int:
     for s, v, t, ok, rng in goals(rows):
         print(f"  {s}: {v:.3f}x{rng} (>= {t}x: {HOLDS[ok]})")
     print(f"\nwrote {md}, {out / 'rollout.png'}, {out / 'rollout.json'}")
+    for name in dict.fromkeys(r["model"] for r in rows):  # a refactor must leave the emitted tokens as they were
+        cells = [r.get("token_digest", "") for r in rows if r["model"] == name and r["case"] == "grid"]
+        print(f"{name} grid token digest: {hashlib.sha256(repr(cells).encode()).hexdigest()[:16]}")
     bad = [m for r in rows for m in r["mismatches"]]
     if bad:
         print(f"LOSSLESSNESS CHECK FAILED: {len(bad)} sequences differ from plain decoding, e.g. {bad[0]}")
