@@ -3,7 +3,8 @@ prompts neither draft trained on.
 
 Models: the tiny-cpu recipe's SFT'd arithmetic policy and its EAGLE-3 draft after the recipe's warm start
 (``CoDraftRun(...).setup()``; ``--init-from`` reuses a run's ``warm/weights.pt``), and a DFlash drafter
-(``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` AdamW steps at ``--lr`` on
+(``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` steps at ``--lr``
+(``distill.pool.fit_block_drafter_on_pool``: the one fit loop, cosine to 10%) on
 the SAME pool of the policy's own samples the EAGLE-3 warm start uses (``distill.pool.sample_pool``: the recipe's
 ``draft.warm_start.batch_size`` x ``min(steps, 8)`` problems at the rollout temperature), with ``--anchors``
 anchors per document.
@@ -31,12 +32,11 @@ from pathlib import Path
 import torch
 
 from lightning_codraft.config import load_config
-from lightning_codraft.distill.pool import POOL_SEED, pool_prompts, sample_pool
+from lightning_codraft.distill.pool import POOL_SEED, fit_block_drafter_on_pool, pool_prompts, sample_pool
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
-from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,30 +71,16 @@ def fit_dflash(cfg, policy, tok, task, args) -> tuple[DFlashDraft, list[float], 
     batches = sample_pool(policy, drafter, prompts, ws, max_new_tokens=cfg.rl.max_new_tokens,
                           temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.run.seed + POOL_SEED,
                           stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(
-        3.14159265 * i / max(1, args.steps))).item()))
-    g, losses, accuracy = torch.Generator().manual_seed(cfg.run.seed), [], []
-    for i in range(args.steps):
-        b = batches[i % len(batches)]
-        with torch.no_grad():
-            out = policy(b.input_ids, cu_seqlens=b.cu_seqlens, position_ids=b.position_ids, taps=drafter.config.taps)
-        anchors = sample_anchors(b.cu_seqlens, b.loss_mask, args.anchors, g)
-        emb = policy.embed(drafter.block_ids(b.input_ids[anchors])).detach()
-        visible = context_visibility(b.cu_seqlens, anchors, b.input_ids.shape[0])
-        hidden = drafter(drafter.context(list(out.taps)), b.position_ids, emb, b.position_ids[anchors], visible)
-        res = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, b.cu_seqlens,
-                                b.loss_mask, gamma=args.gamma)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(res.loss.detach()))
-        accuracy = [round(a, 2) for a in res.accuracy.tolist()]
+    last = []
+
+    def on_step(i, loss, accuracy):
+        last[:] = [round(a, 2) for a in accuracy]
         if (i + 1) % max(1, args.steps // 5) == 0:
-            print(f"  DFlash fit step {i + 1}/{args.steps}: loss {losses[-1]:.3f}, position accuracy {accuracy}",
-                  flush=True)
+            print(f"  DFlash fit step {i + 1}/{args.steps}: loss {loss:.3f}, position accuracy {last}", flush=True)
+
+    losses = fit_block_drafter_on_pool(policy, drafter, batches, args.steps, args.lr, anchors_per_doc=args.anchors,
+                                       gamma=args.gamma, seed=cfg.run.seed, on_step=on_step)
+    accuracy = last
     return drafter.eval(), losses, accuracy, {s.prompt for s in samples}
 
 

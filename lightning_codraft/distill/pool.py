@@ -1,5 +1,8 @@
 """The warm start's small source: a pool of the policy's own samples, drawn in the run and not cached.
 
+Two fits read it: :func:`fit_on_pool` (EAGLE-3, through the module's override points) and
+:func:`fit_block_drafter_on_pool` (a block drafter, DFlash).
+
 The other source is the cached corpus of distill/warmstart.py; both fit the draft by the one fit loop
 (:func:`~lightning_codraft.distill.fit.fit_loop`). Here each step runs a FROZEN policy without gradient on one
 packed batch of the pool (capturing tap 0, the draft's taps and the soft-target logits), then the draft's TTT
@@ -19,6 +22,7 @@ from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.distill.settings import WarmStartConfig
 from lightning_codraft.models.vocab import build_vocab_mapping
 from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 
 POOL_SEED = 2 * 10**6
 """Seed offset of the pool's prompts and samples (the RL steps never use it)."""
@@ -129,3 +133,65 @@ def fit_on_pool(
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
+
+
+def fit_block_drafter_on_pool(
+    policy,
+    drafter,
+    batches: Sequence[RLBatch],
+    steps: int,
+    lr: float,
+    *,
+    anchors_per_doc: int = 8,
+    gamma: float = 5.0,
+    loss_type: str = "ce",
+    seed: int = 0,
+    on_step: Callable[[int, float, list[float]], None] | None = None,
+) -> list[float]:
+    """Fit a block drafter (:class:`~lightning_codraft.models.dflash.DFlashDraft`) to ``policy`` (frozen) on
+    ``batches`` by the one fit loop, with the block loss (training/dflash_loss.py).
+
+    Args:
+        policy: the policy (its taps, embedding and head are read without gradient).
+        drafter: the block drafter, trained in place.
+        batches: packed batches of the policy's own samples (:func:`sample_pool`), cycled over.
+        steps, lr: AdamW steps and learning rate (cosine decay to 10%).
+        anchors_per_doc: anchors drawn per document and step among its completion rows (``loss_mask``).
+        gamma, loss_type: the block loss's position decay and per-row loss.
+        seed: the anchors' draws.
+        on_step: called with ``(step, loss, top-1 accuracy per block position)``.
+
+    Returns:
+        The loss of every step.
+    """
+    if steps <= 0:
+        return []
+    if not batches:
+        raise ValueError("fit_block_drafter_on_pool needs at least one batch")
+    g = torch.Generator().manual_seed(seed)
+
+    def loss(batch: RLBatch):
+        with torch.no_grad():
+            out = policy(
+                batch.input_ids,
+                cu_seqlens=batch.cu_seqlens,
+                position_ids=batch.position_ids,
+                taps=tuple(drafter.config.taps),
+            )
+        anchors = sample_anchors(batch.cu_seqlens, batch.loss_mask, anchors_per_doc, g)
+        embeds = policy.embed(drafter.block_ids(batch.input_ids[anchors])).detach()
+        visible = context_visibility(batch.cu_seqlens, anchors, batch.input_ids.shape[0])
+        pos = batch.position_ids
+        hidden = drafter(drafter.context(list(out.taps)), pos, embeds, pos[anchors], visible)
+        logits = drafter.logits(hidden, policy.lm_head.weight)
+        return dflash_draft_loss(logits, out.logits, anchors, batch.cu_seqlens, batch.loss_mask, gamma, loss_type)
+
+    def report(i, out):
+        if on_step is not None:
+            on_step(i, float(out.loss.detach()), out.accuracy.tolist())
+
+    params = list(drafter.parameters())
+    drafter.train()
+    losses = fit_loop(params, itertools.cycle(batches), loss, steps, lr, betas=(0.9, 0.98), on_step=report).losses
+    drafter.eval()
+    return losses

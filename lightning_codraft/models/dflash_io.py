@@ -19,12 +19,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_codraft.models.config import attention_fields
+from lightning_codraft.models.config import ATTENTION_FIELDS, attention_fields
 from lightning_codraft.models.dflash import DFlashConfig, DFlashDraft
 
 ARCHITECTURE = "DFlashDraftModel"
 """``architectures`` written to config.json (z-lab's class; vLLM maps ``method: dflash`` to its own)."""
 WEIGHTS_FILE = "model.safetensors"
+_WRITTEN = (
+    "architectures model_type hidden_act hidden_size intermediate_size num_hidden_layers vocab_size tie_word_embeddings "
+    "attention_bias target_layer_ids block_size mask_token_id dflash_config"
+).split()
+"""The keys :func:`to_hf_dict` writes besides the attention geometry (a loaded config's others are kept in ``extra``)."""
 
 
 def to_hf_dict(c: DFlashConfig) -> dict:
@@ -65,28 +70,7 @@ def from_hf_dict(d: dict) -> DFlashConfig:
         )
     heads = int(d["num_attention_heads"])
     rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    known = {
-        "hidden_act",
-        "tie_word_embeddings",
-        "attention_bias",
-        "target_layer_ids",
-        "block_size",
-        "mask_token_id",
-        "dflash_config",
-        "architectures",
-        "model_type",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_scaling",
-        "max_position_embeddings",
-        "vocab_size",
-    }
+    known = {*_WRITTEN, *ATTENTION_FIELDS}
     return DFlashConfig(
         hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]),
