@@ -190,8 +190,7 @@ class RolloutWorker:
             refill_parameters(m)
         if self.engine.supports_sleep:
             self.engine.wake_up(refit=True)
-        if hasattr(self.engine, "verify_updates"):
-            self.engine.verify_updates = full_verify or self._phases == 0
+        self.engine.verify_updates = full_verify or self._phases == 0
         self._phases += 1
         self.sync(self._phases, versions=versions)  # always due: one refill per rollout phase
         self._awake = True
@@ -275,6 +274,5 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Stop an engine that runs processes of its own (vLLM)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        if self.engine is not None:  # None until start(): a run that failed before it
+            self.engine.close()

@@ -205,12 +205,22 @@ class RolloutEngine(Protocol):
     supports_sleep: bool
     """Whether :meth:`sleep` / :meth:`wake_up` free and restore the engine's memory between rollout phases."""
 
+    verify_updates: bool
+    """Verify every parameter (both models) after the next refits, beyond the per-bucket checks (the RL loop sets
+    it for a run's first and last refit); an engine with nothing more to verify keeps it and ignores it."""
+
     def sleep(self, level: int = 1) -> None:
         """Free the engine's memory until :meth:`wake_up` (only where ``supports_sleep``)."""
         ...
 
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed (only where ``supports_sleep``)."""
+    def wake_up(self, *, refit: bool = False) -> None:
+        """Restore what :meth:`sleep` freed (only where ``supports_sleep``); ``refit``: a full refit of both models
+        follows at once (the RL loop's), so nothing is pushed or verified here."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the engine runs apart from the caller (vLLM's processes); idempotent; a no-op where nothing
+        runs apart."""
         ...
 
 

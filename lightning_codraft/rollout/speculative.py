@@ -323,8 +323,15 @@ class SpeculativeEngine:
             "with rollout.weight_sync.release_parameters instead"
         )
 
-    def wake_up(self) -> None:
+    def wake_up(self, *, refit: bool = False) -> None:
         raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False)")
+
+    verify_updates = False
+    """The embedded engine checks every bucket as it lands (:meth:`load_buckets`) and decodes the tensors it was
+    given: it has nothing more to verify, and ignores the flag."""
+
+    def close(self) -> None:
+        """Nothing runs apart from the caller: a no-op (the protocol's)."""
 
     # ------------------------------------------------------------------ decoding
     def _generate_batch(

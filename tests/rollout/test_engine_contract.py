@@ -89,3 +89,25 @@ def _fsdp_worker(rank, world_size):
 def test_an_engine_over_fsdp2_shards_is_refused_with_the_supported_patterns():
     for message in run_distributed(_fsdp_worker, world_size=2, timeout=120):
         assert message and "FSDP2 / DTensor shards" in message and "full_state_dicts()" in message
+
+
+def test_the_engine_protocol_declares_what_the_rollout_worker_calls():
+    """rl/rollout_worker.py calls only what rollout/engine.py's RolloutEngine declares (no hasattr there): the
+    embedded engine implements all of it, and the worker's calls are the protocol's."""
+    import ast
+    import inspect
+
+    import lightning_codraft.rl.rollout_worker as worker
+    from lightning_codraft.rollout.engine import RolloutEngine
+
+    engine = SpeculativeEngine(make_policy(seed=0), None, 0)
+    assert isinstance(engine, RolloutEngine)
+    engine.close()  # a no-op for the embedded engine
+    declared = set(RolloutEngine.__dict__) | set(RolloutEngine.__annotations__)
+    tree = ast.parse(inspect.getsource(worker))
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "engine"}
+    assert used and used <= declared, used - declared
+    assert "hasattr" not in inspect.getsource(worker)
+    with pytest.raises(RuntimeError, match="cannot sleep"):
+        engine.wake_up(refit=True)
