@@ -277,6 +277,20 @@ class DrafterShape:
     """V, the policy's (target) vocabulary."""
 
 
+def shape_fields(d: dict) -> dict:
+    """:class:`DrafterShape`'s fields from a drafter's HF ``config.json`` dict (``num_key_value_heads`` and
+    ``head_dim`` defaulted as HF does)."""
+    heads = int(d["num_attention_heads"])
+    return dict(
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        vocab_size=int(d["vocab_size"]),
+    )
+
+
 @dataclass
 class Eagle3Config(DrafterShape):
     """Shape of an EAGLE-3 draft (HF / vLLM config.json field names); ``t2d`` has ``vocab_size`` entries."""
@@ -386,14 +400,8 @@ class Eagle3Config(DrafterShape):
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        heads = int(d["num_attention_heads"])
         return cls(
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            vocab_size=int(d["vocab_size"]),
+            **shape_fields(d),
             draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
             taps=tuple(taps),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lightning_codraft.models.config import ATTENTION_FIELDS, attention_fields
+from lightning_codraft.models.config import ATTENTION_FIELDS, attention_fields, shape_fields
 from lightning_codraft.models.dflash import DFlashConfig, DFlashDraft
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -68,16 +68,10 @@ def from_hf_dict(d: dict) -> DFlashConfig:
             f"layer_types={drafter['layer_types']}: only full-attention DFlash layers are supported "
             f"(sliding-window draft layers are not)"
         )
-    heads = int(d["num_attention_heads"])
     rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     known = {*_WRITTEN, *ATTENTION_FIELDS}
     return DFlashConfig(
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-        vocab_size=int(d["vocab_size"]),
+        **shape_fields(d),
         taps=tuple(int(i) + 1 for i in drafter["target_layer_ids"]),
         num_hidden_layers=int(d["num_hidden_layers"]),
         block_size=int(drafter.get("block_size", 16)),
