@@ -160,6 +160,11 @@ def validate(cfg: CoDraftConfig) -> CoDraftConfig:
     """Check every section (its own :meth:`check`), then the rules that span sections; raise :class:`ConfigError`
     naming the key and the fix."""
     _check_sections(cfg)
+    return _check_across(cfg)
+
+
+def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
+    """The rules that span sections (each section has checked itself)."""
     p, r, d, m = cfg.parallel, cfg.rl, cfg.draft, cfg.model
     if p.num_microbatches > r.prompts_per_step // p.dp * r.group_size:
         raise ConfigError(
@@ -216,7 +221,7 @@ def _from_layers(layers: list) -> CoDraftConfig:
         cfg = _build(merged, CoDraftConfig, "")
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config value at {getattr(e, 'full_key', '?')}: {str(e).splitlines()[0]}") from None
-    return validate(cfg)
+    return _check_across(cfg)  # _build constructed every section, and a section checks itself on construction
 
 
 def to_yaml(cfg: CoDraftConfig) -> str:

@@ -20,18 +20,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_codraft.attention.packing import document_ids_from_cu_seqlens
 from lightning_codraft.training.draft_loss import DRAFT_LOSSES, DraftLossOutput, draft_loss_sum
-
-
-def document_index(cu_seqlens: Tensor, rows: Tensor) -> Tensor:
-    """``(N,)`` the document of each packed row in ``rows`` (``cu_seqlens``: ``(D + 1,)`` prefix sums)."""
-    return torch.searchsorted(cu_seqlens.to(rows.device).long(), rows.long(), right=True) - 1
 
 
 def context_visibility(cu_seqlens: Tensor, anchors: Tensor, num_rows: int) -> Tensor:
     """``(N, T)`` bool: packed row ``j`` is context of the block anchored at ``anchors[n]`` (same document, ``j <
     anchor``)."""
-    starts = cu_seqlens.to(anchors.device).long()[document_index(cu_seqlens, anchors)]
+    starts = cu_seqlens.to(anchors.device).long()[document_ids_from_cu_seqlens(cu_seqlens)[anchors]]
     j = torch.arange(num_rows, device=anchors.device)
     return (j[None, :] >= starts[:, None]) & (j[None, :] < anchors[:, None])
 
@@ -84,7 +80,7 @@ def dflash_draft_loss(
             f"block_logits {tuple(block_logits.shape)}, policy_logits {tuple(policy_logits.shape)}, "
             f"anchors {tuple(anchors.shape)} and loss_mask {tuple(loss_mask.shape)} disagree"
         )
-    ends = cu_seqlens.to(anchors.device).long()[document_index(cu_seqlens, anchors) + 1]
+    ends = cu_seqlens.to(anchors.device).long()[document_ids_from_cu_seqlens(cu_seqlens)[anchors] + 1]
     rows = anchors[:, None] + torch.arange(B - 1, device=anchors.device)  # (N, B-1): the policy row of position k+1
     inside = rows < ends[:, None]
     rows_c = rows.clamp(max=T - 1)

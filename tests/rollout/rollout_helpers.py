@@ -13,6 +13,7 @@ import torch
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 
 
 def make_policy(seed: int = 0, std: float = 0.2, **overrides) -> Policy:
@@ -94,3 +95,27 @@ def reference_filter(logits: list[float], top_k: int, top_p: float) -> list[bool
             mass += math.exp(kept[i]) / z if kept[i] > -math.inf else 0.0
         keep = [k and (i in nucleus) for i, k in enumerate(keep)]
     return keep
+
+
+def fit_dflash(policy, drafter, prompts, steps=250):
+    """A DFlash drafter fitted briefly (in place) to the policy's greedy continuations of ``prompts``; returned in
+    eval mode."""
+    outs = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=0.0)
+    docs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    ids = torch.tensor([t for d in docs for t in d])
+    cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(len(d)) for d in docs])
+    with torch.no_grad():
+        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=tuple(drafter.config.taps))
+    mask, g = torch.ones_like(ids, dtype=torch.float32), torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        anchors = sample_anchors(cu, mask, 6, g)
+        emb = policy.embed(drafter.block_ids(ids[anchors])).detach()
+        hidden = drafter(drafter.context(list(out.taps)), pos, emb, pos[anchors],
+                         context_visibility(cu, anchors, ids.shape[0]))
+        loss = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, cu, mask).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()

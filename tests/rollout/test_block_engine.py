@@ -4,14 +4,13 @@ distributions (with negative controls that must fail)."""
 
 import pytest
 import torch
-from rollout_helpers import make_policy, random_prompts
+from rollout_helpers import fit_dflash, make_policy, random_prompts
 from test_speculative import _distribution_failures, _mutant_coupled_verify, _mutant_rejection_sample
 
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.rollout import sampler
 from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
 from lightning_codraft.rollout.speculative import SpeculativeEngine
-from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 
 
 @pytest.fixture(autouse=True)
@@ -27,26 +26,7 @@ def fitted():
     torch.manual_seed(2)
     drafter = DFlashDraft.from_policy(policy, block_size=4, mask_token_id=0)
     prompts = random_prompts(16, policy.config.vocab_size, seed=4)
-    outs = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=0.0)
-    docs = [p + o.token_ids for p, o in zip(prompts, outs)]
-    ids = torch.tensor([t for d in docs for t in d])
-    cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(len(d)) for d in docs])
-    with torch.no_grad():
-        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=tuple(drafter.config.taps))
-    mask = torch.ones_like(ids, dtype=torch.float32)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(5)
-    for _ in range(250):
-        anchors = sample_anchors(cu, mask, 6, g)
-        ctx = drafter.context(list(out.taps))
-        emb = policy.embed(drafter.block_ids(ids[anchors])).detach()
-        hidden = drafter(ctx, pos, emb, pos[anchors], context_visibility(cu, anchors, ids.shape[0]))
-        loss = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, cu, mask).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return policy, drafter.eval(), prompts
+    return policy, fit_dflash(policy, drafter, prompts), prompts
 
 
 @pytest.mark.parametrize("batch", [4, 8, 16])

