@@ -43,6 +43,7 @@ ROW_FIELDS = (
     "ref_logprobs",
     "ref_greedy",
     "loss_weight",
+    "draft_anchor",
 )
 _REQUIRED = (
     "input_ids",
@@ -97,6 +98,8 @@ class RLBatch:
             global denominator (``norm.rl``): the objective is ``sum_t loss_weight_t * loss_t`` over every
             microbatch and rank. None until ``training.normalize.normalize_step`` (or the caller) sets it.
         norm: the step's global :class:`StepNorm` (set with ``loss_weight``), or None.
+        draft_anchor: ``(T,)`` float32, 1 on the rows a block drafter anchors a training block at (drawn per
+            document on the whole batch, before it is cut or sharded: ``training.drafter_terms``), or None.
         cp_rank: the CP rank whose zigzag shard the rows are (0 for a whole batch).
         cp_size: the CP size the rows are sharded over (1: the rows are the whole batch).
     """
@@ -114,6 +117,7 @@ class RLBatch:
     ref_greedy: Optional[Tensor] = None
     loss_weight: Optional[Tensor] = None
     norm: Optional[StepNorm] = None
+    draft_anchor: Optional[Tensor] = None
     cp_rank: int = 0
     cp_size: int = 1
 
@@ -173,7 +177,7 @@ class RLBatch:
         if missing or unknown:
             raise KeyError(
                 f"an RL batch needs the keys {list(_REQUIRED)} (optional: draft_mask, ref_logprobs, "
-                f"ref_greedy, loss_weight); "
+                f"ref_greedy, loss_weight, draft_anchor); "
                 f"missing {missing}, unknown {unknown}"
             )
         return cls(**{k: d[k] for k in d}, cp_rank=cp_rank, cp_size=cp_size)

@@ -6,6 +6,7 @@ import torch
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.models.dflash import DFlashDraft
 
 VOCAB = 48
 
@@ -18,6 +19,16 @@ def make_models(seed: int = 0, layers: int = 4, draft_vocab: int | None = None, 
     counts = torch.arange(VOCAB, 0, -1).float() if draft_vocab else None
     draft = Eagle3Draft.from_policy(policy, draft_vocab_size=draft_vocab, token_counts=counts)
     return policy, draft
+
+
+def make_dflash_models(seed: int = 0, block_size: int = 4, layers: int = 4, tied: bool = False):
+    """The policy of :func:`make_models` and a one-layer DFlash drafter (taps 1, 2, 3) for it."""
+    policy, _ = make_models(seed, layers=layers, tied=tied)
+    torch.manual_seed(seed + 1)
+    drafter = DFlashDraft.from_policy(policy, taps=(1, 2, layers - 1), block_size=block_size, mask_token_id=VOCAB - 1)
+    for p in drafter.parameters():  # larger than the default init, so the blocks' logits differ across rows
+        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.fill_(1.0)
+    return policy, drafter
 
 
 def make_batch(seed: int, num_docs: int = 2, multiple_of: int = 12, max_len: int = 14) -> RLBatch:

@@ -82,13 +82,24 @@ class DraftLossConfig:
     position_weights: str = "decay"
     """Weight of unroll step k: ``decay`` (ttt_decay**k), ``uniform`` (1), or ``acceptance`` (the live probability that
     the engine verifies position k at all: the product of the draft's implied acceptance rates of the positions
-    before it on the last step it ran, D-PACE-style; decay**k until one is measured)."""
+    before it on the last step it ran, D-PACE-style; decay**k until one is measured). A block drafter's ``decay``
+    is DFlash's ``exp(-(k - 1) / block_gamma)``."""
+    block_anchors: int = 16
+    """A block drafter's (DFlash's) training blocks per document and step, anchored at rows drawn among the
+    document's draft targets."""
+    block_gamma: Optional[float] = None
+    """A block drafter's position decay: position k weighs ``exp(-(k - 1) / gamma)``; None = DFlash's for the
+    block size (7 for 16, 5 for 10, 4 for 8)."""
 
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the field when a value is out of range."""
+        if self.block_anchors < 1:
+            raise ValueError(f"block_anchors={self.block_anchors} must be >= 1")
+        if self.block_gamma is not None and self.block_gamma <= 0:
+            raise ValueError(f"block_gamma={self.block_gamma} must be > 0 or None")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
         if not 0 < self.ttt_decay <= 1:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_codraft.attention.packing import document_ids_from_cu_seqlens
+from lightning_codraft.parallel.collectives import reduced
 from lightning_codraft.training.draft_loss import DRAFT_LOSSES, DraftLossOutput, draft_loss_sum
 
 
@@ -45,6 +46,76 @@ def sample_anchors(cu_seqlens: Tensor, loss_mask: Tensor, per_doc: int, generato
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=loss_mask.device)
 
 
+def block_position_weights(num_positions: int, gamma: float) -> Tensor:
+    """``(B - 1,)`` fp32 DFlash position weights: block position ``k = 1 .. B - 1`` weighs ``exp(-(k - 1) / gamma)``."""
+    if gamma <= 0:
+        raise ValueError(f"the block loss's position decay gamma={gamma} must be > 0")
+    return torch.tensor([math.exp(-k / gamma) for k in range(num_positions)], dtype=torch.float32)
+
+
+def default_block_gamma(block_size: int) -> float:
+    """DFlash's position decay for a block size: 7 for B = 16, 5 for B = 10, 4 for B <= 8 (in between: the nearer)."""
+    return 7.0 if block_size >= 13 else 5.0 if block_size >= 9 else 4.0
+
+
+def block_loss(
+    block_logits: Tensor,
+    target_logits: Tensor,
+    counted: Tensor,
+    weights: Tensor,
+    loss_type: str = "ce",
+    denominators: Optional[Tensor] = None,
+    group=None,
+) -> DraftLossOutput:
+    """The block loss of ``N`` blocks whose targets are already aligned with their positions.
+
+    Args:
+        block_logits: ``(N, B, V)`` the drafter's logits (row 0, the anchor, is not scored).
+        target_logits: ``(N, B - 1, V)`` the policy's logits that block positions ``1 .. B - 1`` learn (detached
+            here).
+        counted: ``(N, B - 1)`` 1 where the position counts (inside the anchor's document, a draft target row).
+        weights: ``(B - 1,)`` each position's weight (:func:`block_position_weights`).
+        loss_type: the per-row loss, one of :data:`DRAFT_LOSSES`.
+        denominators: ``(B - 1,)`` what each position's sum is divided by (the step's counted rows over every
+            microbatch and rank); None: the counted rows of these blocks (over ``group``).
+        group: the CP group whose ranks hold the other blocks of the batch: the sums' VALUES are the group's,
+            their gradients this rank's part.
+
+    Returns:
+        :class:`DraftLossOutput` with ``B - 1`` steps (block positions 1 .. B - 1).
+    """
+    if loss_type not in DRAFT_LOSSES:
+        raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
+    N, B, V = block_logits.shape
+    if target_logits.shape != (N, B - 1, V) or counted.shape != (N, B - 1) or weights.shape != (B - 1,):
+        raise ValueError(
+            f"block_logits {tuple(block_logits.shape)}, target_logits {tuple(target_logits.shape)}, counted "
+            f"{tuple(counted.shape)} and weights {tuple(weights.shape)} disagree (expected (N, B - 1, V), "
+            f"(N, B - 1), (B - 1,))"
+        )
+    nums, stats = [], []
+    for k in range(B - 1):
+        with torch.no_grad():
+            pl = target_logits[:, k].detach().float()
+            target = torch.softmax(pl, dim=-1)
+            hit = (block_logits[:, k + 1].argmax(-1) == pl.argmax(-1)).float() * counted[:, k]
+            stats.append(torch.stack([counted[:, k].sum(), hit.sum()]))
+        nums.append(draft_loss_sum(block_logits[:, k + 1], target, counted[:, k].float(), loss_type))
+    local = torch.stack(nums)
+    packed = reduced(torch.cat([local.detach()[:, None], torch.stack(stats).to(local)], 1), group)
+    num = local + (packed[:, 0] - local.detach())  # the group's value, this rank's gradient
+    total, correct = packed[:, 1], packed[:, 2]
+    den = total.clamp(min=1) if denominators is None else denominators.to(num)
+    per_step = num / den
+    return DraftLossOutput(
+        loss=(weights.to(per_step) * per_step).sum(),
+        per_step_loss=per_step.detach(),
+        correct=correct,
+        total=total,
+        in_vocab=total,
+    )
+
+
 def dflash_draft_loss(
     block_logits: Tensor,
     policy_logits: Tensor,
@@ -55,7 +126,7 @@ def dflash_draft_loss(
     loss_type: str = "ce",
     denominators: Optional[Tensor] = None,
 ) -> DraftLossOutput:
-    """The block loss (module docstring).
+    """The block loss (module docstring) on a whole packed batch (one process).
 
     Args:
         block_logits: ``(N, B, V)`` the drafter's logits of ``N`` blocks (row 0, the anchor, is not scored).
@@ -71,8 +142,6 @@ def dflash_draft_loss(
     Returns:
         :class:`DraftLossOutput` with ``B - 1`` steps (block positions 1 .. B - 1).
     """
-    if loss_type not in DRAFT_LOSSES:
-        raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
     N, B, V = block_logits.shape
     T = policy_logits.shape[0]
     if policy_logits.shape != (T, V) or anchors.shape != (N,) or loss_mask.shape != (T,):
@@ -82,23 +151,7 @@ def dflash_draft_loss(
         )
     ends = cu_seqlens.to(anchors.device).long()[document_ids_from_cu_seqlens(cu_seqlens)[anchors] + 1]
     rows = anchors[:, None] + torch.arange(B - 1, device=anchors.device)  # (N, B-1): the policy row of position k+1
-    inside = rows < ends[:, None]
     rows_c = rows.clamp(max=T - 1)
-    with torch.no_grad():
-        pl = policy_logits.detach().float()
-        counted = inside.float() * loss_mask.float()[rows_c]
-    nums, stats = [], []
-    for k in range(B - 1):
-        target = torch.softmax(pl[rows_c[:, k]], dim=-1)
-        nums.append(draft_loss_sum(block_logits[:, k + 1], target, counted[:, k], loss_type))
-        with torch.no_grad():
-            hit = (block_logits[:, k + 1].argmax(-1) == pl[rows_c[:, k]].argmax(-1)).float() * counted[:, k]
-            stats.append(torch.stack([counted[:, k].sum(), hit.sum()]))
-    num = torch.stack(nums)
-    total, correct = torch.stack(stats).unbind(-1)
-    den = total.clamp(min=1) if denominators is None else denominators.to(num)
-    per_step = num / den
-    weights = torch.tensor([math.exp(-k / gamma) for k in range(B - 1)], dtype=torch.float32, device=num.device)
-    return DraftLossOutput(
-        loss=(weights * per_step).sum(), per_step_loss=per_step.detach(), correct=correct, total=total, in_vocab=total
-    )
+    counted = (rows < ends[:, None]).float() * loss_mask.float()[rows_c]
+    weights = block_position_weights(B - 1, gamma).to(block_logits.device)
+    return block_loss(block_logits, policy_logits.detach()[rows_c], counted, weights, loss_type, denominators)

@@ -30,7 +30,7 @@ as accepted (what the embedded engine records), and the next round starts that m
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -130,14 +130,58 @@ def row_acceptance(
     for k, z in enumerate(step_logits):
         shifted = shift_left(side, cu_seqlens, k + 1, group=group, fill=0)
         x, lp_x, inside = shifted[:, 0].round().long(), shifted[:, 1].float(), shifted[:, 2].float()
-        if temperature <= 0:
-            a = (draft_targets[z.max(-1).indices] == x).float()
-        else:
-            d = inv[x]
-            lq = torch.log_softmax(z.float() / temperature, dim=-1).gather(1, d.clamp(min=0)[:, None])[:, 0]
-            a = torch.where(d >= 0, (lq - lp_x).clamp(max=0).exp(), torch.zeros_like(lq))
-        out.append(a * inside)
+        out.append(proposal_acceptance(z, x, lp_x, temperature, draft_targets, inv) * inside)
     return torch.stack(out)
+
+
+def proposal_acceptance(
+    z: Tensor, x: Tensor, lp_x: Tensor, temperature: float, draft_targets: Tensor, inv: Tensor
+) -> Tensor:
+    """``(R,)`` the probability that the engine accepts a proposal drawn from draft logits ``z (R, Vd)`` when the
+    rollout's token is ``x (R,)`` with log-probability ``lp_x`` (module docstring): greedy, ``[top-1 == x]``; else
+    ``min(1, q(x) / p(x))``. ``draft_targets (Vd,)`` maps draft ids to target ids, ``inv (V,)`` back (-1: none)."""
+    if temperature <= 0:
+        return (draft_targets[z.max(-1).indices] == x).float()
+    d = inv[x]
+    lq = torch.log_softmax(z.float() / temperature, dim=-1).gather(1, d.clamp(min=0)[:, None])[:, 0]
+    return torch.where(d >= 0, (lq - lp_x).clamp(max=0).exp(), torch.zeros_like(lq))
+
+
+@torch.no_grad()
+def block_row_acceptance(
+    blocks: Iterable[tuple[Tensor, Tensor]], num_positions: int, batch, temperature: float, group=None
+) -> Tensor:
+    """Per row and block position, the probability that the engine accepts a block drafter's proposal.
+
+    A round that starts at row ``i`` (the rollout has emitted ``x_{i+1}``, the pending token) runs the block
+    anchored at row ``a = i + 1``; its position ``k`` proposes ``x_{a+k}``, the target of row ``a + k - 1``. The
+    block's positions draw independently given the context, so, as for EAGLE-3's steps, a round's chain is the
+    product of :func:`proposal_acceptance` over its positions.
+
+    Args:
+        blocks: ``(anchors (N,), logits (N, B, V))`` pairs: local rows of ``batch`` (this rank's shard) and the
+            drafter's logits of the blocks anchored there (consumed one pair at a time; no communication).
+        num_positions: ``B - 1``.
+        batch: the microbatch (``target_ids``, ``old_logprobs``, ``cu_seqlens``).
+        temperature: the rollouts' sampling temperature (0: greedy).
+        group: the CP group, or None.
+
+    Returns:
+        ``(B - 1, T)`` float32, indexed by the round's row ``i = a - 1`` (0 where no block was given).
+    """
+    T, device = batch.target_ids.shape[0], batch.target_ids.device
+    side = torch.stack(
+        [batch.target_ids.double(), batch.old_logprobs.double(), torch.ones(T, dtype=torch.float64, device=device)], 1
+    )
+    shifted = [shift_left(side, batch.cu_seqlens, k, group=group, fill=0) for k in range(num_positions)]
+    at_anchor = torch.zeros(T, num_positions, dtype=torch.float32, device=device)
+    for anchors, logits in blocks:
+        ids = torch.arange(logits.shape[-1], device=device)
+        for k in range(num_positions):
+            x, lp_x, inside = shifted[k][anchors].unbind(1)
+            a = proposal_acceptance(logits[:, k + 1], x.round().long(), lp_x.float(), temperature, ids, ids)
+            at_anchor[anchors, k] = a * inside.float()
+    return shift_left(at_anchor, batch.cu_seqlens, 1, group=group, fill=0).T.contiguous()
 
 
 def _whole(rows: Tensor, cu_seqlens: Tensor, group) -> Tensor:
@@ -238,13 +282,16 @@ class ReferenceDraft:
     def __init__(self, draft: torch.nn.Module):
         self.module = copy.deepcopy(draft).requires_grad_(False).eval()
 
+    def on(self, like: Tensor) -> torch.dtype:
+        """Move the copy to ``like``'s device; returns its own dtype (fp32 under bf16-mixed: an exact reference)."""
+        if next(self.module.parameters()).device != like.device:
+            self.module.to(like.device)
+        return next(self.module.parameters()).dtype
+
     @torch.no_grad()
     def step_logits(self, taps: Sequence[Tensor], token_embeds: Sequence[Tensor], batch, cp_group=None) -> list[Tensor]:
         """K tensors ``(T, Vd)``: the reference's unroll steps on detached policy features (no gradient)."""
-        device = taps[0].device
-        if next(self.module.parameters()).device != device:
-            self.module.to(device)
-        dtype = next(self.module.parameters()).dtype  # its own precision (fp32 under bf16-mixed: an exact reference)
+        dtype = self.on(taps[0])
         steps = self.module.ttt_forward(
             [t.to(dtype) for t in taps],
             [e.to(dtype) for e in token_embeds],

@@ -32,20 +32,16 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.models.vocab import check_vocabularies
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pp_runner import PipelineRunner
+from lightning_codraft.training import dflash_term  # noqa: F401  (registers the DFlash drafter's term)
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
-from lightning_codraft.training.implied import ReferenceDraft, implied_counts
+from lightning_codraft.training.drafter import DraftTerm, draft_term_for
+from lightning_codraft.training.implied import ReferenceDraft
 from lightning_codraft.training.metrics import check_metric_names
 from lightning_codraft.training.module_optim import OptimizationHooks
 from lightning_codraft.training.module_parallel import ParallelHooks
 from lightning_codraft.training.normalize import normalize_step
-from lightning_codraft.training.objective import (
-    CoDraftStepOutput,
-    MicrobatchRecord,
-    global_draft_objective,
-    step_metrics,
-    unroll_weights,
-)
+from lightning_codraft.training.objective import CoDraftStepOutput, MicrobatchRecord, step_metrics, unroll_weights
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, optimizer_step
 
@@ -65,6 +61,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         reference: a frozen reference policy for the KL term (``kl_coef > 0``), e.g. a copy of the initial policy;
             the strategy shards it like the policy, and its log-probs are computed here for batches that do not
             carry ``ref_logprobs``. None: batches must carry them when ``kl_coef > 0``.
+        draft_term: the drafter's part of the objective (training/drafter.py); None: the one registered for the
+            draft's class (EAGLE-3's, DFlash's).
     """
 
     def __init__(
@@ -74,6 +72,7 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         config: Optional[CoDraftModuleConfig] = None,
         *,
         reference: Optional[nn.Module] = None,
+        draft_term: Optional[DraftTerm] = None,
         **overrides: Any,
     ):
         super().__init__()
@@ -89,6 +88,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         check_vocabularies(policy, draft)
         self.policy = policy
         self.draft = draft
+        self.draft_term: DraftTerm = draft_term if draft_term is not None else draft_term_for(draft)
+        """The drafter's part of the objective (training/drafter.py)."""
         self.reference = None if reference is None else reference.requires_grad_(False).eval()
         self.automatic_optimization = False
         self.parallel_dims = ParallelDims()
@@ -150,7 +151,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             loss = sum(losses) * self.grad_average_size  # each microbatch's loss is its share of the step
         metrics, counts = step_metrics(records)
         if "draft/implied_rate0" in metrics:
-            self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(self.config.ttt_steps)])
+            K = self.draft_term.num_positions(self)
+            self.set_live_position_rates([metrics[f"draft/implied_rate{k}"] for k in range(K)])
         return CoDraftStepOutput(
             loss=loss,
             metrics=metrics,
@@ -160,15 +162,20 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
 
     def normalize(self, batch: RLBatch) -> RLBatch:
         """The replica's batch with the step's global loss weights and denominators (``RLBatch.loss_weight``,
-        ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it."""
-        c, dims = self.config, self.parallel_dims
+        ``RLBatch.norm``), one all-reduce over dp: ``training.normalize.normalize_step``. Every rank calls it.
+        A whole batch first gets what the drafter's loss needs (:meth:`DraftTerm.prepare`: a block drafter's
+        anchors)."""
+        c, dims, term = self.config, self.parallel_dims, self.draft_term
+        if not batch.is_sharded:
+            batch = term.prepare(self, batch)
         return normalize_step(
             batch,
             c.loss_aggregation,
-            c.ttt_steps,
+            term.num_positions(self),
             max_new_tokens=c.max_new_tokens,
             dp_group=dims.dp_group,
             cp_group=dims.cp_group,
+            scored_rows=partial(term.scored_rows, self),
         )
 
     def _microbatches(self, batch: RLBatch) -> list[RLBatch]:
@@ -231,8 +238,9 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         ]
 
     def _tap_ids(self) -> Optional[tuple[int, ...]]:
-        """Taps the objective reads: 0 (the token embeddings) and :meth:`configure_taps`; None without a draft."""
-        return (0, *self.configure_taps()) if self.config.runs_draft else None
+        """Taps the objective reads: 0 (the token embeddings) and the drafter's (:meth:`configure_taps` for
+        EAGLE-3); None without a draft."""
+        return (0, *self.draft_term.taps(self)) if self.config.runs_draft else None
 
     def objective(self, logits: Tensor, taps: Mapping[int, Tensor], batch: RLBatch) -> tuple[Tensor, MicrobatchRecord]:
         """One microbatch's ``L_rl + lambda * L_draft``: the function every schedule calls.
@@ -257,7 +265,7 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
                 logits.detach(), batch.ref_greedy, batch.loss_mask, self.parallel_dims.dp_cp_group, batch.norm.tokens
             )
         value, loss = rl_stats["loss"].detach(), rl
-        dims, run = self.parallel_dims, c.runs_draft and self.run_draft_this_step
+        run = c.runs_draft and self.run_draft_this_step
         reference = self.reference_draft if self.score_reference_this_step else None
         if not run and reference is None:
             metrics["loss"] = value
@@ -265,32 +273,14 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         if c.sample_every > 1:  # the draft's share of the step: every n-th sample (whole documents, any CP shard)
             batch, rows = batch.every_nth_document(c.sample_every)
             logits, taps = logits[rows], {t: x[rows] for t, x in taps.items()}
-        embeds = self.draft_token_embeds(taps[0].detach(), batch)
-        feats, record = [taps[t].detach() for t in self.configure_taps()], MicrobatchRecord(metrics)
-        implied = partial(
-            implied_counts,
-            batch=batch,
-            vocab_size=logits.shape[-1],
-            temperature=c.temperature,
-            cp_group=dims.cp_group,
-            dp_group=dims.dp_group,
-        )
-        if reference is not None:  # the A/B: one forward of the frozen reference on the same taps
-            record.reference_implied = implied(
-                reference.step_logits(feats, embeds, batch, dims.cp_group), d2t=reference.module.d2t
-            )
+        term, record = self.draft_term, MicrobatchRecord(metrics)
+        inputs = term.inputs(self, taps, batch)
+        if reference is not None:  # the A/B: the frozen reference on the same policy features
+            record.reference_implied = term.reference_implied(self, reference, inputs, logits, batch)
         if run:
             with torch.set_grad_enabled(c.trains_draft and torch.is_grad_enabled()):
-                step_logits = self.draft_step_logits(feats, embeds, batch)
-                policy_logits = logits.detach()
-                d = global_draft_objective(
-                    lambda lg: self.draft_loss(lg, policy_logits, batch),
-                    step_logits,
-                    self.draft_step_weights(),
-                    dims.dp_group,
-                )
+                d, record.implied = term.objective(self, inputs, logits, batch)
             record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
-            record.implied = implied([lg.detach() for lg in step_logits], d2t=self.draft.d2t)
             metrics["draft/loss"] = d.loss.detach().float()
             metrics.update({f"draft/loss_step{k}": d.per_step[k] for k in range(d.per_step.numel())})
             if c.trains_draft:
@@ -399,6 +389,14 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         return unroll_weights(
             self.config.position_weights, self.config.ttt_decay, self.config.ttt_steps, self.live_position_rates
         )
+
+    def block_mask_embedding(self) -> Tensor:
+        """``(H,)`` the policy's embedding of a block drafter's mask token, detached (under PP the last stage holds
+        the copy the first stage sent this step: ``ParallelHooks``)."""
+        if self.pipeline is not None:
+            return self.pipeline_mask_embedding()
+        ids = torch.tensor([self.draft.config.mask_token_id], device=self.policy.lm_head.weight.device)
+        return self.policy.embed(ids)[0].detach()
 
     def set_live_position_rates(self, rates: Sequence[float | Tensor]) -> None:
         """Set :attr:`live_position_rates` (a position never reached counts 0); empty: unchanged."""

@@ -27,6 +27,7 @@ The weight multiplies the whole per-token loss (the clipped surrogate AND the KL
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -43,6 +44,14 @@ def _doc_index(batch: RLBatch) -> Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
 
 
+def unroll_scored_rows(batch: RLBatch, num_steps: int, cp_group: Optional[Any] = None) -> Tensor:
+    """``(K,)`` float64 rows of this batch (this rank's shard) that EAGLE-3's unroll step ``k`` scores: draft target
+    rows ``k + 1`` ahead in their document."""
+    return torch.stack(
+        [batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum() for k in range(num_steps)]
+    )
+
+
 def normalize_step(
     batch: RLBatch,
     aggregation: str,
@@ -51,6 +60,7 @@ def normalize_step(
     max_new_tokens: Optional[int] = None,
     dp_group: Optional[Any] = None,
     cp_group: Optional[Any] = None,
+    scored_rows: Optional[Callable[[RLBatch, Optional[Any]], Tensor]] = None,
 ) -> RLBatch:
     """The replica's batch with ``loss_weight`` and ``norm`` set for the whole step.
 
@@ -65,6 +75,8 @@ def normalize_step(
         max_new_tokens: L of the ``constant`` aggregation (required there).
         dp_group: the data-parallel group (the step is every replica's batch).
         cp_group: the CP group; needed only when ``batch`` is already a CP shard.
+        scored_rows: ``scored_rows(batch, cp_group) -> (K,)`` the rows of this batch (shard) the drafter's loss
+            scores at each of its positions (its ``norm.draft``); None: EAGLE-3's (:func:`unroll_scored_rows`).
 
     Returns:
         The batch with ``loss_weight (T,)`` and ``norm`` (:class:`~lightning_codraft.batch.StepNorm`).
@@ -83,9 +95,10 @@ def normalize_step(
     mask = batch.loss_mask.to(torch.float64)
     doc = _doc_index(batch)
     per_doc = torch.zeros(batch.num_docs, dtype=torch.float64, device=mask.device).index_add_(0, doc, mask)
-    draft_rows = torch.stack(
-        [batch.shift_left(batch.draft_targets, k + 1, group=cp_group).to(torch.float64).sum() for k in range(ttt_steps)]
-    )
+    if scored_rows is None:
+        draft_rows = unroll_scored_rows(batch, ttt_steps, cp_group)
+    else:
+        draft_rows = scored_rows(batch, cp_group).to(torch.float64)
     if batch.is_sharded:  # whole documents' counts: the shards of a document are on every CP rank
         summed = reduced(torch.cat([per_doc, draft_rows]), cp_group)
         per_doc, draft_rows = summed[: batch.num_docs], summed[batch.num_docs :]
