@@ -27,8 +27,10 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 SHARDINGS = ("fsdp", "ddp")
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -78,9 +80,10 @@ def shard_codraft(module: nn.Module, mesh, precision: Optional[str] = None) -> n
     reference = getattr(module, "reference", None)
     shard_decoder_layers((module.policy, reference), mesh, mp_policy)
     draft = module.draft
-    if not _is_pruned(draft):  # one unit (one decoder layer); training runs it through ttt_forward, not forward
+    if not _is_pruned(draft):  # one unit; training runs it through forward and the methods its term names
         _shard(draft, mesh, mp_policy)
-        register_fsdp_forward_method(draft, "ttt_forward")
+        for method in module.draft_term.fsdp_methods:
+            register_fsdp_forward_method(draft, method)
     pipeline = getattr(module, "pipeline", None)
     if pipeline is None:
         if not _is_pruned(reference):
@@ -92,6 +95,21 @@ def shard_codraft(module: nn.Module, mesh, precision: Optional[str] = None) -> n
     if ref_pipeline is not None:
         _shard(ref_pipeline.stage_module, mesh, mp_policy, reshard_after_forward=False)
     return module
+
+
+def full_row(weight: torch.Tensor, index: int) -> torch.Tensor:
+    """Row ``index`` of a 2-D parameter, whole: of an FSDP2-sharded one (a DTensor sharded on dim 0), from the rank
+    holding it by one all-reduce of one row over the shard group (a collective: call on every rank of it)."""
+    if not isinstance(weight, DTensor):
+        return weight[index]
+    local, group = weight.to_local(), weight.device_mesh.get_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-weight.shape[0] // size)
+    row = torch.zeros(weight.shape[1], dtype=local.dtype, device=local.device)
+    if index // chunk == rank:
+        row.copy_(local[index - rank * chunk])
+    dist.all_reduce(row, group=group)
+    return row
 
 
 def is_sharded(module: nn.Module) -> bool:

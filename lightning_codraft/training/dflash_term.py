@@ -98,11 +98,15 @@ class DFlashTerm:
     name = "dflash"
     fsdp_methods = ("context",)
 
+    def __init__(self, draft: DFlashDraft):
+        c = draft.config
+        self.block_size, self._taps, self.mask_token_id = int(c.block_size), tuple(c.taps), int(c.mask_token_id)
+
     def num_positions(self, module) -> int:
-        return module.draft.config.block_size - 1
+        return self.block_size - 1
 
     def taps(self, module) -> tuple[int, ...]:
-        return tuple(module.draft.config.taps)
+        return self._taps
 
     def prepare(self, module, batch: RLBatch) -> RLBatch:
         if batch.draft_anchor is not None:
@@ -131,7 +135,7 @@ class DFlashTerm:
         return unroll_weights(c.position_weights, c.ttt_decay, K, module.live_position_rates)
 
     def inputs(self, module, taps: dict[int, Tensor], batch: RLBatch) -> BlockInputs:
-        group, B = module.parallel_dims.cp_group, module.draft.config.block_size
+        group, B = module.parallel_dims.cp_group, self.block_size
         anchors = torch.nonzero(batch.draft_anchor > 0).flatten()
         tap0 = taps[0].detach()
         mask = module.block_mask_embedding().to(tap0)
@@ -190,7 +194,7 @@ class DFlashTerm:
     @torch.no_grad()
     def _implied(self, module, draft, ctx: Tensor, inputs: BlockInputs, batch: RLBatch) -> Tensor:
         """``(K + 2,)`` the implied rounds of ``draft`` on this microbatch, summed over dp (module docstring)."""
-        dims, B = module.parallel_dims, draft.config.block_size
+        dims, B = module.parallel_dims, self.block_size
         group = dims.cp_group if batch.is_sharded else None
         rows = torch.nonzero(batch.loss_mask > 0).flatten()  # a round at row i runs the block anchored at i + 1
 

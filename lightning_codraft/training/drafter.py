@@ -39,7 +39,12 @@ class DraftTerm(Protocol):
     name: str
     """The drafter's type as the recipe names it (``draft.type``)."""
     fsdp_methods: tuple[str, ...]
-    """The drafter's methods that run its parameters in the step (FSDP2 gathers them around each call)."""
+    """The drafter's methods besides ``forward`` that run its parameters in the step (FSDP2 gathers them around
+    each call)."""
+    mask_token_id: Optional[int]
+    """The policy token whose embedding fills its blocks (``CoDraftModule.block_mask_embedding``; under PP the
+    first stage sends it to the last every step), or None. A term holds what it needs of the drafter's shape:
+    under PP the drafter lives on the last stage only."""
 
     def num_positions(self, module: Any) -> int:
         """K: the positions its loss, accuracy metrics and implied rounds have (EAGLE-3's unroll steps, a block's
@@ -86,6 +91,10 @@ class Eagle3Term:
 
     name = "eagle3"
     fsdp_methods = ("ttt_forward",)
+    mask_token_id = None
+
+    def __init__(self, draft: Optional[nn.Module] = None):
+        pass
 
     def num_positions(self, module) -> int:
         return module.config.ttt_steps
@@ -141,7 +150,8 @@ DRAFT_TERMS: dict[type, type] = {}
 
 
 def register_draft_term(model_cls: type, term_cls: type) -> None:
-    """Make ``term_cls`` the term of ``model_cls`` and its subclasses (a research drafter, or an override)."""
+    """Make ``term_cls`` the term of ``model_cls`` and its subclasses (a research drafter, or an override);
+    ``term_cls(draft)`` builds it."""
     DRAFT_TERMS[model_cls] = term_cls
 
 
@@ -150,9 +160,9 @@ def draft_term_for(draft: nn.Module) -> DraftTerm:
     registered class that has EAGLE-3's training forward (``ttt_forward``)."""
     for cls in type(draft).__mro__:
         if cls in DRAFT_TERMS:
-            return DRAFT_TERMS[cls]()
+            return DRAFT_TERMS[cls](draft)
     if hasattr(draft, "ttt_forward"):
-        return Eagle3Term()
+        return Eagle3Term(draft)
     known = ", ".join(sorted(c.__name__ for c in DRAFT_TERMS))
     raise TypeError(
         f"no draft term for a {type(draft).__name__}: it is none of the registered drafters ({known}) and has no "

@@ -113,6 +113,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         """The A/B's frozen reference draft (:meth:`set_reference_draft`), scored beside the draft on every batch."""
         self.live_position_rates: Optional[Tensor] = None
         """``(K,)`` the draft's implied acceptance rate per position, last step it ran (``acceptance`` weights)."""
+        self.stage_mask_embedding: Optional[Tensor] = None
+        """Under PP, on the last stage: the policy's embedding of a block drafter's mask token, this step's."""
         self._stage_binding: Optional[tuple] = None  # (pp, stage, layers_per_stage) once pruned to a stage
         self.nonfinite_guard = NonFiniteGuard(self.config.max_nonfinite_steps)
         """Skips steps with a non-finite loss or gradient; stops after ``max_nonfinite_steps`` in a row."""
@@ -134,6 +136,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         microbatches = self._with_reference(self._microbatches(self.normalize(RLBatch.coerce(batch))))
         loss = None
         if self.pipeline is not None:
+            if self.draft_term.mask_token_id is not None and self.config.runs_draft:
+                self.share_mask_embedding()
             records = self.pipeline.step(microbatches, self.objective)
         else:
             taps, records, losses = self._tap_ids(), [], []
@@ -394,8 +398,8 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         """``(H,)`` the policy's embedding of a block drafter's mask token, detached (under PP the last stage holds
         the copy the first stage sent this step: ``ParallelHooks``)."""
         if self.pipeline is not None:
-            return self.pipeline_mask_embedding()
-        ids = torch.tensor([self.draft.config.mask_token_id], device=self.policy.lm_head.weight.device)
+            return self.stage_mask_embedding
+        ids = torch.tensor([self.draft_term.mask_token_id], device=self.policy.lm_head.weight.device)
         return self.policy.embed(ids)[0].detach()
 
     def set_live_position_rates(self, rates: Sequence[float | Tensor]) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_codraft.parallel.fsdp import full_row
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pipeline import gather_stage_states, prune_unowned
 from lightning_codraft.parallel.pp_runner import PipelineRunner
@@ -75,6 +77,19 @@ class ParallelHooks:
             keep += self.ref_pipeline.stage_module.owned_modules()
         self.released_bytes += prune_unowned(self, keep)
         self._stage_binding = binding
+
+    def share_mask_embedding(self) -> None:
+        """Under PP: the first stage sends the policy's embedding of the drafter's mask token to the last stage,
+        which keeps it as ``stage_mask_embedding`` for this step's blocks (one row over the TapChannel's group;
+        every stage calls it). The embedding is read detached, as every policy input of the draft."""
+        dims = self.parallel_dims
+        like = next(p for p in self.pipeline.stage_module.parameters())
+        row = torch.zeros(self.policy.config.hidden_size, dtype=like.dtype, device=like.device)
+        if dims.is_first_stage:
+            weight = self.policy.model.embed_tokens.weight
+            row = full_row(weight.detach(), self.draft_term.mask_token_id).to(like.dtype)
+        dist.broadcast(row, group_src=0, group=dims.tap_group)
+        self.stage_mask_embedding = row
 
     def full_state_dicts(self) -> tuple[Optional[dict[str, Tensor]], Optional[dict[str, Tensor]]]:
         """Full HF-named ``(policy_state, draft_state)`` for a rollout engine; a collective under PP.
