@@ -4,7 +4,7 @@ prompts neither draft trained on.
 Models: the tiny-cpu recipe's SFT'd arithmetic policy and its EAGLE-3 draft after the recipe's warm start
 (``CoDraftRun(...).setup()``; ``--init-from`` reuses a run's ``warm/weights.pt``), and a DFlash drafter
 (``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` steps at ``--lr``
-(``distill.pool.fit_block_drafter_on_pool``: the one fit loop, cosine to 10%) on
+(``distill.pool.fit_on_pool`` through DFlash's term: the one fit loop, cosine to 10%) on
 the SAME pool of the policy's own samples the EAGLE-3 warm start uses (``distill.pool.sample_pool``: the recipe's
 ``draft.warm_start.batch_size`` x ``min(steps, 8)`` problems at the rollout temperature), with ``--anchors``
 anchors per document.
@@ -32,11 +32,12 @@ from pathlib import Path
 import torch
 
 from lightning_codraft.config import load_config
-from lightning_codraft.distill.pool import POOL_SEED, fit_block_drafter_on_pool, pool_prompts, sample_pool
+from lightning_codraft.distill.pool import POOL_SEED, fit_on_pool, pool_prompts, sample_pool
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
+from lightning_codraft.training.module import CoDraftModule
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,8 +79,8 @@ def fit_dflash(cfg, policy, tok, task, args) -> tuple[DFlashDraft, list[float], 
         if (i + 1) % max(1, args.steps // 5) == 0:
             print(f"  DFlash fit step {i + 1}/{args.steps}: loss {loss:.3f}, position accuracy {last}", flush=True)
 
-    losses = fit_block_drafter_on_pool(policy, drafter, batches, args.steps, args.lr, anchors_per_doc=args.anchors,
-                                       gamma=args.gamma, seed=cfg.run.seed, on_step=on_step)
+    module = CoDraftModule(policy, drafter, block_anchors=args.anchors, block_gamma=args.gamma)
+    losses = fit_on_pool(module, batches, args.steps, args.lr, on_step=on_step)
     accuracy = last
     return drafter.eval(), losses, accuracy, {s.prompt for s in samples}
 

@@ -178,6 +178,8 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
             "draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
             "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm"
         )
+    if d.type == "dflash" and d.mode != "none":
+        _check_block_drafter_run(cfg)
     if r.max_new_tokens >= m.max_position_embeddings:
         raise ConfigError(
             f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
@@ -190,6 +192,21 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
             f"with task.solution_column; set it, or sft.steps=0"
         )
     return cfg
+
+
+def _check_block_drafter_run(cfg: CoDraftConfig) -> None:
+    """What a run with a ``dflash`` drafter refuses across sections (``ConfigError`` naming the keys)."""
+    d = cfg.draft
+    if cfg.parallel.engine == "vllm":
+        raise ConfigError(
+            "draft.type=dflash with parallel.engine=vllm: vLLM serves an exported DFlash drafter, but the run's "
+            "refit of a DFlash drafter into vLLM is not built; use parallel.engine=embedded"
+        )
+    if d.warm_start.corpus is not None:
+        raise ConfigError(
+            "draft.type=dflash with draft.warm_start.corpus: the cached corpus is EAGLE-3's feature cache; a dflash "
+            "drafter warm-starts on the pool of the policy's samples (draft.warm_start.steps)"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> CoDraftConfig:

@@ -86,9 +86,18 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig(DraftLossConfig):
-    """The EAGLE-3 draft: its mode, its loss (:class:`DraftLossConfig`'s fields), its learning rate and warm start
-    (:class:`WarmStartConfig`)."""
+    """The drafter: its type and shape, its mode, its loss (:class:`DraftLossConfig`'s fields), its learning rate and
+    warm start (:class:`WarmStartConfig`)."""
 
+    type: str = "eagle3"
+    """The drafter (NeMo-RL's ``speculator_type`` names): ``eagle3`` (EAGLE-3: K chained steps of one layer over the
+    fused taps, its own vocabulary) or ``dflash`` (a block drafter: one forward proposes a whole block, conditioned
+    on the policy's taps, through the policy's embedding and head; docs/design/drafters.md)."""
+    block_size: int = 8
+    """``dflash``: B, the block's rows (its anchor and B - 1 proposals); a round verifies ``num_speculative_tokens``
+    of them (at most B - 1)."""
+    num_layers: int = 1
+    """``dflash``: the drafter's decoder layers (z-lab's Qwen3-8B drafter has 5; EAGLE-3 has one)."""
     mode: str = "cotrain"
     """``cotrain`` (trained online with the policy), ``frozen`` (warm-started, then fixed), ``none`` (no draft)."""
     num_speculative_tokens: int = 4
@@ -127,7 +136,14 @@ class DraftConfig(DraftLossConfig):
     def check(self) -> None:
         """The loss fields' check, then the draft's own (``ValueError`` naming the field)."""
         super().check()
+        _one_of(self, "type", DRAFTER_TYPES)
         _one_of(self, "mode", ("cotrain", "frozen", "none"))
+        _at_least(self, "block_size", 2)
+        _at_least(self, "num_layers", 1)
+        if self.type == "eagle3" and self.num_layers != 1:
+            raise ValueError(f"num_layers={self.num_layers}: an eagle3 draft has one layer (a dflash drafter has more)")
+        if self.type == "dflash":
+            self._check_block_drafter()
         _one_of(self, "sampling", ("coupled", "rejection"))
         _one_of(self, "schedule", ("every_step", "every_n", "adaptive"))
         for name, low in (
@@ -146,6 +162,28 @@ class DraftConfig(DraftLossConfig):
         if self.draft_vocab_size is not None:
             _at_least(self, "draft_vocab_size", 1)
         _learning_rate(self, "lr")
+
+    def _check_block_drafter(self) -> None:
+        """What a ``dflash`` drafter refuses (``ValueError`` naming the field)."""
+        if self.mode != "none" and self.num_speculative_tokens > self.block_size - 1:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} > block_size - 1 = {self.block_size - 1}: a "
+                f"dflash round verifies at most the block's proposals"
+            )
+        if self.draft_vocab_size is not None:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size}: a dflash drafter proposes through the policy's own head "
+                f"(its whole vocabulary); leave it null"
+            )
+        if self.adaptive:
+            raise ValueError(
+                "adaptive=true: the block engine verifies num_speculative_tokens proposals every round (the adaptive "
+                "controller drives EAGLE-3's chain only); set draft.adaptive: false"
+            )
+
+
+DRAFTER_TYPES = ("eagle3", "dflash")
+"""The drafters a recipe can name (``draft.type``)."""
 
 
 @dataclass

@@ -29,11 +29,12 @@ ALLOWED = {
     "training": {"attention", "batch", "models", "parallel"},
     "rollout": {"attention", "models"},
     "distill": {"attention", "batch", "models", "training", "rollout"},
+    "drafters": {"models", "rollout"},  # the drafter protocol's table: each type's model, engine and formats
     "fabric": {"batch", "parallel", "training", "rollout"},
     "pytorch": {"batch", "parallel", "training", "rollout"},
     "plan": {"config", "config_sections", "models", "parallel"},
     "rl": {"config", "config_sections", "task_config", "run_config", "attention", "batch", "models", "parallel", "training", "rollout", "fabric",
-           "distill"},
+           "distill", "drafters"},
     "cli": {"config", "config_sections", "models", "rl", "rollout", "plan"},
     "__init__": set(),
 }

@@ -1,13 +1,12 @@
 """The warm start's small source: a pool of the policy's own samples, drawn in the run and not cached.
 
-Two fits read it: :func:`fit_on_pool` (EAGLE-3, through the module's override points) and
-:func:`fit_block_drafter_on_pool` (a block drafter, DFlash).
+:func:`fit_on_pool` fits any drafter on it through its term's warm-start loss (``DraftTerm.warm_start_loss``:
+EAGLE-3's through the module's override points, DFlash's on anchors redrawn every pass).
 
 The other source is the cached corpus of distill/warmstart.py; both fit the draft by the one fit loop
 (:func:`~lightning_codraft.distill.fit.fit_loop`). Here each step runs a FROZEN policy without gradient on one
-packed batch of the pool (capturing tap 0, the draft's taps and the soft-target logits), then the draft's TTT
-unroll and loss through the module's own override points (:meth:`CoDraftModule.draft_token_embeds`,
-:meth:`CoDraftModule.draft_step_logits`, :meth:`CoDraftModule.draft_loss`), exactly as in co-training.
+packed batch of the pool (capturing tap 0, the draft's taps and the soft-target logits), then the drafter's loss,
+exactly as in co-training.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.distill.settings import WarmStartConfig
 from lightning_codraft.models.vocab import build_vocab_mapping
 from lightning_codraft.rollout.speculative import SpeculativeEngine
-from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 
 POOL_SEED = 2 * 10**6
 """Seed offset of the pool's prompts and samples (the RL steps never use it)."""
@@ -93,7 +91,7 @@ def fit_on_pool(
     batches: Sequence[RLBatch],
     steps: int,
     lr: float,
-    on_step: Callable[[int, float, float], None] | None = None,
+    on_step: Callable[[int, float, list[float]], None] | None = None,
 ) -> list[float]:
     """Fit ``module.draft`` to ``module.policy`` (frozen) on ``batches``, cycled over.
 
@@ -102,7 +100,8 @@ def fit_on_pool(
         batches: packed next-token-aligned batches (:func:`sample_pool`).
         steps: optimizer steps.
         lr: AdamW learning rate of the draft (cosine decay to 10%).
-        on_step: called with ``(step, loss, top-1 accuracy of unroll step 0)``.
+        on_step: called with ``(step, loss, top-1 accuracy of every position)`` (EAGLE-3's unroll steps, a
+            block's positions).
 
     Returns:
         The draft loss of every step.
@@ -113,18 +112,14 @@ def fit_on_pool(
         raise ValueError("fit_on_pool needs at least one batch")
     params = list(module.draft.parameters())  # all of them: a draft frozen for RL (draft.mode=frozen) too
     flags = [p.requires_grad for p in params]
-    policy, taps = module.policy, module.configure_taps()
+    steps_done = itertools.count()
 
     def loss(batch: RLBatch):
-        with torch.no_grad():
-            out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=(0, *taps))
-        embeds = module.draft_token_embeds(out.taps[0], batch)
-        step_logits = module.draft_step_logits(list(out.taps[1:]), embeds, batch)
-        return module.draft_loss(step_logits, out.logits.detach(), batch)
+        return module.draft_term.warm_start_loss(module, batch, next(steps_done))
 
     def report(i, out):
         if on_step is not None:
-            on_step(i, float(out.loss.detach()), float(out.accuracy[0]))
+            on_step(i, float(out.loss.detach()), out.accuracy.tolist())
 
     try:
         for p in params:
@@ -133,65 +128,3 @@ def fit_on_pool(
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
-
-
-def fit_block_drafter_on_pool(
-    policy,
-    drafter,
-    batches: Sequence[RLBatch],
-    steps: int,
-    lr: float,
-    *,
-    anchors_per_doc: int = 8,
-    gamma: float = 5.0,
-    loss_type: str = "ce",
-    seed: int = 0,
-    on_step: Callable[[int, float, list[float]], None] | None = None,
-) -> list[float]:
-    """Fit a block drafter (:class:`~lightning_codraft.models.dflash.DFlashDraft`) to ``policy`` (frozen) on
-    ``batches`` by the one fit loop, with the block loss (training/dflash_loss.py).
-
-    Args:
-        policy: the policy (its taps, embedding and head are read without gradient).
-        drafter: the block drafter, trained in place.
-        batches: packed batches of the policy's own samples (:func:`sample_pool`), cycled over.
-        steps, lr: AdamW steps and learning rate (cosine decay to 10%).
-        anchors_per_doc: anchors drawn per document and step among its completion rows (``loss_mask``).
-        gamma, loss_type: the block loss's position decay and per-row loss.
-        seed: the anchors' draws.
-        on_step: called with ``(step, loss, top-1 accuracy per block position)``.
-
-    Returns:
-        The loss of every step.
-    """
-    if steps <= 0:
-        return []
-    if not batches:
-        raise ValueError("fit_block_drafter_on_pool needs at least one batch")
-    g = torch.Generator().manual_seed(seed)
-
-    def loss(batch: RLBatch):
-        with torch.no_grad():
-            out = policy(
-                batch.input_ids,
-                cu_seqlens=batch.cu_seqlens,
-                position_ids=batch.position_ids,
-                taps=tuple(drafter.config.taps),
-            )
-        anchors = sample_anchors(batch.cu_seqlens, batch.loss_mask, anchors_per_doc, g)
-        embeds = policy.embed(drafter.block_ids(batch.input_ids[anchors])).detach()
-        visible = context_visibility(batch.cu_seqlens, anchors, batch.input_ids.shape[0])
-        pos = batch.position_ids
-        hidden = drafter(drafter.context(list(out.taps)), pos, embeds, pos[anchors], visible)
-        logits = drafter.logits(hidden, policy.lm_head.weight)
-        return dflash_draft_loss(logits, out.logits, anchors, batch.cu_seqlens, batch.loss_mask, gamma, loss_type)
-
-    def report(i, out):
-        if on_step is not None:
-            on_step(i, float(out.loss.detach()), out.accuracy.tolist())
-
-    params = list(drafter.parameters())
-    drafter.train()
-    losses = fit_loop(params, itertools.cycle(batches), loss, steps, lr, betas=(0.9, 0.98), on_step=report).losses
-    drafter.eval()
-    return losses

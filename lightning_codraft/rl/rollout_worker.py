@@ -33,12 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.drafters import drafter_kind
 from lightning_codraft.parallel.collectives import is_distributed
 from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout.buckets import WeightBucket, copy_into
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 from lightning_codraft.rollout.noise import request_seed
-from lightning_codraft.rollout.speculative import SpeculativeEngine
 from lightning_codraft.rollout.vllm_engine import VLLMEngine
 from lightning_codraft.rollout.weight_sync import WeightSync, refill_parameters, release_parameters
 
@@ -154,7 +154,7 @@ class RolloutWorker:
                 max_num_seqs=p.engine_batch_size or 64,
                 draft_sample_method="probabilistic",
             )
-        return SpeculativeEngine(
+        return drafter_kind(d.type).engine(
             self.policy,
             draft,
             k,

@@ -204,7 +204,8 @@ class RLStep:
             torch.tensor(time.perf_counter() - t0, dtype=torch.float64), reduce_op="max"
         ).item()
         implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
-        rates = [m[f"draft/implied_rate{k}"] for k in range(self.cfg.draft.ttt_steps) if f"draft/implied_rate{k}" in m]
+        K = module.draft_term.num_positions(module)  # the drafter's positions (EAGLE-3's unroll, a block's)
+        rates = [m[f"draft/implied_rate{k}"] for k in range(K) if f"draft/implied_rate{k}" in m]
         self.schedule.record(decision, train_s, implied - reference, rates, reference)
         return self._metrics(step, t_start, gen, scores, r, scored, decision, m, train_s)
 

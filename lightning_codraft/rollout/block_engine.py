@@ -25,13 +25,14 @@ from torch import nn
 
 from lightning_codraft.models.decode import policy_decoder
 from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.rollout.embedded_weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
 
 
-class BlockSpeculativeEngine:
+class BlockSpeculativeEngine(EmbeddedWeights):
     """Speculative decoding of ``policy`` with a :class:`~lightning_codraft.models.dflash.DFlashDraft`.
 
     Args:
@@ -61,7 +62,8 @@ class BlockSpeculativeEngine:
                 f"the drafter (hidden {dc.hidden_size}, vocab {dc.vocab_size}) does not fit the policy "
                 f"(hidden {pc.hidden_size}, vocab {pc.vocab_size}): DFlashDraft.from_policy(policy)"
             )
-        self.policy, self.drafter, self.num_speculative_tokens, self.sampling = policy, drafter, k, sampling
+        self.policy, self.draft, self.num_speculative_tokens, self.sampling = policy, drafter, k, sampling
+        self.weight_versions = {"policy": -1, "draft": -1}
 
     @property
     def vocab_size(self) -> int:
@@ -97,11 +99,12 @@ class BlockSpeculativeEngine:
         device = next(self.policy.parameters()).device
         with torch.inference_mode():
             pdec = policy_decoder(self.policy, self.max_context + self.num_speculative_tokens + 1)
-            return [self._one(p, sampler, CounterNoise(seed_tensor([s], device)), pdec) for p, s in zip(prompts, seeds)]
+            outs = [self._one(p, sampler, CounterNoise(seed_tensor([s], device)), pdec) for p, s in zip(prompts, seeds)]
+        return self.stamp(outs)
 
     def _one(self, prompt: list[int], sampler: TokenSampler, noise: CounterNoise, pdec) -> RolloutOutput:
         """Prefill, then rounds until a stop token, the budget or the context ends the request."""
-        params, taps = sampler.params, tuple(self.drafter.config.taps)
+        params, taps = sampler.params, tuple(self.draft.config.taps)
         device = next(self.policy.parameters()).device
         P = len(prompt)
         budget = min(self.max_context - P, params.max_new_tokens)
@@ -112,7 +115,7 @@ class BlockSpeculativeEngine:
         lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
         pending = sampler.first(lp, noise, torch.zeros(1, dtype=torch.long, device=device))
         tokens, logprobs = [int(pending)], [float(lp[0, pending])]
-        ctx = self.drafter.context([t[0] for t in captured])
+        ctx = self.draft.context([t[0] for t in captured])
         stats = AcceptanceStats(
             accepted_per_position=[0] * self.num_speculative_tokens,
             proposed_per_position=[0] * self.num_speculative_tokens,
@@ -130,7 +133,7 @@ class BlockSpeculativeEngine:
             a = int(accepted)
             cache.lengths = committed + 1 + a  # the rejected rows' slots are overwritten next round
             new = draft_ids[0, :a].tolist() + [int(bonus)]
-            ctx = torch.cat([ctx, self.drafter.context([t[0, : a + 1] for t in seen])])
+            ctx = torch.cat([ctx, self.draft.context([t[0, : a + 1] for t in seen])])
             n = min(a + 1, budget - len(tokens))
             stop_at = next((j for j in range(n) if new[j] in stops), None)
             if stop_at is not None:
@@ -146,7 +149,7 @@ class BlockSpeculativeEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` proposals from ONE drafter forward over the block anchored at position ``anchor``; their q
         (rejection sampling only)."""
-        d = self.drafter
+        d = self.draft
         block = pdec.embed(d.block_ids(pending))
         positions = torch.arange(ctx.shape[0], device=ctx.device)
         visible = torch.ones(1, ctx.shape[0], dtype=torch.bool, device=ctx.device)

@@ -41,7 +41,7 @@ differently, and that flips a sample only when two noisy scores are that close.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_d
 from lightning_codraft.models.kv_cache import hole_filling_order
 from lightning_codraft.rollout.adaptive import SpeculationController
 from lightning_codraft.rollout.batch import LiveRows, decode_dtype
-from lightning_codraft.rollout.buckets import BucketReceiver, WeightBucket, copy_into
+from lightning_codraft.rollout.embedded_weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import (
     AcceptanceStats,
     ForwardObserver,
@@ -66,7 +66,7 @@ from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
 from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(EmbeddedWeights):
     """Batched speculative decoding with a policy and an (optional) EAGLE-3 draft.
 
     Args:
@@ -268,70 +268,12 @@ class SpeculativeEngine:
                     f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
                     f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}"
                 ) from err
-        for out in outputs:
-            out.policy_version, out.draft_version = self.weight_versions["policy"], self.weight_versions["draft"]
-        return outputs
+        return self.stamp(outputs)
 
-    def update_weights(
-        self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
-    ) -> None:
-        """Copy full HF-named policy / vLLM-named draft state dicts into the engine's modules (None: keep)."""
-        for name, module, state in (("policy", self.policy, policy_state), ("draft", self.draft, draft_state)):
-            if state is None:
-                continue
-            if module is None:
-                raise ValueError(
-                    f"update_weights got a {name} state but the engine has no {name} "
-                    "(constructed with draft=None or num_speculative_tokens=0)"
-                )
-            result = module.load_state_dict(dict(state), strict=False)
-            if result.missing_keys or result.unexpected_keys:
-                raise ValueError(
-                    f"{name} state does not match the engine's {name}: missing "
-                    f"{list(result.missing_keys)[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
-                )
+    def _weights_changed(self) -> None:
         self._draft_to_target = None
         if self.draft is not None:
             self._check_draft()
-
-    keeps_own_weights = False
-    """The engine decodes the modules it was given: a weight update writes into them."""
-    supports_sleep = False
-    """The engine has no memory of its own to free; its modules' storage is the caller's (weight_sync)."""
-
-    def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
-        """Copy a bucketed refit into the engine's modules in place, each bucket checked as it lands
-        (:class:`~lightning_codraft.rollout.buckets.BucketReceiver`); the engine then holds the pushed versions."""
-        receivers: dict[str, tuple[BucketReceiver, dict]] = {}
-        for bucket in buckets:
-            module = {"policy": self.policy, "draft": self.draft}.get(bucket.kind)
-            if module is None:
-                raise ValueError(f"load_buckets got a {bucket.kind!r} bucket but the engine has no such model")
-            if bucket.kind not in receivers:
-                params = module.state_dict(keep_vars=True)
-                receivers[bucket.kind] = (BucketReceiver(bucket.kind, expected=params, verify=verify), params)
-            receiver, params = receivers[bucket.kind]
-            copy_into(params, receiver.accept(bucket), bucket)
-        for kind, (receiver, _) in receivers.items():
-            receiver.finish()
-            self.weight_versions[kind] = int(receiver.version)
-        self._draft_to_target = None
-
-    def sleep(self, level: int = 1) -> None:
-        raise RuntimeError(
-            "the embedded engine cannot sleep (supports_sleep is False): release its modules' storage "
-            "with rollout.weight_sync.release_parameters instead"
-        )
-
-    def wake_up(self, *, refit: bool = False) -> None:
-        raise RuntimeError("the embedded engine cannot sleep (supports_sleep is False)")
-
-    verify_updates = False
-    """The embedded engine checks every bucket as it lands (:meth:`load_buckets`) and decodes the tensors it was
-    given: it has nothing more to verify, and ignores the flag."""
-
-    def close(self) -> None:
-        """Nothing runs apart from the caller: a no-op (the protocol's)."""
 
     # ------------------------------------------------------------------ decoding
     def _generate_batch(

@@ -42,6 +42,7 @@ from lightning_codraft.training.dflash_loss import (
     context_visibility,
     default_block_gamma,
 )
+from lightning_codraft.training.draft_loss import DraftLossOutput
 from lightning_codraft.training.drafter import register_draft_term
 from lightning_codraft.training.implied import ReferenceDraft, block_row_acceptance, walk_rounds
 from lightning_codraft.training.objective import global_draft_objective, unroll_weights
@@ -165,11 +166,12 @@ class DFlashTerm:
         hidden = draft(ctx, inputs.positions, embeds.to(ctx.dtype), inputs.positions[rows], visible)
         return DFlashDraft.logits(hidden, inputs.head.to(hidden.dtype))
 
-    def objective(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch):
-        draft, dims, c = module.draft, module.parallel_dims, module.config
+    def _loss(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch) -> tuple[DraftLossOutput, Tensor]:
+        """The block loss of this rank's anchors (values over the CP group) and the whole context it attended to."""
+        dims, c = module.parallel_dims, module.config
         group = dims.cp_group if batch.is_sharded else None
-        ctx = self._context(draft, inputs, batch, module)
-        block_logits = self._blocks(draft, ctx, inputs, inputs.anchors, inputs.block_embeds, batch)
+        ctx = self._context(module.draft, inputs, batch, module)
+        block_logits = self._blocks(module.draft, ctx, inputs, inputs.anchors, inputs.block_embeds, batch)
         K, policy_logits = self.num_positions(module), logits.detach()
         with torch.no_grad():
             targets = torch.stack(
@@ -178,18 +180,30 @@ class DFlashTerm:
             counted = torch.stack(
                 [batch.shift_left(batch.draft_targets, k, group=group)[inputs.anchors] for k in range(K)], 1
             )
-        weights = self.position_weights(module).to(block_logits.device)
         out = block_loss(
             block_logits,
             targets,
             counted,
-            weights,
+            self.position_weights(module).to(block_logits.device),
             c.loss_type,
             None if batch.norm is None else batch.norm.draft,
-            group=dims.cp_group if group_size(group) > 1 else None,
+            group=group if group_size(group) > 1 else None,
         )
-        d = global_draft_objective(lambda _: out, [], weights, dims.dp_group)
-        return d, self._implied(module, draft, ctx.detach(), inputs, batch)
+        return out, ctx
+
+    def objective(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch):
+        out, ctx = self._loss(module, inputs, logits, batch)
+        weights = self.position_weights(module).to(out.loss.device)
+        d = global_draft_objective(lambda _: out, [], weights, module.parallel_dims.dp_group)
+        return d, self._implied(module, module.draft, ctx.detach(), inputs, batch)
+
+    def warm_start_loss(self, module, batch: RLBatch, step: int) -> DraftLossOutput:
+        batch = dataclasses.replace(batch, draft_anchor=draw_anchors(batch, module.config.block_anchors, seed=step + 1))
+        ids = (0, *self._taps)
+        with torch.no_grad():
+            out = module.policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=ids)
+        inputs = self.inputs(module, dict(zip(ids, out.taps)), batch)
+        return self._loss(module, inputs, out.logits, batch)[0]
 
     @torch.no_grad()
     def _implied(self, module, draft, ctx: Tensor, inputs: BlockInputs, batch: RLBatch) -> Tensor:

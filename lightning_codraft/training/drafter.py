@@ -24,10 +24,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Optional, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.models.eagle3 import Eagle3Draft
+from lightning_codraft.training.draft_loss import DraftLossOutput
 from lightning_codraft.training.implied import ReferenceDraft, implied_counts
 from lightning_codraft.training.normalize import unroll_scored_rows
 from lightning_codraft.training.objective import DraftObjective, global_draft_objective
@@ -82,6 +84,11 @@ class DraftTerm(Protocol):
         self, module: Any, reference: ReferenceDraft, inputs: Any, logits: Tensor, batch: RLBatch
     ) -> Tensor:
         """``(K + 2,)`` the A/B reference's implied rounds on this microbatch (no gradient)."""
+        ...
+
+    def warm_start_loss(self, module: Any, batch: RLBatch, step: int) -> DraftLossOutput:
+        """The draft's loss on a whole batch of the policy's samples, the policy run frozen (without gradient): what
+        the warm start minimises (``distill.pool.fit_on_pool``); ``step`` varies what the fit draws per pass."""
         ...
 
 
@@ -143,6 +150,16 @@ class Eagle3Term:
         feats, embeds = inputs
         step_logits = reference.step_logits(feats, embeds, batch, module.parallel_dims.cp_group)
         return self._implied(module, step_logits, reference.module.d2t, logits, batch)
+
+    def warm_start_loss(self, module, batch: RLBatch, step: int) -> DraftLossOutput:
+        taps = module.configure_taps()
+        with torch.no_grad():
+            out = module.policy(
+                batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=(0, *taps)
+            )
+        embeds = module.draft_token_embeds(out.taps[0], batch)
+        step_logits = module.draft_step_logits(list(out.taps[1:]), embeds, batch)
+        return module.draft_loss(step_logits, out.logits.detach(), batch)
 
 
 DRAFT_TERMS: dict[type, type] = {}

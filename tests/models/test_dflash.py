@@ -253,9 +253,10 @@ def test_a_repeated_tap_is_refused_and_the_default_taps_are_distinct():
 
 
 def test_the_pool_fits_a_block_drafter_and_leaves_the_policy_alone():
-    """distill.pool's second fit: the block drafter on the policy's own samples, by the one fit loop."""
+    """distill.pool's one fit, for a block drafter: on the policy's own samples, through DFlash's term."""
     from lightning_codraft.config_sections import WarmStartConfig
-    from lightning_codraft.distill.pool import fit_block_drafter_on_pool, sample_pool
+    from lightning_codraft.distill.pool import fit_on_pool, sample_pool
+    from lightning_codraft.training.module import CoDraftModule
 
     policy, draft = _models(seed=11, block=4, layers=1)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -263,7 +264,7 @@ def test_the_pool_fits_a_block_drafter_and_leaves_the_policy_alone():
     batches = sample_pool(policy, draft, prompts, WarmStartConfig(steps=40, batch_size=4), max_new_tokens=12,
                           temperature=1.0, top_p=1.0, seed=3, stop_ids=[], pad_id=0)
     seen = []
-    losses = fit_block_drafter_on_pool(policy, draft, batches, 40, 3e-3, anchors_per_doc=4, gamma=4.0,
-                                       on_step=lambda i, loss, acc: seen.append(len(acc)))
+    module = CoDraftModule(policy, draft, block_anchors=4, block_gamma=4.0)
+    losses = fit_on_pool(module, batches, 40, 3e-3, on_step=lambda i, loss, acc: seen.append(len(acc)))
     assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5]) and seen == [3] * 40  # B - 1 positions
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())

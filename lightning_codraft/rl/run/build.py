@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from lightning_codraft.config import CoDraftConfig, ConfigError
-from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
+from lightning_codraft.drafters import drafter_kind
+from lightning_codraft.models import Policy, PolicyConfig
 from lightning_codraft.models.hf_io import load_smollm2_tokenizer, smollm2_135m_path
 from lightning_codraft.models.presets import architecture_differences, recipe_architecture
 from lightning_codraft.models.tokenizer import CharTokenizer, encode_prompt
@@ -173,17 +175,12 @@ def build_policy(cfg, seed: int = 0):
     return tok, policy, min(cfg.max_position_embeddings, policy.config.max_position_embeddings)
 
 
-def build_draft(cfg: CoDraftConfig, policy: Policy) -> Eagle3Draft:
-    """A fresh EAGLE-3 draft for ``policy`` (seeded by ``run.seed + 1``).
-
-    With ``draft.draft_vocab_size`` below the policy's vocabulary the vocabulary map starts uniform; the draft
-    warm-up (or a checkpoint) installs the real one.
-    """
-    V = policy.config.vocab_size
-    counts = torch.ones(V) if cfg.draft.draft_vocab_size is not None and cfg.draft.draft_vocab_size < V else None
+def build_draft(cfg: CoDraftConfig, policy: Policy) -> nn.Module:
+    """A fresh drafter of ``draft.type`` for ``policy`` (seeded by ``run.seed + 1``; ``drafters.DrafterKind.build``:
+    an EAGLE-3 draft's vocabulary map starts uniform below the policy's vocabulary, the warm start installs one)."""
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed + 1)
-        return Eagle3Draft.from_policy(policy, draft_vocab_size=cfg.draft.draft_vocab_size, token_counts=counts)
+        return drafter_kind(cfg.draft.type).build(policy, cfg.draft)
 
 
 def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
@@ -246,8 +243,8 @@ class RunParts:
     """The run's rewards (None when built without the task)."""
     policy: Policy
     """The policy."""
-    draft: Eagle3Draft
-    """The draft."""
+    draft: nn.Module
+    """The drafter (``draft.type``'s model)."""
     reference: Optional[Policy]
     """The frozen start policy (``rl.kl_coef > 0`` or ``rl.track_drift``), else None."""
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_codraft.drafters import drafter_kind
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.step import weight_versions
@@ -153,7 +154,7 @@ def measure_speedup(
     engines decoding ``max_batch_size`` sequences at a time (None: all together) in ``dtype`` (None: the
     weights')."""
     plain = SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
-    spec = SpeculativeEngine(
+    spec = drafter_kind(draft).engine(  # the drafter's own engine (EAGLE-3's, the block engine)
         policy,
         draft,
         num_speculative_tokens,

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lightning_codraft.config import CoDraftConfig, load_config
-from lightning_codraft.models import Eagle3Draft, Policy
+from lightning_codraft.drafters import drafter_kind
+from lightning_codraft.models import Policy
 from lightning_codraft.models.tokenizer import CharTokenizer
 from lightning_codraft.parallel.checkpoint import load_checkpoint
 from lightning_codraft.parallel.safe_read import CheckpointError
@@ -191,8 +192,8 @@ class LoadedRun:
     """The run's tokenizer (``encode`` / ``encode_prompt`` / ``decode``)."""
     policy: Policy
     """The trained policy (eval mode, CPU, fp32)."""
-    draft: Optional[Eagle3Draft]
-    """The trained draft (None for ``draft.mode=none``)."""
+    draft: Optional[nn.Module]
+    """The trained drafter, of ``draft.type`` (None for ``draft.mode=none``)."""
     step: int
     """The RL steps the weights have taken (0: the warmed-up weights)."""
     source: Path
@@ -236,7 +237,7 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = None) -> dict[str, Path]:
     """Write ``out_dir/policy`` (a Hugging Face model directory with its tokenizer: ``transformers`` and vLLM load
-    it) and ``out_dir/draft`` (the vLLM EAGLE-3 checkpoint), from :func:`load_run`; returns the paths written."""
+    it) and ``out_dir/draft`` (the drafter's vLLM checkpoint: EAGLE-3's, or DFlash's), from :func:`load_run`; returns the paths written."""
     run = load_run(run_dir, step)
     out = Path(out_dir)
     paths = {"policy": Path(run.policy.save_pretrained(out / "policy"))}
@@ -246,8 +247,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
         (paths["policy"] / CHAR_TOKENIZER_FILE).write_text(json.dumps({"alphabet": tok.alphabet}))
     else:
         tok.tok.save_pretrained(paths["policy"])
-    if run.draft is not None:
-        paths["draft"] = Path(run.draft.save_pretrained(out / "draft"))
+    if run.draft is not None:  # in the format vLLM loads for the drafter's type (method eagle3 / dflash)
+        paths["draft"] = Path(drafter_kind(run.draft).save(run.draft, out / "draft"))
     (out / "export.json").write_text(
         json.dumps({"run": str(Path(run_dir).resolve()), "step": run.step, "source": str(run.source)}, indent=1)
     )

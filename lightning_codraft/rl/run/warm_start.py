@@ -122,7 +122,8 @@ def draft_warm_start(
         ws.steps,
         ws.lr,
         on_step=lambda i, l, a: (
-            (i + 1) % every == 0 and log(f"  draft warm-up step {i + 1}/{ws.steps}: loss {l:.3f}, step-0 acc {a:.3f}")
+            (i + 1) % every == 0
+            and log(f"  draft warm-up step {i + 1}/{ws.steps}: loss {l:.3f}, step-0 acc {a[0]:.3f}")
         ),
     )
     log(

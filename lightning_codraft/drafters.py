@@ -1,0 +1,119 @@
+"""The drafter protocol: every part of the library a drafter touches, and where each drafter implements it.
+
+A recipe names its drafter (``draft.type``: ``eagle3`` | ``dflash``, NeMo-RL's ``speculator_type`` names); a
+:class:`DrafterKind` says what that name means to every part (docs/design/drafters.md has the table):
+
+============================  ===============================================  =====================================
+part                          EAGLE-3                                          DFlash
+============================  ===============================================  =====================================
+the model                     ``models.eagle3.Eagle3Draft``                    ``models.dflash.DFlashDraft``
+taps, loss over a packed      ``training.drafter.Eagle3Term`` (TTT unroll,     ``training.dflash_term.DFlashTerm``
+batch, CP / PP / FSDP2,       branch attention merged into the ring)           (anchors per document, context on
+implied rounds, A/B, warm                                                      the ring, mask embedding over PP)
+start loss
+engine round                  ``rollout.speculative.SpeculativeEngine``        ``rollout.block_engine.
+                                                                               BlockSpeculativeEngine``
+export / load                 ``Eagle3Draft.save_pretrained`` /                ``models.dflash_io.save_dflash`` /
+                              ``from_pretrained`` (vLLM ``eagle3``)            ``load_dflash`` (vLLM ``dflash``)
+refit                         the draft's state dict, bucketed                 the same (no embedding, no head:
+                              (``rollout.weight_sync``)                        the policy's are pushed with it)
+============================  ===============================================  =====================================
+
+A research drafter registers a kind of its own (:func:`register_drafter`) and a term for its model class
+(``training.drafter.register_draft_term``); a subclass of a drafter's model keeps its kind and term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.dflash_io import load_dflash, save_dflash
+from lightning_codraft.models.eagle3 import Eagle3Draft
+from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
+from lightning_codraft.rollout.speculative import SpeculativeEngine
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """What one drafter type is to every part of the library.
+
+    Attributes:
+        name: its ``draft.type``.
+        model: its model class (a subclass is the same kind).
+        build: ``build(policy, draft_config) -> drafter``, fresh, for ``policy``.
+        engine: ``engine(policy, drafter, k, sampling=, adaptive=, max_batch_size=, dtype=) -> RolloutEngine``, the
+            embedded engine that decodes with it.
+        save: ``save(drafter, directory) -> directory``, in the format vLLM loads for it.
+        load: ``load(directory) -> drafter``.
+    """
+
+    name: str
+    model: type
+    build: Callable[[nn.Module, Any], nn.Module]
+    engine: Callable[..., Any]
+    save: Callable[[nn.Module, Path], Path]
+    load: Callable[[Path], nn.Module]
+
+
+def _build_eagle3(policy: nn.Module, d) -> Eagle3Draft:
+    """A fresh EAGLE-3 draft; below the policy's vocabulary its map starts uniform (the warm start installs one)."""
+    V = policy.config.vocab_size
+    counts = torch.ones(V) if d.draft_vocab_size is not None and d.draft_vocab_size < V else None
+    return Eagle3Draft.from_policy(policy, draft_vocab_size=d.draft_vocab_size, token_counts=counts)
+
+
+def _build_dflash(policy: nn.Module, d) -> DFlashDraft:
+    return DFlashDraft.from_policy(policy, num_hidden_layers=d.num_layers, block_size=d.block_size)
+
+
+def _eagle3_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
+    return SpeculativeEngine(
+        policy, draft, k, max_batch_size=max_batch_size, adaptive=adaptive, sampling=sampling, dtype=dtype
+    )
+
+
+def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
+    if adaptive:
+        raise ValueError("the block engine verifies a fixed number of proposals a round: adaptive must be False")
+    if draft is None or k == 0:  # plain decoding
+        return SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
+    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling)
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    "eagle3": DrafterKind(
+        "eagle3",
+        Eagle3Draft,
+        _build_eagle3,
+        _eagle3_engine,
+        lambda draft, path: draft.save_pretrained(path),
+        Eagle3Draft.from_pretrained,
+    ),
+    "dflash": DrafterKind("dflash", DFlashDraft, _build_dflash, _dflash_engine, save_dflash, load_dflash),
+}
+"""Every drafter type by its ``draft.type``."""
+
+
+def register_drafter(kind: DrafterKind) -> None:
+    """Add (or replace) a drafter type."""
+    DRAFTERS[kind.name] = kind
+
+
+def drafter_kind(draft: str | nn.Module) -> DrafterKind:
+    """The kind of a ``draft.type`` name, or of a drafter (the nearest registered model class on its MRO)."""
+    if isinstance(draft, str):
+        if draft not in DRAFTERS:
+            raise ValueError(f"draft.type={draft!r} is none of the drafters {sorted(DRAFTERS)}")
+        return DRAFTERS[draft]
+    for cls in type(draft).__mro__:
+        for kind in DRAFTERS.values():
+            if kind.model is cls:
+                return kind
+    raise TypeError(f"a {type(draft).__name__} is none of the registered drafters' models ({sorted(DRAFTERS)})")

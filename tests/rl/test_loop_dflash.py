@@ -1,0 +1,61 @@
+"""`codraft fit` with draft.type=dflash: the block drafter warm-starts on the pool, co-trains in the RL step, drafts
+the rollouts through the block engine, is scored beside its frozen start (the live A/B) per block position, and is
+exported in the format vLLM's method dflash loads."""
+
+import math
+
+import pytest
+import torch
+from test_loop import micro_config
+
+from lightning_codraft.config import ConfigError
+from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.dflash_io import load_dflash
+from lightning_codraft.rl.reports.run_log import read_metrics
+from lightning_codraft.rl.run.loop import fit
+from lightning_codraft.rl.run.run_dir import export_run, load_run
+
+DFLASH = ["draft.type=dflash", "draft.block_size=4", "draft.num_speculative_tokens=3", "draft.adaptive=false",
+          "draft.warm_start.steps=6", "run.plots=false", "task.eval_prompts=0"]
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dflash")
+    res = fit(micro_config(out, *DFLASH), print_fn=lambda s: None)
+    return out, res
+
+
+def test_a_dflash_run_cotrains_scores_and_drafts_with_the_block_drafter(dflash_run):
+    out, res = dflash_run
+    assert res.completed and len(res.rows) == 3
+    rows = read_metrics(out / "metrics.csv")
+    for r in rows:
+        assert r["acceptance_length"] >= 1.0 and math.isfinite(r["draft_loss"])
+        assert 1.0 <= r["implied_acceptance"] <= 4.0 and 1.0 <= r["reference_acceptance"] <= 4.0
+    run = load_run(out)
+    assert isinstance(run.draft, DFlashDraft) and run.draft.config.block_size == 4
+    start = torch.load(out / "warm" / "weights.pt", weights_only=True)["draft"]
+    moved = [k for k, v in run.draft.state_dict().items() if not torch.equal(v, start[k])]
+    assert moved, "the co-trained drafter did not change during RL"
+
+
+def test_a_dflash_run_exports_the_vllm_dflash_checkpoint(dflash_run, tmp_path):
+    out, _ = dflash_run
+    paths = export_run(out, tmp_path / "export")
+    loaded, trained = load_dflash(paths["draft"]), load_run(out).draft
+    assert loaded.config.taps == trained.config.taps and loaded.config.block_size == 4
+    for k, v in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["draft.num_speculative_tokens=4"], "block_size - 1"),
+    (["draft.adaptive=true"], "adaptive"),
+    (["draft.draft_vocab_size=10"], "draft_vocab_size"),
+    (["parallel.engine=vllm"], "refit of a DFlash drafter into vLLM is not built"),
+    (["draft.type=eagle4"], "eagle3"),
+])
+def test_a_dflash_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        micro_config(tmp_path, *DFLASH, *extra)
