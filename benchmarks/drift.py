@@ -2,12 +2,18 @@
 
     python benchmarks/drift.py [--config recipes/tiny-drift.yaml] [--name drift] [--out docs/benchmarks] [key=value ...]
     python benchmarks/drift.py --ablation [...]        # co-train every N steps, draft loss weight lambda
+    python benchmarks/drift.py --dflash 8 [...]        # plus frozen and co-trained DFlash arms, block 8
 
 Main mode: arms no draft / frozen draft / co-trained draft from the same seeds and the same warm start, steps
 interleaved (lightning_codraft.rl.reports.compare), on a recipe whose RL really moves the policy (recipes/tiny-drift.yaml:
 SFT on mostly `symbols` solutions, RL rewarding `words` solutions). Reports per step reward, KL from the start
 policy, greedy agreement with it, acceptance length, rollout and step time; per arm the speed-ups over no draft;
 and judges co-trained against frozen by paired per-step differences over the last half of the run (mean, 95% CI).
+
+With ``--dflash B``: two more arms, a frozen and a co-trained DFlash block drafter (``draft.type=dflash``, block B,
+B - 1 proposals a round, one draft layer), warm-started by the same warm-start budget (``draft.warm_start``) on the
+same SFT'd policy, on the same prompts and seeds, interleaved with the others; their acceptance is judged the same
+way (paired co-trained - frozen over the last half).
 
 Ablation mode: co-trained arms that update the draft every 1 / 2 / 4 steps, with lambda in {0.1, 1, 10}, and at a
 third of the draft learning rate, next to
@@ -126,13 +132,43 @@ NEAR_TIES = ("The arms' rollouts are the same samples (coupled sampling: a token
              "near tie; from then on that arm's policy takes slightly different updates (a small KL gap by the end).")
 
 
+def dflash_arms(args) -> dict:
+    """The frozen and co-trained DFlash arms' configs (``--dflash B``), the recipe's settings otherwise."""
+    B = args.dflash
+    extra = ["draft.type=dflash", f"draft.block_size={B}", f"draft.num_speculative_tokens={B - 1}",
+             "draft.adaptive=false"]
+    cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides, *extra])
+    return {f"dflash-{mode}": dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=mode))
+            for mode in ("frozen", "cotrain")}
+
+
+def dflash_goals(res: CompareResult) -> list[str]:
+    """The DFlash arms' lines: co-trained against frozen (the issue's figure), and against EAGLE-3's co-trained."""
+    d = res.paired("dflash-cotrain", "dflash-frozen", "acceptance_length")
+    e = res.paired("dflash-cotrain", "cotrain", "acceptance_length")
+    _, _, ch = acceptance_drift(res, "dflash-frozen")
+    return [f"frozen DFlash's acceptance change, step 1 -> last quarter: {100 * ch:+.1f}%",
+            f"paired co-trained - frozen DFlash acceptance, last half: {d} ({'above 0' if d.low > 0 else 'CI holds 0'})",
+            f"paired co-trained DFlash - co-trained EAGLE-3 acceptance, last half (different proposals per round: "
+            f"B - 1 against K): {e}"]
+
+
 def run_main(cfg, args) -> str:
-    res = compare_arms(cfg)
+    if args.dflash:
+        configs = {a: dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=a))
+                   for a in ("none", "frozen", "cotrain")}
+        configs.update(dflash_arms(args))
+        res = run_side_by_side(configs, Path(cfg.run.out_dir) / "bench", cfg)
+        res.labels.update({"frozen": "frozen EAGLE-3", "cotrain": "co-trained EAGLE-3",
+                           "dflash-frozen": f"frozen DFlash (B={args.dflash})",
+                           "dflash-cotrain": f"co-trained DFlash (B={args.dflash})"})
+    else:
+        res = compare_arms(cfg)
     out = Path(args.out)
     png = plot_curves({res.label(a): r.rows for a, r in res.results.items()}, out / f"{args.name}_curves.png",
                       keys=("reward", "kl", "greedy_agreement", "acceptance_length", "rollout_s"),
                       title="drift: no draft vs frozen vs co-trained draft (same seeds)")
-    g = goals(res)
+    g = goals(res) + (dflash_goals(res) if args.dflash else [])
     text = "\n".join([
         f"# Drift: a frozen draft decays, a co-trained draft holds ({args.name})", "", setup_line(cfg, args), "",
         "Arms from the same warm start and seeds, steps interleaved, ratios measured side by side in one run. "
@@ -200,9 +236,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     ap.add_argument("--name", default=None, help="report name (default: drift, or drift_ablation)")
     ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--dflash", type=int, default=0, metavar="B",
+                    help="also run frozen and co-trained DFlash arms of block size B (0: none)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
-    args.name = args.name or ("drift_ablation" if args.ablation else "drift")
+    args.name = args.name or ("drift_ablation" if args.ablation else "drift_dflash" if args.dflash else "drift")
     cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides])
     if cfg.rl.steps < 4:
         ap.error(f"rl.steps={cfg.rl.steps}: the paired statistics over the last half need rl.steps >= 4")

@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.parallel.fsdp import shard_codraft
+from lightning_codraft.training.drafter import draft_term_for
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout import SpeculativeEngine
@@ -193,7 +194,7 @@ def _rank_arms(rank: int, world: int, port: int, name: str, repeats: int, bucket
         policy, draft = build(name)
         engine = make_engine("embedded", policy, draft, None)
         holder = torch.nn.Module()
-        holder.policy, holder.draft = policy, draft
+        holder.policy, holder.draft, holder.draft_term = policy, draft, draft_term_for(draft)
         shard_codraft(holder, dims.dp_cp_mesh)
         res = run_arms("embedded", engine, policy, draft, repeats, bucket_mb, dims)
         gathered = [None] * world

@@ -66,6 +66,14 @@ def test_drift_smoke(tmp_path):
     assert "Goals (issue #15)" in md and "| step |" in md and (tmp_path / "d_curves.png").is_file()
 
 
+def test_drift_dflash_smoke(tmp_path):
+    text = _run("drift.py", "--dflash", 4, "--out", tmp_path, "--name", "f", f"run.out_dir={tmp_path / 'run'}",
+                "rl.steps=4", *_TINY_RL)
+    assert "co-trained DFlash (B=4) |" in text and "frozen EAGLE-3 |" in text
+    md = (tmp_path / "f.md").read_text()
+    assert "paired co-trained - frozen DFlash acceptance" in md and (tmp_path / "f_curves.png").is_file()
+
+
 def test_drift_ablation_smoke(tmp_path):
     text = _run("drift.py", "--ablation", "--out", tmp_path, "--name", "a", f"run.out_dir={tmp_path / 'run'}",
                 "rl.steps=4", *_TINY_RL)

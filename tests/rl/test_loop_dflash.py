@@ -59,3 +59,25 @@ def test_a_dflash_run_exports_the_vllm_dflash_checkpoint(dflash_run, tmp_path):
 def test_a_dflash_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         micro_config(tmp_path, *DFLASH, *extra)
+
+
+def test_arms_of_two_drafter_types_start_from_the_same_policy(tmp_path):
+    """rl.reports.compare with EAGLE-3 and DFlash arms: each type warms up its own drafter, every arm the same SFT'd
+    policy (so their step-1 rollouts and rewards are the same samples)."""
+    import dataclasses
+
+    from lightning_codraft.rl.reports.compare import run_side_by_side
+
+    base = micro_config(tmp_path / "base", "rl.steps=1", "run.plots=false", "task.eval_prompts=0")
+    dflash = micro_config(tmp_path / "base", *DFLASH, "rl.steps=1")
+    arms = {"eagle3": base, "dflash": dflash, "dflash-frozen": dataclasses.replace(
+        dflash, draft=dataclasses.replace(dflash.draft, mode="frozen"))}
+    res = run_side_by_side(arms, tmp_path / "bench", base, print_fn=lambda s: None)
+    warm = {n: torch.load(tmp_path / "bench" / n / "warm" / "weights.pt", weights_only=True)
+            for n in ("eagle3", "dflash")}
+    assert warm["eagle3"]["policy"].keys() == warm["dflash"]["policy"].keys()
+    for k, v in warm["eagle3"]["policy"].items():
+        assert torch.equal(v, warm["dflash"]["policy"][k]), k
+    assert set(warm["eagle3"]["draft"]) != set(warm["dflash"]["draft"])  # each type's own drafter
+    rewards = {n: res.results[n].rows[0]["reward"] for n in arms}
+    assert rewards["eagle3"] == rewards["dflash"] == rewards["dflash-frozen"]

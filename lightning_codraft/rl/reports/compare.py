@@ -121,9 +121,10 @@ def run_side_by_side(
 ) -> CompareResult:
     """Run every ``name -> config`` arm interleaved, step by step, from one warm start.
 
-    The first arm whose draft trains offline (``draft.mode != "none"``) is set up first and warms up (or starts from
-    its ``run.init_from``); the others start from its warmed-up weights. Outputs go under ``out/<name>``. All arms
-    must run the same number of RL steps.
+    For each drafter type (``draft.type``) the first arm whose draft trains offline (``draft.mode != "none"``) is set
+    up first and warms up (or starts from its ``run.init_from``); the type's other arms start from its warmed-up
+    weights (an arm without a draft from the first type's). The SFT warm-up is seeded, so every type's arms start
+    from the same policy. Outputs go under ``out/<name>``. All arms must run the same number of RL steps.
     """
     out = Path(out)
     if out.exists():
@@ -132,10 +133,10 @@ def run_side_by_side(
     if len(steps) != 1:
         raise ValueError(f"arms must run the same number of RL steps, got {sorted(steps)}")
     names = list(configs)
-    modes = {n: configs[n].draft.mode for n in names}  # the co-trained arm's draft warm-up is the general case
-    first = next((n for n in names if modes[n] == "cotrain"), next((n for n in names if modes[n] != "none"), names[0]))
+    firsts = _warm_sources(configs)
     runs: dict[str, CoDraftRun] = {}
-    for name in [first] + [n for n in names if n != first]:
+    for name in list(dict.fromkeys(firsts.values())) + [n for n in names if n not in firsts.values()]:
+        first = firsts[name]
         init = configs[name].run.init_from if name == first else str(out / first / "warm")
         runs[name] = CoDraftRun(
             isolated(configs[name], out / name, init), print_fn=lambda s, n=name: print_fn(f"[{n}] {s}")
@@ -152,6 +153,18 @@ def run_side_by_side(
     for name in names:
         res.results[name] = runs[name].finish()
     return res
+
+
+def _warm_sources(configs: Mapping[str, CoDraftConfig]) -> dict[str, str]:
+    """arm -> the arm whose warm-up it starts from: per drafter type (``draft.type``), its first co-trained arm (the
+    general case), else its first arm with a draft; an arm without a draft starts from the first such source."""
+    by_type: dict[str, str] = {}
+    for mode in ("cotrain", "frozen"):
+        for name, c in configs.items():
+            if c.draft.mode == mode:
+                by_type.setdefault(c.draft.type, name)
+    fallback = next(iter(by_type.values()), next(iter(configs)))
+    return {n: by_type.get(c.draft.type, fallback) if c.draft.mode != "none" else fallback for n, c in configs.items()}
 
 
 def compare_arms(
