@@ -197,11 +197,6 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
 def _check_block_drafter_run(cfg: CoDraftConfig) -> None:
     """What a run with a ``dflash`` drafter refuses across sections (``ConfigError`` naming the keys)."""
     d = cfg.draft
-    if cfg.parallel.engine == "vllm":
-        raise ConfigError(
-            "draft.type=dflash with parallel.engine=vllm: vLLM serves an exported DFlash drafter, but the run's "
-            "refit of a DFlash drafter into vLLM is not built; use parallel.engine=embedded"
-        )
     if d.warm_start.corpus is not None:
         raise ConfigError(
             "draft.type=dflash with draft.warm_start.corpus: the cached corpus is EAGLE-3's feature cache; a dflash "

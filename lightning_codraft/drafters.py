@@ -13,7 +13,7 @@ implied rounds, A/B, warm                                                      t
 start loss
 engine round                  ``rollout.speculative.SpeculativeEngine``        ``rollout.block_engine.
                                                                                BlockSpeculativeEngine``
-export / load                 ``Eagle3Draft.save_pretrained`` /                ``models.dflash_io.save_dflash`` /
+export / load                 ``Eagle3Draft.save_pretrained`` /                ``DFlashDraft.save_pretrained`` /
                               ``from_pretrained`` (vLLM ``eagle3``)            ``load_dflash`` (vLLM ``dflash``)
 refit                         the draft's state dict, bucketed                 the same (no embedding, no head:
                               (``rollout.weight_sync``)                        the policy's are pushed with it)
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_codraft.models.dflash import DFlashDraft
-from lightning_codraft.models.dflash_io import load_dflash, save_dflash
+from lightning_codraft.models.dflash_io import load_dflash
 from lightning_codraft.models.eagle3 import Eagle3Draft
 from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
 from lightning_codraft.rollout.speculative import SpeculativeEngine
@@ -89,14 +89,11 @@ def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None,
 
 DRAFTERS: dict[str, DrafterKind] = {
     "eagle3": DrafterKind(
-        "eagle3",
-        Eagle3Draft,
-        _build_eagle3,
-        _eagle3_engine,
-        lambda draft, path: draft.save_pretrained(path),
-        Eagle3Draft.from_pretrained,
+        "eagle3", Eagle3Draft, _build_eagle3, _eagle3_engine, Eagle3Draft.save_pretrained, Eagle3Draft.from_pretrained
     ),
-    "dflash": DrafterKind("dflash", DFlashDraft, _build_dflash, _dflash_engine, save_dflash, load_dflash),
+    "dflash": DrafterKind(
+        "dflash", DFlashDraft, _build_dflash, _dflash_engine, DFlashDraft.save_pretrained, load_dflash
+    ),
 }
 """Every drafter type by its ``draft.type``."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_codraft.models.config import DrafterShape
+from lightning_codraft.models.dflash_export import save_dflash
 from lightning_codraft.models.layers import GatedMLP, RMSNorm
 from lightning_codraft.models.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
@@ -232,6 +234,11 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_blk, rope_ctx, visible)
         return self.norm(x)
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM loads with ``method: dflash``
+        (models/dflash_export.py; read back by ``models.dflash_io.load_dflash``)."""
+        return save_dflash(self, path)
 
     @staticmethod
     def logits(hidden: Tensor, head_weight: Tensor) -> Tensor:

