@@ -10,7 +10,7 @@ the SAME pool of the policy's own samples the EAGLE-3 warm start uses (``distill
 anchors per document.
 
 Arms, on ``--prompts`` problems drawn with a benchmark seed minus every pool problem, one request at a time (batch 1,
-where speculation pays most and where the block engine decodes: rollout/block_engine.py), ``--max-new-tokens``
+where speculation pays most and where the block engine decodes: rollout/embedded/block.py), ``--max-new-tokens``
 tokens, coupled sampling with one seed per request: plain decoding, EAGLE-3 (fixed K = the recipe's, the embedded
 engine) and DFlash (``block - 1`` proposals a round, one drafter forward). Every arm emits the same tokens (checked:
 lossless). Time: ``time.process_time()`` of this process with one torch thread, the arms alternating within each of
@@ -36,7 +36,7 @@ from lightning_codraft.distill.pool import POOL_SEED, fit_on_pool, pool_prompts,
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
-from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
 from lightning_codraft.training.module import CoDraftModule
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 

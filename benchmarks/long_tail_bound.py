@@ -38,7 +38,7 @@ import torch
 
 import rollout as rb  # benchmarks/rollout.py: the same models, prompts and long-tail settings
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.embedded.adaptive import SpeculationController
 from pages import md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = rb.ROOT

@@ -32,7 +32,7 @@ from lightning_codraft.rl.run.build import build_draft, build_policy, build_task
 from lightning_codraft.rl.run.run_dir import warm_state
 from lightning_codraft.rl.step import step_prompts
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.rollout.adaptive import SpeculationController
+from lightning_codraft.rollout.embedded.adaptive import SpeculationController
 from pages import command, md_table, pyplot, save_figure, write_json, write_page
 from vs_trl import RECIPE, ROOT, warm_start
 

@@ -8,7 +8,7 @@ one is real):
 - ``before``: the path the RL loop took until the bucketed refit: every tensor cloned into whole state dicts, then
   loaded whole (the embedded engine: ``update_weights``; vLLM: safetensors bytes through the RPC, then a float64
   verification of every parameter on both sides);
-- ``after``: ``WeightSync``'s bucketed refit (rollout/buckets.py): buckets of ``--bucket-mb`` handed over by
+- ``after``: ``WeightSync``'s bucketed refit (rollout/refit/buckets.py): buckets of ``--bucket-mb`` handed over by
   reference (shared memory for vLLM), each checksummed where it lands.
 
 Reported: the median refit seconds, and the peak extra resident memory on the host during a refit (the peak
@@ -51,7 +51,7 @@ from lightning_codraft.training.drafter import draft_term_for
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.stream import stream_full_state
 from lightning_codraft.rollout import SpeculativeEngine
-from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict
+from lightning_codraft.rollout.refit.sync import WeightSync, full_state_dict
 from pages import command, md_table, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def make_engine(kind: str, policy, draft, workdir: Path):
 
     if kind == "embedded":
         return SpeculativeEngine(*copy.deepcopy((policy, draft)), 4)
-    from lightning_codraft.rollout.vllm_engine import VLLMEngine
+    from lightning_codraft.rollout.vllm.engine import VLLMEngine
 
     return VLLMEngine.from_modules(policy, draft, 4, workdir=workdir, verify_updates=False, max_model_len=256)
 

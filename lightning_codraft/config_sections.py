@@ -277,7 +277,7 @@ class ParallelConfig(MicrobatchConfig):
     speculative decoding stops paying; small batches keep decoding latency-bound, as on a GPU."""
     refit_bucket_mb: float = 256.0
     """Size of the buckets the training weights travel to the rollout engines in before each rollout phase
-    (rollout/buckets.py): a refit holds at most two beyond the engine's own weights, on the device and the host."""
+    (rollout/refit/buckets.py): a refit holds at most two beyond the engine's own weights, on the device and the host."""
     engine_dtype: Optional[str] = None
     """Dtype the rollout engine decodes in: ``bfloat16`` (a bf16 copy taken each step; the loss's log-probs are that
     behaviour policy's), ``float16``, ``float32`` or ``auto`` (bfloat16 where the device's bf16 matmuls are fast:

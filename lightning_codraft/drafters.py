@@ -11,12 +11,12 @@ taps, loss over a packed      ``training.drafter.Eagle3Term`` (TTT unroll,     `
 batch, CP / PP / FSDP2,       branch attention merged into the ring)           (anchors per document, context on
 implied rounds, A/B, warm                                                      the ring, mask embedding over PP)
 start loss
-engine round                  ``rollout.speculative.SpeculativeEngine``        ``rollout.block_engine.
+engine round                  ``rollout.embedded.speculative.SpeculativeEngine``        ``rollout.embedded.block.
                                                                                BlockSpeculativeEngine``
 export / load                 ``Eagle3Draft.save_pretrained`` /                ``DFlashDraft.save_pretrained`` /
                               ``from_pretrained`` (vLLM ``eagle3``)            ``load_dflash`` (vLLM ``dflash``)
 refit                         the draft's state dict, bucketed                 the same (no embedding, no head:
-                              (``rollout.weight_sync``)                        the policy's are pushed with it)
+                              (``rollout.refit.sync``)                        the policy's are pushed with it)
 ============================  ===============================================  =====================================
 
 A research drafter registers a kind of its own (:func:`register_drafter`) and a term for its model class
@@ -36,8 +36,8 @@ from torch import nn
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.dflash_io import load_dflash
 from lightning_codraft.models.eagle3 import Eagle3Draft
-from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
-from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.strategy_core import CoDraftCore, CoDraftMeshMixin
 from lightning_codraft.rollout.engine import RolloutEngine
-from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict
+from lightning_codraft.rollout.refit.sync import WeightSync, full_state_dict
 from lightning_codraft.training.step import optimizer_step
 
 
@@ -161,7 +161,7 @@ def fabric_sync_weights(
     log_name: str = "weight_sync/seconds",
     force: bool = False,
 ) -> Optional[float]:
-    """Fabric helper of the one weight-sync path (``rollout.weight_sync.WeightSync``): call after
+    """Fabric helper of the one weight-sync path (``rollout.refit.sync.WeightSync``): call after
     ``optimizer.step()`` with the optimizer-step count ``step`` (>= 1), and with ``force=True`` once training is set
     up and after every ``fabric.load`` (so the engine decodes with the restored weights, not its own).
 

@@ -34,7 +34,7 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.parallel import checkpoint as ckpt
 from lightning_codraft.parallel.strategy_core import CoDraftCore, CoDraftMeshMixin
 from lightning_codraft.rollout.engine import RolloutEngine
-from lightning_codraft.rollout.weight_sync import WeightSync, full_state_dict, module_states
+from lightning_codraft.rollout.refit.sync import WeightSync, full_state_dict, module_states
 
 
 class CoDraftStrategy(CoDraftMeshMixin, DDPStrategy):
@@ -195,12 +195,12 @@ def _plain(value: Any) -> Any:
 class WeightSyncCallback(Callback):
     """Push ``pl_module.policy`` / ``pl_module.draft`` to ``engine`` when training starts (also after a resume from
     a checkpoint) and every N optimizer steps (the Trainer side of the one weight-sync path,
-    ``rollout.weight_sync.WeightSync``).
+    ``rollout.refit.sync.WeightSync``).
 
     Args:
         engine: any :class:`~lightning_codraft.rollout.engine.RolloutEngine`.
         every_n_steps: push after every N-th optimizer step (``trainer.global_step``), N >= 1.
-        policy_state_fn: ``fn(pl_module) -> state dict``; default: ``rollout.weight_sync.module_states`` (a
+        policy_state_fn: ``fn(pl_module) -> state dict``; default: ``rollout.refit.sync.module_states`` (a
             ``CoDraftModule``'s ``full_state_dicts()``, which gathers pipeline stages onto the first stage).
         draft_state_fn: ``fn(pl_module) -> state dict | None``; default with ``policy_state_fn``:
             ``full_state_dict(pl_module.draft)``.

@@ -158,8 +158,8 @@ def test_the_package_is_linted_and_formatted_by_its_ruff_toml():
 
 
 def test_rollout_and_models_do_not_pull_in_lightning():
-    code = ("import sys, lightning_codraft.rollout.speculative, lightning_codraft.rollout.weight_sync, "
-            "lightning_codraft.rollout.vllm_engine, lightning_codraft.models.decode, lightning_codraft.batch; "
+    code = ("import sys, lightning_codraft.rollout.embedded.speculative, lightning_codraft.rollout.refit.sync, "
+            "lightning_codraft.rollout.vllm.engine, lightning_codraft.models.decode, lightning_codraft.batch; "
             "print(sorted(m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', 'vllm'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

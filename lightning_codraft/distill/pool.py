@@ -20,7 +20,7 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.distill.fit import fit_loop
 from lightning_codraft.distill.settings import WarmStartConfig
 from lightning_codraft.models.vocab import build_vocab_mapping
-from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
 POOL_SEED = 2 * 10**6
 """Seed offset of the pool's prompts and samples (the RL steps never use it)."""

@@ -24,7 +24,7 @@ tokens of one microbatch on the rank, ``M`` microbatches, ``F`` of them in fligh
   the embedded engine decodes with the whole training modules), its KV cache for the sequences it decodes at once
   (``(prompt + completion + 2(K+1))`` slots of ``2 kv_heads D`` per policy layer and one draft layer), the logits
   of one verification round (``B (K+1) V``, compute + fp32) and, where the engine holds copies of sharded or
-  pruned modules, one parameter gathered whole and two buckets while the weights are refitted (rollout/buckets.py).
+  pruned modules, one parameter gathered whole and two buckets while the weights are refitted (rollout/refit/buckets.py).
 
 The engine's weights count in the training phase too unless it can leave the device: vLLM on an accelerator
 sleeps (level 2: weights and cache discarded, the refit re-pushes both models) while training runs; the embedded engine releases the storage
@@ -225,7 +225,7 @@ def _rollout_lines(spec: PlanSpec, models: MetaModels) -> list[Line]:
     kv = B * (spec.seq_len + 2 * (K + 1)) * per_token * a_e
     refit = 0
     if not shares:  # the largest tensor gathered whole and the collective's own copy of it (measured on gloo:
-        # FSDP2's all-gather, the stage broadcast), two buckets and the checksum's workspace (rollout/buckets.py)
+        # FSDP2's all-gather, the stage broadcast), two buckets and the checksum's workspace (rollout/refit/buckets.py)
         largest = max(p.numel() for p in [*policy_params.values(), *draft_params])
         refit = 2 * largest * p_b + int(2.25 * min(spec.refit_bucket_bytes, max(weights, largest * a_e)))
     released = sleeps or spec.engine == "embedded"  # vLLM asleep / the embedded engine's released copies

@@ -14,8 +14,8 @@ Groups of ranks sharing one engine (tensor-parallel vLLM for models that do not 
 **Weights, one tensor at a time.** Without PP or FSDP2 every rank's training modules are whole and the embedded
 engine decodes with them. Otherwise the engine's modules are copies whose parameter storage is released while
 training runs and refilled before every rollout phase from the sharded training state, one tensor at a time
-(``parallel.stream.stream_full_state`` through ``rollout.weight_sync.WeightSync``, the one sync path, in checksummed
-buckets: rollout/buckets.py): no whole extra copy is held across the step. vLLM keeps its own weights; it sleeps at
+(``parallel.stream.stream_full_state`` through ``rollout.refit.sync.WeightSync``, the one sync path, in checksummed
+buckets: rollout/refit/buckets.py): no whole extra copy is held across the step. vLLM keeps its own weights; it sleeps at
 level 2 while training runs where the platform supports it (not vLLM-CPU); every bucket is checked where it lands,
 and both models are fully verified on the first and the last refit.
 """
@@ -36,11 +36,11 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.drafters import drafter_kind
 from lightning_codraft.parallel.collectives import is_distributed
 from lightning_codraft.parallel.stream import stream_full_state
-from lightning_codraft.rollout.buckets import WeightBucket, copy_into
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
-from lightning_codraft.rollout.noise import request_seed
-from lightning_codraft.rollout.vllm_engine import VLLMEngine
-from lightning_codraft.rollout.weight_sync import WeightSync, refill_parameters, release_parameters
+from lightning_codraft.rollout.refit.buckets import WeightBucket, copy_into
+from lightning_codraft.rollout.refit.sync import WeightSync, refill_parameters, release_parameters
+from lightning_codraft.rollout.sampling.noise import request_seed
+from lightning_codraft.rollout.vllm.engine import VLLMEngine
 
 
 def rollout_seed(seed: int, step: int, prompt: int, sample: int) -> int:

@@ -66,7 +66,7 @@ class StepMetrics:
     train_s: float
     """Seconds of the optimizer step (forward, backward, update)."""
     refit_s: float
-    """Seconds of the refit (training weights into the engine, bucketed: rollout/buckets.py) before the rollouts;
+    """Seconds of the refit (training weights into the engine, bucketed: rollout/refit/buckets.py) before the rollouts;
     0 where the engine decodes the training modules themselves."""
     refit_share: float
     """``refit_s`` over ``step_s``: the refit's share of the step."""

@@ -1,7 +1,7 @@
 """The rollout-engine protocol and its output types.
 
-Every engine (the embedded :class:`~lightning_codraft.rollout.speculative.SpeculativeEngine`, the
-vLLM-backed :class:`~lightning_codraft.rollout.vllm_engine.VLLMEngine`) takes prompts as token ids
+Every engine (the embedded :class:`~lightning_codraft.rollout.embedded.speculative.SpeculativeEngine`, the
+vLLM-backed :class:`~lightning_codraft.rollout.vllm.engine.VLLMEngine`) takes prompts as token ids
 and returns, per prompt, the generated ids, their log-probabilities under the policy's sampling
 distribution, why generation stopped, and speculative-decoding acceptance statistics.
 """
@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lightning_codraft.rollout.buckets import WeightBucket
+from lightning_codraft.rollout.refit.buckets import WeightBucket
 
 
 class RolloutError(RuntimeError):
@@ -176,7 +176,7 @@ class RolloutEngine(Protocol):
         """Generate one continuation per prompt (prompts are token-id lists).
 
         Randomness is per request: ``request_seeds[i]`` (in ``[0, 2**63)``) fixes request i's samples whatever
-        else is in the call; with only ``seed``, request i uses ``rollout.noise.request_seed(seed, i)``; with
+        else is in the call; with only ``seed``, request i uses ``rollout.sampling.noise.request_seed(seed, i)``; with
         neither, fresh seeds. Passing both is an error.
         """
         ...
@@ -188,8 +188,8 @@ class RolloutEngine(Protocol):
         ...
 
     def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
-        """Load a bucketed refit (:mod:`lightning_codraft.rollout.buckets`): each bucket checked as it lands
-        (``verify="buckets"``), the push refused (:class:`~lightning_codraft.rollout.buckets.RefitError`) when a
+        """Load a bucketed refit (:mod:`lightning_codraft.rollout.refit.buckets`): each bucket checked as it lands
+        (``verify="buckets"``), the push refused (:class:`~lightning_codraft.rollout.refit.buckets.RefitError`) when a
         bucket is corrupted, stale, missing, or a tensor of the engine stays unfilled; afterwards the engine holds
         the buckets' version of each model they carried (:attr:`weight_versions`)."""
         ...

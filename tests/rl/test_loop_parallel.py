@@ -221,7 +221,7 @@ def test_dp2_cp2_equals_one_process(reference, tmp_path):
 
 def _vllm_worker(rank, world_size, cfg):
     from lightning_codraft.rl.run.loop import CoDraftRun
-    from lightning_codraft.rollout.speculative import SpeculativeEngine
+    from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()

@@ -31,7 +31,7 @@ def test_fit_with_vllm_engine_syncs_every_step(tmp_path):
         assert r["completion_tokens"] > 0
         assert 1.0 <= r["acceptance_length"] <= cfg.draft.num_speculative_tokens + 1
     # after the last sync vLLM decodes with the trained weights: greedy output equals the embedded engine's
-    from lightning_codraft.rollout.speculative import SpeculativeEngine
+    from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     ours = SpeculativeEngine(run.module.policy, None, 0).generate(prompts, max_new_tokens=8, temperature=0.0)

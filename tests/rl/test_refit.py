@@ -21,8 +21,8 @@ def _rss() -> tuple[int, int]:
 def _refit_worker(rank, world_size, cfg):
     from lightning_codraft.rl.run.loop import CoDraftRun
     from lightning_codraft.rl.step import weight_versions
-    from lightning_codraft.rollout.buckets import RefitError
-    from lightning_codraft.rollout.weight_sync import refill_parameters
+    from lightning_codraft.rollout.refit.buckets import RefitError
+    from lightning_codraft.rollout.refit.sync import refill_parameters
 
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     start = run.setup()

@@ -12,7 +12,7 @@ import math
 import torch
 
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
-from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss, sample_anchors
 
 

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController, expected_tokens
-from lightning_codraft.rollout.cost_model import CostModel
+from lightning_codraft.rollout.embedded.adaptive import AdaptiveConfig, SpeculationController, expected_tokens
+from lightning_codraft.rollout.embedded.cost_model import CostModel
 
 K = 4
 

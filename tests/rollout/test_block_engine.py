@@ -1,4 +1,4 @@
-"""The block drafter's engine (rollout/block_engine.py) is lossless: greedy output equals plain decoding, coupled
+"""The block drafter's engine (rollout/embedded/block.py) is lossless: greedy output equals plain decoding, coupled
 samples equal plain decoding's samples of the same seeds, rejection and coupled samples follow the policy's exact
 distributions (with negative controls that must fail)."""
 
@@ -8,9 +8,9 @@ from rollout_helpers import fit_dflash, make_policy, random_prompts
 from test_speculative import _distribution_failures, _mutant_coupled_verify, _mutant_rejection_sample
 
 from lightning_codraft.models.dflash import DFlashDraft
-from lightning_codraft.rollout import sampler
-from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine
-from lightning_codraft.rollout.speculative import SpeculativeEngine
+from lightning_codraft.rollout.sampling import sampler
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
 
 @pytest.fixture(autouse=True)

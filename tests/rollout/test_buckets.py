@@ -1,4 +1,4 @@
-"""rollout/buckets.py: a bucketed refit delivers the trainer's tensors bit for bit in the engine's dtype, in at most
+"""rollout/refit/buckets.py: a bucketed refit delivers the trainer's tensors bit for bit in the engine's dtype, in at most
 two reused buffers, by reference across processes; a corrupted, stale, dropped or incomplete push fails loudly."""
 
 import subprocess
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_codraft.rollout.buckets import (BucketReceiver, RefitError, bucket_checksum, open_handle,
+from lightning_codraft.rollout.refit.buckets import (BucketReceiver, RefitError, bucket_checksum, open_handle,
                                                pack_buckets, prefetched, share_handle)
 
 
@@ -109,7 +109,7 @@ def test_a_shared_bucket_is_read_by_another_process_without_copying_bytes():
         sums.append(b.checksum)
     assert len(handles) == 1
     code = ("import pickle, sys, torch\n"
-            "from lightning_codraft.rollout.buckets import open_handle, bucket_checksum\n"
+            "from lightning_codraft.rollout.refit.buckets import open_handle, bucket_checksum\n"
             "b = open_handle(pickle.loads(sys.stdin.buffer.read()))\n"
             "print(bucket_checksum(b.buffer[:b.size]), b.version, [n for n, _ in b.tensors()])\n")
     import pickle

@@ -1,9 +1,9 @@
-"""ConfidenceCalibration (rollout/confidence.py): bins, the caller's prior rate for unseen bins, and counts of the
+"""ConfidenceCalibration (rollout/embedded/confidence.py): bins, the caller's prior rate for unseen bins, and counts of the
 positions a row reached only (a proposal after a rejected one was never tested, so it is no evidence)."""
 
 import pytest
 
-from lightning_codraft.rollout.confidence import EDGES, ConfidenceCalibration
+from lightning_codraft.rollout.embedded.confidence import EDGES, ConfidenceCalibration
 
 
 def test_bins_cover_zero_to_one_finer_near_one():

@@ -1,4 +1,4 @@
-"""Counter-based noise (rollout/noise.py): the hash is SplitMix64 (published test vector, a Python-int reference),
+"""Counter-based noise (rollout/sampling/noise.py): the hash is SplitMix64 (published test vector, a Python-int reference),
 its uniforms are uniform down to their low bits and near 0 (with a negative control: the 24-bit construction fails
 the low-bit test), neighbours in id, position, seed and purpose are independent, the Gumbel noise has the Gumbel
 moments and samples a distribution's rare tokens at their rate, and every value is a pure function of (seed,
@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from lightning_codraft.rollout import noise
-from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise, mix64, mix64_int, request_seed
-from lightning_codraft.rollout.noise import resolve_request_seeds, seed_tensor
-from lightning_codraft.rollout.sampling_rules import gumbel_argmax
+from lightning_codraft.rollout.sampling import noise
+from lightning_codraft.rollout.sampling.noise import ACCEPT, DRAFT, TOKEN, CounterNoise, mix64, mix64_int, request_seed
+from lightning_codraft.rollout.sampling.noise import resolve_request_seeds, seed_tensor
+from lightning_codraft.rollout.sampling.rules import gumbel_argmax
 
 MASK = (1 << 64) - 1
 Z = 5.0   # two-sided z bound of the frequency tests (p ~ 6e-7 each)

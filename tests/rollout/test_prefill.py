@@ -1,11 +1,11 @@
-"""Grouped prefill (rollout/prefill.py): the same logits, taps and cache as one padded forward over the batch."""
+"""Grouped prefill (rollout/embedded/prefill.py): the same logits, taps and cache as one padded forward over the batch."""
 
 import pytest
 import torch
 from rollout_helpers import make_policy, random_prompts
 
 from lightning_codraft.models.decode import policy_decoder
-from lightning_codraft.rollout.prefill import prefill, prefill_groups
+from lightning_codraft.rollout.embedded.prefill import prefill, prefill_groups
 
 
 def test_groups_cover_the_rows_within_the_padded_budget():

@@ -1,12 +1,12 @@
-"""TokenSampler (rollout/sampler.py): which noise each rule gets. A draft over part of the vocabulary proposes with
+"""TokenSampler (rollout/sampling/sampler.py): which noise each rule gets. A draft over part of the vocabulary proposes with
 the noise of its target ids (so a draft equal to the policy on its vocabulary proposes exactly the policy's sample
 whenever that sample lies in it); rejection sampling's q lands on the target ids; greedy needs no noise."""
 
 import torch
 
-from lightning_codraft.rollout.noise import CounterNoise, seed_tensor
-from lightning_codraft.rollout.sampler import TokenSampler
-from lightning_codraft.rollout.sampling_rules import SamplingParams, gumbel_argmax, sampling_logprobs
+from lightning_codraft.rollout.sampling.noise import CounterNoise, seed_tensor
+from lightning_codraft.rollout.sampling.sampler import TokenSampler
+from lightning_codraft.rollout.sampling.rules import SamplingParams, gumbel_argmax, sampling_logprobs
 
 V, B = 12, 4000
 INDEX = torch.tensor([1, 3, 4, 6, 7, 9, 10, 11])   # draft id -> target id

@@ -11,7 +11,7 @@ import torch
 
 from rollout_helpers import reference_filter as _reference_filter
 
-from lightning_codraft.rollout.sampling_rules import (
+from lightning_codraft.rollout.sampling.rules import (
     SamplingParams,
     filter_logits,
     greedy_verify,

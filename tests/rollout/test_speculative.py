@@ -12,11 +12,11 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts,
 
 from lightning_codraft.models import Eagle3Draft, KVCache
 from lightning_codraft.rollout import AcceptanceStats, RolloutEngine, RolloutError, SpeculativeEngine
-from lightning_codraft.rollout import noise, sampler
-from lightning_codraft.rollout.adaptive import AdaptiveConfig, SpeculationController
-from lightning_codraft.rollout.cost_model import CostModel
-from lightning_codraft.rollout.noise import request_seed
-from lightning_codraft.rollout.sampling_rules import gumbel_argmax, lazy_coupled_verify
+from lightning_codraft.rollout.sampling import noise, sampler
+from lightning_codraft.rollout.embedded.adaptive import AdaptiveConfig, SpeculationController
+from lightning_codraft.rollout.embedded.cost_model import CostModel
+from lightning_codraft.rollout.sampling.noise import request_seed
+from lightning_codraft.rollout.sampling.rules import gumbel_argmax, lazy_coupled_verify
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,9 @@ from rollout_helpers import make_policy
 
 from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.rollout.engine import RolloutError
-from lightning_codraft.rollout.vllm_engine import VLLMEngine, describe_requests, request_stats
-from lightning_codraft.rollout.buckets import open_handle
-from lightning_codraft.rollout.vllm_weights import bytes_to_tensors, expected_checksums, resolve_update_path
+from lightning_codraft.rollout.vllm.engine import VLLMEngine, describe_requests, request_stats
+from lightning_codraft.rollout.refit.buckets import open_handle
+from lightning_codraft.rollout.vllm.weights import bytes_to_tensors, expected_checksums, resolve_update_path
 
 NATIVE_SESSION = ["start_weight_update", "update_weights", "finish_weight_update",
                   "start_draft_weight_update", "update_weights", "finish_weight_update"]
@@ -187,7 +187,7 @@ def test_the_loops_level_2_sleep_then_a_bucketed_refit_of_both_models():
     """The RL loop sleeps at level 2 (weights discarded), wakes with ``refit=True`` (nothing pushed at the wake) and
     refits both models in buckets through the native session; the full verification passes, and a refit whose
     draft buckets went missing fails naming the draft."""
-    from lightning_codraft.rollout.weight_sync import WeightSync
+    from lightning_codraft.rollout.refit.sync import WeightSync
 
     policy, draft = models()
     llm = FakeLLM(policy, draft)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_codraft.rollout.vllm_cpu_fixes import (
+from lightning_codraft.rollout.vllm.cpu_fixes import (
     apply_fixes, expand_batch_to_tokens, guard_empty_rows, probe_expand, probe_top_k_only)
 
 

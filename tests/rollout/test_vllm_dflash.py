@@ -12,9 +12,9 @@ from rollout_helpers import fit_dflash, make_policy, random_prompts  # noqa: E40
 
 from lightning_codraft.models.dflash import DFlashDraft  # noqa: E402
 from lightning_codraft.models.dflash_io import save_dflash  # noqa: E402
-from lightning_codraft.rollout.block_engine import BlockSpeculativeEngine  # noqa: E402
-from lightning_codraft.rollout.speculative import SpeculativeEngine  # noqa: E402
-from lightning_codraft.rollout.vllm_engine import WORKER_EXTENSION  # noqa: E402
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine  # noqa: E402
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine  # noqa: E402
+from lightning_codraft.rollout.vllm.engine import WORKER_EXTENSION  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -70,8 +70,8 @@ def test_vllm_engine_refits_a_dflash_drafter_by_buckets(tmp_path):
     with the refitted drafter."""
     import copy
 
-    from lightning_codraft.rollout.vllm_engine import VLLMEngine
-    from lightning_codraft.rollout.weight_sync import WeightSync
+    from lightning_codraft.rollout.vllm.engine import VLLMEngine
+    from lightning_codraft.rollout.refit.sync import WeightSync
 
     torch.set_num_threads(1)
     policy = make_policy(seed=0, **SHAPE)

@@ -13,8 +13,8 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy, random_prompts 
 
 from lightning_codraft.models import Eagle3Draft  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine  # noqa: E402
-from lightning_codraft.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from lightning_codraft.rollout.vllm_weights import tensors_to_bytes  # noqa: E402
+from lightning_codraft.rollout.vllm.engine import VLLMEngine  # noqa: E402
+from lightning_codraft.rollout.vllm.weights import tensors_to_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -147,8 +147,8 @@ def test_a_bucketed_refit_reaches_vllm_by_reference_and_a_bad_one_fails(setup):
     """Buckets in shared memory through vLLM's native session: after a refit of both models, of the draft only and
     of the policy only, every parameter verifies (the pushed model against the pushed tensors, the other unchanged)
     and the engine reports the pushed versions; a dropped or stale bucket fails in the worker, named."""
-    from lightning_codraft.rollout.buckets import pack_buckets
-    from lightning_codraft.rollout.weight_sync import WeightSync, refit_buckets
+    from lightning_codraft.rollout.refit.buckets import pack_buckets
+    from lightning_codraft.rollout.refit.sync import WeightSync, refit_buckets
 
     policy, draft, engine = setup
     assert engine.weight_update_path == "native"

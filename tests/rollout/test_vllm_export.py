@@ -12,7 +12,7 @@ from lightning_codraft.config import load_config  # noqa: E402
 from lightning_codraft.rl.run.run_dir import export_run, load_run  # noqa: E402
 from lightning_codraft.rl.run.loop import fit  # noqa: E402
 from lightning_codraft.rollout import SpeculativeEngine  # noqa: E402
-from lightning_codraft.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lightning_codraft.rollout.vllm.engine import VLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

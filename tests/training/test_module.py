@@ -8,7 +8,7 @@ from codraft_fixtures import VOCAB, make_batch, make_models
 from lightning_codraft.attention.packing import shift_left_local
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.parallel.pipeline import Pruned
-from lightning_codraft.rollout.weight_sync import full_state_dict
+from lightning_codraft.rollout.refit.sync import full_state_dict
 from lightning_codraft.training import CoDraftModule, CoDraftModuleConfig
 
 

@@ -1,6 +1,6 @@
 """Evaluation helpers of the RL loop: greedy task accuracy, and the rollout speed-up of the draft.
 
-Both run the embedded :class:`~lightning_codraft.rollout.speculative.SpeculativeEngine` on the given modules
+Both run the embedded :class:`~lightning_codraft.rollout.embedded.speculative.SpeculativeEngine` on the given modules
 (no copies). The speed-up is measured side by side in one call: plain decoding and speculative decoding
 on the same prompts, sampling settings and seed, the faster of two repeats of each (interleaved).
 """
@@ -18,8 +18,8 @@ from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.step import weight_versions
 from lightning_codraft.rl.tasks.arithmetic import RewardFn, TaskSample
 from lightning_codraft.rl.tasks.rewards import RewardSet, as_reward_set
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
-from lightning_codraft.rollout.speculative import SpeculativeEngine
 
 
 def sample_rewards(

@@ -2,12 +2,12 @@
 
 A proposal's *confidence* is its probability under the distribution the draft drew it from (the draft's softmax;
 tempered and filtered when sampling: :meth:`TokenSampler.draw(confidence=True)
-<lightning_codraft.rollout.sampler.TokenSampler.draw>`). A draft fitted to its policy is roughly calibrated:
+<lightning_codraft.rollout.sampling.sampler.TokenSampler.draw>`). A draft fitted to its policy is roughly calibrated:
 proposals it is sure of are accepted almost always, the ones it hesitates over rarely. :class:`ConfidenceCalibration`
 keeps, per confidence bin, decayed counts of proposals verified (every position a row reached: all proposals before
 it accepted) and accepted, shrunk towards the caller's prior (the engine-wide acceptance rate: a new engine predicts
 as if it knew no confidence, and every bin keeps being verified until its own counts speak), so the adaptive
-controller (rollout/adaptive.py) can stop a proposal chain once the next proposals are unlikely to pay for their
+controller (rollout/embedded/adaptive.py) can stop a proposal chain once the next proposals are unlikely to pay for their
 verify. How far confidence is from acceptance depends on the rule: greedy, a fitted draft is close to calibrated;
 sampled with Gumbel coupling, a proposal the draft gives 7% is still accepted a third of the time.
 """

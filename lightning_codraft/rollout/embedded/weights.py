@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from lightning_codraft.rollout.buckets import BucketReceiver, WeightBucket, copy_into
 from lightning_codraft.rollout.engine import RolloutOutput
+from lightning_codraft.rollout.refit.buckets import BucketReceiver, WeightBucket, copy_into
 
 
 class EmbeddedWeights:
@@ -23,7 +23,7 @@ class EmbeddedWeights:
     keeps_own_weights = False
     """The engine decodes the modules it was given: a weight update writes into them."""
     supports_sleep = False
-    """The engine has no memory of its own to free; its modules' storage is the caller's (weight_sync)."""
+    """The engine has no memory of its own to free; its modules' storage is the caller's (refit.sync)."""
     verify_updates = False
     """The engine checks every bucket as it lands (:meth:`load_buckets`) and decodes the tensors it was given: it
     has nothing more to verify, and ignores the flag."""
@@ -59,7 +59,7 @@ class EmbeddedWeights:
 
     def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
         """Copy a bucketed refit into the engine's modules in place, each bucket checked as it lands
-        (:class:`~lightning_codraft.rollout.buckets.BucketReceiver`); the engine then holds the pushed versions."""
+        (:class:`~lightning_codraft.rollout.refit.buckets.BucketReceiver`); the engine then holds the pushed versions."""
         receivers: dict[str, tuple[BucketReceiver, dict]] = {}
         for bucket in buckets:
             module = {"policy": self.policy, "draft": self.draft}.get(bucket.kind)
@@ -78,7 +78,7 @@ class EmbeddedWeights:
     def sleep(self, level: int = 1) -> None:
         raise RuntimeError(
             "the embedded engine cannot sleep (supports_sleep is False): release its modules' storage "
-            "with rollout.weight_sync.release_parameters instead"
+            "with rollout.refit.sync.release_parameters instead"
         )
 
     def wake_up(self, *, refit: bool = False) -> None:

@@ -2,7 +2,7 @@
 
 A rollout drawn with this noise is a pure function of its request's seed, its prompt and the weights: which
 other requests share its batch, how the batch is chunked, the order of the requests and (with coupled sampling,
-rollout/sampler.py) the speculation lengths change nothing, so rollouts spread over any number of ranks are the
+rollout/sampling/sampler.py) the speculation lengths change nothing, so rollouts spread over any number of ranks are the
 rollouts of one process.
 
 **The hash** is SplitMix64's finaliser ``mix64`` (Steele, Lea, Flood 2014; the ``splitmix64`` of Vigna's
@@ -109,7 +109,7 @@ def resolve_request_seeds(num_requests: int, seed: int | None, request_seeds: Se
         if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= int(s) < 1 << 63:
             raise ValueError(
                 f"request_seeds[{i}]={s!r} must be an int in [0, 2**63); derive seeds with "
-                "lightning_codraft.rollout.noise.request_seed(seed, index)"
+                "lightning_codraft.rollout.sampling.noise.request_seed(seed, index)"
             )
     return [int(s) for s in seeds]
 

@@ -1,7 +1,7 @@
 """Sampling utilities: temperature / top-k / top-p filtering and lossless speculative verification.
 
 Everything here is batched and works on logits of any leading shape ``(..., V)``. Random choices take their
-noise as arguments (counter-based noise, rollout/noise.py), so a rule is a pure function of its inputs. The
+noise as arguments (counter-based noise, rollout/sampling/noise.py), so a rule is a pure function of its inputs. The
 verification rules:
 
 * **greedy** (temperature 0): accept the longest prefix of draft tokens that equals the policy's
@@ -44,7 +44,7 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 disables top-k."""
     seed: int | None = None
-    """Call-wide seed: request i samples with seed ``request_seed(seed, i)`` (rollout/noise.py); the same seed,
+    """Call-wide seed: request i samples with seed ``request_seed(seed, i)`` (rollout/sampling/noise.py); the same seed,
     prompts and weights give the same outputs."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Generation of a sequence stops after it emits one of these ids (the stop token is included)."""

@@ -10,9 +10,9 @@
 5. **emit** the accepted tokens and the bonus, up to a stop token or the row's budget.
 
 The per-chunk constants and outputs live in :class:`Chunk`, the round's result in the typed :class:`Verified`
-record, its timing in the cost model's :class:`~lightning_codraft.rollout.cost_model.RoundClock` (what an adaptive
+record, its timing in the cost model's :class:`~lightning_codraft.rollout.embedded.cost_model.RoundClock` (what an adaptive
 engine's controller learns costs from). docs/design/decoding.md describes the algorithm; the draft's side
-(:func:`propose`, :func:`catch_up`, :func:`resume`) is below, the verification rule in rollout/sampler.py.
+(:func:`propose`, :func:`catch_up`, :func:`resume`) is below, the verification rule in rollout/sampling/sampler.py.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any, Optional
 import torch
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
-from lightning_codraft.rollout.batch import LiveRows, Taps
-from lightning_codraft.rollout.cost_model import RoundClock
+from lightning_codraft.rollout.embedded.batch import LiveRows, Taps
+from lightning_codraft.rollout.embedded.cost_model import RoundClock
 from lightning_codraft.rollout.engine import AcceptanceStats, ForwardObserver
-from lightning_codraft.rollout.sampler import RoundNoise, TokenSampler
-from lightning_codraft.rollout.sampling_rules import sampling_logprobs
+from lightning_codraft.rollout.sampling.rules import sampling_logprobs
+from lightning_codraft.rollout.sampling.sampler import RoundNoise, TokenSampler
 
 
 def pick(captured: Optional[Taps], ids: Optional[Sequence[int]], want: Optional[Sequence[int]]) -> Optional[Taps]:
@@ -61,7 +61,7 @@ def propose(
     Args:
         stop: with it, each proposal's confidence is measured and, after each proposal, ``stop(confidences)``
             (``(n, B)`` of the n drawn so far) says how many of them to verify, or None to draft another
-            (the adaptive controller's :meth:`~lightning_codraft.rollout.adaptive.SpeculationController.verify_length`);
+            (the adaptive controller's :meth:`~lightning_codraft.rollout.embedded.adaptive.SpeculationController.verify_length`);
             without it all k are drawn and verified.
 
     Returns:

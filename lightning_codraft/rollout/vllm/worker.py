@@ -1,11 +1,11 @@
 """Code that runs inside vLLM's worker process: the worker extension, the CPU sampling fixes, a bytes weight
 transport for vLLM's native weight-update API (docs/design/vllm.md).
 
-vLLM imports this module in every worker because :class:`~lightning_codraft.rollout.vllm_engine.VLLMEngine`
+vLLM imports this module in every worker because :class:`~lightning_codraft.rollout.vllm.engine.VLLMEngine`
 names :class:`CoDraftWorkerExtension` as ``worker_extension_cls``; that import happens after vLLM registered its
 CPU kernel overrides and before the model loads, so at import this module
 
-* probes vLLM's sampling functions and fixes the defective ones (:mod:`~lightning_codraft.rollout.vllm_cpu_fixes`;
+* probes vLLM's sampling functions and fixes the defective ones (:mod:`~lightning_codraft.rollout.vllm.cpu_fixes`;
   the environment variable ``CODRAFT_VLLM_CPU_FIXES=0`` keeps them unfixed), recorded in :data:`CPU_FIXES`;
 * registers :class:`BytesWeightTransferEngine` as vLLM's weight-transfer backend ``"codraft_bytes"``, so the
   native ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` session (and
@@ -27,9 +27,9 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-from lightning_codraft.rollout.buckets import BucketReceiver, RefitError, open_handle
-from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
-from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
+from lightning_codraft.rollout.refit.buckets import BucketReceiver, RefitError, open_handle
+from lightning_codraft.rollout.vllm.cpu_fixes import FIXES_ENV, install_cpu_sampling_fixes
+from lightning_codraft.rollout.vllm.weights import TRANSFER_BACKEND, Report, bytes_to_tensors, engine_checksums
 
 
 def _split_draft_state(
@@ -117,7 +117,7 @@ def _own_pending(storage: torch.UntypedStorage) -> int:
 
 
 class BucketSession:
-    """The worker's side of one model's bucketed refit (rollout/buckets.py) in a weight-update session: each bucket
+    """The worker's side of one model's bucketed refit (rollout/refit/buckets.py) in a weight-update session: each bucket
     checked as it lands and loaded from the shared buffer without a copy (:meth:`receive` / :meth:`loaded`);
     problems (a corrupted, stale, dropped or missing bucket) are recorded, never raised inside vLLM's session, so
     the session always closes; the engine asks for them (``codraft_refit_problems``)."""
@@ -178,9 +178,9 @@ def _register_transport() -> type | None:
     @dataclass
     class BytesUpdateInfo(WeightTransferUpdateInfo):
         blob: bytes | None = None
-        """A safetensors-serialised state dict in our checkpoint names (``vllm_weights.tensors_to_bytes``)."""
+        """A safetensors-serialised state dict in our checkpoint names (``vllm.weights.tensors_to_bytes``)."""
         handle: tuple | None = None
-        """Or a bucket of a bucketed refit, by reference (``rollout.buckets.share_handle``: shared memory on CPU,
+        """Or a bucket of a bucketed refit, by reference (``rollout.refit.buckets.share_handle``: shared memory on CPU,
         a CUDA IPC handle on GPU); the buckets of one session arrive in order."""
         verify: str = "buckets"
         """``"buckets"``: recompute each bucket's checksum where it lands; ``"off"``."""
@@ -242,7 +242,7 @@ def _register_transport() -> type | None:
 BytesWeightTransferEngine = _register_transport()
 
 CPU_FIXES: dict[str, str] = install_cpu_sampling_fixes(enabled=os.environ.get(FIXES_ENV, "1") != "0")
-"""What the sampling probes found in this process and what was fixed (see ``vllm_cpu_fixes.apply_fixes``)."""
+"""What the sampling probes found in this process and what was fixed (see ``vllm.cpu_fixes.apply_fixes``)."""
 
 
 class CoDraftWorkerExtension:

@@ -2,19 +2,19 @@
 
 One *round* for a batch of B sequences whose caches hold ``L_b`` tokens and whose next token
 ``x_{L_b}`` (the *pending* token) is already emitted, drafting k tokens (k = K, or chosen per round by the
-adaptive controller, rollout/adaptive.py):
+adaptive controller, rollout/embedded/adaptive.py):
 
 1. **Draft** k tokens by chaining the EAGLE-3 draft: the step-0 proposal comes from the draft's
    output at position ``L_b - 1`` (input ``fuse(taps_{L_b-1})`` and ``emb(x_{L_b})``, computed at the
    end of the previous round); steps 1..k-1 feed the draft its own output hidden state and the
    token it just proposed. The draft's KV cache is rolled back to ``L_b`` afterwards. An adaptive engine
    measures the draft's confidence in each proposal and may stop the chain after any of them, verifying
-   fewer (0..k) where the controller predicts that more would not pay (rollout/round.py, confidence.py).
+   fewer (0..k) where the controller predicts that more would not pay (rollout/embedded/round.py, confidence.py).
 2. **Verify** with ONE policy forward over ``[x_{L_b}, d_1, .., d_k]`` (positions ``L_b .. L_b+k``),
    capturing the draft's taps. Greedy: accept the longest prefix equal to the policy's argmax;
    sampling: Gumbel-coupled verification (default: accept the longest prefix equal to the policy's own
    Gumbel-max samples, drawn with the noise the draft proposed with) or rejection sampling
-   (rollout/sampler.py, rollout/sampling_rules.py).
+   (rollout/sampling/sampler.py, rollout/sampling/rules.py).
    ``a_b`` accepted tokens plus one token from the policy are emitted (from ``p_k`` when all k are accepted,
    from ``p_0`` when k = 0); the policy cache is rolled back to ``L_b + 1 + a_b``.
 3. **Catch up** the draft: one draft forward over positions ``L_b .. L_b+a_b`` with the policy's real
@@ -31,7 +31,7 @@ Python on the round's accepted counts, new tokens and log-probs, copied to the h
 that finish (stop token, budget) leave the batch and its caches, so the rest do not pay for them. With no draft
 (or K = 0) the same loop is plain decoding: one policy forward per token.
 
-Randomness is counter-based (rollout/noise.py): the noise of request i at output position t is a hash of (its
+Randomness is counter-based (rollout/sampling/noise.py): the noise of request i at output position t is a hash of (its
 seed, t, purpose), so chunking, batch composition and request order never change a request's samples; with
 coupled sampling neither do the draft and the speculation lengths (fixed or adaptive): the output is the
 policy's Gumbel-max sample at every position. Token-for-token equality holds up to floating-point near-ties:
@@ -49,9 +49,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder, draft_decoder, policy_decoder
 from lightning_codraft.models.kv_cache import hole_filling_order
-from lightning_codraft.rollout.adaptive import SpeculationController
-from lightning_codraft.rollout.batch import LiveRows, decode_dtype
-from lightning_codraft.rollout.embedded_weights import EmbeddedWeights
+from lightning_codraft.rollout.embedded.adaptive import SpeculationController
+from lightning_codraft.rollout.embedded.batch import LiveRows, decode_dtype
+from lightning_codraft.rollout.embedded.prefill import prefill
+from lightning_codraft.rollout.embedded.round import Chunk, catch_up, pick, run_round
+from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import (
     AcceptanceStats,
     ForwardObserver,
@@ -59,11 +61,9 @@ from lightning_codraft.rollout.engine import (
     RolloutOutput,
     validate_prompts,
 )
-from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
-from lightning_codraft.rollout.prefill import prefill
-from lightning_codraft.rollout.round import Chunk, catch_up, pick, run_round
-from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
-from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.sampling.noise import CounterNoise, resolve_request_seeds, seed_tensor
+from lightning_codraft.rollout.sampling.rules import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.sampling.sampler import SAMPLING_MODES, TokenSampler
 
 
 class SpeculativeEngine(EmbeddedWeights):
@@ -77,7 +77,7 @@ class SpeculativeEngine(EmbeddedWeights):
             decoding.
         max_batch_size: prompts are generated in chunks of at most this many sequences (None: all at once).
         adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a default
-            :class:`~lightning_codraft.rollout.adaptive.SpeculationController`, kept across calls as
+            :class:`~lightning_codraft.rollout.embedded.adaptive.SpeculationController`, kept across calls as
             :attr:`controller`; or a controller of your own). Output is unchanged in distribution (and token
             for token when greedy or coupled; with ``sampling="rejection"`` the samples depend on each round's k,
             which follows measured times).
@@ -221,7 +221,7 @@ class SpeculativeEngine(EmbeddedWeights):
             prompts: B lists of token ids (non-empty, shorter than the context).
             max_new_tokens: generated tokens per sequence at most (also capped by the context length).
             temperature, top_p, top_k: sampling distribution (temperature 0 = greedy).
-            seed: call-wide seed: request i samples with ``request_seed(seed, i)`` (rollout/noise.py); None (and
+            seed: call-wide seed: request i samples with ``request_seed(seed, i)`` (rollout/sampling/noise.py); None (and
                 no ``request_seeds``): fresh randomness.
             stop_token_ids: a sequence finishes after emitting one of these (included in its output).
             request_seeds: B seeds in ``[0, 2**63)``, exclusive with ``seed``: request i's samples depend only on
@@ -252,7 +252,7 @@ class SpeculativeEngine(EmbeddedWeights):
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput | None] = [None] * len(prompts)
-        for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/prefill.py)
+        for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/embedded/prefill.py)
             order = sorted(range(start, min(start + chunk, len(prompts))), key=lambda i: len(prompts[i]))
             batch = [prompts[i] for i in order]
             noise = CounterNoise(seed_tensor([seeds[i] for i in order], device))
@@ -286,7 +286,7 @@ class SpeculativeEngine(EmbeddedWeights):
         observer: ForwardObserver | None = None,
         requests: list[int] | None = None,
     ) -> list[RolloutOutput]:
-        """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/round.py) until every row is
+        """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/embedded/round.py) until every row is
         done; ``requests[i]``: row i's index in the call (the observer's)."""
         K, batch, params = self.num_speculative_tokens, len(prompts), sampler.params
         draft_taps = tuple(int(t) for t in self.draft.config.taps) if self.draft is not None and K > 0 else None

@@ -1,7 +1,7 @@
 """How the embedded engine draws each token: greedy, Gumbel-coupled or rejection sampling, from counter-based noise.
 
 One :class:`TokenSampler` serves one ``generate`` call. Every random number it uses is the batch's
-:class:`~lightning_codraft.rollout.noise.CounterNoise` at the output position being sampled (0 = the first
+:class:`~lightning_codraft.rollout.sampling.noise.CounterNoise` at the output position being sampled (0 = the first
 generated token), so a request's samples depend on its seed, not on the batch around it:
 
 - **coupled** (default): the token at position t is ``argmax_v(log p_t(v) + G_t(v))`` (purpose TOKEN), and the
@@ -14,7 +14,7 @@ generated token), so a request's samples depend on its seed, not on the batch ar
   lengths too.
 - **greedy** (temperature 0): argmax everywhere, no noise.
 
-sampling_rules.py holds the rules (module docstring); this module only feeds them the right noise.
+rules.py holds the rules (module docstring); this module only feeds them the right noise.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_codraft.rollout.noise import ACCEPT, DRAFT, TOKEN, CounterNoise
-from lightning_codraft.rollout.sampling_rules import (
+from lightning_codraft.rollout.sampling.noise import ACCEPT, DRAFT, TOKEN, CounterNoise
+from lightning_codraft.rollout.sampling.rules import (
     SamplingParams,
     filter_logits,
     greedy_verify,

@@ -17,7 +17,7 @@ Each round the engine asks :meth:`SpeculationController.choose` for ``k`` in ``0
   ``probe_backoff[1]`` rounds, and end once the batch has halved.
 - ``P`` (policy verify forward of B rows x S tokens, with the sampling math), ``D`` (drafting one token: a
   chained draft step and its sampling), ``C`` (the draft catch-up over the verified positions) and ``R`` (the
-  rest of a round) are least-squares fits (rollout/cost_model.py) of times measured on this machine: timed
+  rest of a round) are least-squares fits (rollout/embedded/cost_model.py) of times measured on this machine: timed
   forwards on the live caches when the model has no data near the batch size, then every round's blocks.
   Every ``explore_every`` drafting rounds a neighbouring length is verified instead, so the estimates of the
   lengths not chosen stay measured.
@@ -31,7 +31,7 @@ choice counts that one-time cost spread over the rounds the batch has left.
 With ``AdaptiveConfig.use_confidence`` (opt-in) the k chosen is the most a round verifies: the engine draws the
 proposals one by one and, after each, asks :meth:`SpeculationController.verify_length` whether to verify what it
 has or draft on, with each drawn proposal's
-acceptance predicted from the draft's confidence in it (rollout/confidence.py, calibrated as the engine runs). The
+acceptance predicted from the draft's confidence in it (rollout/embedded/confidence.py, calibrated as the engine runs). The
 draft is well calibrated when greedy (SmolLM2, 58-minute draft, 16 held-out GSM8K prompts at batch 16: proposals
 of confidence 0.3 / 0.5 / 0.7 / 0.85 / >= 0.99 accepted 27 / 41 / 63 / 77 / 99% of the time); at T = 1 under
 coupled sampling much less (a proposal of confidence < 0.2 is still accepted 34% of the time: two broad
@@ -47,9 +47,9 @@ import torch
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.confidence import ConfidenceCalibration
-from lightning_codraft.rollout.cost_model import CostModel, width_bin
-from lightning_codraft.rollout.sampler import TokenSampler
+from lightning_codraft.rollout.embedded.confidence import ConfidenceCalibration
+from lightning_codraft.rollout.embedded.cost_model import CostModel, width_bin
+from lightning_codraft.rollout.sampling.sampler import TokenSampler
 
 
 @dataclass
@@ -99,7 +99,7 @@ class AdaptiveConfig:
     prompt, and skips the positions between)."""
     use_confidence: bool = False
     """Stop a round's proposal chain by the draft's confidence in each proposal: after every proposal the controller
-    weighs, with acceptance predicted from the proposals' confidences (rollout/confidence.py), verifying the ones drawn
+    weighs, with acceptance predicted from the proposals' confidences (rollout/embedded/confidence.py), verifying the ones drawn
     so far against drafting more (:meth:`SpeculationController.verify_length`); the round verifies between 0 and the k
     it chose. Greedy and coupled sampling only, whose tokens do not depend on the proposals: rejection sampling corrects
     proposals drawn from the draft's distribution, and keeping the sure ones while dropping the unsure ones would bias
@@ -355,7 +355,7 @@ class SpeculationController:
         verify, or None to draft another (only while ``n < max_k``).
 
         The round's k in ``0..max_k`` that maximises expected tokens per second (module docstring), with each drawn
-        proposal's conditional acceptance predicted from its confidence (rollout/confidence.py) instead of the
+        proposal's conditional acceptance predicted from its confidence (rollout/embedded/confidence.py) instead of the
         request's record, the proposals not yet drawn predicted as in :meth:`choose`, and the n drafting steps
         already taken counted in every k: verify the best k if it is at most n, else draft on.
         """

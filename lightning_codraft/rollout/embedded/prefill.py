@@ -2,7 +2,7 @@
 
 One padded forward over a whole batch pays for ``B * max_len`` positions; with prompts of very different lengths
 (GSM8K under a chat template: 60 to 300 tokens) most of them are padding. The engine sorts each batch's rows by
-prompt length (rollout/speculative.py) and :func:`prefill` runs consecutive rows in groups of at most
+prompt length (rollout/embedded/speculative.py) and :func:`prefill` runs consecutive rows in groups of at most
 ``group_tokens`` padded positions and little padding (:func:`prefill_groups`), writing each group's slots
 through a view of the shared cache.
 """

@@ -1,4 +1,4 @@
-"""The weights side of :class:`~lightning_codraft.rollout.vllm_engine.VLLMEngine`: refits into vLLM's workers
+"""The weights side of :class:`~lightning_codraft.rollout.vllm.engine.VLLMEngine`: refits into vLLM's workers
 (bucketed, by reference, through vLLM's native weight-update sessions or the worker extension), their
 verification by checksums, and sleep / wake between rollouts (a woken engine is verified again).
 
@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from lightning_codraft.rollout.buckets import RefitError, WeightBucket, share_handle
-from lightning_codraft.rollout.vllm_weights import compare_pushed, compare_resident, push_weights, tensors_to_bytes
+from lightning_codraft.rollout.refit.buckets import RefitError, WeightBucket, share_handle
+from lightning_codraft.rollout.vllm.weights import compare_pushed, compare_resident, push_weights, tensors_to_bytes
 
 
 class VLLMWeights:
@@ -84,7 +84,7 @@ class VLLMWeights:
         llm.reset_prefix_cache()
 
     def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
-        """Load a bucketed refit into every worker by reference (rollout/buckets.py; buckets in CPU shared memory
+        """Load a bucketed refit into every worker by reference (rollout/refit/buckets.py; buckets in CPU shared memory
         or on CUDA): each bucket's handle goes through vLLM's native weight-update session, one per model, and the
         worker checks it as it lands. With ``verify_updates`` both models are then fully verified (:meth:`verify`,
         holding the pushed tensors on the host for it: for tests and a run's first and last refits)."""

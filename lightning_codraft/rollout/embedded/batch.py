@@ -2,7 +2,7 @@
 
 :class:`LiveRows` holds the live rows of one ``SpeculativeEngine.generate`` chunk and everything indexed by them
 (caches, pending tokens, lengths, the draft's step-0 output, deferred catch-ups, acceptance estimates, noise);
-:meth:`LiveRows.keep` drops finished rows from all of it at once (rollout/speculative.py).
+:meth:`LiveRows.keep` drops finished rows from all of it at once (rollout/embedded/speculative.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from lightning_codraft.models.kv_cache import KVCache
 from lightning_codraft.models.precision import AUTO, resolve_dtype
-from lightning_codraft.rollout.adaptive import AcceptanceEstimates
-from lightning_codraft.rollout.noise import CounterNoise
+from lightning_codraft.rollout.embedded.adaptive import AcceptanceEstimates
+from lightning_codraft.rollout.sampling.noise import CounterNoise
 
 Taps = tuple[torch.Tensor, ...]
 

@@ -13,7 +13,7 @@ A round of request ``i`` at policy length ``L`` (its pending token ``x_L`` not y
 
 Requests decode one after another, each with its own cache (batch-invariant by construction: a request's tokens
 are a function of its seed, prompt and the weights). This is the correctness-first engine of the block drafter;
-the batched rounds of rollout/round.py and the adaptive controller do not drive it yet.
+the batched rounds of rollout/embedded/round.py and the adaptive controller do not drive it yet.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from torch import nn
 
 from lightning_codraft.models.decode import policy_decoder
 from lightning_codraft.models.dflash import DFlashDraft
-from lightning_codraft.rollout.embedded_weights import EmbeddedWeights
+from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
-from lightning_codraft.rollout.noise import CounterNoise, resolve_request_seeds, seed_tensor
-from lightning_codraft.rollout.sampler import SAMPLING_MODES, TokenSampler
-from lightning_codraft.rollout.sampling_rules import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.sampling.noise import CounterNoise, resolve_request_seeds, seed_tensor
+from lightning_codraft.rollout.sampling.rules import SamplingParams, sampling_logprobs
+from lightning_codraft.rollout.sampling.sampler import SAMPLING_MODES, TokenSampler
 
 
 class BlockSpeculativeEngine(EmbeddedWeights):

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load, save
 
 TRANSFER_BACKEND = "codraft_bytes"
-"""The weight-transfer backend ``vllm_worker`` registers in each worker."""
+"""The weight-transfer backend ``vllm.worker`` registers in each worker."""
 UPDATE_PATHS = ("auto", "native", "extension")
 
 PROBE_ROWS = 4

@@ -4,7 +4,7 @@
 speculative round: the policy's verify forward of B rows x S tokens with the sampling math,
 drafting one token (a chained draft step and its sampling), the draft's catch-up over S verified positions, and
 the rest of the round. :meth:`CostModel.calibrate` times forwards on the engine's live caches when no batch size within a
-factor 2 was timed; every round's measured blocks then keep the fits current (rollout/adaptive.py uses them).
+factor 2 was timed; every round's measured blocks then keep the fits current (rollout/embedded/adaptive.py uses them).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 
 from lightning_codraft.models.decode import DraftDecoder, PolicyDecoder
 from lightning_codraft.models.kv_cache import KVCache
-from lightning_codraft.rollout.noise import CounterNoise
-from lightning_codraft.rollout.sampler import TokenSampler
-from lightning_codraft.rollout.sampling_rules import sampling_logprobs
+from lightning_codraft.rollout.sampling.noise import CounterNoise
+from lightning_codraft.rollout.sampling.rules import sampling_logprobs
+from lightning_codraft.rollout.sampling.sampler import TokenSampler
 
 
 def clock(device: torch.device) -> float:
@@ -197,7 +197,7 @@ class CostModel:
 
     def plain_seconds(self, B: int, tokens: float) -> float:
         """What plain decoding at B rows spends on ``tokens`` tokens: ``tokens`` row-steps at a plain round's
-        predicted seconds over B (the price of a drafting round's tokens, rollout/round.py and adaptive.py)."""
+        predicted seconds over B (the price of a drafting round's tokens, rollout/embedded/round.py and adaptive.py)."""
         return self.round_times(B, 0)[0] * tokens / B
 
     def round_times(self, B: int, max_k: int, drafted: int = 0) -> list[float]:

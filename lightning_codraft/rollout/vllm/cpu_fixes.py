@@ -16,7 +16,7 @@ come from the plain sampler (upstream: vllm issue #55005; details in docs/design
 
 Every probe takes the function under test as an argument (a unit test can hand it a simulated unfixed build);
 :func:`apply_fixes` takes the two vLLM modules as arguments and patches an attribute only where its probe fails.
-The fixes must run inside vLLM's worker process: ``lightning_codraft.rollout.vllm_worker`` calls
+The fixes must run inside vLLM's worker process: ``lightning_codraft.rollout.vllm.worker`` calls
 :func:`install_cpu_sampling_fixes` when vLLM imports it as the ``worker_extension_cls`` module, which happens
 after vLLM registered its CPU kernel overrides and before the first sampling step.
 """

@@ -1,0 +1,1 @@
+"""How both engines sample: counter-based noise, the lossless verification rules, the sampling parameters."""
