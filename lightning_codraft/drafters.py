@@ -84,7 +84,7 @@ def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None,
         raise ValueError("the block engine verifies a fixed number of proposals a round: adaptive must be False")
     if draft is None or k == 0:  # plain decoding
         return SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
-    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling)
+    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling, max_batch_size=max_batch_size)
 
 
 DRAFTERS: dict[str, DrafterKind] = {

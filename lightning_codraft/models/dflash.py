@@ -100,8 +100,10 @@ class DFlashAttention(nn.Module):
 
         Args:
             x: ``(N, B, H)`` the blocks' hidden states (after the layer's input norm).
-            ctx: ``(T, H)`` the context features (every row of the policy's forward).
-            rope_blk, rope_ctx: ``(cos, sin)`` of the block rows ``(N, B, D)`` and the context rows ``(T, D)``.
+            ctx: ``(T, H)`` the context features (every row of the policy's forward), or ``(N, T, H)`` one context
+                per block (the engine's batched rounds).
+            rope_blk, rope_ctx: ``(cos, sin)`` of the block rows ``(N, B, D)`` and the context rows (``ctx``'s
+                leading shape ``+ (D,)``).
             visible: ``(N, T)`` bool, context row ``j`` visible to block ``n`` (same document, before the anchor).
 
         Returns:
@@ -111,18 +113,22 @@ class DFlashAttention(nn.Module):
         q = apply_rotary(self.q_norm(self.q_proj(x).view(N, B, self.heads, self.head_dim)), *rope_blk)
         k_blk = apply_rotary(self.k_norm(self.k_proj(x).view(N, B, self.kv_heads, self.head_dim)), *rope_blk)
         v_blk = self.v_proj(x).view(N, B, self.kv_heads, self.head_dim)
-        T = ctx.shape[0]
-        k_ctx = apply_rotary(self.k_norm(self.k_proj(ctx).view(T, self.kv_heads, self.head_dim)), *rope_ctx)
-        v_ctx = self.v_proj(ctx).view(T, self.kv_heads, self.head_dim)
+        lead = ctx.shape[:-1]  # (T,) one context for every block, or (N, C) one per block
+        k_ctx = apply_rotary(self.k_norm(self.k_proj(ctx).view(*lead, self.kv_heads, self.head_dim)), *rope_ctx)
+        v_ctx = self.v_proj(ctx).view(*lead, self.kv_heads, self.head_dim)
         rep = self.heads // self.kv_heads
         k_blk, v_blk = k_blk.repeat_interleave(rep, dim=2), v_blk.repeat_interleave(rep, dim=2)
-        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, dim=1), v_ctx.repeat_interleave(rep, dim=1)
+        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, dim=-2), v_ctx.repeat_interleave(rep, dim=-2)
         scale = 1.0 / math.sqrt(self.head_dim)
-        s_ctx = torch.einsum("nbhd,thd->nhbt", q, k_ctx) * scale  # (N, heads, B, T)
+        per_block = ctx.dim() == 3
+        pattern = "nbhd,nthd->nhbt" if per_block else "nbhd,thd->nhbt"
+        s_ctx = torch.einsum(pattern, q, k_ctx) * scale  # (N, heads, B, T)
         s_ctx = s_ctx.masked_fill(~visible[:, None, None, :], float("-inf"))
         s_blk = torch.einsum("nbhd,nchd->nhbc", q, k_blk) * scale  # (N, heads, B, B)
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1).float(), dim=-1).to(q.dtype)  # one softmax over both
-        out = torch.einsum("nhbt,thd->nbhd", p[..., :T], v_ctx) + torch.einsum("nhbc,nchd->nbhd", p[..., T:], v_blk)
+        T = s_ctx.shape[-1]
+        pattern = "nhbt,nthd->nbhd" if per_block else "nhbt,thd->nbhd"
+        out = torch.einsum(pattern, p[..., :T], v_ctx) + torch.einsum("nhbc,nchd->nbhd", p[..., T:], v_blk)
         return self.o_proj(out.reshape(N, B, self.heads * self.head_dim))
 
 
@@ -212,8 +218,8 @@ class DFlashDraft(nn.Module):
         """The blocks' final hidden states.
 
         Args:
-            ctx: ``(T, H)`` context features (:meth:`context`).
-            ctx_positions: ``(T,)`` position of each context row within its document.
+            ctx: ``(T, H)`` context features (:meth:`context`), or ``(N, T, H)`` one context per block.
+            ctx_positions: ``(T,)`` (or ``(N, T)``) position of each context row within its document.
             block_embeds: ``(N, B, H)`` the blocks' input embeddings (the policy's embedding of :meth:`block_ids`,
                 detached).
             anchor_positions: ``(N,)`` the anchors' positions within their documents (block row ``k`` sits at
@@ -225,8 +231,12 @@ class DFlashDraft(nn.Module):
             policy's head: :meth:`logits`).
         """
         N, B, _ = block_embeds.shape
-        if visible.shape != (N, ctx.shape[0]):
-            raise ValueError(f"visible has shape {tuple(visible.shape)}, expected (N, T) = ({N}, {ctx.shape[0]})")
+        T = ctx.shape[-2]
+        if visible.shape != (N, T) or (ctx.dim() == 3 and ctx.shape[0] != N):
+            raise ValueError(
+                f"visible has shape {tuple(visible.shape)} and ctx {tuple(ctx.shape)}: for {N} blocks visible must be "
+                f"(N, T) = ({N}, {T}), a per-block ctx (N, T, H)"
+            )
         offsets = torch.arange(B, device=anchor_positions.device)
         rope_blk = rope_cos_sin(anchor_positions[:, None] + offsets, self.inv_freq, block_embeds.dtype)
         rope_ctx = rope_cos_sin(ctx_positions, self.inv_freq, ctx.dtype)

@@ -52,6 +52,44 @@ def test_coupled_samples_equal_plain_decodings_of_the_same_seeds(fitted):
     assert [o.token_ids for o in block] == [o.token_ids for o in plain]
 
 
+@pytest.mark.parametrize("temperature, sampling", [(0.0, "coupled"), (1.0, "coupled"), (1.0, "rejection")])
+def test_batched_rounds_equal_one_request_at_a_time(fitted, temperature, sampling):
+    """Requests decoded together (prompts of different lengths, rows finishing at different rounds, a stop token)
+    give each request the tokens, log-probabilities and acceptance counts it gets alone: a row's rounds depend on
+    its own prompt, seed and proposals only."""
+    policy, drafter, fit_set = fitted
+    prompts = fit_set[:5] + random_prompts(5, policy.config.vocab_size, seed=11)
+    seeds = list(range(300, 310))
+    kw = dict(temperature=temperature, request_seeds=seeds)
+    probe = BlockSpeculativeEngine(policy, drafter, 3, sampling=sampling).generate(prompts, 18, **kw)
+    kw["stop_token_ids"] = [probe[0].token_ids[6]]  # a token some requests emit: they stop early, others go on
+    alone = BlockSpeculativeEngine(policy, drafter, 3, sampling=sampling, max_batch_size=1).generate(prompts, 18, **kw)
+    together = BlockSpeculativeEngine(policy, drafter, 3, sampling=sampling).generate(prompts, 18, **kw)
+    assert len({len(o.token_ids) for o in together}) > 1 and any(o.finish_reason == "stop" for o in together)
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids and t.finish_reason == a.finish_reason
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        assert t.stats.accepted_per_position == a.stats.accepted_per_position
+        assert t.stats.proposed_per_position == a.stats.proposed_per_position
+
+
+def test_a_block_per_request_context_equals_the_shared_context_with_its_mask(fitted):
+    """The engine's batched path (one context per block) against the training path (one packed context, a visibility
+    mask per block): the same blocks' hidden states."""
+    policy, drafter, _ = fitted
+    torch.manual_seed(0)
+    ctx = torch.randn(2, 9, policy.config.hidden_size)
+    lengths = torch.tensor([5, 9])
+    block = torch.randn(2, drafter.config.block_size, policy.config.hidden_size)
+    positions = torch.arange(9).expand(2, 9)
+    per_block = drafter(ctx, positions, block, lengths, positions < lengths[:, None])
+    packed = torch.cat([ctx[0, :5], ctx[1]])
+    visible = torch.zeros(2, 14, dtype=torch.bool)
+    visible[0, :5], visible[1, 5:] = True, True
+    shared = drafter(packed, torch.cat([torch.arange(5), torch.arange(9)]), block, lengths, visible)
+    torch.testing.assert_close(per_block, shared, atol=1e-5, rtol=1e-5)
+
+
 def _sampling_engine(sampling):
     policy = make_policy(seed=5, std=0.15, vocab_size=12)
     torch.manual_seed(6)

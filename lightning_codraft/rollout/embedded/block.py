@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_codraft.models.decode import policy_decoder
 from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.rollout.embedded.prefill import prefill
 from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling.noise import CounterNoise, resolve_request_seeds, seed_tensor
@@ -40,6 +41,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         drafter: the block drafter; it proposes ``num_speculative_tokens`` tokens a round (at most ``B - 1``).
         num_speculative_tokens: proposals verified per round; default ``block_size - 1``.
         sampling: ``coupled`` or ``rejection`` at temperature > 0 (as :class:`SpeculativeEngine`).
+        max_batch_size: requests decoded together at most (None: all of a call's).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         num_speculative_tokens: int | None = None,
         *,
         sampling: str = "coupled",
+        max_batch_size: int | None = None,
     ):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}")
@@ -62,7 +65,10 @@ class BlockSpeculativeEngine(EmbeddedWeights):
                 f"the drafter (hidden {dc.hidden_size}, vocab {dc.vocab_size}) does not fit the policy "
                 f"(hidden {pc.hidden_size}, vocab {pc.vocab_size}): DFlashDraft.from_policy(policy)"
             )
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         self.policy, self.draft, self.num_speculative_tokens, self.sampling = policy, drafter, k, sampling
+        self.max_batch_size = max_batch_size
         self.weight_versions = {"policy": -1, "draft": -1}
 
     @property
@@ -96,66 +102,106 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         validate_prompts(prompts, self.vocab_size, self.max_context)
         seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
         sampler = TokenSampler(params, self.sampling, self.vocab_size)
-        device = next(self.policy.parameters()).device
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prefill groups rows by length
+        size = self.max_batch_size or len(prompts)
+        outs: list[RolloutOutput | None] = [None] * len(prompts)
         with torch.inference_mode():
             pdec = policy_decoder(self.policy, self.max_context + self.num_speculative_tokens + 1)
-            outs = [self._one(p, sampler, CounterNoise(seed_tensor([s], device)), pdec) for p, s in zip(prompts, seeds)]
+            for lo in range(0, len(order), size):
+                rows = order[lo : lo + size]
+                done = self._batch([prompts[i] for i in rows], [seeds[i] for i in rows], sampler, pdec)
+                for i, out in zip(rows, done):
+                    outs[i] = out
         return self.stamp(outs)
 
-    def _one(self, prompt: list[int], sampler: TokenSampler, noise: CounterNoise, pdec) -> RolloutOutput:
-        """Prefill, then rounds until a stop token, the budget or the context ends the request."""
-        params, taps = sampler.params, tuple(self.draft.config.taps)
+    def _batch(self, prompts: list[list[int]], seeds: list[int], sampler: TokenSampler, pdec) -> list[RolloutOutput]:
+        """Prefill a batch of prompts (ascending lengths), then rounds until every row has stopped or spent its
+        budget; a finished row stays in the batch without advancing (its results are dropped)."""
+        params, taps, K = sampler.params, tuple(self.draft.config.taps), self.num_speculative_tokens
         device = next(self.policy.parameters()).device
-        P = len(prompt)
-        budget = min(self.max_context - P, params.max_new_tokens)
-        cache = pdec.allocate_cache(1, self.max_context + self.num_speculative_tokens + 1)
-        ids = torch.tensor([prompt], device=device)
-        logits, captured = pdec.forward(ids, cache, taps, logit_rows=torch.tensor([P - 1], device=device))
-        cache.lengths = torch.tensor([P], device=device)
+        B, lengths = len(prompts), [len(p) for p in prompts]
+        capacity = self.max_context + K + 1
+        ids = torch.zeros(B, max(lengths), dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, device=device)
+        cache = pdec.allocate_cache(B, capacity)
+        logits, captured = prefill(pdec, cache, ids, lengths, taps)
+        cache.lengths = torch.tensor(lengths, device=device)
+        noise = CounterNoise(seed_tensor(seeds, device))
         lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-        pending = sampler.first(lp, noise, torch.zeros(1, dtype=torch.long, device=device))
-        tokens, logprobs = [int(pending)], [float(lp[0, pending])]
-        ctx = self.draft.context([t[0] for t in captured])
-        stats = AcceptanceStats(
-            accepted_per_position=[0] * self.num_speculative_tokens,
-            proposed_per_position=[0] * self.num_speculative_tokens,
-        )
+        pending = sampler.first(lp, noise, torch.zeros(B, dtype=torch.long, device=device))
+        first = pending.tolist()
+        tokens = [[t] for t in first]
+        logprobs = [[float(lp[b, t])] for b, t in enumerate(first)]
+        ctx = self._context_buffer(B, capacity, captured, lengths)
+        ctx_len = torch.tensor(lengths, device=device)  # context rows: the positions before the pending token
+        stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(B)]
+        budgets = [min(self.max_context - n, params.max_new_tokens) for n in lengths]
         stops = set(params.stop_token_ids)
-        finish = "stop" if tokens[0] in stops else "length"
-        while finish != "stop" and len(tokens) < budget:
-            k = min(self.num_speculative_tokens, budget - len(tokens))
-            rn = sampler.start_round(noise, torch.tensor([len(tokens)], device=device), k)
-            draft_ids, q = self._propose(pdec, ctx, pending, P + len(tokens) - 1, k, sampler, rn)
-            committed = cache.lengths  # a decoder forward replaces the lengths tensor (advanced by its rows)
+        finish = ["stop" if t in stops else "length" for t in first]
+        live = [finish[b] != "stop" and len(tokens[b]) < budgets[b] for b in range(B)]
+        while any(live):
+            k = min(K, max(budgets[b] - len(tokens[b]) for b in range(B) if live[b]))
+            out_pos = torch.tensor([len(t) for t in tokens], device=device)
+            rn = sampler.start_round(noise, out_pos, k)
+            draft_ids, q = self._propose(pdec, ctx, ctx_len, pending, k, sampler, rn)
+            committed = cache.lengths
             logits, seen = pdec.forward(torch.cat([pending[:, None], draft_ids], dim=1), cache, taps)
             lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
             accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
-            a = int(accepted)
-            cache.lengths = committed + 1 + a  # the rejected rows' slots are overwritten next round
-            new = draft_ids[0, :a].tolist() + [int(bonus)]
-            ctx = torch.cat([ctx, self.draft.context([t[0, : a + 1] for t in seen])])
-            n = min(a + 1, budget - len(tokens))
-            stop_at = next((j for j in range(n) if new[j] in stops), None)
-            if stop_at is not None:
-                n, finish = stop_at + 1, "stop"
-            tokens += new[:n]
-            logprobs += lp[0, torch.arange(a + 1), torch.tensor(new)].tolist()[:n]
-            stats.record_round(k, n - 1)
+            on = torch.tensor(live, device=device)
+            a = torch.where(on, accepted, torch.full_like(accepted, -1))  # a finished row does not advance
+            cache.lengths = committed + 1 + a
+            self._extend_context(ctx, ctx_len, seen, a)
+            ctx_len += 1 + a
+            host_a, host_ids, host_bonus = a.tolist(), draft_ids.tolist(), bonus.tolist()
+            for b in range(B):
+                if not live[b]:
+                    continue
+                n_a = host_a[b]
+                new = host_ids[b][:n_a] + [host_bonus[b]]
+                n = min(n_a + 1, budgets[b] - len(tokens[b]))
+                stop_at = next((j for j in range(n) if new[j] in stops), None)
+                if stop_at is not None:
+                    n, finish[b] = stop_at + 1, "stop"
+                tokens[b] += new[:n]
+                logprobs[b] += lp[b, torch.arange(n_a + 1), torch.tensor(new)].tolist()[:n]
+                stats[b].record_round(min(k, budgets[b] - len(tokens[b]) + n), n - 1)
+                live[b] = finish[b] != "stop" and len(tokens[b]) < budgets[b]
             pending = bonus
-        return RolloutOutput(token_ids=tokens, logprobs=logprobs, finish_reason=finish, stats=stats)
+        return [
+            RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
+            for b in range(B)
+        ]
+
+    def _context_buffer(self, B: int, capacity: int, captured, lengths: list[int]) -> torch.Tensor:
+        """``(B, capacity, H)`` the rows' context features, the prompts' filled in (rows past a prompt are zero and
+        invisible)."""
+        feats = self.draft.context(list(captured))  # (B, max_len, H)
+        ctx = feats.new_zeros(B, capacity, feats.shape[-1])
+        ctx[:, : feats.shape[1]] = feats
+        return ctx
+
+    def _extend_context(self, ctx: torch.Tensor, ctx_len: torch.Tensor, seen, a: torch.Tensor) -> None:
+        """Write the verify forward's accepted rows (``0 .. a_b``; none where ``a_b < 0``) into the buffer."""
+        feats = self.draft.context(list(seen))  # (B, k + 1, H)
+        keep = torch.arange(feats.shape[1], device=a.device)[None, :] <= a[:, None]
+        rows, cols = torch.nonzero(keep, as_tuple=True)
+        ctx[rows, ctx_len[rows] + cols] = feats[rows, cols]
 
     def _propose(
-        self, pdec, ctx: torch.Tensor, pending: torch.Tensor, anchor: int, k: int, sampler: TokenSampler, rn
+        self, pdec, ctx: torch.Tensor, ctx_len: torch.Tensor, pending: torch.Tensor, k: int, sampler, rn
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``k`` proposals from ONE drafter forward over the block anchored at position ``anchor``; their q
-        (rejection sampling only)."""
+        """``k`` proposals per row from ONE drafter forward over every row's block (anchored at its pending token,
+        position ``ctx_len``); their q (rejection sampling only)."""
         d = self.draft
         block = pdec.embed(d.block_ids(pending))
-        positions = torch.arange(ctx.shape[0], device=ctx.device)
-        visible = torch.ones(1, ctx.shape[0], dtype=torch.bool, device=ctx.device)
-        hidden = d(ctx, positions, block, torch.tensor([anchor], device=ctx.device), visible)
-        logits = d.logits(hidden[0, 1 : k + 1], self.policy.lm_head.weight)  # (k, V)
-        draws = [sampler.draw(logits[j][None], rn, j) for j in range(k)]
+        C = ctx.shape[1]
+        positions = torch.arange(C, device=ctx.device).expand(ctx.shape[0], C)
+        visible = positions < ctx_len[:, None]
+        hidden = d(ctx, positions, block, ctx_len, visible)
+        logits = d.logits(hidden[:, 1 : k + 1], self.policy.lm_head.weight)  # (B, k, V)
+        draws = [sampler.draw(logits[:, j], rn, j) for j in range(k)]
         ids = torch.stack([p.ids for p in draws], dim=1)
         q = sampler.target_probs([p.q for p in draws]) if draws[0].q is not None else None
         return ids, q
