@@ -11,9 +11,13 @@ A round of request ``i`` at policy length ``L`` (its pending token ``x_L`` not y
    bonus token, lossless: greedy output equals plain decoding, samples follow the policy exactly);
 3. **extend the context** with the verify forward's taps of the accepted rows, and emit.
 
-Requests decode one after another, each with its own cache (batch-invariant by construction: a request's tokens
-are a function of its seed, prompt and the weights). This is the correctness-first engine of the block drafter;
-the batched rounds of rollout/embedded/round.py and the adaptive controller do not drive it yet.
+A batch of requests (``max_batch_size`` at most) runs its rounds together: one drafter forward proposes every
+row's block over per-row contexts (a ``(B, capacity, H)`` buffer of context features and each row's length), one
+policy forward verifies them all, and a row that has stopped or spent its budget stays in the batch without
+advancing. Every row proposes ``k`` tokens a round (``num_speculative_tokens``, less where every live row's budget
+is shorter); a row keeps what its budget allows, so a request's tokens, log-probabilities and acceptance counts
+are those it gets alone (tested). Not yet: a verify length chosen by the cost model (the adaptive controller of
+rollout/embedded/round.py drives EAGLE-3's chain only), and leaving finished rows out of the forwards.
 """
 
 from __future__ import annotations
