@@ -175,6 +175,9 @@ def run_main(cfg, args) -> str:
         "Acceptance length = tokens per verification round of the rollouts (fixed K: comparable across arms). "
         "KL = k3 estimate of KL(policy || start policy) on the step's completions; greedy agreement = share of "
         "completion positions where the policy's and the start policy's argmax agree.", "",
+        *([f"DFlash arms: block {args.dflash} ({args.dflash - 1} proposals a round against EAGLE-3's K = "
+            f"{cfg.draft.num_speculative_tokens}: the drafters' acceptance lengths are not on one scale), the same "
+            f"warm-start budget on the same SFT'd policy.", ""] if args.dflash else []),
         res.table(), "", drift_table(res), "", "Goals (issue #15):", "", *[f"- {x}" for x in g], "", NEAR_TIES, "",
         f"![curves]({png.name})", "", "Per step:", "", per_step_table(res), "",
         f"Reproduce: `python benchmarks/drift.py --config {_shown(args.config)} --name {args.name}"
