@@ -86,7 +86,7 @@ class DraftLossConfig:
     is DFlash's ``exp(-(k - 1) / block_gamma)``."""
     block_anchors: int = 16
     """A block drafter's (DFlash's) training blocks per document and step, anchored at rows drawn among the
-    document's draft targets."""
+    document's completion rows (where the engine drafts)."""
     block_gamma: Optional[float] = None
     """A block drafter's position decay: position k weighs ``exp(-(k - 1) / gamma)``; None = DFlash's for the
     block size (7 for 16, 5 for 10, 4 for 8)."""

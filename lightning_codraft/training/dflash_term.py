@@ -3,8 +3,8 @@
 Definitions in docs/design/drafters.md. One microbatch, on this rank's rows (its zigzag shard under CP):
 
 - **Anchors** are a batch column (``RLBatch.draft_anchor``) drawn per DOCUMENT on the replica's whole batch before
-  it is cut or sharded (:meth:`DFlashTerm.prepare`): ``block_anchors`` rows of each document among its draft
-  targets, from a generator seeded by the document's tokens, so one process, any ``num_microbatches`` and any
+  it is cut or sharded (:meth:`DFlashTerm.prepare`): ``block_anchors`` rows of each document among its completion
+  rows that are draft targets (where the engine drafts), from a generator seeded by the document's tokens, so one process, any ``num_microbatches`` and any
   (dp, cp, pp) mesh draw the same anchors for the same document.
 - **Context.** The drafter's context features ``hidden_norm(fc(cat(taps)))`` of this rank's rows are passed around
   the CP ring (``attention.gather.ring_gather_whole``: ``cp - 1`` point-to-point hops; the backward returns each
@@ -52,12 +52,13 @@ IMPLIED_CHUNK = 256
 
 
 def draw_anchors(batch: RLBatch, per_doc: int, seed: int = 0) -> Tensor:
-    """``(T,)`` float32: 1 on up to ``per_doc`` rows of each document, drawn without replacement among its draft
-    target rows (``RLBatch.draft_targets``) by a generator seeded with ``seed`` and the document's tokens."""
+    """``(T,)`` float32: 1 on up to ``per_doc`` rows of each document, drawn without replacement among its completion
+    rows that are draft targets (``loss_mask * RLBatch.draft_targets``: a block starts where the engine drafts) by a
+    generator seeded with ``seed`` and the document's tokens."""
     batch._require_whole("draw_anchors")
     out = torch.zeros(batch.num_rows, dtype=torch.float32, device=batch.input_ids.device)
     bounds = batch.cu_seqlens.long().tolist()
-    targets = batch.draft_targets
+    targets = batch.draft_targets * batch.loss_mask
     for start, end in zip(bounds[:-1], bounds[1:]):
         rows = torch.nonzero(targets[start:end] > 0).flatten()
         if not rows.numel():

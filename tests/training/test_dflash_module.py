@@ -34,8 +34,9 @@ def test_the_drafter_gets_the_dflash_term_and_anchors_per_document():
     assert torch.equal(anchors, draw_anchors(batch, 5))  # seeded by the documents' tokens
     cu = batch.cu_seqlens.long().tolist()
     for s, e in zip(cu[:-1], cu[1:]):
-        assert int(anchors[s:e].sum()) == min(5, int((batch.draft_targets[s:e] > 0).sum()))
-    assert bool((anchors <= batch.draft_targets).all())
+        where = batch.draft_targets[s:e] * batch.loss_mask[s:e]  # completion rows that are draft targets
+        assert int(anchors[s:e].sum()) == min(5, int((where > 0).sum()))
+    assert bool((anchors <= batch.draft_targets * batch.loss_mask).all())
     # a document's anchors do not depend on where it sits in the batch
     first = make_batch(40, num_docs=3, max_len=20)
     assert torch.equal(draw_anchors(first, 5), anchors[: first.num_rows])
