@@ -13,7 +13,14 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from lightning_codraft.rollout.refit.buckets import RefitError, WeightBucket, share_handle
-from lightning_codraft.rollout.vllm.weights import compare_pushed, compare_resident, push_weights, tensors_to_bytes
+from lightning_codraft.rollout.vllm.weights import (
+    ChecksumStream,
+    compare_expected,
+    compare_resident,
+    expected_checksums,
+    push_weights,
+    tensors_to_bytes,
+)
 
 
 class VLLMWeights:
@@ -86,16 +93,21 @@ class VLLMWeights:
     def load_buckets(self, buckets: Iterable[WeightBucket], verify: str = "buckets") -> None:
         """Load a bucketed refit into every worker by reference (rollout/refit/buckets.py; buckets in CPU shared memory
         or on CUDA): each bucket's handle goes through vLLM's native weight-update session, one per model, and the
-        worker checks it as it lands. With ``verify_updates`` both models are then fully verified (:meth:`verify`,
-        holding the pushed tensors on the host for it: for tests and a run's first and last refits)."""
-        llm, session, pushed, kept = self._live(), None, {}, {}
+        worker checks it as it lands. With ``verify_updates`` both models are then fully verified against checksums
+        streamed from the buckets as they pass (:class:`~lightning_codraft.rollout.vllm.weights.ChecksumStream`: no
+        pushed tensor is kept on the host; the extension path, which takes whole states, keeps them)."""
+        llm, session, pushed, kept, streams = self._live(), None, {}, {}, {}
         native = self.weight_update_path == "native"
         try:
             for bucket in buckets:
                 if bucket.kind == "draft" and self.num_speculative_tokens == 0:
                     raise ValueError("load_buckets got a draft bucket but this VLLMEngine runs without a draft")
-                if not native or self.verify_updates:
+                if not native:
                     kept.setdefault(bucket.kind, {}).update((n, t.clone()) for n, t in bucket.tensors())
+                if self.verify_updates:
+                    stream = streams.setdefault(bucket.kind, self._checksum_stream(bucket.kind))
+                    for name, t in bucket.tensors():
+                        stream.add(name, t)
                 if native and bucket.kind != session:
                     if session is not None:
                         llm.collective_rpc("finish_weight_update")
@@ -116,8 +128,13 @@ class VLLMWeights:
             self._push(kept.get("policy"), kept.get("draft"))
         llm.reset_prefix_cache()
         if self.verify_updates:
-            self.verify(kept.get("policy"), kept.get("draft"))
+            self._verify({kind: stream.result() for kind, stream in streams.items()})
         self.weight_versions.update(pushed)
+
+    def _checksum_stream(self, kind: str) -> ChecksumStream:
+        """A stream keyed like the engine's last report of ``kind`` (its layers' ``param`` / ``probe`` kinds)."""
+        report = self._resident[0].get(kind, {}) if self._resident else {}
+        return ChecksumStream(kind == "draft", {k: v[0] for k, v in report.items()})
 
     def update_weights(
         self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
@@ -139,16 +156,25 @@ class VLLMWeights:
         whose state is None must equal its checksums at the last successful verification (or at start). On
         success those become the new reference.
         """
+        expected = {}
+        for kind, state in (("policy", policy_state), ("draft", draft_state)):
+            if state is not None:
+                report = self._resident[0].get(kind, {}) if self._resident else {}
+                expected[kind] = expected_checksums(state, kind == "draft", {k: v[0] for k, v in report.items()})
+        self._verify(expected)
+
+    def _verify(self, expected: Mapping[str, Mapping[str, tuple[float, float]]]) -> None:
+        """:meth:`verify` against checksums of the pushed states (``kind -> {key: (sum, sumsq)}``); a kind not in
+        ``expected`` must be unchanged since the last verification."""
         reports = self._live().collective_rpc("codraft_checksums")
         kinds = ("policy", "draft") if self.num_speculative_tokens else ("policy",)
         problems: list[str] = []
         for rank, report in enumerate(reports):
             for kind in kinds:
-                state = policy_state if kind == "policy" else draft_state
                 if kind not in report:
                     problems.append(f"worker {rank}: no {kind} model loaded")
-                elif state is not None:
-                    problems += [f"worker {rank}: {p}" for p in compare_pushed(kind, state, report[kind])]
+                elif kind in expected:
+                    problems += [f"worker {rank}: {p}" for p in compare_expected(kind, expected[kind], report[kind])]
                 else:
                     before = self._resident[rank].get(kind, {}) if rank < len(self._resident) else {}
                     problems += [f"worker {rank}: {p}" for p in compare_resident(kind, before, report[kind])]

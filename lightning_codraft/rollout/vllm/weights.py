@@ -77,6 +77,46 @@ def probe_input(in_features: int, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.randn(PROBE_ROWS, in_features, generator=g, dtype=torch.float64).to(dtype)
 
 
+class ChecksumStream:
+    """:func:`expected_checksums` of a state that streams past tensor by tensor (a bucketed refit): each tensor is
+    reduced as it passes and never kept; a ``"probe"`` weight keeps only its ``(PROBE_ROWS, out)`` probe output until
+    its bias (which may come in a later bucket) is known. The same math as over the whole state.
+
+    Args:
+        draft: whether the tensors are the drafter's; kinds: ``key -> "param" | "probe"`` from an engine report.
+    """
+
+    def __init__(self, draft: bool, kinds: Mapping[str, str]):
+        self.draft, self.kinds = draft, dict(kinds)
+        self._sums: dict[str, list[float]] = {}
+        self._probed: dict[str, torch.Tensor] = {}
+        self._biases: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        key = canonical_name(name, self.draft)
+        if key is None or not torch.is_floating_point(t):
+            return
+        if name.endswith(".bias"):
+            self._biases[name] = t.detach().double().clone()
+        elif self.kinds.get(key) == "probe":
+            self._probed[name] = probe_input(t.shape[1], torch.float64) @ t.detach().double().T
+        else:
+            self._accumulate(key, *checksum(t))
+
+    def _accumulate(self, key: str, s: float, q: float) -> None:
+        acc = self._sums.setdefault(key, [0.0, 0.0])
+        acc[0] += s
+        acc[1] += q
+
+    def result(self) -> dict[str, tuple[float, float]]:
+        """``{key: (sum, sum of squares)}`` of everything added (parts that vLLM fuses add up)."""
+        for name, y in self._probed.items():
+            bias = self._biases.get(name[: -len("weight")] + "bias")
+            self._accumulate(canonical_name(name, self.draft), *checksum(y if bias is None else y + bias))
+        self._probed = {}
+        return {k: (v[0], v[1]) for k, v in self._sums.items()}
+
+
 def expected_checksums(
     state: Mapping[str, torch.Tensor], draft: bool, kinds: Mapping[str, str]
 ) -> dict[str, tuple[float, float]]:
@@ -85,23 +125,10 @@ def expected_checksums(
     ``kinds[key]`` is ``"param"`` (checksum of the parameter itself) or ``"probe"`` (checksum of
     ``probe @ W.T + b``). Parts that vLLM fuses (q/k/v, gate/up) add up.
     """
-    out: dict[str, list[float]] = {}
+    stream = ChecksumStream(draft, kinds)
     for name, t in state.items():
-        key = canonical_name(name, draft)
-        if key is None or not torch.is_floating_point(t) or name.endswith(".bias"):
-            continue
-        if kinds.get(key) == "probe":
-            y = probe_input(t.shape[1], torch.float64) @ t.detach().double().T
-            bias = state.get(name[: -len("weight")] + "bias")
-            if bias is not None:
-                y = y + bias.detach().double()
-            s, q = checksum(y)
-        else:
-            s, q = checksum(t)
-        acc = out.setdefault(key, [0.0, 0.0])
-        acc[0] += s
-        acc[1] += q
-    return {k: (v[0], v[1]) for k, v in out.items()}
+        stream.add(name, t)
+    return stream.result()
 
 
 def engine_checksums(model: torch.nn.Module, draft: bool) -> Report:
@@ -134,8 +161,16 @@ def compare_pushed(kind: str, state: Mapping[str, torch.Tensor], actual: Report,
     """Problems (empty if none) between an engine's report of ``kind`` (``"policy"`` / ``"draft"``) and the
     pushed ``state``."""
     kinds = {k: v[0] for k, v in actual.items()}
+    return compare_expected(kind, expected_checksums(state, kind == "draft", kinds), actual, rel)
+
+
+def compare_expected(
+    kind: str, expected: Mapping[str, tuple[float, float]], actual: Report, rel: float = 1e-4
+) -> list[str]:
+    """:func:`compare_pushed` against checksums already computed (:class:`ChecksumStream`)."""
+    kinds = {k: v[0] for k, v in actual.items()}
     problems = []
-    for key, (s, q) in expected_checksums(state, kind == "draft", kinds).items():
+    for key, (s, q) in expected.items():
         if key not in actual:
             if key == "lm_head.weight" and "embed_tokens.weight" in actual:
                 continue  # tied embeddings: vLLM keeps one tensor
