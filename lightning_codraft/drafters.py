@@ -3,21 +3,16 @@
 A recipe names its drafter (``draft.type``: ``eagle3`` | ``dflash``, NeMo-RL's ``speculator_type`` names); a
 :class:`DrafterKind` says what that name means to every part (docs/design/drafters.md has the table):
 
-============================  ===============================================  =====================================
-part                          EAGLE-3                                          DFlash
-============================  ===============================================  =====================================
-the model                     ``models.eagle3.Eagle3Draft``                    ``models.dflash.DFlashDraft``
-taps, loss over a packed      ``training.drafter.Eagle3Term`` (TTT unroll,     ``training.dflash_term.DFlashTerm``
-batch, CP / PP / FSDP2,       branch attention merged into the ring)           (anchors per document, context on
-implied rounds, A/B, warm                                                      the ring, mask embedding over PP)
-start loss
-engine round                  ``rollout.embedded.speculative.SpeculativeEngine``        ``rollout.embedded.block.
-                                                                               BlockSpeculativeEngine``
-export / load                 ``Eagle3Draft.save_pretrained`` /                ``DFlashDraft.save_pretrained`` /
-                              ``from_pretrained`` (vLLM ``eagle3``)            ``load_dflash`` (vLLM ``dflash``)
-refit                         the draft's state dict, bucketed                 the same (no embedding, no head:
-                              (``rollout.refit.sync``)                        the policy's are pushed with it)
-============================  ===============================================  =====================================
+- **the model**: EAGLE-3 ``models.eagle3.Eagle3Draft``; DFlash ``models.dflash.DFlashDraft``.
+- **taps, the loss over a packed batch, CP / PP / FSDP2, implied rounds, the A/B, the warm start's loss**: EAGLE-3
+  ``training.drafter.Eagle3Term`` (TTT unroll, branch attention merged into the ring); DFlash
+  ``training.dflash_term.DFlashTerm`` (anchors per document, the context on the ring, the mask embedding over PP).
+- **the engine round**: EAGLE-3 ``rollout.embedded.speculative.SpeculativeEngine``; DFlash
+  ``rollout.embedded.block.BlockSpeculativeEngine``.
+- **export / load**: ``Eagle3Draft.save_pretrained`` / ``from_pretrained`` (vLLM ``eagle3``);
+  ``DFlashDraft.save_pretrained`` / ``models.dflash_io.load_dflash`` (vLLM ``dflash``).
+- **refit**: the drafter's state dict, bucketed (``rollout.refit.sync``), for both (a DFlash drafter owns no
+  embedding and no head: the policy's are pushed with the policy).
 
 A research drafter registers a kind of its own (:func:`register_drafter`) and a term for its model class
 (``training.drafter.register_draft_term``); a subclass of a drafter's model keeps its kind and term.
