@@ -137,11 +137,11 @@ class DFlashTerm:
         return unroll_weights(c.position_weights, c.ttt_decay, K, module.live_position_rates)
 
     def inputs(self, module, taps: dict[int, Tensor], batch: RLBatch) -> BlockInputs:
-        group, B = module.parallel_dims.cp_group, self.block_size
+        group = module.parallel_dims.cp_group
         anchors = torch.nonzero(batch.draft_anchor > 0).flatten()
         tap0 = taps[0].detach()
         mask = module.block_mask_embedding().to(tap0)
-        embeds = torch.cat([tap0[anchors][:, None], mask.expand(anchors.numel(), B - 1, -1)], 1)
+        embeds = self._block_embeds(tap0, mask, anchors)
         if batch.is_sharded:
             lay = ZigzagLayout.build(batch.cu_seqlens, batch.cp_rank, batch.cp_size, device=tap0.device)
             global_rows = lay.global_rows
@@ -153,6 +153,11 @@ class DFlashTerm:
         return BlockInputs(
             [taps[t].detach() for t in self.taps(module)], anchors, embeds, positions, global_rows, tap0, mask, head
         )
+
+    def _block_embeds(self, tap0: Tensor, mask: Tensor, anchors: Tensor) -> Tensor:
+        """``(N, B, H)`` the input embeddings of the blocks anchored at local rows ``anchors``: the anchor's token
+        (tap 0 at its row), then the mask token's."""
+        return torch.cat([tap0[anchors][:, None], mask.expand(anchors.numel(), self.block_size - 1, -1)], 1)
 
     def _context(self, draft, inputs: BlockInputs, batch: RLBatch, module) -> Tensor:
         local = draft.context([f.to(next(draft.parameters()).dtype) for f in inputs.feats])
@@ -167,8 +172,11 @@ class DFlashTerm:
         hidden = draft(ctx, inputs.positions, embeds.to(ctx.dtype), inputs.positions[rows], visible)
         return DFlashDraft.logits(hidden, inputs.head.to(hidden.dtype))
 
-    def _loss(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch) -> tuple[DraftLossOutput, Tensor]:
-        """The block loss of this rank's anchors (values over the CP group) and the whole context it attended to."""
+    def _loss(
+        self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch, weights: Tensor
+    ) -> tuple[DraftLossOutput, Tensor]:
+        """The block loss of this rank's anchors (values over the CP group), its positions weighed by ``weights``,
+        and the whole context it attended to."""
         dims, c = module.parallel_dims, module.config
         group = dims.cp_group if batch.is_sharded else None
         ctx = self._context(module.draft, inputs, batch, module)
@@ -185,7 +193,7 @@ class DFlashTerm:
             block_logits,
             targets,
             counted,
-            self.position_weights(module).to(block_logits.device),
+            weights.to(block_logits.device),
             c.loss_type,
             None if batch.norm is None else batch.norm.draft,
             group=group if group_size(group) > 1 else None,
@@ -193,8 +201,8 @@ class DFlashTerm:
         return out, ctx
 
     def objective(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch):
-        out, ctx = self._loss(module, inputs, logits, batch)
-        weights = self.position_weights(module).to(out.loss.device)
+        weights = self.position_weights(module)
+        out, ctx = self._loss(module, inputs, logits, batch, weights)
         d = global_draft_objective(lambda _: out, [], weights, module.parallel_dims.dp_group)
         return d, self._implied(module, module.draft, ctx.detach(), inputs, batch)
 
@@ -204,7 +212,7 @@ class DFlashTerm:
         with torch.no_grad():
             out = module.policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=ids)
         inputs = self.inputs(module, dict(zip(ids, out.taps)), batch)
-        return self._loss(module, inputs, out.logits, batch)[0]
+        return self._loss(module, inputs, out.logits, batch, self.position_weights(module))[0]
 
     @torch.no_grad()
     def _implied(self, module, draft, ctx: Tensor, inputs: BlockInputs, batch: RLBatch) -> Tensor:
@@ -216,7 +224,7 @@ class DFlashTerm:
         def blocks():
             for lo in range(0, rows.numel(), IMPLIED_CHUNK):
                 part = rows[lo : lo + IMPLIED_CHUNK]
-                embeds = torch.cat([inputs.tap0[part][:, None], inputs.mask.expand(part.numel(), B - 1, -1)], 1)
+                embeds = self._block_embeds(inputs.tap0, inputs.mask, part)
                 yield part, self._blocks(draft, ctx, inputs, part, embeds, batch)
 
         accept = block_row_acceptance(blocks(), B - 1, batch, module.config.temperature, group)

@@ -162,15 +162,15 @@ class BlockSpeculativeEngine(EmbeddedWeights):
             for b in range(B):
                 if not live[b]:
                     continue
-                n_a = host_a[b]
+                n_a, left = host_a[b], budgets[b] - len(tokens[b])
                 new = host_ids[b][:n_a] + [host_bonus[b]]
-                n = min(n_a + 1, budgets[b] - len(tokens[b]))
+                n = min(n_a + 1, left)
                 stop_at = next((j for j in range(n) if new[j] in stops), None)
                 if stop_at is not None:
                     n, finish[b] = stop_at + 1, "stop"
                 tokens[b] += new[:n]
                 logprobs[b] += lp[b, torch.arange(n_a + 1), torch.tensor(new)].tolist()[:n]
-                stats[b].record_round(min(k, budgets[b] - len(tokens[b]) + n), n - 1)
+                stats[b].record_round(min(k, left), n - 1)  # what this row's budget let it propose
                 live[b] = finish[b] != "stop" and len(tokens[b]) < budgets[b]
             pending = bonus
         return [

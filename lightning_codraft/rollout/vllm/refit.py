@@ -132,9 +132,13 @@ class VLLMWeights:
         self.weight_versions.update(pushed)
 
     def _checksum_stream(self, kind: str) -> ChecksumStream:
-        """A stream keyed like the engine's last report of ``kind`` (its layers' ``param`` / ``probe`` kinds)."""
+        """A stream keyed like the engine's last report of ``kind``."""
+        return ChecksumStream(kind == "draft", self._resident_kinds(kind))
+
+    def _resident_kinds(self, kind: str) -> dict[str, str]:
+        """``key -> "param" | "probe"`` of the engine's last report of ``kind`` (how each of its layers is checked)."""
         report = self._resident[0].get(kind, {}) if self._resident else {}
-        return ChecksumStream(kind == "draft", {k: v[0] for k, v in report.items()})
+        return {k: v[0] for k, v in report.items()}
 
     def update_weights(
         self, policy_state: Mapping[str, torch.Tensor] | None, draft_state: Mapping[str, torch.Tensor] | None
@@ -159,8 +163,7 @@ class VLLMWeights:
         expected = {}
         for kind, state in (("policy", policy_state), ("draft", draft_state)):
             if state is not None:
-                report = self._resident[0].get(kind, {}) if self._resident else {}
-                expected[kind] = expected_checksums(state, kind == "draft", {k: v[0] for k, v in report.items()})
+                expected[kind] = expected_checksums(state, kind == "draft", self._resident_kinds(kind))
         self._verify(expected)
 
     def _verify(self, expected: Mapping[str, Mapping[str, tuple[float, float]]]) -> None:
