@@ -202,6 +202,11 @@ def _check_block_drafter_run(cfg: CoDraftConfig) -> None:
             "draft.type=dflash with draft.warm_start.corpus: the cached corpus is EAGLE-3's feature cache; a dflash "
             "drafter warm-starts on the pool of the policy's samples (draft.warm_start.steps)"
         )
+    if cfg.parallel.engine_dtype in ("bfloat16", "float16"):
+        raise ConfigError(
+            f"draft.type=dflash with parallel.engine_dtype={cfg.parallel.engine_dtype}: the block engine decodes in "
+            f"the training weights' dtype; set parallel.engine_dtype=null"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> CoDraftConfig:

@@ -175,11 +175,6 @@ class DraftConfig(DraftLossConfig):
                 f"draft_vocab_size={self.draft_vocab_size}: a dflash drafter proposes through the policy's own head "
                 f"(its whole vocabulary); leave it null"
             )
-        if self.adaptive:
-            raise ValueError(
-                "adaptive=true: the block engine verifies num_speculative_tokens proposals every round (the adaptive "
-                "controller drives EAGLE-3's chain only); set draft.adaptive: false"
-            )
 
 
 DRAFTER_TYPES = ("eagle3", "dflash")

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.dflash_io import load_dflash
 from lightning_codraft.models.eagle3 import Eagle3Draft
+from lightning_codraft.rollout.embedded.batch import decode_dtype
 from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
 from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
@@ -75,11 +76,14 @@ def _eagle3_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None,
 
 
 def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
-    if adaptive:
-        raise ValueError("the block engine verifies a fixed number of proposals a round: adaptive must be False")
     if draft is None or k == 0:  # plain decoding
         return SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
-    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling, max_batch_size=max_batch_size)
+    weights = next(policy.parameters())
+    if decode_dtype(dtype, weights.device) not in (None, weights.dtype):
+        raise ValueError(
+            f"dtype={dtype!r}: the block engine decodes in the weights' dtype ({weights.dtype}); pass None"
+        )
+    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling, max_batch_size=max_batch_size, adaptive=adaptive)
 
 
 DRAFTERS: dict[str, DrafterKind] = {

@@ -15,7 +15,7 @@ from lightning_codraft.rl.reports.run_log import read_metrics
 from lightning_codraft.rl.run.loop import fit
 from lightning_codraft.rl.run.run_dir import export_run, load_run
 
-DFLASH = ["draft.type=dflash", "draft.block_size=4", "draft.num_speculative_tokens=3", "draft.adaptive=false",
+DFLASH = ["draft.type=dflash", "draft.block_size=4", "draft.num_speculative_tokens=3",
           "draft.warm_start.steps=6", "run.plots=false", "task.eval_prompts=0"]
 
 
@@ -51,7 +51,7 @@ def test_a_dflash_run_exports_the_vllm_dflash_checkpoint(dflash_run, tmp_path):
 
 @pytest.mark.parametrize("extra, match", [
     (["draft.num_speculative_tokens=4"], "block_size - 1"),
-    (["draft.adaptive=true"], "adaptive"),
+    (["parallel.engine_dtype=bfloat16"], "engine_dtype"),
     (["draft.draft_vocab_size=10"], "draft_vocab_size"),
     (["draft.type=eagle4"], "eagle3"),
 ])

@@ -314,3 +314,42 @@ def test_a_width_where_drafting_really_lost_time_decodes_plainly_but_for_probes(
     assert ctl.realized_saving(16) > 0 and ctl.choose(est, rem) > 0
     est64 = ctl.new_batch(64, ("greedy",))
     assert ctl.choose(est64, np.full(64, 100)) > 0   # a width with no record of its own drafts as predicted
+
+
+def _block_costs(policy_per_token: float, draft_forward: float) -> CostModel:
+    """A block drafter's cost model (one drafter forward per proposing round, no catch-up) on exact times."""
+    costs = CostModel(one_forward_draft=True)
+    for B in (1, 4, 16, 64):
+        for S in range(1, K + 2):
+            costs.add("policy", B, S, 1e-3 + policy_per_token * B * S, anchor=True)
+        costs.add("draft", B, 1, draft_forward, anchor=True)
+    costs.sizes = [1, 4, 16, 64]
+    return costs
+
+
+def test_a_block_drafter_pays_its_forward_once_whatever_k():
+    costs = _block_costs(policy_per_token=2e-5, draft_forward=4e-4)
+    times = costs.round_times(16, K)
+    for k in range(1, K + 1):
+        assert times[k] == pytest.approx(1e-3 + 2e-5 * 16 * (1 + k) + 4e-4, rel=1e-4)
+    assert times[0] == pytest.approx(1e-3 + 2e-5 * 16, rel=1e-4)
+    assert costs.round_times(16, K, drafted=1)[0] == pytest.approx(times[0] + 4e-4, rel=1e-4)
+
+
+def test_a_block_controller_verifies_the_prefix_that_pays():
+    """Acceptance falling with the position: a cheap verify takes the whole block, a dear one a short prefix, and a
+    drafter forward dearer than what any prefix saves none (the per-token model, with the same numbers, stops
+    earlier: it charges the forward once per proposal)."""
+    def chosen(policy_per_token, draft_forward, one_forward=True):
+        costs = _block_costs(policy_per_token, draft_forward)
+        costs.one_forward_draft = one_forward
+        ctl = SpeculationController(K, AdaptiveConfig(explore_every=10_000), costs)
+        est = ctl.new_batch(8, ("greedy",))
+        for _ in range(40):  # position j accepted given j - 1 was: 0.95, 0.8, 0.5, 0.2
+            ctl.observe(est, K, [4, 4, 3, 3, 2, 2, 1, 0])
+        return ctl.choose(est, [100] * 8)
+
+    assert chosen(1e-6, 1e-4) == K
+    assert 0 < chosen(1e-4, 1e-4) < K
+    assert chosen(1e-6, 1.0) == 0
+    assert chosen(1e-6, 2e-3, one_forward=False) < chosen(1e-6, 2e-3)

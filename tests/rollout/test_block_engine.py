@@ -9,7 +9,8 @@ from test_speculative import _distribution_failures, _mutant_coupled_verify, _mu
 
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.rollout.sampling import sampler
-from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
+from lightning_codraft.rollout.embedded.adaptive import SpeculationController
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine, block_controller
 from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
 
 
@@ -113,3 +114,70 @@ def test_the_distribution_test_catches_a_wrong_rule_in_the_block_engine(monkeypa
         monkeypatch.setattr(sampler, "lazy_coupled_verify", _mutant_coupled_verify(mutation))
     failures, _, _ = _distribution_failures(_sampling_engine(sampling), 2, 0, 1.0, n=3000)
     assert failures
+
+
+class _Scripted(SpeculationController):
+    """A block controller whose k follows a fixed cycle (0 included: plain rounds); it logs each choice."""
+
+    def __init__(self, cycle, log):
+        super().__init__(3, costs=block_controller(3).costs)
+        self.cycle, self.log = cycle, log
+
+    def choose(self, estimates, remaining, catch_up_span=0):
+        k = self.cycle[sum(1 for e in self.log if e[0] == "choose") % len(self.cycle)]
+        self.log.append(("choose", k))
+        return k
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_verify_length_chosen_each_round_keeps_the_output_exact(fitted, monkeypatch, temperature):
+    """Rounds verifying 0..3 proposals as the controller says (chosen before the round's drafter forward): greedy
+    and coupled output equal plain decoding's, and every round proposed what was chosen."""
+    policy, drafter, fit_set = fitted
+    prompts = fit_set[:3] + random_prompts(3, policy.config.vocab_size, seed=21)
+    seeds = list(range(500, 506))
+    log = []
+    engine = BlockSpeculativeEngine(policy, drafter, 3, adaptive=_Scripted([3, 0, 1, 2, 3, 1], log))
+    forward = engine._propose
+
+    def logged(pdec, ctx, ctx_len, pending, k, sampler, rn):
+        log.append(("propose", k))
+        return forward(pdec, ctx, ctx_len, pending, k, sampler, rn)
+
+    monkeypatch.setattr(engine, "_propose", logged)
+    plain = SpeculativeEngine(policy, None, 0).generate(prompts, 20, temperature=temperature, request_seeds=seeds)
+    got = engine.generate(prompts, 20, temperature=temperature, request_seeds=seeds)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    chosen = [i for i, e in enumerate(log) if e[0] == "choose"]  # (the calibration's forwards come before a choice)
+    assert chosen and all(log[i + 1] == ("propose", log[i][1]) for i in chosen)
+    stats = sum((o.stats for o in got[1:]), got[0].stats)
+    assert stats.plain_rounds > 0 and stats.accepted > 0
+    assert {k for e, k in log if e == "choose"} == {0, 1, 2, 3}
+
+
+def test_the_adaptive_block_engine_decodes_exactly_and_learns_its_costs(fitted):
+    """The real controller: greedy and coupled output equal plain decoding's; it measured its rounds."""
+    policy, drafter, fit_set = fitted
+    prompts = fit_set[:4] + random_prompts(4, policy.config.vocab_size, seed=22)
+    seeds = list(range(600, 608))
+    engine = BlockSpeculativeEngine(policy, drafter, 3, adaptive=True)
+    for temperature in (0.0, 1.0):
+        plain = SpeculativeEngine(policy, None, 0).generate(prompts, 24, temperature=temperature, request_seeds=seeds)
+        got = engine.generate(prompts, 24, temperature=temperature, request_seeds=seeds)
+        assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert not engine.controller.costs.policy_fit.empty and not engine.controller.costs.draft_fit.empty
+    assert all(o.stats.round_s > 0 for o in got)
+    with pytest.raises(ValueError, match="block_controller"):
+        BlockSpeculativeEngine(policy, drafter, 3, adaptive=SpeculationController(3))
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_adaptive_block_sampling_is_distributed_as_the_policy(sampling):
+    """The verify length chosen from earlier rounds (the scripted cycle: 0, 1 and 2 proposals) keeps every token's
+    distribution the policy's."""
+    engine = _sampling_engine(sampling)
+    engine.controller = _Scripted([2, 1, 0], [])
+    engine.controller.max_k = 2
+    failures, stats, _ = _distribution_failures(engine, 2, 0, 1.0, n=3000)
+    assert not failures, failures
+    assert stats.plain_rounds > 0 and 0.02 < stats.acceptance_rate < 0.95

@@ -430,3 +430,10 @@ class SpeculationController:
         """Time forwards on the live caches around this batch size (:meth:`CostModel.calibrate`)."""
         self.costs.calibrate(pdec, ddec, pcache, dcache, pending, taps, sampler, self.max_k)
         self._checked_size = None
+
+    def calibrate_block(
+        self, pdec: PolicyDecoder, pcache: KVCache, pending: torch.Tensor, taps, sampler, propose
+    ) -> None:
+        """Time forwards on the live rows of a block engine (:meth:`CostModel.calibrate_block`)."""
+        self.costs.calibrate_block(pdec, pcache, pending, taps, sampler, self.max_k, propose)
+        self._checked_size = None

@@ -3,38 +3,91 @@ rules of every embedded round.
 
 A round of request ``i`` at policy length ``L`` (its pending token ``x_L`` not yet in the policy's cache):
 
-1. **propose**: the drafter's forward over the block ``[x_L, MASK x (B - 1)]`` (the policy's embedding) with the
+1. **choose** how many proposals to verify: ``num_speculative_tokens`` for a fixed engine; for an adaptive one the
+   controller (rollout/embedded/adaptive.py) picks k in ``0..K`` from the acceptance measured in earlier rounds and
+   the cost model's measured seconds (a verify of 1 + k tokens, the drafter's one forward whatever k is), before the
+   round's proposals exist, so the choice cannot favour proposals that happen to be accepted (k = 0: a plain step);
+2. **propose**: the drafter's forward over the block ``[x_L, MASK x (B - 1)]`` (the policy's embedding) with the
    request's context features at positions ``< L`` (docs/design/drafters.md); block rows ``1 .. k`` give ``k``
    distributions through the policy's head, and one proposal is drawn from each (``TokenSampler.draw``: greedy,
    coupled or rejection sampling, as the EAGLE-3 rounds draw theirs);
-2. **verify** ``[x_L, proposals]`` with ONE policy forward (``TokenSampler.verify``: the accepted prefix and the
+3. **verify** ``[x_L, proposals]`` with ONE policy forward (``TokenSampler.verify``: the accepted prefix and the
    bonus token, lossless: greedy output equals plain decoding, samples follow the policy exactly);
-3. **extend the context** with the verify forward's taps of the accepted rows, and emit.
+4. **extend the context** with the verify forward's taps of the accepted rows, and emit.
 
 A batch of requests (``max_batch_size`` at most) runs its rounds together: one drafter forward proposes every
 row's block over per-row contexts (a ``(B, capacity, H)`` buffer of context features and each row's length), one
-policy forward verifies them all, and a row that has stopped or spent its budget stays in the batch without
-advancing. Every row proposes ``k`` tokens a round (``num_speculative_tokens``, less where every live row's budget
-is shorter); a row keeps what its budget allows, so a request's tokens, log-probabilities and acceptance counts
-are those it gets alone (tested). Not yet: a verify length chosen by the cost model (the adaptive controller of
-rollout/embedded/round.py drives EAGLE-3's chain only), and leaving finished rows out of the forwards.
+policy forward verifies them all. A row that has stopped or spent its budget leaves the batch before the next round
+(its cache slot is filled by a live row: :func:`~lightning_codraft.models.kv_cache.hole_filling_order`). Every row
+verifies the round's k (less where every live row's budget is shorter); a row keeps what its budget allows, so with
+a fixed k a request's tokens, log-probabilities and acceptance counts are those it gets alone (tested).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lightning_codraft.models.decode import policy_decoder
 from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.kv_cache import KVCache, hole_filling_order
+from lightning_codraft.rollout.embedded.adaptive import AcceptanceEstimates, AdaptiveConfig, SpeculationController
+from lightning_codraft.rollout.embedded.cost_model import CostModel, RoundClock
 from lightning_codraft.rollout.embedded.prefill import prefill
+from lightning_codraft.rollout.embedded.round import charge_round
 from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.sampling.rules import SamplingParams, sampling_logprobs
 from lightning_codraft.rollout.sampling.sampler import SAMPLING_MODES, TokenSampler
+
+
+def block_controller(max_k: int, config: AdaptiveConfig | None = None) -> SpeculationController:
+    """An adaptive controller for a block drafter: its cost model charges one drafter forward to every round that
+    proposes, whatever k, and no catch-up (:class:`~lightning_codraft.rollout.embedded.cost_model.CostModel`)."""
+    config = config or AdaptiveConfig()
+    return SpeculationController(max_k, config, CostModel(config.cost_history, one_forward_draft=True))
+
+
+@dataclass
+class _Rows:
+    """The live rows of one batch and everything indexed by them."""
+
+    active: list[int]  # each row's index in the batch's outputs
+    cache: KVCache  # the policy's
+    ctx: torch.Tensor  # (B, capacity, H) context features (positions < ctx_len visible)
+    ctx_len: torch.Tensor  # (B,) context rows: the positions before the pending token
+    pending: torch.Tensor  # (B,) emitted token not yet fed to the policy
+    noise: CounterNoise
+    estimates: AcceptanceEstimates | None
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep ``rows`` (an order :meth:`KVCache.compact` accepts), slot ``i`` taking row ``rows[i]``."""
+        sel = torch.tensor(rows, device=self.pending.device)
+        self.active = [self.active[i] for i in rows]
+        self.cache = self.cache.compact(rows)
+        self.ctx, self.ctx_len, self.pending = self.ctx[sel], self.ctx_len[sel], self.pending[sel]
+        self.noise = self.noise.select(sel)
+        if self.estimates is not None:
+            self.estimates.select(rows)
+
+
+@dataclass
+class _Outputs:
+    """What a batch's requests emitted so far (indexed as the batch's prompts)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stats: list[AcceptanceStats]
+    finish: list[str]
+    budgets: list[int]
+    stops: frozenset[int]
+
+    def done(self, i: int) -> bool:
+        return self.finish[i] == "stop" or len(self.tokens[i]) >= self.budgets[i]
 
 
 class BlockSpeculativeEngine(EmbeddedWeights):
@@ -43,9 +96,12 @@ class BlockSpeculativeEngine(EmbeddedWeights):
     Args:
         policy: a :class:`~lightning_codraft.models.Policy` (its ``decoder``, ``embed`` and ``lm_head``).
         drafter: the block drafter; it proposes ``num_speculative_tokens`` tokens a round (at most ``B - 1``).
-        num_speculative_tokens: proposals verified per round; default ``block_size - 1``.
+        num_speculative_tokens: proposals verified per round (the most, with ``adaptive``); default
+            ``block_size - 1``.
         sampling: ``coupled`` or ``rejection`` at temperature > 0 (as :class:`SpeculativeEngine`).
         max_batch_size: requests decoded together at most (None: all of a call's).
+        adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a
+            :func:`block_controller`, kept across calls as its estimates and cost fits are; or one to use).
     """
 
     def __init__(
@@ -56,6 +112,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         *,
         sampling: str = "coupled",
         max_batch_size: int | None = None,
+        adaptive: bool | SpeculationController = False,
     ):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}")
@@ -74,6 +131,15 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         self.policy, self.draft, self.num_speculative_tokens, self.sampling = policy, drafter, k, sampling
         self.max_batch_size = max_batch_size
         self.weight_versions = {"policy": -1, "draft": -1}
+        self.controller: SpeculationController | None = None
+        if adaptive is not False:
+            ctl = adaptive if isinstance(adaptive, SpeculationController) else block_controller(k)
+            if ctl.max_k != k or not ctl.costs.one_forward_draft:
+                raise ValueError(
+                    f"the controller (max_k={ctl.max_k}, one_forward_draft={ctl.costs.one_forward_draft}) does not "
+                    f"fit a block engine of num_speculative_tokens={k}: build it with block_controller({k})"
+                )
+            self.controller = ctl
 
     @property
     def vocab_size(self) -> int:
@@ -120,7 +186,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
 
     def _batch(self, prompts: list[list[int]], seeds: list[int], sampler: TokenSampler, pdec) -> list[RolloutOutput]:
         """Prefill a batch of prompts (ascending lengths), then rounds until every row has stopped or spent its
-        budget; a finished row stays in the batch without advancing (its results are dropped)."""
+        budget (finished rows leave the batch)."""
         params, taps, K = sampler.params, tuple(self.draft.config.taps), self.num_speculative_tokens
         device = next(self.policy.parameters()).device
         B, lengths = len(prompts), [len(p) for p in prompts]
@@ -135,50 +201,94 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
         pending = sampler.first(lp, noise, torch.zeros(B, dtype=torch.long, device=device))
         first = pending.tolist()
-        tokens = [[t] for t in first]
-        logprobs = [[float(lp[b, t])] for b, t in enumerate(first)]
-        ctx = self._context_buffer(B, capacity, captured, lengths)
-        ctx_len = torch.tensor(lengths, device=device)  # context rows: the positions before the pending token
-        stats = [AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(B)]
-        budgets = [min(self.max_context - n, params.max_new_tokens) for n in lengths]
-        stops = set(params.stop_token_ids)
-        finish = ["stop" if t in stops else "length" for t in first]
-        live = [finish[b] != "stop" and len(tokens[b]) < budgets[b] for b in range(B)]
-        while any(live):
-            k = min(K, max(budgets[b] - len(tokens[b]) for b in range(B) if live[b]))
-            out_pos = torch.tensor([len(t) for t in tokens], device=device)
-            rn = sampler.start_round(noise, out_pos, k)
-            draft_ids, q = self._propose(pdec, ctx, ctx_len, pending, k, sampler, rn)
-            committed = cache.lengths
-            logits, seen = pdec.forward(torch.cat([pending[:, None], draft_ids], dim=1), cache, taps)
-            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-            accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
-            on = torch.tensor(live, device=device)
-            a = torch.where(on, accepted, torch.full_like(accepted, -1))  # a finished row does not advance
-            cache.lengths = committed + 1 + a
-            self._extend_context(ctx, ctx_len, seen, a)
-            ctx_len += 1 + a
-            host_a, host_ids, host_bonus = a.tolist(), draft_ids.tolist(), bonus.tolist()
-            for b in range(B):
-                if not live[b]:
-                    continue
-                n_a, left = host_a[b], budgets[b] - len(tokens[b])
-                new = host_ids[b][:n_a] + [host_bonus[b]]
-                n = min(n_a + 1, left)
-                stop_at = next((j for j in range(n) if new[j] in stops), None)
-                if stop_at is not None:
-                    n, finish[b] = stop_at + 1, "stop"
-                tokens[b] += new[:n]
-                logprobs[b] += lp[b, torch.arange(n_a + 1), torch.tensor(new)].tolist()[:n]
-                stats[b].record_round(min(k, left), n - 1)  # what this row's budget let it propose
-                live[b] = finish[b] != "stop" and len(tokens[b]) < budgets[b]
-            pending = bonus
+        stops = frozenset(params.stop_token_ids)
+        out = _Outputs(
+            tokens=[[t] for t in first],
+            logprobs=[[float(lp[b, t])] for b, t in enumerate(first)],
+            stats=[AcceptanceStats(accepted_per_position=[0] * K, proposed_per_position=[0] * K) for _ in range(B)],
+            finish=["stop" if t in stops else "length" for t in first],
+            budgets=[min(self.max_context - n, params.max_new_tokens) for n in lengths],
+            stops=stops,
+        )
+        key = ("greedy",) if params.greedy else (self.sampling, params.temperature, params.top_k, params.top_p)
+        rows = _Rows(
+            active=list(range(B)),
+            cache=cache,
+            ctx=self._context_buffer(B, capacity, captured),
+            ctx_len=torch.tensor(lengths, device=device),
+            pending=pending,
+            noise=noise,
+            estimates=None if self.controller is None else self.controller.new_batch(B, key),
+        )
+        done = [out.done(b) for b in range(B)]
+        while not all(done):
+            if any(done):
+                rows.keep(hole_filling_order([not d for d in done]))
+            done = self._round(rows, out, sampler, pdec)
         return [
-            RolloutOutput(token_ids=tokens[b], logprobs=logprobs[b], finish_reason=finish[b], stats=stats[b])
-            for b in range(B)
+            RolloutOutput(token_ids=out.tokens[b], logprobs=out.logprobs[b], finish_reason=out.finish[b], stats=s)
+            for b, s in enumerate(out.stats)
         ]
 
-    def _context_buffer(self, B: int, capacity: int, captured, lengths: list[int]) -> torch.Tensor:
+    def _round(self, r: _Rows, out: _Outputs, sampler: TokenSampler, pdec) -> list[bool]:
+        """Advance every live row by one round; which rows finished."""
+        params, taps, ctl = sampler.params, tuple(self.draft.config.taps), self.controller
+        n, clock = len(r.active), RoundClock(r.pending.device)
+        remaining = [out.budgets[i] - len(out.tokens[i]) for i in r.active]
+        if ctl is None:
+            k = min(self.num_speculative_tokens, max(remaining))
+        else:  # chosen from earlier rounds only: before this round's proposals exist
+            if ctl.needs_calibration(n):
+                self._calibrate(r, sampler, pdec)
+                clock.restart()  # the calibration is not this round's cost
+            k = ctl.choose(r.estimates, remaining)
+        with clock.block("policy"):  # rejection sampling draws the round's noise now (timed with the verify)
+            out_pos = torch.tensor([len(out.tokens[i]) for i in r.active], device=r.pending.device)
+            rn = sampler.start_round(r.noise, out_pos, k)
+        with clock.block("draft"):
+            draft_ids, q = self._propose(pdec, r.ctx, r.ctx_len, r.pending, k, sampler, rn)
+        with clock.block("policy"):
+            committed = r.cache.lengths
+            logits, seen = pdec.forward(torch.cat([r.pending[:, None], draft_ids], dim=1), r.cache, taps)
+            lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
+            accepted, bonus = sampler.verify(lp, draft_ids, q, rn)
+            host_a, host_ids, host_bonus = accepted.tolist(), draft_ids.tolist(), bonus.tolist()
+        r.cache.lengths = committed + 1 + accepted
+        self._extend_context(r.ctx, r.ctx_len, seen, accepted)
+        r.ctx_len += 1 + accepted
+        r.pending = bonus
+        emitted, done = [], []
+        for b, i in enumerate(r.active):
+            n_a, left = host_a[b], out.budgets[i] - len(out.tokens[i])
+            new = host_ids[b][:n_a] + [host_bonus[b]]
+            m = min(n_a + 1, left)
+            stop_at = next((j for j in range(m) if new[j] in out.stops), None)
+            if stop_at is not None:
+                m, out.finish[i] = stop_at + 1, "stop"
+            out.tokens[i] += new[:m]
+            out.logprobs[i] += lp[b, torch.arange(n_a + 1), torch.tensor(new)].tolist()[:m]
+            out.stats[i].record_round(min(k, left), m - 1)  # what this row's budget let it propose
+            emitted.append(m)
+            done.append(out.done(i))
+        if ctl is not None:
+            ctl.observe(r.estimates, k, host_a)
+            ctl.record_round(n, k, clock["policy"], clock["draft"], clock.rest(), drafted=1 if k else 0)
+            plain = None if k == 0 else ctl.costs.plain_seconds(n, 1)
+            charge_round([out.stats[i] for i in r.active], emitted, clock.elapsed(), plain)
+        return done
+
+    def _calibrate(self, r: _Rows, sampler: TokenSampler, pdec) -> None:
+        """Time verify forwards and the drafter's forward on the live rows (:meth:`CostModel.calibrate_block`)."""
+        K = self.num_speculative_tokens
+
+        def propose(n: int) -> None:
+            noise = r.noise.select(torch.arange(n, device=r.pending.device))
+            rn = sampler.start_round(noise, torch.zeros(n, dtype=torch.long, device=r.pending.device), K)
+            self._propose(pdec, r.ctx[:n], r.ctx_len[:n], r.pending[:n], K, sampler, rn)
+
+        self.controller.calibrate_block(pdec, r.cache, r.pending, tuple(self.draft.config.taps), sampler, propose)
+
+    def _context_buffer(self, B: int, capacity: int, captured) -> torch.Tensor:
         """``(B, capacity, H)`` the rows' context features, the prompts' filled in (rows past a prompt are zero and
         invisible)."""
         feats = self.draft.context(list(captured))  # (B, max_len, H)
@@ -187,7 +297,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         return ctx
 
     def _extend_context(self, ctx: torch.Tensor, ctx_len: torch.Tensor, seen, a: torch.Tensor) -> None:
-        """Write the verify forward's accepted rows (``0 .. a_b``; none where ``a_b < 0``) into the buffer."""
+        """Write the verify forward's accepted rows (``0 .. a_b``) into the buffer."""
         feats = self.draft.context(list(seen))  # (B, k + 1, H)
         keep = torch.arange(feats.shape[1], device=a.device)[None, :] <= a[:, None]
         rows, cols = torch.nonzero(keep, as_tuple=True)
@@ -197,7 +307,9 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         self, pdec, ctx: torch.Tensor, ctx_len: torch.Tensor, pending: torch.Tensor, k: int, sampler, rn
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` proposals per row from ONE drafter forward over every row's block (anchored at its pending token,
-        position ``ctx_len``); their q (rejection sampling only)."""
+        position ``ctx_len``); their q (rejection sampling only). k = 0: none, and no forward."""
+        if k == 0:
+            return pending.new_zeros(pending.shape[0], 0), None
         d = self.draft
         block = pdec.embed(d.block_ids(pending))
         C = ctx.shape[1]

@@ -172,11 +172,17 @@ class CostModel:
     slope); ``draft_step(B)``: drafting one token, a chained draft step with its sampling (``a + b B``); ``catch_up(B, S)``: draft forward over S verified positions (``a + b B + c B S``);
     ``rest(B)``: the round's remaining work (``a + b B``).
 
+    A block drafter (DFlash) proposes a round's tokens in ONE forward over its whole block and reads the verify
+    forward's taps instead of catching up: with ``one_forward_draft`` the draft fit is the seconds of that forward
+    (and its draws), charged once to every round that proposes, and no catch-up is charged.
+
     Args:
         history: memory of each fit, in measured points (see :class:`_LinearFit`).
+        one_forward_draft: the drafter proposes a round's tokens in one forward (a block drafter).
     """
 
-    def __init__(self, history: int = 128):
+    def __init__(self, history: int = 128, one_forward_draft: bool = False):
+        self.one_forward_draft = bool(one_forward_draft)
         self.policy_fit = _LinearFit(4, history)
         self.catch_up_fit = _LinearFit(3, history)
         self.draft_fit, self.rest_fit = _LinearFit(2, history), _LinearFit(2, history)
@@ -204,6 +210,10 @@ class CostModel:
         """Predicted seconds of a round of B rows verifying k = 0..K proposals (index k), ``drafted`` of them already
         drawn (their drafting counts in every k, also in a round that then verifies fewer)."""
         base, step = self.rest(B), self.draft_step(B)
+        if self.one_forward_draft:  # one draft forward proposes any k; the taps come with the verify
+            times = [self.policy(B, 1) + base + (step if drafted else 0.0)]
+            times += [self.policy(B, 1 + k) + base + step for k in range(1, max_k + 1)]
+            return [max(t, 1e-9) for t in times]
         times = [self.policy(B, 1) + base + drafted * step]
         for k in range(1, max_k + 1):
             times.append(self.policy(B, 1 + k) + base + max(k, drafted) * step + self.catch_up(B, 1 + k))
@@ -256,37 +266,90 @@ class CostModel:
             sampler: the call's token sampler (its verify and proposal math are timed, on noise of its own).
             max_k: K, the longest proposal (verify forwards of 1 and K+1 tokens per row are timed).
         """
-        B, device, params = int(pending.shape[0]), pending.device, sampler.params
+        B, device = int(pending.shape[0]), pending.device
         sizes = sorted({B, max(1, (B + 1) // 2)})
         self.start_calibration(sizes)
-        lp = lambda logits: sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)  # noqa: E731
         for n in sizes:
             noise, at = CounterNoise(torch.arange(n, device=device)), torch.zeros(n, dtype=torch.long, device=device)
             for S in range(1, max_k + 2):
                 ids = pending[:n, None].expand(n, S)
-                q = None
-                if sampler.uses_draft_probs:
-                    q = torch.full((n, S - 1, sampler.vocab_size), 1.0 / sampler.vocab_size, device=device)
-                verify, catch = [], []
-                for _ in range(3):  # the first run of a shape warms caches and the allocator; keep the faster other
-                    t0 = clock(device)
-                    logits, tapped = pdec.forward(ids, pcache.select(n), taps)
-                    sampler.verify(lp(logits), ids[:, 1:], q, sampler.start_round(noise, at, S - 1))
-                    t1 = clock(device)
-                    ddec.step(ddec.fuse(tapped), pdec.embed(ids), dcache.select(n))
-                    verify.append(t1 - t0)
-                    catch.append(clock(device) - t1)
-                self.add("policy", n, S, min(verify[1:]), anchor=True)
+                args = (pdec, pcache, ids, taps, sampler, noise, at)
+                seconds, tapped = _fastest(device, _verify_once, *args)
+                self.add("policy", n, S, seconds, anchor=True)
                 if S in (1, max_k + 1):
-                    self.add("catch_up", n, S, min(catch[1:]), anchor=True)
-            hidden, step = ddec.fuse(tuple(t[:, :1] for t in tapped)), []
+                    seconds, _ = _fastest(device, _catch_up_once, pdec, ddec, dcache, tapped, ids)
+                    self.add("catch_up", n, S, seconds, anchor=True)
+            hidden = ddec.fuse(tuple(t[:, :1] for t in tapped))
             rn = sampler.start_round(noise, at, 1)  # a round's noise is timed with its verify
-            for _ in range(3):
-                t0 = clock(device)
-                _, logits = ddec.step(hidden, pdec.embed(pending[:n, None]), dcache.select(n))
-                sampler.draw(logits[:, 0], rn, 0)
-                step.append(clock(device) - t0)
-            self.add("draft", n, 1, min(step[1:]), anchor=True)
+            seconds, _ = _fastest(device, _draft_step_once, pdec, ddec, dcache, hidden, pending[:n], sampler, rn)
+            self.add("draft", n, 1, seconds, anchor=True)
+
+    def calibrate_block(
+        self,
+        pdec: PolicyDecoder,
+        pcache: KVCache,
+        pending: torch.Tensor,
+        taps: Sequence[int],
+        sampler: TokenSampler,
+        max_k: int,
+        propose,
+    ) -> None:
+        """:meth:`calibrate` for a block drafter (``one_forward_draft``): verify forwards of 1..K+1 tokens per row and
+        the drafter's one proposing forward, on the first B and B/2 rows of the live cache.
+
+        Args:
+            propose: ``propose(n)`` runs the drafter's forward over the first n rows' blocks, with the draws of a
+                round of ``max_k`` proposals.
+            (the others as :meth:`calibrate`)
+        """
+        if not self.one_forward_draft:
+            raise RuntimeError("calibrate_block times a block drafter: build the CostModel with one_forward_draft=True")
+        B, device = int(pending.shape[0]), pending.device
+        sizes = sorted({B, max(1, (B + 1) // 2)})
+        self.start_calibration(sizes)
+        for n in sizes:
+            noise, at = CounterNoise(torch.arange(n, device=device)), torch.zeros(n, dtype=torch.long, device=device)
+            for S in range(1, max_k + 2):
+                args = (pdec, pcache, pending[:n, None].expand(n, S), taps, sampler, noise, at)
+                self.add("policy", n, S, _fastest(device, _verify_once, *args)[0], anchor=True)
+            self.add("draft", n, 1, _fastest(device, propose, n)[0], anchor=True)
+
+
+def _fastest(device: torch.device, fn, *args, repeats: int = 3):
+    """Seconds of ``fn(*args)``, the fastest of ``repeats`` runs but the first (which warms caches and the
+    allocator), and what its last run returned."""
+    times = []
+    for _ in range(repeats):
+        t0 = clock(device)
+        out = fn(*args)
+        times.append(clock(device) - t0)
+    return min(times[1:]), out
+
+
+def _verify_once(pdec, pcache, ids, taps, sampler: TokenSampler, noise, at):
+    """A verify of ``ids`` (n, S) on the first n rows of ``pcache`` (a fresh view each run: its lengths untouched):
+    the policy's forward and the sampling math; the forward's taps."""
+    params = sampler.params
+    logits, tapped = pdec.forward(ids, pcache.select(ids.shape[0]), taps)
+    lp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
+    q = None
+    if sampler.uses_draft_probs:
+        q = torch.full(
+            (ids.shape[0], ids.shape[1] - 1, sampler.vocab_size), 1.0 / sampler.vocab_size, device=ids.device
+        )
+    sampler.verify(lp, ids[:, 1:], q, sampler.start_round(noise, at, ids.shape[1] - 1))
+    return tapped
+
+
+def _catch_up_once(pdec, ddec, dcache, tapped, ids):
+    """The EAGLE-3 draft's catch-up over a verify's positions (the first n rows of ``dcache``, a fresh view)."""
+    return ddec.step(ddec.fuse(tapped), pdec.embed(ids), dcache.select(ids.shape[0]))
+
+
+def _draft_step_once(pdec, ddec, dcache, hidden, pending, sampler: TokenSampler, rn):
+    """One chained EAGLE-3 draft step and its draw (the first n rows of ``dcache``, a fresh view)."""
+    _, logits = ddec.step(hidden, pdec.embed(pending[:, None]), dcache.select(pending.shape[0]))
+    sampler.draw(logits[:, 0], rn, 0)
 
 
 def _near(a: float, b: float) -> bool:

@@ -214,16 +214,25 @@ def run_round(b: LiveRows, chunk: Chunk, done: list[bool]) -> None:
 
 
 def _charge(b: LiveRows, chunk: Chunk, k: int, seconds: float, emitted_before: list[int]) -> None:
-    """Charge the round's ``seconds`` to its rows (1/B each) beside what plain decoding would have spent on the
-    tokens each emitted (:attr:`AcceptanceStats.plain_s`): a plain round is its own measure, a drafting round's
-    tokens are priced at the cost model's plain step for this batch."""
+    """Charge the round's ``seconds`` to its rows (:func:`charge_round`)."""
     B = len(b.active)
-    share = seconds / B
-    per_token = share if k == 0 else chunk.controller.costs.plain_seconds(B, 1)
-    for i, r in enumerate(b.active):
-        stats = chunk.stats[r]
-        stats.round_s += share
-        stats.plain_s += per_token * (b.emitted[i] - emitted_before[i])
+    charge_round(
+        [chunk.stats[r] for r in b.active],
+        [e - e0 for e, e0 in zip(b.emitted, emitted_before)],
+        seconds,
+        None if k == 0 else chunk.controller.costs.plain_seconds(B, 1),
+    )
+
+
+def charge_round(stats: list[AcceptanceStats], emitted: list[int], seconds: float, plain_step: float | None) -> None:
+    """Charge a round's ``seconds`` to its B rows (1/B each) beside what plain decoding would have spent on the
+    tokens each emitted (:attr:`AcceptanceStats.plain_s`): a plain round (``plain_step`` None) is its own measure, a
+    drafting round's tokens are priced at ``plain_step``, the cost model's plain step per row at this batch size."""
+    share = seconds / len(stats)
+    per_token = share if plain_step is None else plain_step
+    for st, n in zip(stats, emitted):
+        st.round_s += share
+        st.plain_s += per_token * n
 
 
 def _choose_k(b: LiveRows, chunk: Chunk, clock: RoundClock) -> tuple[int, Optional[list[int]], int]:
