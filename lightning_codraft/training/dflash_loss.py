@@ -15,6 +15,7 @@ position, so the draft's metrics (``draft/acc_step{k}``, ``draft/top1_acceptance
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -33,15 +34,24 @@ def context_visibility(cu_seqlens: Tensor, anchors: Tensor, num_rows: int) -> Te
     return (j[None, :] >= starts[:, None]) & (j[None, :] < anchors[:, None])
 
 
-def sample_anchors(cu_seqlens: Tensor, loss_mask: Tensor, per_doc: int, generator: torch.Generator) -> Tensor:
+def sample_anchors(
+    cu_seqlens: Tensor,
+    loss_mask: Tensor,
+    per_doc: int,
+    generator: torch.Generator | Callable[[int, int], torch.Generator],
+) -> Tensor:
     """Up to ``per_doc`` anchor rows of each document, drawn without replacement among its rows whose own
-    prediction is a draft target (``loss_mask``), sorted; ``(N,)`` int64 packed rows."""
+    prediction is a draft target (``loss_mask``), sorted; ``(N,)`` int64 packed rows.
+
+    ``generator``: one generator for every document, or ``generator(start, end)`` giving document ``[start, end)``'s
+    own (the co-training term seeds each from the document's tokens: ``training.dflash_term.draw_anchors``)."""
     out = []
     bounds = cu_seqlens.long().tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         rows = torch.nonzero(loss_mask[start:end] > 0).flatten() + start
         if rows.numel():
-            pick = torch.randperm(rows.numel(), generator=generator)[:per_doc]
+            g = generator if isinstance(generator, torch.Generator) else generator(start, end)
+            pick = torch.randperm(rows.numel(), generator=g)[:per_doc]
             out.append(rows[pick.to(rows.device)].sort().values)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=loss_mask.device)
 

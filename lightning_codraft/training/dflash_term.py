@@ -41,6 +41,7 @@ from lightning_codraft.training.dflash_loss import (
     block_position_weights,
     context_visibility,
     default_block_gamma,
+    sample_anchors,
 )
 from lightning_codraft.training.draft_loss import DraftLossOutput
 from lightning_codraft.training.drafter import register_draft_term
@@ -56,16 +57,14 @@ def draw_anchors(batch: RLBatch, per_doc: int, seed: int = 0) -> Tensor:
     rows that are draft targets (``loss_mask * RLBatch.draft_targets``: a block starts where the engine drafts) by a
     generator seeded with ``seed`` and the document's tokens."""
     batch._require_whole("draw_anchors")
-    out = torch.zeros(batch.num_rows, dtype=torch.float32, device=batch.input_ids.device)
-    bounds = batch.cu_seqlens.long().tolist()
-    targets = batch.draft_targets * batch.loss_mask
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        rows = torch.nonzero(targets[start:end] > 0).flatten()
-        if not rows.numel():
-            continue
-        key = zlib.crc32(batch.input_ids[start:end].cpu().numpy().tobytes(), seed) & 0x7FFFFFFF
-        pick = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(key))[:per_doc]
-        out[start + rows[pick.to(rows.device)]] = 1.0
+    ids = batch.input_ids
+
+    def document_generator(start: int, end: int) -> torch.Generator:
+        return torch.Generator().manual_seed(zlib.crc32(ids[start:end].cpu().numpy().tobytes(), seed) & 0x7FFFFFFF)
+
+    rows = sample_anchors(batch.cu_seqlens, batch.draft_targets * batch.loss_mask, per_doc, document_generator)
+    out = torch.zeros(batch.num_rows, dtype=torch.float32, device=ids.device)
+    out[rows] = 1.0
     return out
 
 
