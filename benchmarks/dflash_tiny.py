@@ -1,23 +1,27 @@
-"""DFlash against EAGLE-3 on the main job's tiny policy: acceptance and rollout speed at batch 1, T=0 and T=1, on
-prompts neither draft trained on.
+"""DFlash against EAGLE-3 after the same warm-start budget: acceptance and rollout speed at batch B (``--batch-sizes``,
+default 1), T=0 and T=1, on prompts neither draft trained on.
 
-Models: the tiny-cpu recipe's SFT'd arithmetic policy and its EAGLE-3 draft after the recipe's warm start
-(``CoDraftRun(...).setup()``; ``--init-from`` reuses a run's ``warm/weights.pt``), and a DFlash drafter
-(``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` steps at ``--lr``
+Models (``--recipe``): the tiny-cpu recipe's SFT'd arithmetic policy (the default), or SmolLM2-135M-Instruct on GSM8K
+(``--recipe smollm2-135m-cpu``: its pool warm start, ``draft.warm_start.corpus=null``, so both drafters fit on the
+same pool for the same steps; the recipe's 58-minute corpus warm start is EAGLE-3's alone). The EAGLE-3 draft after
+the recipe's warm start (``CoDraftRun(...).setup()``; ``--init-from`` reuses a run's ``warm/weights.pt``), and a DFlash
+drafter (``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` steps (default: the
+recipe's EAGLE-3 warm-start steps) at ``--lr``
 (``distill.pool.fit_on_pool`` through DFlash's term: the one fit loop, cosine to 10%) on
 the SAME pool of the policy's own samples the EAGLE-3 warm start uses (``distill.pool.sample_pool``: the recipe's
 ``draft.warm_start.batch_size`` x ``min(steps, 8)`` problems at the rollout temperature), with ``--anchors``
 anchors per document.
 
-Arms, on ``--prompts`` problems drawn with a benchmark seed minus every pool problem, one request at a time (batch 1,
-where speculation pays most and where the block engine decodes: rollout/embedded/block.py), ``--max-new-tokens``
-tokens, coupled sampling with one seed per request: plain decoding, EAGLE-3 (fixed K = the recipe's, the embedded
-engine) and DFlash (``block - 1`` proposals a round, one drafter forward). Every arm emits the same tokens (checked:
-lossless). Time: ``time.process_time()`` of this process with one torch thread, the arms alternating within each of
+Arms, on ``max(B, --prompts)`` problems drawn with a benchmark seed minus every pool problem, B requests decoded
+together, ``--max-new-tokens`` tokens, coupled sampling with one seed per request: plain decoding, EAGLE-3 (fixed K =
+the recipe's, the embedded engine), DFlash (``block - 1`` proposals a round, one drafter forward: the block engine,
+rollout/embedded/block.py), and both adaptive (k in 0..K chosen each round by the engine's cost model from earlier
+rounds; one engine per drafter, its controller kept across cells as in a run). Every arm emits the same tokens
+(checked: lossless). Time: ``time.process_time()`` of this process with one torch thread, the arms alternating within each of
 ``--repeats`` repeats; speed-ups are medians of the per-repeat ratios against plain decoding of the same repeat.
 
-Writes ``<out>/dflash_tiny.md``, ``.json``, ``.png``. Smoke: ``--steps 2 --prompts 2 --max-new-tokens 6 --repeats 1
---recipe-overrides sft.steps=2 draft.warm_start.steps=2 --out TMP``.
+Writes ``<out>/dflash_tiny.md``, ``.json``, ``.png`` (``dflash_smollm2.*`` for SmolLM2). Smoke: ``--steps 2 --prompts 2
+--max-new-tokens 6 --repeats 1 --recipe-overrides sft.steps=2 draft.warm_start.steps=2 --out TMP``.
 """
 
 from __future__ import annotations
@@ -42,18 +46,24 @@ from pages import command, md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_SEED = 7_000_003  # the rollout benchmark's draw (disjoint from the warm-up seeds)
-ARMS = ("plain", "eagle3", "dflash")
+ARMS = ("plain", "eagle3", "dflash", "eagle3-adaptive", "dflash-adaptive")
+
+
+PAGES = {"tiny-cpu": "dflash_tiny", "smollm2-135m-cpu": "dflash_smollm2"}
+RECIPE_OVERRIDES = {"smollm2-135m-cpu": ["draft.warm_start.corpus=null", "parallel.engine_dtype=null"]}
+"""The pool warm start (the same budget for both drafters) and fp32 decoding (the block engine's dtype) for SmolLM2."""
 
 
 def build(args):
-    """The tiny-cpu policy and EAGLE-3 draft after the recipe's warm-ups, the run's config and task."""
+    """The recipe's policy and EAGLE-3 draft after its warm-ups, the run's config and task."""
     from lightning_codraft.rl.run.loop import CoDraftRun
 
     base = ["run.threads=1", "run.resume=false", "run.progress=false", "run.plots=false", "task.eval_prompts=0",
-            f"run.out_dir={Path(args.work_dir) / 'tiny'}", *args.recipe_overrides]
+            f"run.out_dir={Path(args.work_dir) / args.recipe}", *RECIPE_OVERRIDES.get(args.recipe, []),
+            *args.recipe_overrides]
     if args.init_from:
         base.append(f"run.init_from={args.init_from}")
-    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", base)
+    cfg = load_config(ROOT / "recipes" / f"{args.recipe}.yaml", base)
     run = CoDraftRun(cfg, print_fn=lambda m: print("   " + m, flush=True))
     run.setup()
     policy, draft, tok, task = run.module.policy.eval(), run.module.draft.eval(), run.tokenizer, run.task
@@ -85,22 +95,25 @@ def fit_dflash(cfg, policy, tok, task, args) -> tuple[DFlashDraft, list[float], 
     return drafter.eval(), losses, accuracy, {s.prompt for s in samples}
 
 
-def measure(engines: dict, prompts: list[list[int]], T: float, args, stop: list[int]) -> dict:
-    """Every arm on every prompt, one request at a time, the arms alternating; a row of the table."""
+def measure(engines: dict, prompts: list[list[int]], B: int, T: float, args, stop: list[int]) -> dict:
+    """Every arm on ``prompts``, ``B`` requests decoded together, the arms alternating; a row of the table."""
     seeds = list(range(len(prompts)))
+    for engine in engines.values():  # the adaptive engines keep their controllers across cells, as in a run
+        engine.max_batch_size = B
     cpu = {a: [] for a in ARMS}
     outs = {}
     for r in range(args.repeats):
-        for arm in ARMS[r % 3:] + ARMS[: r % 3]:
+        for arm in ARMS[r % len(ARMS):] + ARMS[: r % len(ARMS)]:
             c0 = time.process_time()
-            outs[arm] = [engines[arm].generate([p], args.max_new_tokens, temperature=T, request_seeds=[s],
-                                               stop_token_ids=stop)[0] for p, s in zip(prompts, seeds)]
+            outs[arm] = engines[arm].generate(prompts, args.max_new_tokens, temperature=T, request_seeds=seeds,
+                                              stop_token_ids=stop)
             cpu[arm].append(time.process_time() - c0)
     same = {arm: [o.token_ids for o in outs[arm]] == [o.token_ids for o in outs["plain"]] for arm in ARMS}
-    row = {"T": T, "tokens": sum(len(o.token_ids) for o in outs["plain"]), "lossless": all(same.values())}
+    row = {"B": B, "T": T, "prompts": len(prompts), "tokens": sum(len(o.token_ids) for o in outs["plain"]),
+           "lossless": all(same.values())}
     for arm in ARMS:
         st = AcceptanceStats.total(o.stats for o in outs[arm])
-        row[arm] = {"acceptance": st.acceptance_length, "cpu_s": statistics.median(cpu[arm]),
+        row[arm] = {"acceptance": st.acceptance_length, "mean_k": st.mean_k, "cpu_s": statistics.median(cpu[arm]),
                     "speedup": statistics.median(p / c for p, c in zip(cpu["plain"], cpu[arm])),
                     "range": [min(p / c for p, c in zip(cpu["plain"], cpu[arm])),
                               max(p / c for p, c in zip(cpu["plain"], cpu[arm]))]}
@@ -108,32 +121,37 @@ def measure(engines: dict, prompts: list[list[int]], T: float, args, stop: list[
 
 
 def report(rows: list[dict], args, notes: list[str], out: Path) -> str:
-    header = ["T", "arm", "acceptance length", "speed-up vs plain (range)", "CPU s", "same tokens as plain"]
-    body = [[f"{r['T']:g}", arm, "-" if arm == "plain" else f"{r[arm]['acceptance']:.2f}",
+    header = ["B", "T", "arm", "acceptance length", "mean k", "speed-up vs plain (range)", "CPU s",
+              "same tokens as plain"]
+    body = [[r["B"], f"{r['T']:g}", arm, "-" if arm == "plain" else f"{r[arm]['acceptance']:.2f}",
+             "-" if arm == "plain" else f"{r[arm]['mean_k']:.2f}",
              f"{r[arm]['speedup']:.2f}x ({r[arm]['range'][0]:.2f}-{r[arm]['range'][1]:.2f})",
              f"{r[arm]['cpu_s']:.2f}", "yes" if r["lossless"] else "**NO**"] for r in rows for arm in ARMS]
     goal = [f"DFlash acceptance at T={r['T']:g}: {r['dflash']['acceptance']:.2f} (goal >= 5 at B=8: "
-            f"{'met' if r['dflash']['acceptance'] >= 5 else '**not met**'})" for r in rows]
-    lines = ["# DFlash against EAGLE-3 on the tiny policy", "", f"`{command('dflash_tiny.py')}`", "",
+            f"{'met' if r['dflash']['acceptance'] >= 5 else '**not met**'})" for r in rows if r["B"] == 1]
+    page = PAGES.get(args.recipe, f"dflash_{args.recipe}")
+    lines = [f"# DFlash against EAGLE-3 on {args.recipe}, after the same warm-start budget", "",
+             f"`{command('dflash_tiny.py')}`", "",
              f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread.", "",
              *[f"- {n}" for n in notes], "", *md_table(header, body), "", *[f"- {g}" for g in goal], "",
-             "![acceptance and speed-up](dflash_tiny.png)", ""]
+             f"![acceptance and speed-up]({page}.png)", ""]
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key, title in ((axes[0], "acceptance", "acceptance length"), (axes[1], "speedup", "speed-up vs plain")):
-        for i, arm in enumerate(("eagle3", "dflash")):
-            ax.bar([j + 0.4 * i for j in range(len(rows))], [r[arm][key] for r in rows], width=0.4, label=arm)
-        ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"T={r['T']:g}" for r in rows])
+        for i, arm in enumerate(ARMS[1:]):
+            ax.bar([j + 0.2 * i for j in range(len(rows))], [r[arm][key] for r in rows], width=0.2, label=arm)
+        ax.set_xticks([j + 0.3 for j in range(len(rows))], [f"B={r['B']} T={r['T']:g}" for r in rows], fontsize=7)
         ax.set_title(title)
     axes[0].legend()
-    save_figure(fig, out / "dflash_tiny.png")
-    return write_page(out / "dflash_tiny.md", lines)
+    save_figure(fig, out / f"{page}.png")
+    return write_page(out / f"{page}.md", lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block", type=int, default=8, help="DFlash block size B (B - 1 proposals a round)")
-    ap.add_argument("--steps", type=int, default=400, help="DFlash fit steps (the recipe's EAGLE-3 warm start: 400)")
+    ap.add_argument("--recipe", default="tiny-cpu", choices=sorted(PAGES), help="the policy and its EAGLE-3 warm start")
+    ap.add_argument("--steps", type=int, default=None, help="DFlash fit steps (default: the recipe's EAGLE-3 warm start)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--gamma", type=float, default=5.0, help="position k weighs exp(-(k-1)/gamma)")
     ap.add_argument("--anchors", type=int, default=8, help="anchors per document and step")
@@ -141,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--init-from", default=None, help="a tiny-cpu run's warm/weights.pt (skips the warm-ups)")
+    ap.add_argument("--batch-sizes", default="1", help="requests decoded together (a cell decodes max(B, --prompts))")
+    ap.add_argument("--init-from", default=None, help="a run's warm/weights.pt of this recipe (skips the warm-ups)")
     ap.add_argument("--recipe-overrides", nargs="*", default=[])
     ap.add_argument("--work-dir", default="/tmp/codraft_dflash_tiny")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -150,34 +169,43 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, policy, draft, tok, task = build(args)
+    args.steps = cfg.draft.warm_start.steps if args.steps is None else args.steps
     t0 = time.perf_counter()
     drafter, losses, accuracy, pool = fit_dflash(cfg, policy, tok, task, args)
     fit_s = time.perf_counter() - t0
-    drawn = task.sample(20 * args.prompts + 200, seed=PROMPT_SEED)
-    prompts = [encode_prompt(tok, s.prompt) for s in drawn if s.prompt not in pool][: args.prompts]
+    drawn = task.sample(20 * max(args.prompts, 64) + 200, seed=PROMPT_SEED)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = [encode_prompt(tok, s.prompt) for s in drawn if s.prompt not in pool][: max(args.prompts, *sizes)]
     K = cfg.draft.num_speculative_tokens
     engines = {"plain": SpeculativeEngine(policy, None, 0), "eagle3": SpeculativeEngine(policy, draft, K),
-               "dflash": BlockSpeculativeEngine(policy, drafter)}
+               "dflash": BlockSpeculativeEngine(policy, drafter),
+               "eagle3-adaptive": SpeculativeEngine(policy, draft, K, adaptive=True),
+               "dflash-adaptive": BlockSpeculativeEngine(policy, drafter, adaptive=True)}
     rows = []
-    for T in (float(t) for t in args.temperatures.split(",")):
-        rows.append(measure(engines, prompts, T, args, [tok.eos_token_id]))
-        r = rows[-1]
-        print(f"T={T:g}: EAGLE-3 acceptance {r['eagle3']['acceptance']:.2f}, {r['eagle3']['speedup']:.2f}x; DFlash "
-              f"acceptance {r['dflash']['acceptance']:.2f}, {r['dflash']['speedup']:.2f}x; lossless {r['lossless']}",
-              flush=True)
-    notes = [f"policy: tiny-cpu recipe ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}); "
+    for B in (int(b) for b in args.batch_sizes.split(",")):
+        for T in (float(t) for t in args.temperatures.split(",")):
+            cell = prompts[: max(args.prompts, B)]
+            rows.append(measure(engines, cell, B, T, args, [tok.eos_token_id]))
+            r = rows[-1]
+            print(f"B={B} T={T:g}: " + "; ".join(f"{a} acceptance {r[a]['acceptance']:.2f}, {r[a]['speedup']:.2f}x"
+                                                for a in ARMS[1:]) + f"; lossless {r['lossless']}", flush=True)
+    notes = [f"policy: {args.recipe} recipe ({policy.config.num_hidden_layers} layers, hidden "
+             f"{policy.config.hidden_size}, fp32); "
              f"EAGLE-3: the recipe's warm start ({cfg.draft.warm_start.steps} steps), K={K} fixed",
              f"DFlash: 1 layer, block {args.block} ({args.block - 1} proposals a round), {args.steps} steps at lr "
              f"{args.lr} on the same pool ({len(pool)} problems), {args.anchors} anchors per document, gamma "
              f"{args.gamma}; loss {losses[0]:.2f} -> {losses[-1]:.2f} in {fit_s:.0f} s; top-1 accuracy per block "
-             f"position on the pool at the end {accuracy}: against the acceptance on fresh prompts below, what limits "
-             f"DFlash here is generalising from a pool of {len(pool)} problems (DFlash's published drafters train on "
-             f"hundreds of thousands of samples), not fitting it",
-             f"prompts: {len(prompts)} of `task.sample(.., seed={PROMPT_SEED})` outside the pool; batch 1; "
+             f"position on the pool at the end {accuracy}, against its acceptance on fresh prompts below (DFlash's "
+             f"published drafters train on hundreds of thousands of samples, this one on {len(pool)} problems)",
+             "adaptive arms: each round's k in 0..K chosen by the engine's cost model from earlier rounds (a prefix "
+             "of the block for DFlash); their acceptance counts drafting rounds only",
+             f"prompts: `task.sample(.., seed={PROMPT_SEED})` outside the pool, max(B, {args.prompts}) a cell, B decoded "
+             f"together; "
              f"{args.max_new_tokens} new tokens; coupled sampling; {args.repeats} repeats"]
-    write_json(out / "dflash_tiny.json", {"rows": rows, "notes": notes, "argv": sys.argv[1:]})
+    page = PAGES.get(args.recipe, f"dflash_{args.recipe}")
+    write_json(out / f"{page}.json", {"rows": rows, "notes": notes, "argv": sys.argv[1:]})
     report(rows, args, notes, out)
-    print(f"wrote {out / 'dflash_tiny.md'}")
+    print(f"wrote {out / (page + '.md')}")
     return 0 if all(r["lossless"] for r in rows) else 1
 
 

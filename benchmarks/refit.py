@@ -9,7 +9,10 @@ one is real):
   loaded whole (the embedded engine: ``update_weights``; vLLM: safetensors bytes through the RPC, then a float64
   verification of every parameter on both sides);
 - ``after``: ``WeightSync``'s bucketed refit (rollout/refit/buckets.py): buckets of ``--bucket-mb`` handed over by
-  reference (shared memory for vLLM), each checksummed where it lands.
+  reference (shared memory for vLLM), each checksummed where it lands;
+- ``first`` (vLLM): the same refit as a run's first and last one, every tensor verified (``verify_updates``): the
+  expected checksums reduced from the buckets as they pass (rollout/vllm/weights.py ``ChecksumStream``), never the
+  pushed state held on the host (the embedded engine has nothing more to verify: ``after`` is its first refit).
 
 Reported: the median refit seconds, and the peak extra resident memory on the host during a refit (the peak
 resident set of this process and of every process it started, e.g. vLLM's, above their resident sets before the
@@ -136,7 +139,7 @@ def make_engine(kind: str, policy, draft, workdir: Path):
 
 def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float, dims: ParallelDims | None = None):
     """The refit function of ``arm`` for ``engine`` (``dims``: ``policy`` / ``draft`` are FSDP2 shards over it)."""
-    if arm == "after":
+    if arm in ("after", "first"):
         if dims is None:
             def states():
                 return policy.state_dict(), draft.state_dict()
@@ -146,7 +149,11 @@ def refit_arm(kind: str, arm: str, engine, policy, draft, bucket_mb: float, dims
         sync = WeightSync(engine, states, bucket_bytes=int(bucket_mb * 2**20))
 
         def after():
-            sync(1, force=True)
+            engine.verify_updates = arm == "first"  # a run's first and last refit verify every tensor
+            try:
+                sync(1, force=True)
+            finally:
+                engine.verify_updates = False
         after.prepare = sync.release_buffers  # as in the RL loop: freed when training started, before the refit
         return after
 
@@ -169,7 +176,7 @@ def run_arms(kind: str, engine, policy, draft, repeats: int, bucket_mb: float,
              dims: ParallelDims | None = None) -> dict[str, list[tuple[float, int]]]:
     """``{arm: [(seconds, peak extra bytes) per repeat]}``, the arms interleaved (machine load affects both
     alike), the weights nudged before every refit (each one moves real weights)."""
-    fns = {arm: refit_arm(kind, arm, engine, policy, draft, bucket_mb, dims) for arm in ("before", "after")}
+    fns = {arm: refit_arm(kind, arm, engine, policy, draft, bucket_mb, dims) for arm in arms_of(kind)}
     for fn in fns.values():
         fn()  # warm: first calls pay imports and allocations
     res = {arm: [] for arm in fns}
@@ -259,12 +266,17 @@ def run_pass(which: str, args) -> list[dict]:
     return json.loads(out.read_text())
 
 
+def arms_of(kind: str) -> tuple[str, ...]:
+    """The arms an engine runs (only vLLM verifies more on a run's first refit)."""
+    return ("before", "after", "first") if kind == "vllm" else ("before", "after")
+
+
 def combine(times: list[dict], memory: list[dict]) -> list[dict]:
     """The table's rows: median seconds from the time pass, the largest peak from the memory pass."""
     rows = []
     for t, m in zip(times, memory):
         row = {k: t[k] for k in ("model", "engine", "processes", "weights_mb", "bucket_mb")}
-        for arm in ("before", "after"):
+        for arm in t["runs"]:
             row[f"{arm}_s"] = statistics.median(s for s, _ in t["runs"][arm])
             row[f"{arm}_peak_mb"] = max(b for _, b in m["runs"][arm]) / 2**20
         row["speedup"] = row["before_s"] / row["after_s"]
@@ -296,6 +308,12 @@ def rl_share(steps: int, work: Path, reuse: bool = False) -> dict:
             "step_s": [float(r["step_s"]) for r in rows], "share": [float(r["refit_share"]) for r in rows]}
 
 
+def _first(row: dict, key: str, fmt: str) -> str:
+    """A cell of the first-refit arm (vLLM only: "-" elsewhere)."""
+    value = row.get(f"first_{key}")
+    return "-" if value is None else fmt.format(value, value / row["weights_mb"])
+
+
 def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
     lines = ["# Refit: training weights into the rollout engine, bytes path against buckets", "",
              f"Command: `{command('refit.py', args.argv)}`. CPU, {torch.get_num_threads()} torch threads, "
@@ -306,15 +324,19 @@ def report(rows: list[dict], rl: dict | None, args, out: Path) -> str:
              f"blocks leave the resident set). 2 processes: gloo ranks with FSDP2 shards, one embedded engine "
              f"each, one torch thread each; the slower rank's seconds, the larger rank's memory.", "",
              *md_table(["model", "engine", "processes", "weights (policy + draft, fp32)", "bucket", "before: s",
-                        "before: peak extra", "after: s", "after: peak extra", "time", "memory"],
+                        "before: peak extra", "after: s", "after: peak extra", "time", "memory",
+                        "first refit (all verified): s", "first: peak extra"],
                        [(r["model"], r["engine"], r["processes"], f"{r['weights_mb']:.0f} MB",
                          f"{r['bucket_mb']:g} MiB", f"{r['before_s']:.3f}",
                          f"{r['before_peak_mb']:.0f} MB", f"{r['after_s']:.3f}", f"{r['after_peak_mb']:.0f} MB",
                          f"{r['speedup']:.1f}x less", f"{r['memory_ratio']:.1f}x less"
-                         if r["after_peak_mb"] >= 1 else "-") for r in rows]), "",
+                         if r["after_peak_mb"] >= 1 else "-", _first(r, "s", "{:.3f}"),
+                         _first(r, "peak_mb", "{:.0f} MB ({:.2f}x the weights)")) for r in rows]), "",
              "before: whole cloned states (vLLM: safetensors bytes in the RPC, then every parameter verified in "
              "float64 on both sides, as the loop did); after: buckets of the size shown by reference, "
-             "checksummed where they land (a run's first and last refit also verify every parameter)."]
+             "checksummed where they land; first refit: the same buckets as a run's first and last refit, every "
+             "parameter verified by checksums reduced from the buckets as they pass (the engine's resident report "
+             "compared), the pushed state never held on the host (it was: 2.68x the weights on SmolLM2 before)."]
     if rl is not None:
         share = statistics.median(rl["share"][1:] or rl["share"])
         lines += ["", "## The refit's share of an RL step (SmolLM2-135M recipe, vLLM-CPU)", "",

@@ -313,8 +313,9 @@ def test_same_steps_smoke():
 
 def test_dflash_tiny_smoke(tmp_path):
     text = _run("dflash_tiny.py", "--steps", 2, "--prompts", 2, "--max-new-tokens", 6, "--repeats", 1,
-                "--recipe-overrides", "sft.steps=2", "draft.warm_start.steps=2", "--out", tmp_path,
+                "--batch-sizes", "1,3", "--recipe-overrides", "sft.steps=2", "draft.warm_start.steps=2", "--out", tmp_path,
                 "--work-dir", tmp_path / "work")
     assert "lossless True" in text and "| dflash |" not in text  # the table is on the page
     page = (tmp_path / "dflash_tiny.md").read_text()
-    assert "| 0 | dflash |" in page and (tmp_path / "dflash_tiny.png").is_file()
+    assert "| 1 | 0 | dflash |" in page and "| 3 | 1 | dflash-adaptive |" in page
+    assert (tmp_path / "dflash_tiny.png").is_file()
