@@ -266,23 +266,16 @@ class CostModel:
             sampler: the call's token sampler (its verify and proposal math are timed, on noise of its own).
             max_k: K, the longest proposal (verify forwards of 1 and K+1 tokens per row are timed).
         """
-        B, device = int(pending.shape[0]), pending.device
-        sizes = sorted({B, max(1, (B + 1) // 2)})
-        self.start_calibration(sizes)
-        for n in sizes:
-            noise, at = CounterNoise(torch.arange(n, device=device)), torch.zeros(n, dtype=torch.long, device=device)
-            for S in range(1, max_k + 2):
-                ids = pending[:n, None].expand(n, S)
-                args = (pdec, pcache, ids, taps, sampler, noise, at)
-                seconds, tapped = _fastest(device, _verify_once, *args)
-                self.add("policy", n, S, seconds, anchor=True)
-                if S in (1, max_k + 1):
-                    seconds, _ = _fastest(device, _catch_up_once, pdec, ddec, dcache, tapped, ids)
-                    self.add("catch_up", n, S, seconds, anchor=True)
-            hidden = ddec.fuse(tuple(t[:, :1] for t in tapped))
-            rn = sampler.start_round(noise, at, 1)  # a round's noise is timed with its verify
-            seconds, _ = _fastest(device, _draft_step_once, pdec, ddec, dcache, hidden, pending[:n], sampler, rn)
-            self.add("draft", n, 1, seconds, anchor=True)
+        device = pending.device
+        for n, S, ids, tapped, noise, at in self._timed_verifies(pdec, pcache, pending, taps, sampler, max_k):
+            if S in (1, max_k + 1):
+                seconds, _ = _fastest(device, _catch_up_once, pdec, ddec, dcache, tapped, ids)
+                self.add("catch_up", n, S, seconds, anchor=True)
+            if S == max_k + 1:
+                hidden = ddec.fuse(tuple(t[:, :1] for t in tapped))
+                rn = sampler.start_round(noise, at, 1)  # a round's noise is timed with its verify
+                seconds, _ = _fastest(device, _draft_step_once, pdec, ddec, dcache, hidden, pending[:n], sampler, rn)
+                self.add("draft", n, 1, seconds, anchor=True)
 
     def calibrate_block(
         self,
@@ -304,15 +297,24 @@ class CostModel:
         """
         if not self.one_forward_draft:
             raise RuntimeError("calibrate_block times a block drafter: build the CostModel with one_forward_draft=True")
+        for n, S, *_ in self._timed_verifies(pdec, pcache, pending, taps, sampler, max_k):
+            if S == max_k + 1:
+                self.add("draft", n, 1, _fastest(pending.device, propose, n)[0], anchor=True)
+
+    def _timed_verifies(self, pdec, pcache: KVCache, pending: torch.Tensor, taps, sampler: TokenSampler, max_k: int):
+        """Start a calibration at the batch's B and B/2 rows and record its verify forwards of 1..K+1 tokens per row;
+        after each, yield ``(n, S, ids, taps, noise, at)`` (rows, tokens, the forward's input and taps, the noise) for
+        the caller to time its drafter's blocks there."""
         B, device = int(pending.shape[0]), pending.device
         sizes = sorted({B, max(1, (B + 1) // 2)})
         self.start_calibration(sizes)
         for n in sizes:
             noise, at = CounterNoise(torch.arange(n, device=device)), torch.zeros(n, dtype=torch.long, device=device)
             for S in range(1, max_k + 2):
-                args = (pdec, pcache, pending[:n, None].expand(n, S), taps, sampler, noise, at)
-                self.add("policy", n, S, _fastest(device, _verify_once, *args)[0], anchor=True)
-            self.add("draft", n, 1, _fastest(device, propose, n)[0], anchor=True)
+                ids = pending[:n, None].expand(n, S)
+                seconds, tapped = _fastest(device, _verify_once, pdec, pcache, ids, taps, sampler, noise, at)
+                self.add("policy", n, S, seconds, anchor=True)
+                yield n, S, ids, tapped, noise, at
 
 
 def _fastest(device: torch.device, fn, *args, repeats: int = 3):
