@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_codraft.training.off_policy import OffPolicyCorrection
+
 AGGREGATIONS = ("sequence", "token", "constant")
 PP_SCHEDULES = ("gpipe", "1f1b")
 DRAFT_LOSSES = ("ce", "tv", "lk_alpha", "lk_lambda")  # training/draft_loss.py defines each
@@ -43,6 +45,11 @@ class PolicyLossConfig:
     dual_clip: Optional[float] = None
     """verl's dual clip ``clip_ratio_c`` (> 1, e.g. 3): a negative-advantage token's loss is capped at ``-A c``;
     None = off."""
+    off_policy: Optional[OffPolicyCorrection] = None
+    """The decoupled objective for rollouts of an older policy (training/off_policy.py: the clipped ratio against the
+    proximal policy, the trainer's weights at the step's start, times the truncated weight ``pi_prox / pi_behave``);
+    None: today's PPO ratio against the sampling policy (``rl.async_level: 0``; an asynchronous run uses the defaults
+    when it is unset)."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts: the RL loss (and the reference's log-probs) score tokens under
     ``logits / temperature``, the distribution they were sampled from, so the first, on-policy ratio is 1. Zero

@@ -40,8 +40,9 @@ from lightning_codraft.training.implied import ReferenceDraft
 from lightning_codraft.training.metrics import check_metric_names
 from lightning_codraft.training.module_optim import OptimizationHooks
 from lightning_codraft.training.module_parallel import ParallelHooks
-from lightning_codraft.training.normalize import normalize_step
+from lightning_codraft.training.normalize import doc_index, normalize_step
 from lightning_codraft.training.objective import CoDraftStepOutput, MicrobatchRecord, step_metrics, unroll_weights
+from lightning_codraft.training.off_policy import correction_stats, importance_weights
 from lightning_codraft.training.rl_loss import greedy_agreement, policy_gradient_loss, token_logprobs
 from lightning_codraft.training.step import NonFiniteGuard, optimizer_step
 
@@ -320,9 +321,22 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             microbatches is the objective); stats are this microbatch's global shares of the step's values.
         """
         c, tokens = self.config, None if batch.norm is None else max(batch.norm.tokens, 1.0)
-        return policy_gradient_loss(
+        old, iw = batch.old_logprobs, None
+        if c.off_policy is not None:  # decoupled: the ratio against the proximal policy (this step's weights)
+            old = logprobs.detach()
+            docs = batch.cu_seqlens.numel() - 1
+            iw = importance_weights(
+                old,
+                batch.old_logprobs,
+                batch.loss_mask,
+                doc_index(batch),
+                docs,
+                c.off_policy,
+                self.parallel_dims.cp_group,
+            )
+        loss, stats = policy_gradient_loss(
             logprobs,
-            batch.old_logprobs,
+            old,
             batch.advantages,
             batch.loss_mask,
             clip_eps=c.clip_eps,
@@ -333,7 +347,12 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             group=self.parallel_dims.dp_cp_group,
             loss_weight=batch.loss_weight,
             dual_clip=c.dual_clip,
+            is_weight=None if iw is None else iw.weight,
         )
+        if iw is not None:
+            group = self.parallel_dims.dp_cp_group
+            stats.update(correction_stats(iw, logprobs, batch.old_logprobs, batch.loss_mask, tokens, group))
+        return loss, stats
 
     def draft_token_embeds(self, embeds: Tensor, batch: RLBatch) -> list[Tensor]:
         """The draft's token inputs: the policy's embeddings shifted left by ``k + 1`` within documents, k < K.

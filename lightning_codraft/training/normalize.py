@@ -38,7 +38,7 @@ from lightning_codraft.parallel.collectives import reduced
 from lightning_codraft.training.config import AGGREGATIONS
 
 
-def _doc_index(batch: RLBatch) -> Tensor:
+def doc_index(batch: RLBatch) -> Tensor:
     """``(T,)`` int64 index of the document each held row belongs to (a CP shard holds ``len / cp`` rows of each)."""
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long() // batch.cp_size
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
@@ -93,7 +93,7 @@ def normalize_step(
     if batch.is_sharded and cp_group is None:
         raise ValueError(f"normalize_step on CP rank {batch.cp_rank}'s shard needs the CP group")
     mask = batch.loss_mask.to(torch.float64)
-    doc = _doc_index(batch)
+    doc = doc_index(batch)
     per_doc = torch.zeros(batch.num_docs, dtype=torch.float64, device=mask.device).index_add_(0, doc, mask)
     if scored_rows is None:
         draft_rows = unroll_scored_rows(batch, ttt_steps, cp_group)

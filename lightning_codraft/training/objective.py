@@ -142,10 +142,10 @@ def global_draft_objective(
 def merge_microbatch_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One step's statistics from its microbatches' (same keys in each): every value is a microbatch's share of the
     step's value (its losses and weighted means divide by the step's global denominators; token counts are counts),
-    so the step's value is the sum."""
+    so the step's value is the sum; a maximum (a key ending in ``_max``) is the largest."""
     if not stats:
         return {}
-    return {k: sum(s[k] for s in stats) for k in stats[0]}
+    return {k: (max if k.endswith("_max") else sum)(s[k] for s in stats) for k in stats[0]}
 
 
 def step_metrics(records: Sequence[MicrobatchRecord]) -> tuple[dict[str, Tensor], Optional[tuple[Tensor, Tensor]]]:

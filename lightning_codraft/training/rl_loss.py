@@ -46,6 +46,7 @@ def policy_gradient_loss(
     loss_weight: Optional[Tensor] = None,
     dual_clip: Optional[float] = None,
     num_tokens: Optional[float] = None,
+    is_weight: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO / GRPO clipped surrogate (+ optional k3 KL to a reference policy), a weighted sum over tokens.
 
@@ -71,6 +72,9 @@ def policy_gradient_loss(
         dual_clip: verl's ``clip_ratio_c`` (> 1): caps the loss of a negative-advantage token at ``-A c``; None: off.
         num_tokens: the step's completion tokens over every rank and microbatch (``RLBatch.norm.tokens``): the
             token-mean statistics are then this batch's share of the step's; None: this batch's own token means.
+        is_weight: ``(T,)`` the decoupled objective's off-policy weights (training/off_policy.py, detached: each
+            token's clipped surrogate is multiplied by it, ``old_logprobs`` then being the proximal policy's), or
+            None.
 
     Returns:
         ``(loss, stats)``. ``loss`` is THIS rank's share (the sum of ``loss`` over ``group`` is the objective,
@@ -80,7 +84,13 @@ def policy_gradient_loss(
         aggregation (TRL's ``kl`` / ``clip_ratio/region_mean``, verl's ``pg_clipfrac``: docs/rl.md); and
         ``num_tokens`` (scored rows).
     """
-    tensors = dict(old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask, loss_weight=loss_weight)
+    tensors = dict(
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        loss_weight=loss_weight,
+        is_weight=is_weight,
+    )
     _check_loss_inputs(logprobs, tensors, clip_eps, clip_eps_high, kl_coef, dual_clip, ref_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # at least fp32 for the ratio
     mask = loss_mask.to(dtype)
@@ -89,6 +99,8 @@ def policy_gradient_loss(
     pg, clipped = clipped_surrogate(
         log_ratio, advantages.to(dtype), clip_eps, clip_eps if clip_eps_high is None else clip_eps_high, dual_clip
     )
+    if is_weight is not None:  # the off-policy weight of a stale rollout's token (decoupled objective)
+        pg = pg * is_weight.detach().to(dtype)
     kl = k3_kl(logprobs_f, ref_logprobs, grad=kl_coef > 0) if ref_logprobs is not None else torch.zeros_like(pg)
     per_token = pg + kl_coef * kl if ref_logprobs is not None and kl_coef > 0 else pg
     if loss_weight is None:  # the token mean of this batch: its count crosses ranks before the loss
