@@ -180,6 +180,8 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
         )
     if d.type == "dflash" and d.mode != "none":
         _check_block_drafter_run(cfg)
+    if r.async_level:
+        _check_async_run(cfg)
     if r.max_new_tokens >= m.max_position_embeddings:
         raise ConfigError(
             f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "
@@ -192,6 +194,21 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
             f"with task.solution_column; set it, or sft.steps=0"
         )
     return cfg
+
+
+def _check_async_run(cfg: CoDraftConfig) -> None:
+    """What an asynchronous run (``rl.async_level > 0``) refuses (``ConfigError`` naming the keys)."""
+    p = cfg.parallel
+    if p.devices * p.num_nodes != 1:
+        raise ConfigError(
+            f"rl.async_level={cfg.rl.async_level} runs its producer as a thread of the one training process; "
+            f"parallel.devices x num_nodes = {p.devices * p.num_nodes}: a mesh is not supported yet (docs/multinode.md)"
+        )
+    if p.engine != "embedded":
+        raise ConfigError(
+            f"rl.async_level={cfg.rl.async_level} needs parallel.engine=embedded (vLLM's pause / refit / resume is "
+            f"not wired into the producer yet)"
+        )
 
 
 def _check_block_drafter_run(cfg: CoDraftConfig) -> None:

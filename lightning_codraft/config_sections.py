@@ -226,12 +226,22 @@ class RLConfig(PolicyLossConfig):
     """Divide group-centred rewards by the group std (GRPO); False = mean-centred only (Dr. GRPO)."""
     std: str = "population"
     """The group std of ``scale_advantages``: ``population`` (divide by G) or ``sample`` (G - 1: TRL, verl)."""
+    async_level: int = 0
+    """k: step t trains on rollouts that the policy of step ``t - k`` generated while the trainer trained step t - 1
+    (deterministic k-step-off, rl/async_rollouts.py; with the decoupled objective, ``off_policy``'s defaults when
+    unset). 0: synchronous (rollouts, then training, then refit)."""
 
     def check(self) -> None:
         """The loss fields' check, then GRPO's own (``ValueError`` naming the field)."""
         super().check()
         _one_of(self, "std", ("population", "sample"))
-        for name, low in (("steps", 0), ("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1)):
+        for name, low in (
+            ("steps", 0),
+            ("prompts_per_step", 1),
+            ("group_size", 2),
+            ("max_new_tokens", 1),
+            ("async_level", 0),
+        ):
             _at_least(self, name, low)
         _learning_rate(self, "lr")
         if not 0 < self.top_p <= 1:

@@ -112,15 +112,21 @@ class RolloutWorker:
         return not (self.dims.pp_enabled or fsdp)
 
     @property
+    def shares_training_modules(self) -> bool:
+        """Whether the embedded engine decodes the training modules themselves: they are whole and nothing trains
+        them while it decodes (an asynchronous run's producer decodes copies, ``rl.async_level > 0``)."""
+        return self.training_modules_whole and self.cfg.rl.async_level == 0
+
+    @property
     def holds_copies(self) -> bool:
         """Whether the engine's weights are its own (vLLM, or copies of pruned / sharded modules) and need syncs."""
-        return self.cfg.parallel.engine == "vllm" or not self.training_modules_whole
+        return self.cfg.parallel.engine == "vllm" or not self.shares_training_modules
 
     @property
     def _copies(self) -> tuple[nn.Module, ...]:
         """The engine's own module copies (released between rollout phases): none when it decodes with the
         training modules themselves."""
-        if self.training_modules_whole:
+        if self.shares_training_modules:
             return ()
         return tuple(m for m in (self.policy, self.draft) if m is not None)
 
@@ -128,7 +134,7 @@ class RolloutWorker:
         """Choose the modules and build this rank's engine; call BEFORE the strategy sets ``module`` up (while it
         is whole). Copies are released at once: they are refilled from the training state before each rollout."""
         self.module = module
-        if self.training_modules_whole:
+        if self.shares_training_modules:
             self.policy, self.draft = module.policy, module.draft
         else:
             policy, draft = copy.deepcopy((module.policy, module.draft))  # one memo: tied tensors stay tied

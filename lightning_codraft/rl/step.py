@@ -57,6 +57,39 @@ class Generation:
         return sum(len(o.token_ids) for o in self.outs)
 
 
+@dataclass
+class Produced:
+    """The produce stage's result for one step: what the consume stages read."""
+
+    step: int
+    """The RL step the rollouts are for."""
+    prompts: list
+    """This replica's prompts of the step."""
+    gen: Generation
+    """Their rollouts."""
+    wait_s: float = 0.0
+    """Seconds the trainer waited for them (all of the rollout phase when synchronous)."""
+    producer_idle: float = math.nan
+    """Share of the trainer's previous step the asynchronous producer spent idle (NaN when synchronous)."""
+
+
+def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:
+    """The decoupled objective's figures of a step (NaN without it): the weights' token mean, std from the second
+    moment, max, truncated and masked shares, effective sample size per token, the engine-trainer KL."""
+    if "policy/is_weight" not in m:
+        return {}
+    mean, second = m["policy/is_weight"], m["policy/is_weight_sq"]
+    return {
+        "is_weight": mean,
+        "is_weight_std": math.sqrt(max(second - mean * mean, 0.0)),
+        "is_weight_max": m["policy/is_weight_max"],
+        "is_truncated": m["policy/is_truncated"],
+        "is_masked": m["policy/is_masked"],
+        "is_ess": mean * mean / second if second > 0 else math.nan,
+        "mismatch_kl": m["policy/mismatch_kl"],
+    }
+
+
 def step_prompts(task, cfg: CoDraftConfig, step: int) -> list:
     """The prompts of RL step ``step`` (0-based): a pure function of the run's seed and the step."""
     return task.sample(cfg.rl.prompts_per_step, seed=step_seed(cfg.run.seed, step))
@@ -136,6 +169,9 @@ class RLStep:
         self.log = log
         self.schedule = schedule if schedule is not None else draft_schedule(cfg)
         """The draft's update schedule; its history is the run's ``draft_schedule.jsonl`` and a checkpoint entry."""
+        self.rollouts = None
+        """The asynchronous producer (rl/async_rollouts.py) the step takes its rollouts from; None: produced in the
+        step (synchronous)."""
         self.last_rollouts: list[Rollout] = []
         self.last_completions: list[dict] = []
         """This replica's samples of the last step: prompt text, completion text, reward (and each reward's)."""
@@ -145,33 +181,32 @@ class RLStep:
         self.schedule.load_state_dict(rows)
         unwrap_module(self.model).set_live_position_rates(self.schedule.last_rates)
 
+    def _summed(self, **values: float) -> dict[str, float]:
+        """``values`` summed over every rank (one all-reduce), by name."""
+        out = self.fabric.all_reduce(torch.tensor(list(values.values()), dtype=torch.float64), reduce_op="sum")
+        return dict(zip(values, out.tolist()))
+
     def _decide_draft(self, step: int, acc: AcceptanceStats, rollout_s: float, n_tok: int, module) -> Decision:
         """The draft schedule's decision for ``step`` from the whole world's rollout figures, set on ``module``'s
         flags (train, run, score the reference) and logged under the adaptive schedule."""
         dims, K = self.dims, self.worker.num_speculative_tokens
-        seen = self.fabric.all_reduce(
-            torch.tensor(
-                [
-                    float(acc.accepted),
-                    float(acc.draft_steps),
-                    rollout_s,
-                    float(n_tok),
-                    float(acc.drafted),
-                    float(acc.policy_forwards),
-                    acc.plain_s - acc.round_s,
-                    float(acc.plain_s > 0),
-                ],
-                dtype=torch.float64,
-            ),
-            reduce_op="sum",
-        ).tolist()
+        seen = self._summed(
+            accepted=float(acc.accepted),
+            draft_steps=float(acc.draft_steps),
+            rollout_s=rollout_s,
+            tokens=float(n_tok),
+            drafted=float(acc.drafted),
+            forwards=float(acc.policy_forwards),
+            saved_s=acc.plain_s - acc.round_s,
+            timed=float(acc.plain_s > 0),
+        )
         decision = self.schedule.decide(
             step,
-            1.0 + seen[0] / seen[1] if seen[1] else 1.0,
-            seen[2] / dims.world_size,
-            seen[3] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
-            seen[4] / (seen[5] * K) if seen[5] and K else 1.0,
-            seen[6] / dims.world_size if seen[7] == dims.world_size else math.nan,
+            1.0 + seen["accepted"] / seen["draft_steps"] if seen["draft_steps"] else 1.0,
+            seen["rollout_s"] / dims.world_size,
+            seen["tokens"] * dims.dp / dims.world_size,  # a replica's ranks hold the same rollouts
+            seen["drafted"] / (seen["forwards"] * K) if seen["forwards"] and K else 1.0,
+            seen["saved_s"] / dims.world_size if seen["timed"] == dims.world_size else math.nan,
         )
         if self.schedule.skips_draft:
             self.log(f"step {step + 1}: draft update {'taken' if decision.train else 'skipped'}: {decision.reason}")
@@ -183,15 +218,35 @@ class RLStep:
 
     def __call__(self, step: int, samples=None) -> StepMetrics:
         """Run RL step ``step`` (0-based) on every rank; ``samples``: the step's prompts (every rank the same list
-        of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``."""
+        of ``rl.prompts_per_step``), default ``task.sample(rl.prompts_per_step, step_seed(run.seed, step))``.
+
+        The stages: produce (the rollouts: now, or taken from the asynchronous producer), score, batch, decide the
+        draft's update, train, record."""
         t_start = time.perf_counter()
-        mine = self._replica_prompts(step, samples)
-        gen = self._generate(step, mine)
-        scores, r, scored = self._score(step, mine, gen.outs)
-        batch = self._batch(gen, scores.total, r, scored)
+        produced = self.produce(step, samples) if self.rollouts is None else self.rollouts.take(step, samples)
+        scores, r, scored = self._score(step, produced.prompts, produced.gen.outs)
+        batch = self._batch(produced.gen, scores.total, r, scored)
         self.model.train()
         module = unwrap_module(self.model)
-        decision = self._decide_draft(step, gen.acc, gen.rollout_s, gen.tokens, module)
+        decision = self._decide_draft(step, produced.gen.acc, produced.gen.rollout_s, produced.gen.tokens, module)
+        m, train_s = self._train(module, batch)
+        implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
+        K = module.draft_term.num_positions(module)  # the drafter's positions (EAGLE-3's unroll, a block's)
+        rates = [m[f"draft/implied_rate{k}"] for k in range(K) if f"draft/implied_rate{k}" in m]
+        self.schedule.record(decision, train_s, implied - reference, rates, reference)
+        return self._metrics(step, t_start, produced, scores, r, scored, decision, m, train_s)
+
+    def produce(self, step: int, samples=None, versions: Optional[dict[str, int]] = None) -> Produced:
+        """The produce stage: this replica's prompts of ``step`` and their rollouts, with the engine refitted to the
+        training state (tagged ``versions``, default the state after ``step`` updates)."""
+        mine = self._replica_prompts(step, samples)
+        t0 = time.perf_counter()
+        gen = self._generate(step, mine, versions)
+        return Produced(step, mine, gen, wait_s=time.perf_counter() - t0)
+
+    def _train(self, module, batch) -> tuple[dict[str, float], float]:
+        """The optimizer step on ``batch``: its figures and the slowest rank's seconds (every rank's schedule must
+        see the same figures to decide alike)."""
         t0 = time.perf_counter()
         m = {
             k: float(v)
@@ -199,15 +254,8 @@ class RLStep:
                 self.model, module, batch, self.optimizer, self.scheduler, self.fabric.backward
             ).items()
         }
-        # the slowest rank's seconds: every rank's schedule must see the same figures to decide alike
-        train_s = self.fabric.all_reduce(
-            torch.tensor(time.perf_counter() - t0, dtype=torch.float64), reduce_op="max"
-        ).item()
-        implied, reference = m.get("draft/implied_acceptance", math.nan), m.get("draft/reference_acceptance", math.nan)
-        K = module.draft_term.num_positions(module)  # the drafter's positions (EAGLE-3's unroll, a block's)
-        rates = [m[f"draft/implied_rate{k}"] for k in range(K) if f"draft/implied_rate{k}" in m]
-        self.schedule.record(decision, train_s, implied - reference, rates, reference)
-        return self._metrics(step, t_start, gen, scores, r, scored, decision, m, train_s)
+        seconds = time.perf_counter() - t0
+        return m, self.fabric.all_reduce(torch.tensor(seconds, dtype=torch.float64), reduce_op="max").item()
 
     def _replica_prompts(self, step: int, samples) -> list:
         """This replica's share of the step's prompts (``samples``, default :func:`step_prompts`)."""
@@ -221,8 +269,18 @@ class RLStep:
         per_rank = cfg.rl.prompts_per_step // dims.dp
         return samples[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
 
-    def _generate(self, step: int, mine: list) -> Generation:
-        """Refit the engine to the training state, then sample ``rl.group_size`` completions of each prompt."""
+    def _generate(self, step: int, mine: list, versions: Optional[dict[str, int]] = None) -> Generation:
+        """Refit the engine to the training state (tagged ``versions``: default the state after ``step`` updates),
+        then sample ``rl.group_size`` completions of each prompt."""
+        if versions is None:
+            versions = weight_versions(self.cfg, step, self.schedule.updates)  # the state after `step` updates
+        refit_s = self.worker.prepare(versions)
+        return self.generate_prepared(step, mine, versions, refit_s)
+
+    def generate_prepared(self, step: int, mine: list, versions: dict[str, int], refit_s: float) -> Generation:
+        """Sample ``rl.group_size`` completions of each of ``mine`` (step ``step``'s prompts of this replica) with
+        the engine already refitted to ``versions`` (in ``refit_s`` seconds); the engine's copies are released
+        after (a thread of its own may call this: rl/async_rollouts.py)."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         prompts = fit_prompts(
             [encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens
@@ -230,8 +288,6 @@ class RLStep:
         requests = [p for p in prompts for _ in range(G)]
         first = self.dims.dp_rank * len(mine)  # the step's index of this replica's first prompt
         seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
-        versions = weight_versions(cfg, step, self.schedule.updates)  # the training state after `step` updates
-        refit_s = self.worker.prepare(versions)
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
         check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
         self.worker.release()
@@ -294,7 +350,7 @@ class RLStep:
         self,
         step: int,
         t_start: float,
-        gen: Generation,
+        produced: Produced,
         scores,
         r,
         scored,
@@ -304,6 +360,7 @@ class RLStep:
     ) -> StepMetrics:
         """The step's :class:`StepMetrics`: replica means of the rollout figures, the module's loss figures."""
         _, ab_low, ab_high = ab_difference([d.ab_gain for d in self.schedule.history])
+        gen = produced.gen
         ok, acc = r[scored].tolist(), gen.acc
         local = {
             "reward": sum(ok) / len(ok),
@@ -365,5 +422,9 @@ class RLStep:
             ab_gain_high=ab_high,
             step_s=step_s,
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
+            staleness=float(step - gen.versions["policy"]),
+            trainer_wait_s=produced.wait_s,
+            producer_idle=produced.producer_idle,
+            **off_policy_metrics(m),
             reward_parts={name: g[f"reward/{name}"] for name in parts},
         )

@@ -8,6 +8,7 @@ Three acceptance figures, one name each (training/metrics.py): ``acceptance_leng
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -91,6 +92,27 @@ class StepMetrics:
     """Seconds of the whole step."""
     tokens_per_s: float
     """Completion tokens per rollout second."""
+    staleness: float = 0.0
+    """Policy versions between the trainer and the rollouts it trained on (``rl.async_level``; 0 when synchronous)."""
+    trainer_wait_s: float = 0.0
+    """Seconds the trainer waited for the step's rollouts (all of the rollout phase when synchronous)."""
+    producer_idle: float = math.nan
+    """Share of the step's seconds the asynchronous producer spent idle (NaN when synchronous)."""
+    is_weight: float = math.nan
+    """Token mean of the decoupled objective's off-policy weights (``rl.off_policy``; NaN without it)."""
+    is_weight_std: float = math.nan
+    """Their standard deviation over the step's completion tokens."""
+    is_weight_max: float = math.nan
+    """Their largest value (at most ``rl.off_policy.is_cap``)."""
+    is_truncated: float = math.nan
+    """Share of completion tokens whose weight was truncated at the cap."""
+    is_masked: float = math.nan
+    """Share of completion tokens out of the loss (rejection or veto)."""
+    is_ess: float = math.nan
+    """Effective sample size per token of the weights, ``mean^2 / mean of squares`` (1: all equal)."""
+    mismatch_kl: float = math.nan
+    """k3 estimate of KL(engine || trainer) per completion token: how far the behaviour log-probs are from the
+    trainer's current ones (staleness and numerics)."""
     reward_parts: dict[str, float] = field(default_factory=dict)
     """With ``task.rewards``: each reward function's mean score (over the step's scored samples, unweighted), by
     name; logged as the columns ``reward/<name>``."""
@@ -102,7 +124,16 @@ class StepMetrics:
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "reward_parts")
 """Columns of ``metrics.csv``, in order."""
-TIME_COLUMNS = ("rollout_s", "train_s", "refit_s", "refit_share", "step_s", "tokens_per_s")
+TIME_COLUMNS = (
+    "rollout_s",
+    "train_s",
+    "refit_s",
+    "refit_share",
+    "step_s",
+    "tokens_per_s",
+    "trainer_wait_s",
+    "producer_idle",
+)
 """Columns that depend on wall time (excluded when comparing runs for equality)."""
 SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_per_round")
 """Columns that follow the adaptive speculation schedule, which follows measured times (with coupled sampling the

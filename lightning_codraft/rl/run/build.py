@@ -36,6 +36,7 @@ from lightning_codraft.training.config import (
     shared_fields,
 )
 from lightning_codraft.training.module import CoDraftModule
+from lightning_codraft.training.off_policy import OffPolicyCorrection
 
 
 class HFTokenizer:
@@ -188,8 +189,11 @@ def module_config(cfg: CoDraftConfig) -> CoDraftModuleConfig:
     sections copied by field from the recipe's ``rl`` / ``draft`` / ``parallel`` sections, and the knobs the recipe
     names in its own words (``draft.mode`` decides whether the draft trains and is scored)."""
     mode = cfg.draft.mode
+    loss = shared_fields(cfg.rl, PolicyLossConfig)
+    if cfg.rl.async_level and loss["off_policy"] is None:  # stale rollouts: the decoupled objective's defaults
+        loss["off_policy"] = OffPolicyCorrection()
     return CoDraftModuleConfig(
-        **shared_fields(cfg.rl, PolicyLossConfig),
+        **loss,
         **shared_fields(cfg.draft, DraftLossConfig),
         **shared_fields(cfg.parallel, MicrobatchConfig),
         draft_loss_weight=cfg.draft.loss_weight,

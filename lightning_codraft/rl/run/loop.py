@@ -40,6 +40,7 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.rl.async_rollouts import AsyncRollouts
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
 from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_run, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -214,6 +215,9 @@ class CoDraftRun:
             log=self.log,
         )
         self.rl_step.restore_schedule(self.extra.pop("draft_schedule", []))
+        if cfg.rl.async_level:  # the producer: step t's rollouts generated while step t - 1 trains
+            self.rl_step.rollouts = AsyncRollouts(self.rl_step, cfg.rl.async_level, cfg.rl.steps)
+            self.rl_step.rollouts.load_state_dict(self.extra.pop("async_rollouts", []))
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(
@@ -259,6 +263,8 @@ class CoDraftRun:
             (self.out / "draft_schedule.jsonl").write_text("".join(json.dumps(r) + "\n" for r in schedule))
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
+            if self.rl_step.rollouts is not None:  # the finished rollouts of the next steps (the one in flight too)
+                self.extra["async_rollouts"] = self.rl_step.rollouts.state_dict()
             self.checkpoints.save(step + 1, self._state(self.extra))
 
     def run(self, stop_after: Optional[int] = None) -> FitResult:
@@ -309,6 +315,8 @@ class CoDraftRun:
         """Close logs; when ``completed``: final evaluation, speed-up, plots and summary."""
         result = self.result
         result.completed = completed
+        if self.rl_step is not None and self.rl_step.rollouts is not None:
+            self.rl_step.rollouts.close()
         if self.logger is not None:
             self.logger.close()
             result.rows = self.logger.rows
