@@ -40,6 +40,7 @@ from lightning_codraft.config import CoDraftConfig
 from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
+from lightning_codraft.rl.acceptance_watch import AcceptanceWatch
 from lightning_codraft.rl.async_rollouts import AsyncRollouts
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
 from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_run, summarize
@@ -114,6 +115,7 @@ class CoDraftRun:
         self.worker: Optional[RolloutWorker] = None
         self.checkpoints: Optional[RunCheckpoints] = None
         self.rl_step: Optional[RLStep] = None
+        self.watch = AcceptanceWatch()  # warns when the rollouts' acceptance falls well below its recent level
         self.logger: Optional[MetricsLogger] = None
         self.extra: dict[str, Any] = {}
         self.start_step = self.steps_done = 0
@@ -255,6 +257,10 @@ class CoDraftRun:
 
     def end_step(self, step: int, metrics: StepMetrics) -> None:
         """Record a finished step and checkpoint on schedule."""
+        if self.cfg.draft.mode != "none":
+            warning = self.watch.observe(step + 1, metrics.acceptance_length, metrics.staleness, metrics.draft_version)
+            if warning is not None:
+                self.log(warning)
         schedule = self.rl_step.schedule.state_dict()
         self.extra["draft_schedule"] = schedule  # a checkpoint entry: a resumed schedule continues this one
         if self.logger is not None:
