@@ -100,6 +100,8 @@ def measure(engines: dict, prompts: list[list[int]], B: int, T: float, args, sto
     seeds = list(range(len(prompts)))
     for engine in engines.values():  # the adaptive engines keep their controllers across cells, as in a run
         engine.max_batch_size = B
+    for arm in ARMS:  # untimed: first-call paths, and the adaptive engines' cost models calibrate at this width
+        engines[arm].generate(prompts[:B], 4, temperature=T, request_seeds=seeds[:B], stop_token_ids=stop)
     cpu = {a: [] for a in ARMS}
     outs = {}
     for r in range(args.repeats):

@@ -63,3 +63,10 @@ def test_a_kill_mid_overlap_then_resume_repeats_the_run(async_run, tmp_path):
 def test_an_async_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         micro_config(tmp_path, *ASYNC, *extra)
+
+
+def test_the_trainer_front_end_refuses_async_and_says_why(tmp_path):
+    from lightning_codraft.rl.run.trainer import GRPOModule
+
+    with pytest.raises(ConfigError, match="codraft fit"):
+        GRPOModule(micro_config(tmp_path, *ASYNC))

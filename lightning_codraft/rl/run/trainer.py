@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_codraft.config import CoDraftConfig
+from lightning_codraft.config import CoDraftConfig, ConfigError
 from lightning_codraft.rl.rollout_worker import RolloutWorker
 from lightning_codraft.rl.run.build import build_parts, module_arguments
 from lightning_codraft.rl.run.evaluate import heldout_rewards, mean_of
@@ -122,6 +122,13 @@ class GRPOModule(CoDraftModule):
     """
 
     def __init__(self, cfg: CoDraftConfig, task=None, rewards=None, print_fn: Callable[[str], None] = print):
+        if cfg.rl.async_level:
+            raise ConfigError(
+                f"rl.async_level={cfg.rl.async_level}: asynchronous RL runs in `codraft fit` (rl/run/loop.py). The "
+                f"Trainer front end runs synchronous steps: its producer would have to refit after Lightning's "
+                f"optimizer step of step t - 1 and before that of step t, and its in-flight rollouts go into "
+                f"Lightning's checkpoint hooks; neither is wired yet (docs/multinode.md, Asynchronous RL)"
+            )
         parts = build_parts(cfg, task, rewards)
         super().__init__(parts.policy, parts.draft, **module_arguments(cfg, parts))
         self.cfg, self.tokenizer, self.context = cfg, parts.tokenizer, parts.context

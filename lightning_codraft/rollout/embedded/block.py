@@ -190,7 +190,9 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         params, taps, K = sampler.params, tuple(self.draft.config.taps), self.num_speculative_tokens
         device = next(self.policy.parameters()).device
         B, lengths = len(prompts), [len(p) for p in prompts]
-        capacity = self.max_context + K + 1
+        # slots the batch can use: its longest prompt plus what it may emit, and a round's K + 1 written past the
+        # committed length (not the model's whole context: every round attends the whole buffer)
+        capacity = max(n + min(self.max_context - n, sampler.params.max_new_tokens) for n in lengths) + K + 1
         ids = torch.zeros(B, max(lengths), dtype=torch.long, device=device)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, device=device)
