@@ -31,8 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lightning_codraft.rl.step_metrics import TIME_COLUMNS
+
 ROOT = Path(__file__).resolve().parent.parent
-TIME_COLUMNS = {"rollout_s", "train_s", "refit_s", "refit_share", "step_s", "tokens_per_s"}
 PINNED = ["draft.adaptive=false", "draft.schedule=every_step"]
 
 
@@ -76,7 +77,7 @@ def compare(before: list[dict[str, str]], after: list[dict[str, str]]) -> tuple[
     if len(before) != len(after):
         raise RuntimeError(f"{len(before)} steps before, {len(after)} after")
     same, diff = [], []
-    for key in before[0]:
+    for key in before[0]:  # the columns of the code before (a column it lacks is new, not a difference)
         if key not in TIME_COLUMNS:
             (same if [r.get(key) for r in before] == [r.get(key) for r in after] else diff).append(key)
     return same, diff

@@ -17,7 +17,7 @@ def test_defaults_and_overrides_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("rl.stepz=3", r"unknown config key 'rl.stepz'; valid keys under 'rl': clip_eps, .*steps"),
+    ("rl.stepz=3", r"unknown config key 'rl.stepz'; valid keys under 'rl': async_level, clip_eps, .*steps"),
     ("bogus=1", r"unknown config key 'bogus'; valid keys: draft, model, parallel, rl, run, sft, task"),
     ("rl.steps=abc", r"rl.steps"),
     ("draft.mode=fast", r"draft.mode='fast' is not one of \('cotrain', 'frozen', 'none'\)"),

@@ -73,6 +73,15 @@ class Produced:
     """Share of the trainer's previous step the asynchronous producer spent idle (NaN when synchronous)."""
 
 
+def overlap_metrics(step: int, produced: Produced) -> dict[str, float]:
+    """The step's staleness (trainer version minus the rollouts' policy version) and waiting / idle figures."""
+    return {
+        "staleness": float(step - produced.gen.versions["policy"]),
+        "trainer_wait_s": produced.wait_s,
+        "producer_idle": produced.producer_idle,
+    }
+
+
 def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:
     """The decoupled objective's figures of a step (NaN without it): the weights' token mean, std from the second
     moment, max, truncated and masked shares, effective sample size per token, the engine-trainer KL."""
@@ -422,9 +431,7 @@ class RLStep:
             ab_gain_high=ab_high,
             step_s=step_s,
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
-            staleness=float(step - gen.versions["policy"]),
-            trainer_wait_s=produced.wait_s,
-            producer_idle=produced.producer_idle,
+            **overlap_metrics(step, produced),
             **off_policy_metrics(m),
             reward_parts={name: g[f"reward/{name}"] for name in parts},
         )

@@ -13,8 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_codraft.training.off_policy import OffPolicyCorrection
-
 AGGREGATIONS = ("sequence", "token", "constant")
 PP_SCHEDULES = ("gpipe", "1f1b")
 DRAFT_LOSSES = ("ce", "tv", "lk_alpha", "lk_lambda")  # training/draft_loss.py defines each
@@ -24,6 +22,44 @@ POSITION_WEIGHTS = ("decay", "uniform", "acceptance")
 def shared_fields(section: Any, base: type) -> dict[str, Any]:
     """The values of ``base``'s fields on ``section`` (a recipe section derived from ``base``)."""
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(base)}
+
+
+IS_LEVELS = ("token", "sequence", "geometric")
+"""Where the truncated weight comes from: the token's own ratio, its sequence's product, or the sequence's
+geometric mean."""
+MASKS = ("none", "token", "sequence", "geometric")
+"""What falls out of the loss where the ratio leaves ``[1 / threshold, threshold]``: nothing, the token, the sequence
+(its product of ratios) or the sequence (its geometric mean)."""
+
+
+@dataclass(frozen=True)
+class OffPolicyCorrection:
+    """How the decoupled objective weighs a stale rollout's tokens (``rl.off_policy``; training/off_policy.py)."""
+
+    is_cap: float = 2.0
+    """C: the off-policy weight ``pi_prox / pi_behave`` is truncated at C (AReaL's and verl's default 2)."""
+    is_level: str = "token"
+    """Whose ratio the weight is: ``token``, ``sequence`` (product over the sequence) or ``geometric`` (its mean in
+    log space)."""
+    mask: str = "none"
+    """Rejection: ``none``, or mask the ``token`` / ``sequence`` / ``geometric``-mean whose ratio leaves
+    ``[1 / mask_threshold, mask_threshold]``."""
+    mask_threshold: float = 2.0
+    """The rejection band's upper edge (> 1)."""
+    veto: Optional[float] = None
+    """Mask a whole sequence when any of its tokens' ratios is below this (verl's veto, e.g. 1e-4); None: off."""
+
+    def __post_init__(self) -> None:
+        if not self.is_cap >= 1.0:
+            raise ValueError(f"is_cap={self.is_cap} must be >= 1 (the truncation of pi_prox / pi_behave)")
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"is_level={self.is_level!r} must be one of {IS_LEVELS}")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask={self.mask!r} must be one of {MASKS}")
+        if not self.mask_threshold > 1.0:
+            raise ValueError(f"mask_threshold={self.mask_threshold} must be > 1")
+        if self.veto is not None and not 0.0 < self.veto < 1.0:
+            raise ValueError(f"veto={self.veto} must be in (0, 1) or None")
 
 
 @dataclass
