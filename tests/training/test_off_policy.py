@@ -138,3 +138,27 @@ def test_a_stale_rollout_is_corrected_in_the_module():
     for name, p in module.policy.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7)
     assert 1.0 < float(out.metrics["policy/is_weight_max"]) <= 2.0
+
+
+def _cp_worker(rank, world_size, level, mask):
+    import torch.distributed as dist
+
+    prox, behave, full_mask, idx, _ = _docs()
+    corr = OffPolicyCorrection(is_level=level, mask=mask, mask_threshold=3.0, veto=0.2)
+    mine = torch.arange(9)[torch.arange(9) % world_size == rank]  # each document's rows spread over the ranks
+    iw = importance_weights(prox[mine], behave[mine], full_mask[mine], idx[mine], 2, corr, dist.group.WORLD)
+    return mine.tolist(), iw.weight.tolist(), iw.masked.tolist()
+
+
+@pytest.mark.parametrize("level, mask", [("sequence", "geometric"), ("geometric", "sequence")])
+def test_sequence_weights_under_cp_equal_one_process(level, mask):
+    """A document's rows spread over 2 CP ranks: its per-document sums are all-reduced, so every row's weight and mask
+    equal the one-process ones (without the all-reduce both cases fail: checked)."""
+    from distributed import run_distributed
+
+    prox, behave, mask_, idx, _ = _docs()
+    one = importance_weights(prox, behave, mask_, idx, 2,
+                             OffPolicyCorrection(is_level=level, mask=mask, mask_threshold=3.0, veto=0.2))
+    for rows, weight, masked in run_distributed(_cp_worker, world_size=2, args=(level, mask)):
+        torch.testing.assert_close(torch.tensor(weight), one.weight[rows], rtol=1e-6, atol=1e-7)
+        assert masked == one.masked[rows].tolist()
