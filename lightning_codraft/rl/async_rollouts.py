@@ -24,7 +24,6 @@ prompts with the same rollouts as an uninterrupted run.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -38,8 +37,8 @@ class AsyncRollouts:
     """The k-step-off producer of an :class:`~lightning_codraft.rl.step.RLStep`.
 
     Args:
-        rl_step: the step whose rollouts this produces (its worker must decode copies of the training modules:
-            ``RolloutWorker(..., own_copies=True)``).
+        rl_step: the step whose rollouts this produces (its worker decodes copies of the training modules: a
+            ``RolloutWorker`` of a config with ``rl.async_level > 0``).
         async_level: k >= 1.
         num_steps: the run's RL steps (no step past the last is produced).
     """
@@ -51,8 +50,7 @@ class AsyncRollouts:
         self.done: dict[int, Produced] = {}  # finished steps not yet consumed
         self._future: Optional[Future] = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="codraft-producer")
-        self._lock = threading.Lock()
-        self._busy_s = 0.0  # producer seconds since the last take
+        self._busy_s = 0.0  # producer seconds since the last take (written by the producer, read after _drain)
         self._last_take: Optional[float] = None
 
     # ------------------------------------------------------------------ the trainer's side
@@ -63,11 +61,12 @@ class AsyncRollouts:
         t0 = time.perf_counter()
         self._drain()
         for s in range(step, min(step + self.k, self.num_steps)):  # a run's first steps (or a resume's missing):
-            if s not in self.done:  # by the weights the trainer holds now, tagged as such
-                self.done[s] = self._produce(s, version=step)
+            if s not in self.done:  # by the weights the trainer holds now, tagged as such, waited for
+                self._start(s, version=step)
+                self._drain()
         produced = self.done.pop(step)
-        wait = time.perf_counter() - t0
         now = time.perf_counter()
+        wait = now - t0
         idle = math.nan
         if self._last_take is not None:
             idle = max(0.0, 1.0 - self._busy_s / max(now - self._last_take, 1e-9))
@@ -84,12 +83,6 @@ class AsyncRollouts:
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ the producer's side
-    def _produce(self, step: int, version: int) -> Produced:
-        """Refit the engine to the training state as version ``version`` and generate step ``step``'s rollouts, on
-        this thread (a run's first steps)."""
-        versions = weight_versions(self.rl_step.cfg, version, self.rl_step.schedule.updates)
-        return self.rl_step.produce(step, versions=versions)
-
     def _start(self, step: int, version: int) -> None:
         """Refit the engine's copies to the training state now (version ``version``: before the trainer changes it),
         then generate step ``step``'s rollouts on the producer thread."""
@@ -102,8 +95,7 @@ class AsyncRollouts:
     def _generate(self, step: int, mine: list, versions: dict[str, int], refit_s: float) -> Produced:
         t0 = time.perf_counter()
         gen = self.rl_step.generate_prepared(step, mine, versions, refit_s)
-        with self._lock:
-            self._busy_s += time.perf_counter() - t0
+        self._busy_s += time.perf_counter() - t0
         return Produced(step, mine, gen)
 
     def _drain(self) -> None:

@@ -245,12 +245,12 @@ class RLStep:
         self.schedule.record(decision, train_s, implied - reference, rates, reference)
         return self._metrics(step, t_start, produced, scores, r, scored, decision, m, train_s)
 
-    def produce(self, step: int, samples=None, versions: Optional[dict[str, int]] = None) -> Produced:
+    def produce(self, step: int, samples=None) -> Produced:
         """The produce stage: this replica's prompts of ``step`` and their rollouts, with the engine refitted to the
-        training state (tagged ``versions``, default the state after ``step`` updates)."""
+        training state after ``step`` updates."""
         mine = self._replica_prompts(step, samples)
         t0 = time.perf_counter()
-        gen = self._generate(step, mine, versions)
+        gen = self._generate(step, mine)
         return Produced(step, mine, gen, wait_s=time.perf_counter() - t0)
 
     def _train(self, module, batch) -> tuple[dict[str, float], float]:
@@ -278,11 +278,9 @@ class RLStep:
         per_rank = cfg.rl.prompts_per_step // dims.dp
         return samples[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
 
-    def _generate(self, step: int, mine: list, versions: Optional[dict[str, int]] = None) -> Generation:
-        """Refit the engine to the training state (tagged ``versions``: default the state after ``step`` updates),
-        then sample ``rl.group_size`` completions of each prompt."""
-        if versions is None:
-            versions = weight_versions(self.cfg, step, self.schedule.updates)  # the state after `step` updates
+    def _generate(self, step: int, mine: list) -> Generation:
+        """Refit the engine to the training state, then sample ``rl.group_size`` completions of each prompt."""
+        versions = weight_versions(self.cfg, step, self.schedule.updates)  # the training state after `step` updates
         refit_s = self.worker.prepare(versions)
         return self.generate_prepared(step, mine, versions, refit_s)
 

@@ -324,13 +324,12 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
         old, iw = batch.old_logprobs, None
         if c.off_policy is not None:  # decoupled: the ratio against the proximal policy (this step's weights)
             old = logprobs.detach()
-            docs = batch.cu_seqlens.numel() - 1
             iw = importance_weights(
                 old,
                 batch.old_logprobs,
                 batch.loss_mask,
                 doc_index(batch),
-                docs,
+                batch.num_docs,
                 c.off_policy,
                 self.parallel_dims.cp_group,
             )
