@@ -6,14 +6,20 @@ arm from the same warm-ups, ``run.init_from`` the first arm's ``warm/weights.pt`
 - ``k=0``: synchronous (rollouts, then training, then the refit), the co-trained draft;
 - ``k=1``, ``k=2``: deterministic k-step-off (rl/async_rollouts.py: step t trains on the rollouts of version t - k,
   generated on a producer thread while step t - 1 trains), the decoupled objective's defaults (truncation at 2);
-- ``k=1 frozen``: k=1 with the draft frozen after its warm start (``draft.mode=frozen``).
+- ``k=1 frozen``: k=1 with the draft frozen after its warm start (``draft.mode=frozen``): its drafter lag (policy
+  version minus drafter version) grows by one a step;
+- ``eta=1``, ``eta=2``: bounded staleness (rl/bounded_rollouts.py: a free-running producer that refits to the newest
+  weights before each batch of groups and runs at most eta + 1 steps of work ahead; which version generates which
+  group follows timing, so these arms do not repeat exactly).
 
 Each arm runs whole with ``run.threads=1`` (synchronous: one core busy; asynchronous: the producer's thread and the
 trainer's, one core each), the arms one after another in the order given, then again in reverse order for
 ``--repeats 2``. Reported per arm: end-to-end completion tokens per second (the steps' completion tokens over the
-steps' wall seconds), its ratio to ``k=0`` (goal >= 1.3x), the trainer's and the producer's idle shares, reward per
-step against ``k=0`` (paired over steps, 95% CI), the held-out greedy reward after RL (``task.eval_prompts`` prompts,
-paired over prompts against ``k=0``), acceptance length by staleness, and the off-policy weights' figures.
+steps' wall seconds), its ratio to ``k=0`` (goal >= 1.3x) and the per-step throughput against ``k=0`` (paired over
+steps after the first, 95% CI), the trainer's and the producer's idle shares, reward per step against ``k=0``
+(paired over steps, 95% CI), the held-out greedy reward after RL (``task.eval_prompts`` prompts, paired over prompts
+against ``k=0``), acceptance length by staleness and by drafter lag, and the off-policy weights' figures.
+``--arms`` runs a subset (``k=0`` always).
 
 Writes ``<out>/async_rl.md``, ``.json``, ``.png``. Smoke: ``--steps 2 --prompts-per-step 2 --overrides sft.steps=2
 draft.warm_start.steps=2 task.eval_prompts=4 --out TMP --work-dir TMP``.
@@ -41,6 +47,8 @@ ARMS = {
     "k=1": ["rl.async_level=1"],
     "k=2": ["rl.async_level=2"],
     "k=1 frozen": ["rl.async_level=1", "draft.mode=frozen"],
+    "eta=1": ["rl.async_level=1", "rl.max_staleness=1"],
+    "eta=2": ["rl.async_level=1", "rl.max_staleness=2"],
 }
 
 
@@ -77,9 +85,16 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[list[list], list[str], dict]
         for x in rows:
             by_stale.setdefault(int(x["staleness"]), []).append(x["acceptance_length"])
         acc = ", ".join(f"{s}: {statistics.fmean(v):.2f}" for s, v in sorted(by_stale.items()))
+        by_lag = {}
+        for x in rows:
+            by_lag.setdefault(round(x["draft_lag"]), []).append(x["acceptance_length"])
+        lag = ", ".join(f"{s}: {statistics.fmean(v):.2f}" for s, v in sorted(by_lag.items()))
         if name == "k=0":
-            reward_cmp = heldout_cmp = "-"
+            reward_cmp = heldout_cmp = speed_cmp = "-"
         else:
+            per_step = lambda rs: [x["completion_tokens"] / x["step_s"] for x in rs if x["step"] > 1]  # noqa: E731
+            v = paired_difference(per_step(rows), per_step([x for b in base for x in b["rows"]]))
+            speed_cmp = f"{v.mean:+.0f} ({v.low:+.0f} .. {v.high:+.0f})"
             d = paired_difference([x["reward"] for x in rows], [x["reward"] for b in base for x in b["rows"]])
             reward_cmp = f"{d.mean:+.4f} ({d.low:+.4f} .. {d.high:+.4f})"
             e = paired_difference([s for r in reps for s in r["eval_scores"]],
@@ -88,11 +103,12 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[list[list], list[str], dict]
         is_w = [x["is_weight"] for x in late if not math.isnan(x["is_weight"])]
         summary[name] = {"tokens_per_s": [r["tokens_per_s"] for r in reps], "speedup": ratio,
                          "trainer_wait_share": wait, "producer_idle": statistics.fmean(idle_p) if idle_p else None,
-                         "eval_after": [r["eval_after"] for r in reps]}
+                         "eval_after": [r["eval_after"] for r in reps], "acceptance_by_drafter_lag":
+                             {k: statistics.fmean(v) for k, v in by_lag.items()}}
         body.append([name, f"{statistics.fmean(r['tokens_per_s'] for r in reps):.0f}",
-                     f"{statistics.fmean(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})", f"{wait:.0%}",
+                     f"{statistics.fmean(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})", speed_cmp, f"{wait:.0%}",
                      f"{statistics.fmean(idle_p):.0%}" if idle_p else "-", f"{mean('reward'):.4f}", reward_cmp,
-                     f"{statistics.fmean(r['eval_after'] for r in reps):.3f}", heldout_cmp, acc,
+                     f"{statistics.fmean(r['eval_after'] for r in reps):.3f}", heldout_cmp, acc, lag,
                      f"{statistics.fmean(is_w):.3f}" if is_w else "-",
                      f"{max(x['is_weight_max'] for x in late):.2f}" if is_w else "-"])
         if name != "k=0":
@@ -121,25 +137,29 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts-per-step", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--overrides", nargs="*", default=[])
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="the arms (k=0 always runs)")
     ap.add_argument("--work-dir", default="/tmp/codraft_async_rl")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict]] = {name: [] for name in ARMS}
+    arms = ["k=0", *[a for a in ARMS if a in args.arms and a != "k=0"]]
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
     warm = None
     for repeat in range(args.repeats):
-        order = list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))
+        order = arms if repeat % 2 == 0 else list(reversed(arms))
         for name in order:
             runs[name].append(run_arm(name, args, warm, repeat))
             if warm is None:
                 warm = Path(runs[name][-1]["out"]) / "warm" / "weights.pt"
     body, lines, summary = summarize(runs)
-    header = ["arm", "completion tok/s", "vs k=0 (range over repeats)", "trainer waiting", "producer idle",
-              "reward", "reward - k=0 per step (95% CI)", "held-out reward", "held-out - k=0 per prompt (95% CI)",
-              "acceptance by staleness", "IS weight mean", "IS weight max"]
-    page = ["# Asynchronous RL against synchronous (k-step-off)", "", f"`{command('async_rl.py', argv)}`", "",
+    header = ["arm", "completion tok/s", "vs k=0 (range over repeats)", "tok/s - k=0 per step (95% CI)",
+              "trainer waiting", "producer idle", "reward", "reward - k=0 per step (95% CI)", "held-out reward",
+              "held-out - k=0 per prompt (95% CI)", "acceptance by staleness", "acceptance by drafter lag",
+              "IS weight mean", "IS weight max"]
+    page = ["# Asynchronous RL against synchronous (k-step-off, bounded staleness)", "",
+            f"`{command('async_rl.py', argv)}`", "",
             f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread per "
             f"thread of work, torch {torch.__version__}. Recipe tiny-cpu (the main job), {args.steps} RL steps x "
             f"{args.prompts_per_step} prompts x 8 samples, T=1, 40 new tokens, {args.repeats} repeat(s) of every "

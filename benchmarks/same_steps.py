@@ -12,8 +12,9 @@ revision, or ``.``: this working tree). Each runs, in a process of its own with 
 2. ``benchmarks/rollout.py``'s tiny grid (batch 1, 4, 16 x T 0, 1, 16 tokens, a short warm-up) and its grid token
    digest (plain decoding's tokens of every cell).
 
-Prints, per run, the metrics.csv columns (wall-time columns aside) that are identical and the ones that differ, and
-both digests; exits 1 when the pinned run or the digest differs. Where a key was renamed between the trees,
+Prints, per run, the metrics.csv columns (wall-time columns aside) that are identical and the ones that differ, a
+digest of the policy's and the draft's weights after the last step (the run's last checkpoint), and both token
+digests; exits 1 when the pinned run (its columns or its weights) or the token digest differs. Where a key was renamed between the trees,
 ``--before-overrides`` / ``--before-tiny-overrides`` give the old tree its own (e.g. issue 48's refactor:
 ``--before 1513d3e --before-tiny-overrides sft.steps=20 draft.warmup_steps=20``). No page: a check, not a figure (the closing note
 of a refactor quotes its output). Smoke: ``--steps 1 --overrides sft.steps=2 draft.warm_start.steps=2
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import os
 import re
 import subprocess
@@ -57,6 +59,23 @@ def run_job(code: Path, out: Path, steps: int, overrides: list[str]) -> list[dic
         raise RuntimeError(f"the main job failed with {code}'s code:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     with open(out / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
+
+
+def weights_digest(out: Path) -> str:
+    """A digest of the policy's and the draft's weights in the run's last checkpoint (``out/checkpoints``): equal
+    digests, equal weights bit for bit (read with torch's own DCP reader, whatever tree wrote them)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    last = sorted((out / "checkpoints").glob("step-*"))[-1]
+    dcp_to_torch_save(str(last), str(out / "weights.pt"))
+    state = torch.load(out / "weights.pt", weights_only=False)
+    h = hashlib.sha256()
+    for key in sorted(state):
+        if key.startswith(("module.policy.", "module.draft.")) and torch.is_tensor(state[key]):
+            h.update(key.encode())
+            h.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def digest(code: Path, work: Path, overrides: list[str]) -> str:
@@ -107,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, extra in (("as the recipe says", []), ("pinned", PINNED)):
                 rows = {k: run_job(trees[k], work / f"{k}-{len(extra)}", args.steps, over[k] + extra) for k in trees}
                 same, diff = compare(rows["before"], rows["after"])
+                weights = {k: weights_digest(work / f"{k}-{len(extra)}") for k in trees}
                 print(f"main job, {args.steps} steps, {name}: identical {' '.join(same)}")
                 print(f"  different: {' '.join(diff) or 'none'}")
-                ok &= not (diff and extra)
+                print(f"  weights after step {args.steps} (policy and draft): before {weights['before']}, after "
+                      f"{weights['after']}: {'the same' if weights['before'] == weights['after'] else 'DIFFERENT'}")
+                ok &= not ((diff or weights["before"] != weights["after"]) and extra)
             if not args.skip_digest:
                 tiny = {"before": args.tiny_overrides if args.before_tiny_overrides is None
                         else args.before_tiny_overrides, "after": args.tiny_overrides}

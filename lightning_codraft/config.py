@@ -182,6 +182,16 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
         _check_block_drafter_run(cfg)
     if r.async_level:
         _check_async_run(cfg)
+    elif r.max_staleness is not None:
+        raise ConfigError(
+            f"rl.max_staleness={r.max_staleness} bounds an asynchronous run's staleness; rl.async_level=0 is "
+            f"synchronous: set rl.async_level >= 1, or drop rl.max_staleness"
+        )
+    if r.drop_uniform_groups and r.max_staleness is None:
+        raise ConfigError(
+            "rl.drop_uniform_groups=true replaces a dropped group by the next one, which only the bounded-staleness "
+            "producer generates: set rl.async_level >= 1 and rl.max_staleness"
+        )
     if r.max_new_tokens >= m.max_position_embeddings:
         raise ConfigError(
             f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the context "

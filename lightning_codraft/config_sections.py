@@ -230,6 +230,16 @@ class RLConfig(PolicyLossConfig):
     """k: step t trains on rollouts that the policy of step ``t - k`` generated while the trainer trained step t - 1
     (deterministic k-step-off, rl/async_rollouts.py; with the decoupled objective, ``off_policy``'s defaults when
     unset). 0: synchronous (rollouts, then training, then refit)."""
+    max_staleness: Optional[int] = None
+    """eta: bounded staleness instead of the deterministic k-step-off (rl/bounded_rollouts.py; needs
+    ``async_level >= 1``). The producer runs free, refitting to the newest weights before each batch of groups, and
+    admits at most ``eta + 1`` steps of work ahead of the trainer, so a consumed group's staleness (trainer version
+    minus its behaviour version) is at most eta; a dropped group returns its capacity. Which version generates which
+    group then depends on timing: runs do not repeat exactly (the k-step-off mode does)."""
+    drop_uniform_groups: bool = False
+    """Dynamic sampling (DAPO): drop a prompt group whose rewards are all equal (zero advantage, nothing to learn) and
+    train on the next group instead; a step still trains on ``prompts_per_step`` groups. Needs ``max_staleness``
+    (the producer that can generate replacement groups); ``dropped_groups`` counts them per step."""
 
     def check(self) -> None:
         """The loss fields' check, then GRPO's own (``ValueError`` naming the field)."""
@@ -243,6 +253,8 @@ class RLConfig(PolicyLossConfig):
             ("async_level", 0),
         ):
             _at_least(self, name, low)
+        if self.max_staleness is not None:
+            _at_least(self, "max_staleness", 0)
         _learning_rate(self, "lr")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")

@@ -23,14 +23,31 @@ prompts with the same rollouts as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Optional
 
+from lightning_codraft.rl.bounded_rollouts import BoundedRollouts
 from lightning_codraft.rl.step import Generation, Produced, weight_versions
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
+
+
+def producer(rl_step, state=None):
+    """The asynchronous producer of ``rl_step``'s run (its config's ``rl.async_level`` / ``rl.max_staleness``)
+    restored from a checkpoint's ``state``; None for a synchronous run."""
+    r = rl_step.cfg.rl
+    if not r.async_level:
+        return None
+    if r.max_staleness is None:
+        made = AsyncRollouts(rl_step, r.async_level, r.steps)
+        made.load_state_dict(state or [])
+    else:
+        made = BoundedRollouts(rl_step, r.max_staleness, r.steps, drop_uniform=r.drop_uniform_groups)
+        made.load_state_dict(state)
+    return made
 
 
 class AsyncRollouts:
@@ -77,6 +94,12 @@ class AsyncRollouts:
         produced.wait_s, produced.producer_idle = wait, idle
         return produced
 
+    def paused(self) -> contextlib.AbstractContextManager:
+        """A context in which the producer is idle (the step in flight finished): the engine is the caller's (a
+        held-out evaluation between steps); the next :meth:`take` refits it again."""
+        self._drain()
+        return contextlib.nullcontext()
+
     def close(self) -> None:
         """Finish the step in flight (its rollouts kept) and stop the producer thread."""
         self._drain()
@@ -115,6 +138,11 @@ class AsyncRollouts:
     def load_state_dict(self, rows: list[dict[str, Any]]) -> None:
         """Restore the finished steps of a checkpoint (they are consumed before anything is produced again; their
         prompts are drawn again: a pure function of the run's seed and the step)."""
+        if not isinstance(rows, list):
+            raise ValueError(
+                "this checkpoint's rollouts were produced under rl.max_staleness (bounded staleness); resume it with "
+                "the same rl.max_staleness"
+            )
         self.done = {
             int(r["step"]): _produced_from(r, self.rl_step._replica_prompts(int(r["step"]), None)) for r in rows
         }

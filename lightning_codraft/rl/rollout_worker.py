@@ -103,6 +103,7 @@ class RolloutWorker:
         self.requests_generated = 0
         self._awake = True
         self._phases = 0  # rollout phases prepared: the WeightSync step of the next refill
+        self._source: Optional[Mapping[str, torch.Tensor]] = None  # a snapshot the refit in progress reads
 
     # ------------------------------------------------------------------ placement and lifecycle
     @property
@@ -181,12 +182,26 @@ class RolloutWorker:
         self.sync.release_buffers()  # the refit's two buckets, kept through the rollout phase
         self._awake = False
 
-    def prepare(self, versions: Optional[Mapping[str, int]] = None, full_verify: bool = False) -> float:
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the training state's policy and draft tensors (whole modules only): what :meth:`prepare`
+        refits from on another thread while the trainer goes on changing the modules (rl/bounded_rollouts.py)."""
+        if not self.training_modules_whole:
+            raise ValueError("a snapshot of pruned or sharded training modules is not supported")
+        return {
+            k: v.detach().clone() for k, v in self.module.state_dict().items() if k.startswith(("policy.", "draft."))
+        }
+
+    def prepare(
+        self,
+        versions: Optional[Mapping[str, int]] = None,
+        full_verify: bool = False,
+        state: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> float:
         """The rollout phase begins: refill the engine's weights from the training state (a collective over the
         mesh: call on every rank) tagged with ``versions`` (``{"policy": v, "draft": v}``: optimizer steps of the
         training state, ``rl.step.weight_versions``); returns the seconds it took. Every bucket is checked as it
         lands; an engine that can (vLLM) also verifies every parameter on the first refit and where
-        ``full_verify`` (the run's last)."""
+        ``full_verify`` (the run's last). ``state``: refit from this :meth:`snapshot` instead of the live modules."""
         versions = dict(versions or {"policy": self._phases, "draft": self._phases})
         if not self.holds_copies:  # the engine decodes the training modules themselves: it holds what they hold
             self.engine.weight_versions.update(versions)
@@ -198,12 +213,17 @@ class RolloutWorker:
             self.engine.wake_up(refit=True)
         self.engine.verify_updates = full_verify or self._phases == 0
         self._phases += 1
-        self.sync(self._phases, versions=versions)  # always due: one refill per rollout phase
+        self._source = state
+        try:
+            self.sync(self._phases, versions=versions)  # always due: one refill per rollout phase
+        finally:
+            self._source = None
         self._awake = True
         return time.perf_counter() - start
 
     def _states(self) -> tuple[Iterable, Iterable]:
-        state = {k: v for k, v in self.module.state_dict().items() if k.startswith(("policy.", "draft."))}
+        live = self.module.state_dict() if self._source is None else self._source
+        state = {k: v for k, v in live.items() if k.startswith(("policy.", "draft."))}
         split = _Split(stream_full_state(state, self.dims, self.device))
         return split.part("policy."), split.part("draft.")
 

@@ -23,8 +23,8 @@ from lightning_codraft.rl.draft_schedule import Decision, DraftSchedule, ab_diff
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.run.build import fit_prompts
-from lightning_codraft.rl.step_metrics import StepMetrics
-from lightning_codraft.rl.tasks.rewards import as_reward_set, check_failure_budget
+from lightning_codraft.rl.step_metrics import StepMetrics, off_policy_metrics, overlap_metrics
+from lightning_codraft.rl.tasks.rewards import RewardScores, as_reward_set, check_failure_budget
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step
 
@@ -71,32 +71,10 @@ class Produced:
     """Seconds the trainer waited for them (all of the rollout phase when synchronous)."""
     producer_idle: float = math.nan
     """Share of the trainer's previous step the asynchronous producer spent idle (NaN when synchronous)."""
-
-
-def overlap_metrics(step: int, produced: Produced) -> dict[str, float]:
-    """The step's staleness (trainer version minus the rollouts' policy version) and waiting / idle figures."""
-    return {
-        "staleness": float(step - produced.gen.versions["policy"]),
-        "trainer_wait_s": produced.wait_s,
-        "producer_idle": produced.producer_idle,
-    }
-
-
-def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:
-    """The decoupled objective's figures of a step (NaN without it): the weights' token mean, std from the second
-    moment, max, truncated and masked shares, effective sample size per token, the engine-trainer KL."""
-    if "policy/is_weight" not in m:
-        return {}
-    mean, second = m["policy/is_weight"], m["policy/is_weight_sq"]
-    return {
-        "is_weight": mean,
-        "is_weight_std": math.sqrt(max(second - mean * mean, 0.0)),
-        "is_weight_max": m["policy/is_weight_max"],
-        "is_truncated": m["policy/is_truncated"],
-        "is_masked": m["policy/is_masked"],
-        "is_ess": mean * mean / second if second > 0 else math.nan,
-        "mismatch_kl": m["policy/mismatch_kl"],
-    }
+    scores: Optional[RewardScores] = None
+    """The rollouts' rewards where the producer scored them already (rl/bounded_rollouts.py), else None."""
+    dropped: int = 0
+    """Prompt groups the producer dropped (and replaced) before these."""
 
 
 def step_prompts(task, cfg: CoDraftConfig, step: int) -> list:
@@ -233,7 +211,7 @@ class RLStep:
         draft's update, train, record."""
         t_start = time.perf_counter()
         produced = self.produce(step, samples) if self.rollouts is None else self.rollouts.take(step, samples)
-        scores, r, scored = self._score(step, produced.prompts, produced.gen.outs)
+        scores, r, scored = self._score(step, produced.prompts, produced.gen.outs, produced.scores)
         batch = self._batch(produced.gen, scores.total, r, scored)
         self.model.train()
         module = unwrap_module(self.model)
@@ -284,31 +262,37 @@ class RLStep:
         refit_s = self.worker.prepare(versions)
         return self.generate_prepared(step, mine, versions, refit_s)
 
-    def generate_prepared(self, step: int, mine: list, versions: dict[str, int], refit_s: float) -> Generation:
+    def generate_prepared(
+        self, step: int, mine: list, versions: dict[str, int], refit_s: float, places: Optional[list] = None
+    ) -> Generation:
         """Sample ``rl.group_size`` completions of each of ``mine`` (step ``step``'s prompts of this replica) with
         the engine already refitted to ``versions`` (in ``refit_s`` seconds); the engine's copies are released
-        after (a thread of its own may call this: rl/async_rollouts.py)."""
+        after (a thread of its own may call this: rl/async_rollouts.py). ``places``: each prompt's ``(step,
+        index in the step)``, the seeds' (default: this replica's share of ``step``)."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         prompts = fit_prompts(
             [encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens
         )
         requests = [p for p in prompts for _ in range(G)]
         first = self.dims.dp_rank * len(mine)  # the step's index of this replica's first prompt
-        seeds = [rollout_seed(cfg.run.seed, step, first + i // G, i % G) for i in range(len(requests))]
+        places = places or [(step, first + i) for i in range(len(mine))]
+        seeds = [rollout_seed(cfg.run.seed, *places[i // G], i % G) for i in range(len(requests))]
         outs, acc, rollout_s = self.worker.generate(requests, seeds)
         check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
         self.worker.release()
         return Generation(requests, outs, acc, rollout_s, refit_s, versions)
 
-    def _score(self, step: int, mine: list, outs) -> tuple:
-        """The rewards of the replica's completions: ``(scores, (P, G) float64 rewards, (P, G) bool scored)``.
+    def _score(self, step: int, mine: list, outs, scores: Optional[RewardScores] = None) -> tuple:
+        """The rewards of the replica's completions: ``(scores, (P, G) float64 rewards, (P, G) bool scored)``
+        (``scores``: computed already, by the producer).
 
         Every rank scores in the tolerant mode and the budget (0 for ``on_reward_error=raise``) is checked on the
         step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting).
         """
         cfg, G = self.cfg, self.cfg.rl.group_size
         texts, per_sample = [self.tokenizer.decode(o.token_ids) for o in outs], [s for s in mine for _ in range(G)]
-        scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
+        if scores is None:
+            scores = self.rewards.score([s.prompt for s in per_sample], texts, per_sample)
         self.last_completions = [
             {
                 "prompt": s.prompt,
@@ -429,7 +413,7 @@ class RLStep:
             ab_gain_high=ab_high,
             step_s=step_s,
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
-            **overlap_metrics(step, produced),
+            **overlap_metrics(step, produced, self.worker.num_speculative_tokens > 0),
             **off_policy_metrics(m),
             reward_parts={name: g[f"reward/{name}"] for name in parts},
         )

@@ -72,9 +72,11 @@ class StepMetrics:
     refit_share: float
     """``refit_s`` over ``step_s``: the refit's share of the step."""
     policy_version: float
-    """The policy version every rollout of the step was generated with (optimizer steps of its weights)."""
+    """The policy version the step's rollouts were generated with (optimizer steps of its weights; the oldest where
+    they differ, ``rl.max_staleness``)."""
     draft_version: float
-    """The draft version that proposed (steps that trained it: a frozen draft stays at 0, the warm start)."""
+    """The draft version that proposed (steps that trained it: a frozen draft stays at 0, the warm start; the oldest
+    where they differ)."""
     draft_trained: float
     """1 when this step updated the draft (``draft.schedule``), else 0."""
     implied_acceptance: float
@@ -93,7 +95,16 @@ class StepMetrics:
     tokens_per_s: float
     """Completion tokens per rollout second."""
     staleness: float = 0.0
-    """Policy versions between the trainer and the rollouts it trained on (``rl.async_level``; 0 when synchronous)."""
+    """Policy versions between the trainer and the rollouts it trained on, mean over the step's samples
+    (``rl.async_level``; 0 when synchronous)."""
+    staleness_max: float = 0.0
+    """Their largest (at most ``rl.max_staleness``)."""
+    draft_lag: float = 0.0
+    """Drafter lag: the rollouts' policy version minus the version of the drafter that proposed them, mean over the
+    step's samples (a frozen drafter's grows with every step; a drafter co-trained every step stays at 0)."""
+    dropped_groups: float = 0.0
+    """Prompt groups dropped by the bounded-staleness producer before this step (``rl.drop_uniform_groups`` or too
+    stale), each replaced by the next group."""
     trainer_wait_s: float = 0.0
     """Seconds the trainer waited for the step's rollouts (all of the rollout phase when synchronous)."""
     producer_idle: float = math.nan
@@ -138,3 +149,37 @@ TIME_COLUMNS = (
 SCHEDULE_COLUMNS = ("acceptance_length", "acceptance_rate", "mean_k", "tokens_per_round")
 """Columns that follow the adaptive speculation schedule, which follows measured times (with coupled sampling the
 rollouts themselves do not): compare them only between runs with ``draft.adaptive=false``."""
+
+
+def overlap_metrics(step: int, produced, drafts: bool) -> dict[str, float]:
+    """The step's staleness (trainer version minus each rollout's policy version: mean and max), drafter lag (each
+    rollout's policy version minus its drafter's, where the engine ``drafts``) and waiting / idle figures of a
+    :class:`~lightning_codraft.rl.step.Produced`."""
+    outs = produced.gen.outs
+    stale = [step - o.policy_version for o in outs] or [step - produced.gen.versions["policy"]]
+    lag = [o.policy_version - o.draft_version for o in outs] if drafts and outs else [0]
+    return {
+        "staleness": sum(stale) / len(stale),
+        "staleness_max": float(max(stale)),
+        "draft_lag": sum(lag) / len(lag),
+        "dropped_groups": float(produced.dropped),
+        "trainer_wait_s": produced.wait_s,
+        "producer_idle": produced.producer_idle,
+    }
+
+
+def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:
+    """The decoupled objective's figures of a step (NaN without it): the weights' token mean, std from the second
+    moment, max, truncated and masked shares, effective sample size per token, the engine-trainer KL."""
+    if "policy/is_weight" not in m:
+        return {}
+    mean, second = m["policy/is_weight"], m["policy/is_weight_sq"]
+    return {
+        "is_weight": mean,
+        "is_weight_std": math.sqrt(max(second - mean * mean, 0.0)),
+        "is_weight_max": m["policy/is_weight_max"],
+        "is_truncated": m["policy/is_truncated"],
+        "is_masked": m["policy/is_masked"],
+        "is_ess": mean * mean / second if second > 0 else math.nan,
+        "mismatch_kl": m["policy/mismatch_kl"],
+    }

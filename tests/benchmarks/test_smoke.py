@@ -324,5 +324,5 @@ def test_dflash_tiny_smoke(tmp_path):
 def test_async_rl_smoke(tmp_path):
     text = _run("async_rl.py", "--steps", 2, "--prompts-per-step", 2, "--repeats", 1, "--overrides", "sft.steps=2",
                 "draft.warm_start.steps=2", "task.eval_prompts=4", "--out", tmp_path, "--work-dir", tmp_path / "w")
-    assert "| k=1 | " in text and "| k=1 frozen | " in text and (tmp_path / "async_rl.png").is_file()
-    assert "acceptance by staleness" in (tmp_path / "async_rl.md").read_text()
+    assert "| k=1 | " in text and "| k=1 frozen | " in text and "| eta=2 | " in text and (tmp_path / "async_rl.png").is_file()
+    assert "acceptance by drafter lag" in (tmp_path / "async_rl.md").read_text()

@@ -1,8 +1,10 @@
 """Asynchronous RL, deterministic k-step-off (rl/async_rollouts.py): step t trains on rollouts that the weights of
 version max(0, t - k) generated (asserted per step), the decoupled objective corrects them (weights other than 1 once
 stale), two runs repeat exactly, and a run killed mid-overlap and resumed consumes the same rollouts and repeats the
-uninterrupted run's metrics."""
+uninterrupted run's metrics. Bounded staleness (rl.max_staleness) through `codraft fit`: the bound, dropped groups
+replaced, evaluation between steps, and a resume that consumes every group once (its mechanics: test_bounded.py)."""
 
+import json
 import math
 import shutil
 
@@ -70,3 +72,50 @@ def test_the_trainer_front_end_refuses_async_and_says_why(tmp_path):
 
     with pytest.raises(ConfigError, match="codraft fit"):
         GRPOModule(micro_config(tmp_path, *ASYNC))
+
+
+BOUNDED = [*ASYNC, "rl.max_staleness=1", "rl.drop_uniform_groups=true", "task.eval_prompts=2", "task.eval_every=2"]
+
+
+def _ledger(out, step):
+    entries = json.loads((out / "checkpoints" / f"step-{step:06d}" / "codraft.json").read_text())["entries"]
+    return entries["async_rollouts"]["ledger"]
+
+
+def test_a_bounded_staleness_run_and_its_resume(tmp_path):
+    """rl.max_staleness through `codraft fit`: no step trains on a group staler than eta, uniform groups are dropped
+    and replaced (every step trains on P groups), a held-out evaluation between steps pauses the producer, and a run
+    killed after step 2 and resumed consumes every group of the prompt stream exactly once."""
+    out = tmp_path / "run"
+    res = fit(micro_config(out, *BOUNDED), print_fn=lambda s: None)
+    assert res.completed
+    rows = read_metrics(out / "metrics.csv")
+    assert all(r["staleness_max"] <= 1 and r["staleness"] <= r["staleness_max"] for r in rows)
+    assert max(r["staleness_max"] for r in rows) == 1 and sum(r["dropped_groups"] for r in rows) > 0
+    assert all(math.isfinite(r["eval_reward"]) == (r["step"] % 2 == 0) for r in rows)
+    ledger = _ledger(out, 4)
+    assert all(len(r["kept"]) == 2 for r in ledger)  # rl.prompts_per_step
+    consumed = sorted(i for r in ledger for i in r["kept"] + r["dropped"])
+    assert consumed == list(range(len(consumed)))
+    assert sum(len(r["dropped"]) for r in ledger) == sum(r["dropped_groups"] for r in rows)
+
+    killed = tmp_path / "killed"
+    shutil.copytree(out, killed)
+    for step in (3, 4):
+        shutil.rmtree(killed / "checkpoints" / f"step-{step:06d}")
+    again = fit(micro_config(killed, *BOUNDED), print_fn=lambda s: None)
+    assert again.completed
+    resumed = _ledger(killed, 4)
+    assert resumed[:2] == ledger[:2]
+    consumed = sorted(i for r in resumed for i in r["kept"] + r["dropped"])
+    assert consumed == list(range(len(consumed))) and all(len(r["kept"]) == 2 for r in resumed)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["rl.async_level=0", "rl.max_staleness=1"], "rl.async_level >= 1"),
+    (["rl.drop_uniform_groups=true"], "rl.max_staleness"),
+    (["rl.max_staleness=-1"], "max_staleness"),
+])
+def test_a_bounded_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        micro_config(tmp_path, *ASYNC, *extra)

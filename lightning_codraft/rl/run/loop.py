@@ -23,6 +23,7 @@ whole modules; greedy evaluation and the speed-up run on global rank 0 (the lead
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -41,7 +42,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.acceptance_watch import AcceptanceWatch
-from lightning_codraft.rl.async_rollouts import AsyncRollouts
+from lightning_codraft.rl.async_rollouts import producer
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
 from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_run, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -217,9 +218,7 @@ class CoDraftRun:
             log=self.log,
         )
         self.rl_step.restore_schedule(self.extra.pop("draft_schedule", []))
-        if cfg.rl.async_level:  # the producer: step t's rollouts generated while step t - 1 trains
-            self.rl_step.rollouts = AsyncRollouts(self.rl_step, cfg.rl.async_level, cfg.rl.steps)
-            self.rl_step.rollouts.load_state_dict(self.extra.pop("async_rollouts", []))
+        self.rl_step.rollouts = producer(self.rl_step, self.extra.pop("async_rollouts", None))  # None: synchronous
         if self.fabric.global_rank == 0:
             parts = [f"reward/{name}" for name in self.reward_fn.logged_parts]
             self.logger = MetricsLogger(
@@ -302,19 +301,21 @@ class CoDraftRun:
         """The mean of :func:`~lightning_codraft.rl.run.evaluate.heldout_rewards` after this run's steps, or with
         ``per_prompt`` the ``(n,)`` rewards themselves (call on every rank)."""
         updates = self.rl_step.schedule.updates if self.rl_step is not None else 0
-        scores = heldout_rewards(
-            self.cfg,
-            self.worker,
-            self.tokenizer,
-            self.task,
-            self.reward_fn,
-            self.steps_done,
-            n,
-            temperature,
-            release=release,
-            final=final,
-            draft_updates=updates,
-        )
+        rollouts = self.rl_step.rollouts if self.rl_step is not None else None
+        with rollouts.paused() if rollouts is not None else contextlib.nullcontext():  # the engine is ours
+            scores = heldout_rewards(
+                self.cfg,
+                self.worker,
+                self.tokenizer,
+                self.task,
+                self.reward_fn,
+                self.steps_done,
+                n,
+                temperature,
+                release=release,
+                final=final,
+                draft_updates=updates,
+            )
         return scores if per_prompt else mean_of(scores)
 
     def finish(self, completed: bool = True) -> FitResult:
