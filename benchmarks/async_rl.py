@@ -93,8 +93,11 @@ def summarize(runs: dict[str, list[dict]]) -> tuple[list[list], list[str], dict]
             reward_cmp = heldout_cmp = speed_cmp = "-"
         else:
             per_step = lambda rs: [x["completion_tokens"] / x["step_s"] for x in rs if x["step"] > 1]  # noqa: E731
-            v = paired_difference(per_step(rows), per_step([x for b in base for x in b["rows"]]))
-            speed_cmp = f"{v.mean:+.0f} ({v.low:+.0f} .. {v.high:+.0f})"
+            mine, theirs = per_step(rows), per_step([x for b in base for x in b["rows"]])
+            speed_cmp = "-"
+            if len(mine) >= 2:
+                v = paired_difference(mine, theirs)
+                speed_cmp = f"{v.mean:+.0f} ({v.low:+.0f} .. {v.high:+.0f})"
             d = paired_difference([x["reward"] for x in rows], [x["reward"] for b in base for x in b["rows"]])
             reward_cmp = f"{d.mean:+.4f} ({d.low:+.4f} .. {d.high:+.4f})"
             e = paired_difference([s for r in reps for s in r["eval_scores"]],

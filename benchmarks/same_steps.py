@@ -69,13 +69,16 @@ def weights_digest(out: Path) -> str:
 
     last = sorted((out / "checkpoints").glob("step-*"))[-1]
     dcp_to_torch_save(str(last), str(out / "weights.pt"))
-    state = torch.load(out / "weights.pt", weights_only=False)
-    h = hashlib.sha256()
-    for key in sorted(state):
-        if key.startswith(("module.policy.", "module.draft.")) and torch.is_tensor(state[key]):
+    module = torch.load(out / "weights.pt", weights_only=False)["module"]
+    h, seen = hashlib.sha256(), 0
+    for key in sorted(module):
+        if key.startswith(("policy.", "draft.")) and torch.is_tensor(module[key]):
             h.update(key.encode())
-            h.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+            h.update(module[key].contiguous().view(torch.uint8).numpy().tobytes())
+            seen += 1
+    if not seen:
+        raise RuntimeError(f"no policy or draft tensors in {last}")
+    return f"{h.hexdigest()[:16]} ({seen} tensors)"
 
 
 def digest(code: Path, work: Path, overrides: list[str]) -> str:
