@@ -187,6 +187,11 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
             f"rl.max_staleness={r.max_staleness} bounds an asynchronous run's staleness; rl.async_level=0 is "
             f"synchronous: set rl.async_level >= 1, or drop rl.max_staleness"
         )
+    if r.inflight_updates and r.max_staleness is None:
+        raise ConfigError(
+            "rl.inflight_updates=true updates the weights of the bounded-staleness producer's engine mid-sequence: "
+            "set rl.async_level >= 1 and rl.max_staleness"
+        )
     if r.drop_uniform_groups and r.max_staleness is None:
         raise ConfigError(
             "rl.drop_uniform_groups=true replaces a dropped group by the next one, which only the bounded-staleness "

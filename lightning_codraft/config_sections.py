@@ -236,6 +236,10 @@ class RLConfig(PolicyLossConfig):
     admits at most ``eta + 1`` steps of work ahead of the trainer, so a consumed group's staleness (trainer version
     minus its behaviour version) is at most eta; a dropped group returns its capacity. Which version generates which
     group then depends on timing: runs do not repeat exactly (the k-step-off mode does)."""
+    inflight_updates: bool = False
+    """In-flight weight updates (PipelineRL): the bounded-staleness producer's engine takes the weights the trainer
+    publishes between decoding rounds, mid-sequence; the tokens after carry the new version (``version_span``), the
+    caches of those before are kept. Needs ``max_staleness`` and the embedded engine."""
     drop_uniform_groups: bool = False
     """Dynamic sampling (DAPO): drop a prompt group whose rewards are all equal (zero advantage, nothing to learn) and
     train on the next group instead; a step still trains on ``prompts_per_step`` groups. Needs ``max_staleness``

@@ -45,7 +45,9 @@ def producer(rl_step, state=None):
         made = AsyncRollouts(rl_step, r.async_level, r.steps)
         made.load_state_dict(state or [])
     else:
-        made = BoundedRollouts(rl_step, r.max_staleness, r.steps, drop_uniform=r.drop_uniform_groups)
+        made = BoundedRollouts(
+            rl_step, r.max_staleness, r.steps, drop_uniform=r.drop_uniform_groups, inflight=r.inflight_updates
+        )
         made.load_state_dict(state)
     return made
 

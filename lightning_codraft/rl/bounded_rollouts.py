@@ -17,7 +17,9 @@ its capacity, so the producer generates the group that replaces it; without that
 
 **Weights.** At each ``take(t)`` the trainer publishes a snapshot of version t (``RolloutWorker.snapshot``: the
 producer never reads weights the optimizer is changing); the producer refits from the newest snapshot before each
-batch of groups. Every rollout records the policy and drafter versions that generated it.
+batch of groups. Every rollout records the policy and drafter versions that generated it. With in-flight updates
+(``rl.inflight_updates``) the engine also takes a newer snapshot between decoding rounds: the tokens after it carry
+the new version (``RolloutOutput.token_versions``); a group's version, for the bound, is its first token's.
 
 **Nothing lost.** :meth:`BoundedRollouts.state_dict` (no waiting) holds the queued, finished groups, the cursor (the
 first group not finished: the batch in flight is generated again on resume, first), the dropped count and the
@@ -63,12 +65,14 @@ class BoundedRollouts:
         max_staleness: eta >= 0.
         num_steps: the run's RL steps (no group past what they need, plus replacements, is produced).
         drop_uniform: drop groups whose rewards are all equal (``rl.drop_uniform_groups``).
+        inflight: the engine takes newly published weights between decoding rounds (``rl.inflight_updates``).
     """
 
-    def __init__(self, rl_step, max_staleness: int, num_steps: int, drop_uniform: bool = False):
+    def __init__(self, rl_step, max_staleness: int, num_steps: int, drop_uniform: bool = False, inflight: bool = False):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
-        self.rl_step, self.eta, self.num_steps, self.drop_uniform = rl_step, int(max_staleness), num_steps, drop_uniform
+        self.rl_step, self.eta, self.num_steps = rl_step, int(max_staleness), num_steps
+        self.drop_uniform, self.inflight = drop_uniform, inflight
         self.P = rl_step.cfg.rl.prompts_per_step
         self.ledger: list[dict[str, Any]] = []
         """Per consumed step: the stream indices it kept and dropped (a checkpoint entry)."""
@@ -199,8 +203,19 @@ class BoundedRollouts:
             self._version, self._published = step, published
             self._cond.notify_all()
         if self._thread is None:
+            if self.inflight:
+                rl.worker.engine.weight_source = self._offer
             self._thread = threading.Thread(target=self._run, name="codraft-bounded-producer", daemon=True)
             self._thread.start()
+
+    def _offer(self, current: dict[str, int]):
+        """The engine's weight source (in-flight updates): the newest published weights when newer than ``current``."""
+        with self._cond:
+            versions, state = self._published
+        if versions["policy"] <= current["policy"]:
+            return None
+        parts = {p: {k[len(p) :]: v for k, v in state.items() if k.startswith(p)} for p in ("policy.", "draft.")}
+        return dict(versions), parts["policy."], parts["draft."] or None
 
     def _next_ready(self) -> Group:
         """The first queued group, waiting for it (caller holds the lock)."""

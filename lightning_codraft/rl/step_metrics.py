@@ -102,6 +102,9 @@ class StepMetrics:
     draft_lag: float = 0.0
     """Drafter lag: the rollouts' policy version minus the version of the drafter that proposed them, mean over the
     step's samples (a frozen drafter's grows with every step; a drafter co-trained every step stays at 0)."""
+    version_span: float = 0.0
+    """Policy versions between a rollout's first token and its last, mean over the step's samples (in-flight
+    weight updates, ``rl.inflight_updates``; 0 otherwise)."""
     dropped_groups: float = 0.0
     """Prompt groups dropped by the bounded-staleness producer before this step (``rl.drop_uniform_groups`` or too
     stale), each replaced by the next group."""
@@ -162,6 +165,7 @@ def overlap_metrics(step: int, produced, drafts: bool) -> dict[str, float]:
         "staleness": sum(stale) / len(stale),
         "staleness_max": float(max(stale)),
         "draft_lag": sum(lag) / len(lag),
+        "version_span": sum(o.version_span for o in outs) / len(outs) if outs else 0.0,
         "dropped_groups": float(produced.dropped),
         "trainer_wait_s": produced.wait_s,
         "producer_idle": produced.producer_idle,

@@ -12,7 +12,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -156,6 +156,14 @@ class RolloutOutput:
     """The version (optimizer steps of the training state) of the policy that generated it; -1: never versioned."""
     draft_version: int = -1
     """The version of the draft that proposed for it (a draft that is not refreshed keeps its version)."""
+    token_versions: Optional[list[int]] = None
+    """The policy version that generated each token where weights changed during the sequence (in-flight weight
+    updates: ``policy_version`` is the first token's); None: every token ``policy_version``."""
+
+    @property
+    def version_span(self) -> int:
+        """Policy versions between the sequence's first token and its last (0 without an in-flight update)."""
+        return 0 if not self.token_versions else self.token_versions[-1] - self.token_versions[0]
 
 
 @runtime_checkable

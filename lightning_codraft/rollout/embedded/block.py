@@ -175,18 +175,25 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # the prefill groups rows by length
         size = self.max_batch_size or len(prompts)
         outs: list[RolloutOutput | None] = [None] * len(prompts)
+        started, marks = dict(self.weight_versions), [[] for _ in prompts]  # in-flight updates (poll_weights)
         with torch.inference_mode():
             pdec = policy_decoder(self.policy, self.max_context + self.num_speculative_tokens + 1)
             for lo in range(0, len(order), size):
                 rows = order[lo : lo + size]
-                done = self._batch([prompts[i] for i in rows], [seeds[i] for i in rows], sampler, pdec)
+                done, pdec = self._batch(
+                    [prompts[i] for i in rows], [seeds[i] for i in rows], sampler, pdec, [marks[i] for i in rows]
+                )
                 for i, out in zip(rows, done):
                     outs[i] = out
-        return self.stamp(outs)
+        return self.stamp(outs, started, marks)
 
-    def _batch(self, prompts: list[list[int]], seeds: list[int], sampler: TokenSampler, pdec) -> list[RolloutOutput]:
+    def _batch(
+        self, prompts: list[list[int]], seeds: list[int], sampler: TokenSampler, pdec, marks: list[list]
+    ) -> tuple[list[RolloutOutput], object]:
         """Prefill a batch of prompts (ascending lengths), then rounds until every row has stopped or spent its
-        budget (finished rows leave the batch)."""
+        budget (finished rows leave the batch). Between rounds, newer weights from ``weight_source`` are loaded
+        (the policy's decoder rebuilt from them, the caches kept) and each live row's ``marks`` get ``(its token
+        count, the new version)``. Returns the outputs and the policy decoder now in use."""
         params, taps, K = sampler.params, tuple(self.draft.config.taps), self.num_speculative_tokens
         device = next(self.policy.parameters()).device
         B, lengths = len(prompts), [len(p) for p in prompts]
@@ -227,10 +234,14 @@ class BlockSpeculativeEngine(EmbeddedWeights):
             if any(done):
                 rows.keep(hole_filling_order([not d for d in done]))
             done = self._round(rows, out, sampler, pdec)
+            if self.poll_weights():
+                pdec = policy_decoder(self.policy, self.max_context + K + 1)
+                for b in rows.active:
+                    marks[b].append((len(out.tokens[b]), self.weight_versions["policy"]))
         return [
             RolloutOutput(token_ids=out.tokens[b], logprobs=out.logprobs[b], finish_reason=out.finish[b], stats=s)
             for b, s in enumerate(out.stats)
-        ]
+        ], pdec
 
     def _round(self, r: _Rows, out: _Outputs, sampler: TokenSampler, pdec) -> list[bool]:
         """Advance every live row by one round; which rows finished."""

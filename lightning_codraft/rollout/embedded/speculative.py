@@ -252,6 +252,8 @@ class SpeculativeEngine(EmbeddedWeights):
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput | None] = [None] * len(prompts)
+        started, marks = dict(self.weight_versions), [[] for _ in prompts]  # in-flight updates (poll_weights)
+        self._decoding = (capacity, marks)
         for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/embedded/prefill.py)
             order = sorted(range(start, min(start + chunk, len(prompts))), key=lambda i: len(prompts[i]))
             batch = [prompts[i] for i in order]
@@ -268,7 +270,19 @@ class SpeculativeEngine(EmbeddedWeights):
                     f"(prompt lengths {shown}, max_new_tokens={max_new_tokens}, "
                     f"K={self.num_speculative_tokens}): {type(err).__name__}: {err}"
                 ) from err
-        return self.stamp(outputs)
+        return self.stamp(outputs, started, marks)
+
+    def _take_new_weights(self, b: LiveRows, chunk: Chunk) -> None:
+        """Between rounds: newer weights from ``weight_source`` are loaded, the decoders rebuilt from them (the
+        caches kept), and every live row marked: its next tokens are the new version's."""
+        if not self.poll_weights():
+            return
+        capacity, marks = self._decoding
+        chunk.pdec = policy_decoder(self.policy, capacity, self.dtype)
+        if chunk.ddec is not None:
+            chunk.ddec = draft_decoder(self.draft, capacity, self.dtype)
+        for i in b.active:
+            marks[chunk.requests[i]].append((len(chunk.tokens[i]), self.weight_versions["policy"]))
 
     def _weights_changed(self) -> None:
         self._draft_to_target = None
@@ -323,6 +337,7 @@ class SpeculativeEngine(EmbeddedWeights):
                 b.keep(hole_filling_order([not d for d in done]))
                 done = [False] * len(b.active)
             run_round(b, chunk, done)
+            self._take_new_weights(b, chunk)
         return [
             RolloutOutput(
                 token_ids=chunk.tokens[i],
