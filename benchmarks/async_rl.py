@@ -10,7 +10,9 @@ arm from the same warm-ups, ``run.init_from`` the first arm's ``warm/weights.pt`
   version minus drafter version) grows by one a step;
 - ``eta=1``, ``eta=2``: bounded staleness (rl/bounded_rollouts.py: a free-running producer that refits to the newest
   weights before each batch of groups and runs at most eta + 1 steps of work ahead; which version generates which
-  group follows timing, so these arms do not repeat exactly).
+  group follows timing, so these arms do not repeat exactly);
+- ``eta=2 in-flight``: eta=2 with in-flight weight updates (``rl.inflight_updates``: the producer's engine takes the
+  weights each step publishes between decoding rounds, mid-sequence).
 
 Each arm runs whole with ``run.threads=1`` (synchronous: one core busy; asynchronous: the producer's thread and the
 trainer's, one core each), the arms one after another in the order given, then again in reverse order for
@@ -49,6 +51,7 @@ ARMS = {
     "k=1 frozen": ["rl.async_level=1", "draft.mode=frozen"],
     "eta=1": ["rl.async_level=1", "rl.max_staleness=1"],
     "eta=2": ["rl.async_level=1", "rl.max_staleness=2"],
+    "eta=2 in-flight": ["rl.async_level=1", "rl.max_staleness=2", "rl.inflight_updates=true"],
 }
 
 
