@@ -214,10 +214,11 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
 def _check_async_run(cfg: CoDraftConfig) -> None:
     """What an asynchronous run (``rl.async_level > 0``) refuses (``ConfigError`` naming the keys)."""
     p = cfg.parallel
-    if p.devices * p.num_nodes != 1:
+    if p.devices * p.num_nodes != 1 and cfg.rl.max_staleness is not None:
         raise ConfigError(
-            f"rl.async_level={cfg.rl.async_level} runs its producer as a thread of the one training process; "
-            f"parallel.devices x num_nodes = {p.devices * p.num_nodes}: a mesh is not supported yet (docs/multinode.md)"
+            f"rl.max_staleness={cfg.rl.max_staleness} (bounded staleness) runs in one process; parallel.devices x "
+            f"num_nodes = {p.devices * p.num_nodes}: on a mesh, use the deterministic k-step-off (drop "
+            f"rl.max_staleness; docs/multinode.md)"
         )
     if p.engine != "embedded":
         raise ConfigError(

@@ -173,16 +173,20 @@ class ParallelDims:
         self._groups["pp_tap"], _ = dist.new_subgroups_by_enumeration(pipelines)
         # every replica's pp x cp block, lead (pp_rank 0, cp_rank 0) first: the replica's rollouts are broadcast here
         self._groups["replica"], _ = dist.new_subgroups_by_enumeration([self.replica_ranks(d) for d in range(self.dp)])
+        # the same blocks again: an asynchronous producer's thread gathers its rollouts here, beside the trainer's
+        self._groups["producer"], _ = dist.new_subgroups_by_enumeration([self.replica_ranks(d) for d in range(self.dp)])
         return self.mesh
 
     def group(self, name: str) -> Optional[Any]:
-        """Process group ``name`` (``dp``, ``pp``, ``cp``, ``dp_cp``, ``pp_tap`` or ``replica``) or ``None``.
+        """Process group ``name`` (``dp``, ``pp``, ``cp``, ``dp_cp``, ``pp_tap``, ``replica`` or ``producer``: the
+        replica's ranks again, for a thread beside the trainer's) or ``None``.
 
         ``None`` means "this dimension has a single rank": callers treat it as no communication.
         """
-        if name not in (*MESH_DIM_NAMES, "dp_cp", "pp_tap", "replica"):
-            raise ValueError(f"unknown mesh dimension {name!r}; expected one of dp, pp, cp, dp_cp, pp_tap, replica")
-        sizes = {"dp_cp": self.dp_cp, "pp_tap": self.pp, "replica": self.replica_size}
+        names = (*MESH_DIM_NAMES, "dp_cp", "pp_tap", "replica", "producer")
+        if name not in names:
+            raise ValueError(f"unknown mesh dimension {name!r}; expected one of {', '.join(names)}")
+        sizes = {"dp_cp": self.dp_cp, "pp_tap": self.pp, "replica": self.replica_size, "producer": self.replica_size}
         size = sizes.get(name) or getattr(self, name)
         if size == 1 or self.mesh is None:
             return None

@@ -16,6 +16,11 @@ Every rollout of step s is therefore a function of step s's prompts and seeds an
 process: torch releases the GIL in its kernels, so with ``run.threads = 1`` generation and training each keep one core
 busy. With one engine copy the producer works on one step at a time, so k > 1 adds staleness, not overlap.
 
+On a mesh every rank runs a producer thread; each replica's ranks decode their shares of its requests and gather the
+outputs on a process group of their own (``ParallelDims`` ``producer``), so the producer's collectives never
+interleave with the trainer's; the refit (collectives over the training mesh) runs on the trainer's thread in
+:meth:`AsyncRollouts.take`, while the producer is idle.
+
 Nothing is lost: :meth:`AsyncRollouts.state_dict` waits for the step in flight and returns every finished step's
 rollouts (a checkpoint entry); a resumed run takes them instead of producing them again, so it consumes the same
 prompts with the same rollouts as an uninterrupted run.
@@ -30,6 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from lightning_codraft.rl.bounded_rollouts import BoundedRollouts
 from lightning_codraft.rl.step import Generation, Produced, weight_versions
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
@@ -41,6 +48,8 @@ def producer(rl_step, state=None):
     r = rl_step.cfg.rl
     if not r.async_level:
         return None
+    if isinstance(state, dict) and "replicas" in state:  # a mesh's entry: this replica's
+        state = state["replicas"][rl_step.dims.dp_rank]
     if r.max_staleness is None:
         made = AsyncRollouts(rl_step, r.async_level, r.steps)
         made.load_state_dict(state or [])
@@ -50,6 +59,17 @@ def producer(rl_step, state=None):
         )
         made.load_state_dict(state)
     return made
+
+
+def checkpoint_entry(made, dims) -> Any:
+    """The producer's checkpoint entry: its state in one process; on a mesh every replica's, from its lead (one
+    all-gather over the world on the trainer's thread: call on every rank)."""
+    state = made.state_dict()
+    if dims.world_size == 1:
+        return state
+    gathered = [None] * dims.world_size
+    dist.all_gather_object(gathered, state)
+    return {"replicas": [gathered[dims.replica_ranks(d)[0]] for d in range(dims.dp)]}
 
 
 class AsyncRollouts:
@@ -119,7 +139,7 @@ class AsyncRollouts:
 
     def _generate(self, step: int, mine: list, versions: dict[str, int], refit_s: float) -> Produced:
         t0 = time.perf_counter()
-        gen = self.rl_step.generate_prepared(step, mine, versions, refit_s)
+        gen = self.rl_step.generate_prepared(step, mine, versions, refit_s, group=self.rl_step.dims.group("producer"))
         self._busy_s += time.perf_counter() - t0
         return Produced(step, mine, gen)
 

@@ -263,12 +263,19 @@ class RLStep:
         return self.generate_prepared(step, mine, versions, refit_s)
 
     def generate_prepared(
-        self, step: int, mine: list, versions: dict[str, int], refit_s: float, places: Optional[list] = None
+        self,
+        step: int,
+        mine: list,
+        versions: dict[str, int],
+        refit_s: float,
+        places: Optional[list] = None,
+        group="replica",
     ) -> Generation:
         """Sample ``rl.group_size`` completions of each of ``mine`` (step ``step``'s prompts of this replica) with
         the engine already refitted to ``versions`` (in ``refit_s`` seconds); the engine's copies are released
         after (a thread of its own may call this: rl/async_rollouts.py). ``places``: each prompt's ``(step,
-        index in the step)``, the seeds' (default: this replica's share of ``step``)."""
+        index in the step)``, the seeds' (default: this replica's share of ``step``); ``group``: the ranks that
+        share the decoding and gather the outputs (``RolloutWorker.generate``; a producer thread uses its own)."""
         cfg, G = self.cfg, self.cfg.rl.group_size
         prompts = fit_prompts(
             [encode_prompt(self.tokenizer, s.prompt) for s in mine], self.context, cfg.rl.max_new_tokens
@@ -277,7 +284,7 @@ class RLStep:
         first = self.dims.dp_rank * len(mine)  # the step's index of this replica's first prompt
         places = places or [(step, first + i) for i in range(len(mine))]
         seeds = [rollout_seed(cfg.run.seed, *places[i // G], i % G) for i in range(len(requests))]
-        outs, acc, rollout_s = self.worker.generate(requests, seeds)
+        outs, acc, rollout_s = self.worker.generate(requests, seeds, group=group)
         check_versions(outs, versions, drafts=self.worker.num_speculative_tokens > 0)
         self.worker.release()
         return Generation(requests, outs, acc, rollout_s, refit_s, versions)

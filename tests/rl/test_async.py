@@ -64,7 +64,6 @@ def test_a_kill_mid_overlap_then_resume_repeats_the_run(async_run, tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["parallel.devices=2", "parallel.dp=2"], "mesh is not supported"),
     (["parallel.engine=vllm"], "engine=embedded"),
 ])
 def test_an_async_recipe_refuses_what_it_cannot_do(tmp_path, extra, match):

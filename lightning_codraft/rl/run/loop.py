@@ -42,7 +42,7 @@ from lightning_codraft.fabric import CoDraftStrategy
 from lightning_codraft.models.precision import resolve_dtype
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rl.acceptance_watch import AcceptanceWatch
-from lightning_codraft.rl.async_rollouts import producer
+from lightning_codraft.rl.async_rollouts import checkpoint_entry, producer
 from lightning_codraft.rl.reports.extra_loggers import build_loggers
 from lightning_codraft.rl.reports.run_log import MetricsLogger, StepProgress, plot_run, summarize
 from lightning_codraft.rl.rollout_worker import RolloutWorker
@@ -150,12 +150,8 @@ class CoDraftRun:
         """Tokenizer, policy, draft, module, task, reward, reference policy and rollout worker of the recipe."""
         cfg = self.cfg
         parts = build_parts(cfg, self._given_task, self._given_rewards)
-        self.tokenizer, self.context, self.task, self.reward_fn = (
-            parts.tokenizer,
-            parts.context,
-            parts.task,
-            parts.rewards,
-        )
+        self.tokenizer, self.context = parts.tokenizer, parts.context
+        self.task, self.reward_fn = parts.task, parts.rewards
         self.module = build_module(cfg, parts)
         self.worker = RolloutWorker(cfg, self.dims, self.fabric.device, eos_token_id=self.tokenizer.eos_token_id)
 
@@ -269,7 +265,7 @@ class CoDraftRun:
         every = self.cfg.run.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == self.cfg.rl.steps:
             if self.rl_step.rollouts is not None:  # the finished rollouts of the next steps (the one in flight too)
-                self.extra["async_rollouts"] = self.rl_step.rollouts.state_dict()
+                self.extra["async_rollouts"] = checkpoint_entry(self.rl_step.rollouts, self.dims)
             self.checkpoints.save(step + 1, self._state(self.extra))
 
     def run(self, stop_after: Optional[int] = None) -> FitResult:
