@@ -2,8 +2,9 @@
 
 The prompts form one stream: group ``i`` is prompt ``i % P`` of step ``i // P`` (``P = rl.prompts_per_step``; the
 prompts and seeds the synchronous loop would use). :class:`BoundedRollouts` runs a producer thread that takes the next
-groups of the stream, refits the engine's copies to the newest weights the trainer has published, generates and scores
-them, and queues them in stream order. The trainer's step t takes the first P groups of the queue that it keeps.
+groups of the stream, refits the engine's copies to the newest weights the trainer has published, generates them and
+queues them in stream order. The trainer's step t takes the first P groups of the queue that it keeps (rewards are
+computed on the trainer's thread: a reward function may need the main thread, e.g. for a signal-based timeout).
 
 **Capacity.** The producer may admit group ``i`` only while ``admitted < (min(t + eta + 1, steps)) * P + dropped``,
 t the trainer's version: at most ``eta + 1`` steps of work ahead of it, plus one group per group it dropped. A
@@ -99,23 +100,23 @@ class BoundedRollouts:
         t0 = time.perf_counter()
         self._publish(step)
         kept, dropped = [], []
-        with self._cond:
-            while len(kept) < self.P:
+        while len(kept) < self.P:
+            with self._cond:
                 group = self._next_ready()
-                why = self._drop_reason(group, step)
-                if why is None:
-                    kept.append(group)
-                    continue
-                dropped.append(group.index)
+            if self._drop_reason(group, step) is None:  # scored here, on the trainer's thread, where it filters
+                kept.append(group)
+                continue
+            dropped.append(group.index)
+            with self._cond:
                 self._dropped += 1  # its capacity returns: the producer may admit one more group
-                self._scores.pop(group.index, None)
                 self._cond.notify_all()
+        with self._cond:
             now = time.perf_counter()
             idle = math.nan
             if self._last_take is not None:
                 idle = max(0.0, 1.0 - self._busy_s / max(now - self._last_take, 1e-9))
             self._busy_s, self._last_take = 0.0, now
-            scores = RewardScores.concat([self._scores.pop(g.index) for g in kept])
+        scores = RewardScores.concat([self._scores.pop(g.index) for g in kept]) if self.drop_uniform else None
         self.ledger.append({"step": step, "kept": [g.index for g in kept], "dropped": dropped})
         return self._produced(step, kept, scores, len(dropped), now - t0, idle)
 
@@ -153,11 +154,10 @@ class BoundedRollouts:
                     self.admissions.append((first, n, self._version, self._dropped))
                     versions, state = self._published
                 t0 = time.perf_counter()
-                groups, scores = self._generate(first, n, versions, state)
+                groups = self._generate(first, n, versions, state)
                 with self._cond:
                     self._busy_s += time.perf_counter() - t0
                     self._ready.extend(groups)
-                    self._scores.update(scores)
                     self._in_flight = None
                     self._cond.notify_all()
         except BaseException as e:  # raised on the trainer's side at its next take
@@ -165,17 +165,15 @@ class BoundedRollouts:
                 self._error, self._in_flight = e, None
                 self._cond.notify_all()
 
-    def _generate(self, first: int, n: int, versions: dict[str, int], state: dict) -> tuple[list, dict]:
-        """Refit from ``state`` (version ``versions``), generate and score groups ``first .. first + n - 1``."""
+    def _generate(self, first: int, n: int, versions: dict[str, int], state: dict) -> list[Group]:
+        """Refit from ``state`` (version ``versions``) and generate groups ``first .. first + n - 1`` (rewards are
+        the trainer thread's: a reward function may need the main thread, e.g. for signal-based timeouts)."""
         rl, G = self.rl_step, self.rl_step.cfg.rl.group_size
         places = [divmod(i, self.P) for i in range(first, first + n)]
         samples = [self._prompt(s, j) for s, j in places]
         refit_s = rl.worker.prepare(versions, state=state)
         gen = rl.generate_prepared(places[0][0], samples, versions, refit_s, places=places)
-        per_sample = [s for s in samples for _ in range(G)]
-        texts = [rl.tokenizer.decode(o.token_ids) for o in gen.outs]
-        scores = rl.rewards.score([s.prompt for s in per_sample], texts, per_sample)
-        groups = [
+        return [
             Group(
                 first + g,
                 gen.requests[g * G : (g + 1) * G],
@@ -185,13 +183,14 @@ class BoundedRollouts:
             )
             for g in range(n)
         ]
-        return groups, {first + g: scores.rows(g * G, (g + 1) * G) for g in range(n)}
 
     def _prompt(self, step: int, j: int):
-        if step not in self._prompts:  # steps are drawn in order: keep the newest few
-            self._prompts = {s: p for s, p in self._prompts.items() if s > step - 4}
-            self._prompts[step] = step_prompts(self.rl_step.task, self.rl_step.cfg, step)
-        return self._prompts[step][j]
+        """Prompt ``j`` of ``step`` (either thread: a step's prompts are a pure function of it; a few are kept)."""
+        prompts = self._prompts.get(step)
+        if prompts is None:
+            prompts = step_prompts(self.rl_step.task, self.rl_step.cfg, step)
+            self._prompts = {**{s: p for s, p in self._prompts.items() if s > step - 4}, step: prompts}
+        return prompts[j]
 
     # ------------------------------------------------------------------ helpers
     def _publish(self, step: int) -> None:
@@ -233,10 +232,13 @@ class BoundedRollouts:
     def _drop_reason(self, group: Group, step: int) -> Optional[str]:
         if step - min(o.policy_version for o in group.outs) > self.eta:
             return "stale"
-        total = self._scores[group.index].total
-        if self.drop_uniform and all(v == total[0] for v in total):
-            return "uniform"
-        return None
+        if not self.drop_uniform:
+            return None
+        rl, G = self.rl_step, self.rl_step.cfg.rl.group_size
+        sample = self._prompt(*divmod(group.index, self.P))
+        texts = [rl.tokenizer.decode(o.token_ids) for o in group.outs]
+        scores = self._scores[group.index] = rl.rewards.score([sample.prompt] * G, texts, [sample] * G)
+        return "uniform" if all(v == scores.total[0] for v in scores.total) else None
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -279,12 +281,7 @@ class BoundedRollouts:
                 "this checkpoint's rollouts were produced by the deterministic k-step-off producer; resume it "
                 "without rl.max_staleness"
             )
-        rl, G = self.rl_step, self.rl_step.cfg.rl.group_size
         self._ready = collections.deque(_group_from(r) for r in state["groups"])
-        for g in self._ready:  # rewards are a function of the completions: scored again here
-            sample = self._prompt(*divmod(g.index, self.P))
-            texts = [rl.tokenizer.decode(o.token_ids) for o in g.outs]
-            self._scores[g.index] = rl.rewards.score([sample.prompt] * G, texts, [sample] * G)
         self._admitted, self._dropped = int(state["cursor"]), int(state["dropped"])
         self.ledger = [dict(r) for r in state["ledger"]]
 

@@ -72,7 +72,8 @@ class Produced:
     producer_idle: float = math.nan
     """Share of the trainer's previous step the asynchronous producer spent idle (NaN when synchronous)."""
     scores: Optional[RewardScores] = None
-    """The rollouts' rewards where the producer scored them already (rl/bounded_rollouts.py), else None."""
+    """The rollouts' rewards where they were computed already (the bounded producer's group filter,
+    rl/bounded_rollouts.py), else None."""
     dropped: int = 0
     """Prompt groups the producer dropped (and replaced) before these."""
 
@@ -291,7 +292,7 @@ class RLStep:
 
     def _score(self, step: int, mine: list, outs, scores: Optional[RewardScores] = None) -> tuple:
         """The rewards of the replica's completions: ``(scores, (P, G) float64 rewards, (P, G) bool scored)``
-        (``scores``: computed already, by the producer).
+        (``scores``: computed already, by the group filter).
 
         Every rank scores in the tolerant mode and the budget (0 for ``on_reward_error=raise``) is checked on the
         step's global count, so all ranks stop together (a rank that raised alone would leave the others waiting).

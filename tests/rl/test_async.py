@@ -143,3 +143,18 @@ def test_inflight_updates_reach_the_producers_engine_mid_sequence(tmp_path, monk
 def test_inflight_updates_need_bounded_staleness(tmp_path):
     with pytest.raises(ConfigError, match="rl.max_staleness"):
         micro_config(tmp_path, *ASYNC, "rl.inflight_updates=true")
+
+
+@pytest.mark.parametrize("mode", [["rl.async_level=1"], ["rl.async_level=1", "rl.max_staleness=1",
+                                                          "rl.inflight_updates=true"]])
+def test_the_block_drafter_runs_async_too(tmp_path, mode):
+    """Every drafter type behind the protocol: DFlash co-trained on stale rollouts (k-step-off; bounded with in-flight
+    updates), its versions recorded beside the policy's."""
+    from test_loop_dflash import DFLASH
+
+    res = fit(micro_config(tmp_path, *DFLASH, *mode, "rl.steps=3"), print_fn=lambda s: None)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert res.completed and [r["staleness_max"] for r in rows][1:] == [1.0, 1.0]
+    assert all(r["draft_version"] <= r["policy_version"] and r["draft_lag"] >= 0 for r in rows)
+    assert all(r["acceptance_length"] >= 1.0 and math.isfinite(r["draft_loss"]) for r in rows)
+    assert all(1.0 < r["is_weight_max"] <= 2.0 for r in rows[1:])

@@ -201,17 +201,6 @@ class RewardScores:
     not_applied: list[str] = field(default_factory=list)
     """Terms that returned ``None`` (does not apply) for every sample of the batch: reported by the caller."""
 
-    def rows(self, start: int, stop: int) -> RewardScores:
-        """The scores of samples ``start .. stop - 1`` as a batch of their own (failures re-indexed; the terms that
-        applied to no sample of the whole batch)."""
-        parts = {k: v[start:stop] for k, v in self.parts.items()}
-        failures = [
-            RewardError(f.index - start, f.prompt, f.reason, f.function)
-            for f in self.failures
-            if start <= f.index < stop
-        ]
-        return RewardScores(self.total[start:stop], parts, failures, list(self.not_applied))
-
     @staticmethod
     def concat(batches: Sequence[RewardScores]) -> RewardScores:
         """One batch of ``batches`` in order (failures re-indexed; a term not applied where no batch applied it)."""
