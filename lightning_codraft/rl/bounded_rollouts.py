@@ -132,7 +132,13 @@ class BoundedRollouts:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._own_engine(False)
         self._raise_error()
+
+    def _own_engine(self, on: bool) -> None:
+        """Point the engine's in-flight weight source at this producer (``on``), or leave the engine to the caller."""
+        if self.inflight:
+            self.rl_step.worker.engine.weight_source = self._offer if on else None
 
     # ------------------------------------------------------------------ the producer's side
     def _capacity(self) -> int:
@@ -202,8 +208,7 @@ class BoundedRollouts:
             self._version, self._published = step, published
             self._cond.notify_all()
         if self._thread is None:
-            if self.inflight:
-                rl.worker.engine.weight_source = self._offer
+            self._own_engine(True)
             self._thread = threading.Thread(target=self._run, name="codraft-bounded-producer", daemon=True)
             self._thread.start()
 
@@ -297,9 +302,11 @@ class _Pause:
             while o._in_flight is not None:
                 o._cond.wait()
         o._raise_error()
+        o._own_engine(False)
 
     def __exit__(self, *exc) -> None:
         o = self.owner
+        o._own_engine(o._thread is not None)
         with o._cond:
             o._paused = False
             o._cond.notify_all()
