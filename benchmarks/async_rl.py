@@ -23,7 +23,14 @@ steps after the first, 95% CI), the trainer's and the producer's idle shares, re
 against ``k=0``), acceptance length by staleness and by drafter lag, and the off-policy weights' figures.
 ``--arms`` runs a subset (``k=0`` always).
 
-Writes ``<out>/async_rl.md``, ``.json``, ``.png``. Smoke: ``--steps 2 --prompts-per-step 2 --overrides sft.steps=2
+``--pinned`` runs every arm with a fixed speculation length and the draft trained every step
+(``draft.adaptive=false draft.schedule=every_step``; a frozen arm stays frozen): the main job's adaptive draft
+schedule pays for draft updates only out of the decode time speculation saved, and on this CPU the adaptive engine
+barely drafts, so as the recipe says no arm updates its draft (every arm drafts with the warm-start drafter); the
+pinned run is the one that compares a co-trained drafter with a frozen one, with acceptance measured every round.
+
+Writes ``<out>/<name>.md``, ``.json``, ``.png`` (``--name``, default ``async_rl``; ``async_rl_pinned`` for the pinned
+run). Smoke: ``--steps 2 --prompts-per-step 2 --overrides sft.steps=2
 draft.warm_start.steps=2 task.eval_prompts=4 --out TMP --work-dir TMP``.
 """
 
@@ -61,6 +68,8 @@ def run_arm(name: str, args, warm: Path | None, repeat: int) -> dict:
     overrides = ["run.threads=1", "run.resume=false", "run.progress=false", "run.plots=false", "task.eval_every=0",
                  "run.checkpoint_every=0", f"run.out_dir={out}", f"rl.steps={args.steps}",
                  f"rl.prompts_per_step={args.prompts_per_step}", *args.overrides, *ARMS[name]]
+    if args.pinned:
+        overrides += ["draft.adaptive=false", "draft.schedule=every_step"]
     if warm is not None:
         overrides.append(f"run.init_from={warm}")
     cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", overrides)
@@ -145,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overrides", nargs="*", default=[])
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="the arms (k=0 always runs)")
     ap.add_argument("--work-dir", default="/tmp/codraft_async_rl")
+    ap.add_argument("--pinned", action="store_true", help="fixed K, the draft trained every step (module docstring)")
+    ap.add_argument("--name", default=None, help="the page's name (default async_rl, or async_rl_pinned)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -164,17 +175,28 @@ def main(argv=None) -> int:
               "trainer waiting", "producer idle", "reward", "reward - k=0 per step (95% CI)", "held-out reward",
               "held-out - k=0 per prompt (95% CI)", "acceptance by staleness", "acceptance by drafter lag",
               "IS weight mean", "IS weight max"]
+    name = args.name or ("async_rl_pinned" if args.pinned else "async_rl")
+    trained = {k: sum(x["draft_trained"] for r in v for x in r["rows"]) for k, v in runs.items()}
+    pin_note = [
+        "Pinned: fixed K (`draft.adaptive=false`), the draft trained every step (`draft.schedule=every_step`); "
+        "draft updates per arm: " + ", ".join(f"{k} {v:.0f}" for k, v in trained.items()) + "."
+        if args.pinned else
+        "As the recipe says (adaptive speculation length, adaptive draft schedule). Draft updates per arm: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in trained.items())
+        + " (the schedule pays for an update only out of decode time speculation saved; where it saved none, every "
+        "arm drafts with its warm-start drafter and the drafter lag is the policy version: the co-trained and frozen "
+        "drafters are compared in async_rl_pinned.md)."]
     page = ["# Asynchronous RL against synchronous (k-step-off, bounded staleness)", "",
-            f"`{command('async_rl.py', argv)}`", "",
+            f"`{command('async_rl.py', argv)}`", "", *pin_note, "",
             f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread per "
             f"thread of work, torch {torch.__version__}. Recipe tiny-cpu (the main job), {args.steps} RL steps x "
             f"{args.prompts_per_step} prompts x 8 samples, T=1, 40 new tokens, {args.repeats} repeat(s) of every "
             f"arm (orders alternating); held-out: the recipe's greedy evaluation after RL.", "",
-            *md_table(header, body), "", *[f"- {x}" for x in lines], "", "![curves](async_rl.png)", ""]
-    plot(runs, out / "async_rl.png")
-    write_json(out / "async_rl.json", {"summary": summary, "argv": sys.argv[1:] if argv is None else argv,
+            *md_table(header, body), "", *[f"- {x}" for x in lines], "", f"![curves]({name}.png)", ""]
+    plot(runs, out / f"{name}.png")
+    write_json(out / f"{name}.json", {"summary": summary, "argv": sys.argv[1:] if argv is None else argv,
                                        "rows": {k: [r["rows"] for r in v] for k, v in runs.items()}})
-    print(write_page(out / "async_rl.md", page))
+    print(write_page(out / f"{name}.md", page))
     return 0
 
 
