@@ -64,7 +64,7 @@ def test_a_conversational_column_reaches_the_policy_through_the_template(tmp_pat
                        "task.rewards=[{fn: 'rewards_for_tests:conversational_only'}]")
     requests = []
     generate = RolloutWorker.generate
-    monkeypatch.setattr(RolloutWorker, "generate", lambda self, reqs, seeds: (requests.append(reqs),
+    monkeypatch.setattr(RolloutWorker, "generate", lambda self, reqs, seeds, **kwargs: (requests.append(reqs),
                                                                             generate(self, reqs, seeds))[1])
     run = CoDraftRun(cfg, print_fn=lambda s: None)
     try:
