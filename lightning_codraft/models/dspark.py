@@ -1,0 +1,101 @@
+"""DSpark: the DFlash block drafter (models/dflash.py) plus the Markov and confidence heads (models/dspark_heads.py).
+
+Block position k's logits are the backbone's, through the policy's head, plus the Markov bias from the token at
+k - 1 (teacher-forced in training: the true previous token; at decode time the token drawn before it). The confidence
+head reads the block's hidden state at k (and the Markov embedding of the previous token with
+``confidence_with_markov``) and predicts the probability that position k is accepted. Its loss:
+training/dspark_loss.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_codraft.models.dflash import DFlashConfig, DFlashDraft
+from lightning_codraft.models.dspark_heads import MARKOV_KINDS, ConfidenceHead, MarkovHead
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    """A DFlash config plus DSpark's heads."""
+
+    markov_rank: int = 256
+    """r of the Markov head (DeepSpec's default 256; 0: no Markov head)."""
+    markov_head_type: str = "vanilla"
+    """``vanilla`` or ``gated`` (models/dspark_heads.py)."""
+    confidence_head: bool = True
+    """Whether the drafter predicts its acceptance per position."""
+    confidence_with_markov: bool = False
+    """The confidence head also reads the Markov embedding of the previous token."""
+
+    def check(self) -> None:
+        super().check()
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank={self.markov_rank} must be >= 0 (0: no Markov head)")
+        if self.markov_head_type not in MARKOV_KINDS:
+            raise ValueError(f"markov_head_type={self.markov_head_type!r} must be one of {MARKOV_KINDS}")
+        if self.confidence_with_markov and not (self.confidence_head and self.markov_rank):
+            raise ValueError("confidence_with_markov needs confidence_head=true and markov_rank > 0")
+
+
+class DSparkDraft(DFlashDraft):
+    """The DSpark drafter (module docstring); the policy's embedding and head are passed in, never owned."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        c = config
+        self.markov_head: Optional[MarkovHead] = (
+            MarkovHead(c.vocab_size, c.markov_rank, c.hidden_size, c.markov_head_type) if c.markov_rank else None
+        )
+        width = c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0)
+        self.confidence_head: Optional[nn.Module] = ConfidenceHead(width) if c.confidence_head else None
+
+    @classmethod
+    def from_policy(
+        cls,
+        policy: nn.Module,
+        taps: tuple[int, ...] | None = None,
+        num_hidden_layers: int = 1,
+        block_size: int = 8,
+        mask_token_id: int | None = None,
+        markov_rank: Optional[int] = None,
+        markov_head_type: str = "vanilla",
+        confidence_head: bool = True,
+        confidence_with_markov: bool = False,
+    ) -> DSparkDraft:
+        """A drafter for ``policy`` (:meth:`DFlashDraft.from_policy`'s geometry); ``markov_rank`` defaults to
+        DeepSpec's 256 where the hidden size allows, else the hidden size."""
+        base = DFlashDraft.from_policy(policy, taps, num_hidden_layers, block_size, mask_token_id).config
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DFlashConfig)}
+        rank = min(256, base.hidden_size) if markov_rank is None else markov_rank
+        return cls(
+            DSparkConfig(
+                **fields,
+                markov_rank=rank,
+                markov_head_type=markov_head_type,
+                confidence_head=confidence_head,
+                confidence_with_markov=confidence_with_markov,
+            )
+        )
+
+    def block_logits(self, hidden: Tensor, head_weight: Tensor, prev_ids: Tensor) -> Tensor:
+        """``(N, K, V)`` logits of block positions with hidden states ``(N, K, H)`` whose previous tokens are
+        ``prev_ids`` ``(N, K)`` (teacher-forced): the backbone's through the policy's head, plus the Markov bias."""
+        logits = self.logits(hidden, head_weight)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.bias(prev_ids, hidden).to(logits.dtype)
+        return logits
+
+    def confidence_logits(self, hidden: Tensor, prev_ids: Tensor) -> Optional[Tensor]:
+        """``(N, K)`` confidence logits at those positions, or None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        features = hidden
+        if self.config.confidence_with_markov:
+            features = torch.cat([hidden, self.markov_head.prev_embedding(prev_ids).to(hidden.dtype)], dim=-1)
+        return self.confidence_head(features)
