@@ -59,18 +59,16 @@ class DSparkDraft(DFlashDraft):
     def from_policy(
         cls,
         policy: nn.Module,
-        taps: tuple[int, ...] | None = None,
-        num_hidden_layers: int = 1,
-        block_size: int = 8,
-        mask_token_id: int | None = None,
         markov_rank: Optional[int] = None,
         markov_head_type: str = "vanilla",
         confidence_head: bool = True,
         confidence_with_markov: bool = False,
+        **geometry,
     ) -> DSparkDraft:
-        """A drafter for ``policy`` (:meth:`DFlashDraft.from_policy`'s geometry); ``markov_rank`` defaults to
-        DeepSpec's 256 where the hidden size allows, else the hidden size."""
-        base = DFlashDraft.from_policy(policy, taps, num_hidden_layers, block_size, mask_token_id).config
+        """A drafter for ``policy``: ``geometry`` as :meth:`DFlashDraft.from_policy` takes it (``taps``,
+        ``num_hidden_layers``, ``block_size``, ``mask_token_id``); ``markov_rank`` defaults to DeepSpec's 256 where
+        the hidden size allows, else the hidden size."""
+        base = DFlashDraft.from_policy(policy, **geometry).config
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DFlashConfig)}
         rank = min(256, base.hidden_size) if markov_rank is None else markov_rank
         return cls(
