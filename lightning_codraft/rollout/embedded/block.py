@@ -328,9 +328,19 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         C = ctx.shape[1]
         positions = torch.arange(C, device=ctx.device).expand(ctx.shape[0], C)
         visible = positions < ctx_len[:, None]
-        hidden = d(ctx, positions, block, ctx_len, visible)
-        logits = d.logits(hidden[:, 1 : k + 1], self.policy.lm_head.weight)  # (B, k, V)
-        draws = [sampler.draw(logits[:, j], rn, j) for j in range(k)]
+        hidden = d(ctx, positions, block, ctx_len, visible)[:, 1 : k + 1]
+        logits = d.logits(hidden, self.policy.lm_head.weight)  # (B, k, V)
+        markov = getattr(d, "markov_head", None)  # DSpark: each position biased by the token drawn before it
+        if markov is None:
+            draws = [sampler.draw(logits[:, j], rn, j) for j in range(k)]
+        else:
+            draws = []
+
+            def pick(step: torch.Tensor, j: int) -> torch.Tensor:  # the engine's sampler, its q kept for verify
+                draws.append(sampler.draw(step, rn, j))
+                return draws[-1].ids
+
+            markov.draw(logits, pending, pick, hidden)
         ids = torch.stack([p.ids for p in draws], dim=1)
         q = sampler.target_probs([p.q for p in draws]) if draws[0].q is not None else None
         return ids, q

@@ -1,0 +1,70 @@
+"""The block engine drafts with a DSpark drafter (models/dspark.py): each proposal drawn from its position's logits
+biased by the Markov head from the token drawn before it, with that distribution's q kept for verification, so
+greedy output equals plain decoding and coupled samples equal plain decoding of the same seeds; the Markov head
+changes the proposals (a zero head proposes as the same backbone without one)."""
+
+import pytest
+import torch
+from rollout_helpers import make_policy, random_prompts
+
+from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.dspark import DSparkDraft
+from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
+from lightning_codraft.rollout.embedded.speculative import SpeculativeEngine
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _drafter(policy, kind="vanilla"):
+    torch.manual_seed(3)
+    d = DSparkDraft.from_policy(policy, markov_rank=8, markov_head_type=kind, block_size=4, mask_token_id=0)
+    for p in d.markov_head.parameters():
+        p.data.mul_(20.0)  # a bias strong enough to change proposals
+    return d.eval()
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_greedy_and_coupled_outputs_equal_plain_decoding(kind):
+    policy = make_policy(seed=1)
+    prompts = random_prompts(6, policy.config.vocab_size, seed=4)
+    engine = BlockSpeculativeEngine(policy, _drafter(policy, kind))
+    plain = SpeculativeEngine(policy, None, 0)
+    assert [o.token_ids for o in engine.generate(prompts, 16, temperature=0.0)] == \
+        [o.token_ids for o in plain.generate(prompts, 16, temperature=0.0)]
+    seeds = list(range(100, 106))
+    got = engine.generate(prompts, 16, temperature=1.0, request_seeds=seeds)
+    want = plain.generate(prompts, 16, temperature=1.0, request_seeds=seeds)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_the_markov_head_changes_the_proposals():
+    policy = make_policy(seed=1)
+    prompts = random_prompts(6, policy.config.vocab_size, seed=5)
+    dspark = _drafter(policy)
+    dflash = DFlashDraft.from_policy(policy, block_size=4, mask_token_id=0)
+    dflash.load_state_dict({k: v for k, v in dspark.state_dict().items() if k in dflash.state_dict()})
+    stats = lambda d: [o.stats.accepted_per_position for o in  # noqa: E731
+                       BlockSpeculativeEngine(policy, d.eval()).generate(prompts, 16, temperature=0.0)]
+    assert stats(dspark) != stats(dflash)
+    for p in dspark.markov_head.parameters():
+        p.data.zero_()
+    assert stats(dspark) == stats(dflash)
+
+
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_dspark_sampling_is_distributed_as_the_policy(sampling):
+    """Rejection sampling needs each proposal's own (Markov-biased) distribution: a wrong q fails the chi-square."""
+    from test_speculative import _distribution_failures
+
+    policy = make_policy(seed=5, std=0.15, vocab_size=12)
+    torch.manual_seed(6)
+    d = DSparkDraft.from_policy(policy, markov_rank=4, block_size=3, mask_token_id=0)
+    for p in d.markov_head.parameters():
+        p.data.mul_(2.0)
+    engine = BlockSpeculativeEngine(policy, d.eval(), 2, sampling=sampling)
+    failures, stats, n_bonus = _distribution_failures(engine, 2, 0, 1.0, n=3000)
+    assert not failures, failures
+    assert 0.02 < stats.acceptance_rate < 0.95 and n_bonus > 30
