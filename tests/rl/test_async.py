@@ -129,7 +129,7 @@ def test_inflight_updates_reach_the_producers_engine_mid_sequence(tmp_path, monk
     slow = spec.run_round
 
     def run_round(*args, **kwargs):
-        time.sleep(0.05)  # the producer is the slow side: each take publishes while it decodes
+        time.sleep(0.1)  # the producer is the slow side: each take publishes while it decodes
         return slow(*args, **kwargs)
 
     monkeypatch.setattr(spec, "run_round", run_round)
