@@ -92,3 +92,28 @@ def test_without_a_source_no_token_versions():
     makers, policy = engines()
     _, outs, _ = _run(makers["eagle3"], policy, None, random_prompts(2, policy.config.vocab_size, seed=1))
     assert all(o.token_versions is None and o.version_span == 0 and o.policy_version == 0 for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["eagle3-bf16", "block"])
+def test_rows_of_a_later_chunk_decode_wholly_with_the_new_weights(kind):
+    """Requests past the engine's batch size start after an update made during an earlier chunk: they decode with
+    the new weights from their first token (decoders rebuilt), and say so (version 1 from token 0)."""
+    makers, policy = engines()
+    prompts = random_prompts(4, policy.config.vocab_size, seed=7)
+    other = make_policy(seed=9)
+    _, _, draft = _run(makers[kind], policy, None, prompts)
+    engine = makers[kind](copy.deepcopy(policy))
+    engine.max_batch_size = 2
+    engine.weight_versions.update({"policy": 0, "draft": 0})
+    engine.weight_source = Source(2, other.state_dict(), draft)
+    after = engine.generate(prompts, 16, temperature=0.0)
+    fresh = makers[kind](copy.deepcopy(other))
+    fresh.max_batch_size = 2  # the same chunks: bf16 numerics follow the batch's shape
+    if fresh.draft is not None:
+        fresh.draft.load_state_dict(draft)
+    want = fresh.generate(prompts, 16, temperature=0.0)
+    late = [i for i, o in enumerate(after) if o.token_versions and o.token_versions[0] == 1]
+    assert late, "no request started after the update"
+    for i in late:
+        assert after[i].policy_version == 1 and set(after[i].token_versions) == {1}
+        assert after[i].token_ids == want[i].token_ids

@@ -38,7 +38,7 @@ from lightning_codraft.rollout.embedded.adaptive import AcceptanceEstimates, Ada
 from lightning_codraft.rollout.embedded.cost_model import CostModel, RoundClock
 from lightning_codraft.rollout.embedded.prefill import prefill
 from lightning_codraft.rollout.embedded.round import charge_round
-from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
+from lightning_codraft.rollout.embedded.weights import EmbeddedWeights, mark_rows
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
 from lightning_codraft.rollout.sampling.noise import CounterNoise, resolve_request_seeds, seed_tensor
 from lightning_codraft.rollout.sampling.rules import SamplingParams, sampling_logprobs
@@ -177,15 +177,20 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         outs: list[RolloutOutput | None] = [None] * len(prompts)
         started, marks = dict(self.weight_versions), [[] for _ in prompts]  # in-flight updates (poll_weights)
         with torch.inference_mode():
-            pdec = policy_decoder(self.policy, self.max_context + self.num_speculative_tokens + 1)
+            pdec = self._policy_decoder()
             for lo in range(0, len(order), size):
                 rows = order[lo : lo + size]
+                mark_rows(marks, rows, started, self.weight_versions)  # weights updated during an earlier batch
                 done, pdec = self._batch(
                     [prompts[i] for i in rows], [seeds[i] for i in rows], sampler, pdec, [marks[i] for i in rows]
                 )
                 for i, out in zip(rows, done):
                     outs[i] = out
         return self.stamp(outs, started, marks)
+
+    def _policy_decoder(self):
+        """The policy's decoder from its weights now, over the whole context plus one round's K + 1 slots."""
+        return policy_decoder(self.policy, self.max_context + self.num_speculative_tokens + 1)
 
     def _batch(
         self, prompts: list[list[int]], seeds: list[int], sampler: TokenSampler, pdec, marks: list[list]
@@ -235,7 +240,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
                 rows.keep(hole_filling_order([not d for d in done]))
             done = self._round(rows, out, sampler, pdec)
             if self.poll_weights():
-                pdec = policy_decoder(self.policy, self.max_context + K + 1)
+                pdec = self._policy_decoder()
                 for b in rows.active:
                     marks[b].append((len(out.tokens[b]), self.weight_versions["policy"]))
         return [

@@ -53,7 +53,7 @@ from lightning_codraft.rollout.embedded.adaptive import SpeculationController
 from lightning_codraft.rollout.embedded.batch import LiveRows, decode_dtype
 from lightning_codraft.rollout.embedded.prefill import prefill
 from lightning_codraft.rollout.embedded.round import Chunk, catch_up, pick, run_round
-from lightning_codraft.rollout.embedded.weights import EmbeddedWeights
+from lightning_codraft.rollout.embedded.weights import EmbeddedWeights, mark_rows
 from lightning_codraft.rollout.engine import (
     AcceptanceStats,
     ForwardObserver,
@@ -245,22 +245,24 @@ class SpeculativeEngine(EmbeddedWeights):
         seeds = resolve_request_seeds(len(prompts), seed, request_seeds)
         device = self._device()
         chunk = self.max_batch_size or len(prompts)
-        with torch.inference_mode():  # every cache of this call fits max_context + 2(K+1) slots (_generate_batch)
-            capacity = self.max_context + 2 * (self.num_speculative_tokens + 1)
-            pdec = policy_decoder(self.policy, capacity, self.dtype)
-            ddec = None if self.draft is None else draft_decoder(self.draft, capacity, self.dtype)
+        with torch.inference_mode():
             index = None if self.draft is None else self._draft_index(device)
         sampler = TokenSampler(params, self.sampling, self.vocab_size, None if self._draft_is_identity else index)
         outputs: list[RolloutOutput | None] = [None] * len(prompts)
         started, marks = dict(self.weight_versions), [[] for _ in prompts]  # in-flight updates (poll_weights)
-        self._decoding = (capacity, marks)
+        built, pdec, ddec = None, None, None
         for start in range(0, len(prompts), chunk):  # each chunk's rows by prompt length (rollout/embedded/prefill.py)
             order = sorted(range(start, min(start + chunk, len(prompts))), key=lambda i: len(prompts[i]))
             batch = [prompts[i] for i in order]
+            mark_rows(marks, order, started, self.weight_versions)  # weights updated during an earlier chunk
+            if built != self.weight_versions:  # decoders of the weights now (the first chunk, or after an update)
+                with torch.inference_mode():
+                    (pdec, ddec), built = self._decoders(), dict(self.weight_versions)
             noise = CounterNoise(seed_tensor([seeds[i] for i in order], device))
             try:
                 with torch.inference_mode():
-                    for i, out in zip(order, self._generate_batch(batch, sampler, noise, pdec, ddec, observer, order)):
+                    done = self._generate_batch(batch, sampler, noise, pdec, ddec, observer, order, marks)
+                    for i, out in zip(order, done):
                         outputs[i] = out
             except Exception as err:  # noqa: BLE001 - re-raised with the failing requests named
                 lens = [len(p) for p in batch]
@@ -272,15 +274,20 @@ class SpeculativeEngine(EmbeddedWeights):
                 ) from err
         return self.stamp(outputs, started, marks)
 
-    def _take_new_weights(self, b: LiveRows, chunk: Chunk) -> None:
+    def _decoders(self) -> tuple[PolicyDecoder, DraftDecoder | None]:
+        """The policy's and the draft's decoders from the weights now; every cache of a call fits max_context +
+        2(K+1) slots (_generate_batch)."""
+        capacity = self.max_context + 2 * (self.num_speculative_tokens + 1)
+        ddec = None if self.draft is None else draft_decoder(self.draft, capacity, self.dtype)
+        return policy_decoder(self.policy, capacity, self.dtype), ddec
+
+    def _take_new_weights(self, b: LiveRows, chunk: Chunk, marks: list[list]) -> None:
         """Between rounds: newer weights from ``weight_source`` are loaded, the decoders rebuilt from them (the
         caches kept), and every live row marked: its next tokens are the new version's."""
         if not self.poll_weights():
             return
-        capacity, marks = self._decoding
-        chunk.pdec = policy_decoder(self.policy, capacity, self.dtype)
-        if chunk.ddec is not None:
-            chunk.ddec = draft_decoder(self.draft, capacity, self.dtype)
+        pdec, ddec = self._decoders()
+        chunk.pdec, chunk.ddec = pdec, ddec if chunk.ddec is not None else None
         for i in b.active:
             marks[chunk.requests[i]].append((len(chunk.tokens[i]), self.weight_versions["policy"]))
 
@@ -299,9 +306,11 @@ class SpeculativeEngine(EmbeddedWeights):
         ddec: DraftDecoder | None,
         observer: ForwardObserver | None = None,
         requests: list[int] | None = None,
+        marks: list[list] | None = None,
     ) -> list[RolloutOutput]:
         """Decode one chunk (prompts sorted by length): prefill, then rounds (rollout/embedded/round.py) until every row is
-        done; ``requests[i]``: row i's index in the call (the observer's)."""
+        done; ``requests[i]``: row i's index in the call (the observer's); ``marks``: the call's in-flight update
+        marks, by request (``EmbeddedWeights.stamp``)."""
         K, batch, params = self.num_speculative_tokens, len(prompts), sampler.params
         draft_taps = tuple(int(t) for t in self.draft.config.taps) if self.draft is not None and K > 0 else None
         seen = tuple(int(t) for t in observer.taps) if observer is not None else ()
@@ -337,7 +346,8 @@ class SpeculativeEngine(EmbeddedWeights):
                 b.keep(hole_filling_order([not d for d in done]))
                 done = [False] * len(b.active)
             run_round(b, chunk, done)
-            self._take_new_weights(b, chunk)
+            if marks is not None:
+                self._take_new_weights(b, chunk, marks)
         return [
             RolloutOutput(
                 token_ids=chunk.tokens[i],
