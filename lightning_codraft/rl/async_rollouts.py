@@ -29,7 +29,6 @@ prompts with the same rollouts as an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_codraft.rl.bounded_rollouts import BoundedRollouts
 from lightning_codraft.rl.step import Generation, Produced, weight_versions
+from lightning_codraft.rl.step_metrics import idle_share
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 
 
@@ -106,9 +106,7 @@ class AsyncRollouts:
         produced = self.done.pop(step)
         now = time.perf_counter()
         wait = now - t0
-        idle = math.nan
-        if self._last_take is not None:
-            idle = max(0.0, 1.0 - self._busy_s / max(now - self._last_take, 1e-9))
+        idle = idle_share(self._busy_s, self._last_take, now)
         self._busy_s, self._last_take = 0.0, now
         nxt = step + self.k
         if nxt < self.num_steps and nxt not in self.done:
@@ -184,7 +182,7 @@ def _produced_state(p: Produced) -> dict[str, Any]:
 
 
 def _produced_from(row: dict[str, Any], prompts: list) -> Produced:
-    outs = [RolloutOutput(**{**o, "stats": AcceptanceStats(**o["stats"])}) for o in row["outs"]]
+    outs = [RolloutOutput.from_dict(o) for o in row["outs"]]
     gen = Generation(
         row["requests"], outs, AcceptanceStats(**row["acc"]), row["rollout_s"], row["refit_s"], row["versions"]
     )

@@ -31,13 +31,15 @@ on timing); a killed and resumed run consumes every group of the stream exactly 
 from __future__ import annotations
 
 import collections
-import math
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from lightning_codraft.rl.step import Generation, Produced, step_prompts, weight_versions
+from lightning_codraft.rl.step_metrics import idle_share
 from lightning_codraft.rl.tasks.rewards import RewardScores
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput
 
@@ -81,7 +83,6 @@ class BoundedRollouts:
         """``(first group, groups, trainer version, dropped so far)`` of every batch the producer admitted."""
         self._cond = threading.Condition()
         self._ready: collections.deque[Group] = collections.deque()
-        self._scores: dict[int, RewardScores] = {}
         self._admitted = self._dropped = 0
         self._version = -1  # the trainer's version (published weights); -1 before the first take
         self._published: Optional[tuple[dict[str, int], dict]] = None
@@ -99,12 +100,14 @@ class BoundedRollouts:
             raise ValueError("an asynchronous run draws every step's prompts itself (rl.async_level > 0)")
         t0 = time.perf_counter()
         self._publish(step)
-        kept, dropped = [], []
+        kept, scored, dropped = [], [], []
         while len(kept) < self.P:
             with self._cond:
                 group = self._next_ready()
-            if self._drop_reason(group, step) is None:  # scored here, on the trainer's thread, where it filters
+            why, scores = self._drop_reason(group, step)  # scored here, on the trainer's thread, where it filters
+            if why is None:
                 kept.append(group)
+                scored.append(scores)
                 continue
             dropped.append(group.index)
             with self._cond:
@@ -112,17 +115,28 @@ class BoundedRollouts:
                 self._cond.notify_all()
         with self._cond:
             now = time.perf_counter()
-            idle = math.nan
-            if self._last_take is not None:
-                idle = max(0.0, 1.0 - self._busy_s / max(now - self._last_take, 1e-9))
+            idle = idle_share(self._busy_s, self._last_take, now)
             self._busy_s, self._last_take = 0.0, now
-        scores = RewardScores.concat([self._scores.pop(g.index) for g in kept]) if self.drop_uniform else None
+        scores = RewardScores.concat(scored) if self.drop_uniform else None
         self.ledger.append({"step": step, "kept": [g.index for g in kept], "dropped": dropped})
         return self._produced(step, kept, scores, len(dropped), now - t0, idle)
 
-    def paused(self) -> _Pause:
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
         """A context in which the producer is idle (the batch in flight finished): the engine is the caller's."""
-        return _Pause(self)
+        with self._cond:
+            self._paused = True
+            while self._in_flight is not None:
+                self._cond.wait()
+        self._raise_error()
+        self._own_engine(False)
+        try:
+            yield
+        finally:
+            self._own_engine(self._thread is not None)
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the producer (the batch in flight is finished and queued) and join its thread."""
@@ -234,16 +248,18 @@ class BoundedRollouts:
             self._cond.wait(timeout=1.0)
         return self._ready.popleft()
 
-    def _drop_reason(self, group: Group, step: int) -> Optional[str]:
+    def _drop_reason(self, group: Group, step: int) -> tuple[Optional[str], Optional[RewardScores]]:
+        """Why ``group`` is dropped at trainer version ``step`` (None: kept), and its rewards where the uniform
+        filter computed them."""
         if step - min(o.policy_version for o in group.outs) > self.eta:
-            return "stale"
+            return "stale", None
         if not self.drop_uniform:
-            return None
+            return None, None
         rl, G = self.rl_step, self.rl_step.cfg.rl.group_size
         sample = self._prompt(*divmod(group.index, self.P))
         texts = [rl.tokenizer.decode(o.token_ids) for o in group.outs]
-        scores = self._scores[group.index] = rl.rewards.score([sample.prompt] * G, texts, [sample] * G)
-        return "uniform" if all(v == scores.total[0] for v in scores.total) else None
+        scores = rl.rewards.score([sample.prompt] * G, texts, [sample] * G)
+        return ("uniform" if all(v == scores.total[0] for v in scores.total) else None), scores
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -291,27 +307,6 @@ class BoundedRollouts:
         self.ledger = [dict(r) for r in state["ledger"]]
 
 
-class _Pause:
-    def __init__(self, owner: BoundedRollouts):
-        self.owner = owner
-
-    def __enter__(self) -> None:
-        o = self.owner
-        with o._cond:
-            o._paused = True
-            while o._in_flight is not None:
-                o._cond.wait()
-        o._raise_error()
-        o._own_engine(False)
-
-    def __exit__(self, *exc) -> None:
-        o = self.owner
-        o._own_engine(o._thread is not None)
-        with o._cond:
-            o._paused = False
-            o._cond.notify_all()
-
-
 def _group_state(g: Group) -> dict[str, Any]:
     return {
         "index": g.index,
@@ -323,5 +318,5 @@ def _group_state(g: Group) -> dict[str, Any]:
 
 
 def _group_from(row: dict[str, Any]) -> Group:
-    outs = [RolloutOutput(**{**o, "stats": AcceptanceStats(**o["stats"])}) for o in row["outs"]]
+    outs = [RolloutOutput.from_dict(o) for o in row["outs"]]
     return Group(int(row["index"]), row["requests"], outs, row["seconds"], row["refit_s"])

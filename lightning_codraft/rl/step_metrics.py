@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -170,6 +171,12 @@ def overlap_metrics(step: int, produced, drafts: bool) -> dict[str, float]:
         "trainer_wait_s": produced.wait_s,
         "producer_idle": produced.producer_idle,
     }
+
+
+def idle_share(busy_s: float, since: Optional[float], now: float) -> float:
+    """Share of the seconds ``since .. now`` a producer busy for ``busy_s`` of them spent idle (NaN without a
+    previous take: ``since`` None)."""
+    return math.nan if since is None else max(0.0, 1.0 - busy_s / max(now - since, 1e-9))
 
 
 def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:

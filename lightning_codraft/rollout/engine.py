@@ -160,6 +160,11 @@ class RolloutOutput:
     """The policy version that generated each token where weights changed during the sequence (in-flight weight
     updates: ``policy_version`` is the first token's); None: every token ``policy_version``."""
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> RolloutOutput:
+        """The output ``dataclasses.asdict`` wrote (a checkpoint entry), its stats rebuilt."""
+        return cls(**{**d, "stats": AcceptanceStats(**d["stats"])})
+
     @property
     def version_span(self) -> int:
         """Policy versions between the sequence's first token and its last (0 without an in-flight update)."""

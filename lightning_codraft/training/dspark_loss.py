@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_codraft.training.dflash_loss import block_position_weights
+
 
 @dataclass
 class DSparkTerms:
@@ -42,7 +44,7 @@ def position_weights(valid: Tensor, gamma: Optional[float]) -> Tensor:
     """``(N, B)`` float weights: ``valid`` decayed by ``exp(-b / gamma)`` along the block."""
     w = valid.to(torch.float32)
     if gamma is not None and gamma > 0:
-        w = w * torch.exp(-torch.arange(valid.shape[-1], device=valid.device, dtype=torch.float32) / float(gamma))
+        w = w * block_position_weights(valid.shape[-1], float(gamma)).to(valid.device)
     return w
 
 
