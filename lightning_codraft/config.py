@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_codraft.config_sections import (  # noqa: F401
+    BLOCK_DRAFTERS,
     DraftConfig,
     ModelConfig,
     ParallelConfig,
@@ -41,7 +42,7 @@ class CoDraftConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy."""
     draft: DraftConfig = field(default_factory=DraftConfig)
-    """The EAGLE-3 draft and its training."""
+    """The drafter (``draft.type``) and its training."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Prompts and rewards."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -178,7 +179,7 @@ def _check_across(cfg: CoDraftConfig) -> CoDraftConfig:
             "draft.adaptive=true needs the embedded engine: vLLM has no per-round speculation length "
             "for EAGLE-3; set draft.adaptive=false with parallel.engine=vllm"
         )
-    if d.type == "dflash" and d.mode != "none":
+    if d.type in BLOCK_DRAFTERS and d.mode != "none":
         _check_block_drafter_run(cfg)
     if r.async_level:
         _check_async_run(cfg)
@@ -228,16 +229,17 @@ def _check_async_run(cfg: CoDraftConfig) -> None:
 
 
 def _check_block_drafter_run(cfg: CoDraftConfig) -> None:
-    """What a run with a ``dflash`` drafter refuses across sections (``ConfigError`` naming the keys)."""
+    """What a run with a block drafter (``dflash``, ``dspark``) refuses across sections (``ConfigError`` naming the
+    keys)."""
     d = cfg.draft
     if d.warm_start.corpus is not None:
         raise ConfigError(
-            "draft.type=dflash with draft.warm_start.corpus: the cached corpus is EAGLE-3's feature cache; a dflash "
+            f"draft.type={d.type} with draft.warm_start.corpus: the cached corpus is EAGLE-3's feature cache; a block "
             "drafter warm-starts on the pool of the policy's samples (draft.warm_start.steps)"
         )
     if cfg.parallel.engine_dtype in ("bfloat16", "float16"):
         raise ConfigError(
-            f"draft.type=dflash with parallel.engine_dtype={cfg.parallel.engine_dtype}: the block engine decodes in "
+            f"draft.type={d.type} with parallel.engine_dtype={cfg.parallel.engine_dtype}: the block engine decodes in "
             f"the training weights' dtype; set parallel.engine_dtype=null"
         )
 

@@ -91,13 +91,21 @@ class DraftConfig(DraftLossConfig):
 
     type: str = "eagle3"
     """The drafter (NeMo-RL's ``speculator_type`` names): ``eagle3`` (EAGLE-3: K chained steps of one layer over the
-    fused taps, its own vocabulary) or ``dflash`` (a block drafter: one forward proposes a whole block, conditioned
-    on the policy's taps, through the policy's embedding and head; docs/design/drafters.md)."""
+    fused taps, its own vocabulary), ``dflash`` (a block drafter: one forward proposes a whole block, conditioned
+    on the policy's taps, through the policy's embedding and head; docs/design/drafters.md) or ``dspark`` (DFlash
+    plus a Markov head on the previous drafted token and a confidence head; DeepSpec's three-term loss)."""
     block_size: int = 8
-    """``dflash``: B, the block's rows (its anchor and B - 1 proposals); a round verifies ``num_speculative_tokens``
-    of them (at most B - 1)."""
+    """``dflash`` / ``dspark``: B, the block's rows; a DFlash block makes B - 1 proposals (its anchor's row predicts
+    nothing), a DSpark block B (DeepSpec's next-token layout); a round verifies ``num_speculative_tokens`` of
+    them."""
     num_layers: int = 1
-    """``dflash``: the drafter's decoder layers (z-lab's Qwen3-8B drafter has 5; EAGLE-3 has one)."""
+    """``dflash`` / ``dspark``: the drafter's decoder layers (z-lab's Qwen3-8B drafter has 5; EAGLE-3 has one)."""
+    markov_rank: Optional[int] = None
+    """``dspark``: r of the Markov head (0: none); None = DeepSpec's 256, or the hidden size where smaller."""
+    markov_head_type: str = "vanilla"
+    """``dspark``: ``vanilla`` (bias ``W2 W1[prev]``) or ``gated`` (gated by the block's hidden state)."""
+    confidence_head: bool = True
+    """``dspark``: predict each position's acceptance (logged; ``verify_length: confidence`` uses it)."""
     mode: str = "cotrain"
     """``cotrain`` (trained online with the policy), ``frozen`` (warm-started, then fixed), ``none`` (no draft)."""
     num_speculative_tokens: int = 4
@@ -142,7 +150,7 @@ class DraftConfig(DraftLossConfig):
         _at_least(self, "num_layers", 1)
         if self.type == "eagle3" and self.num_layers != 1:
             raise ValueError(f"num_layers={self.num_layers}: an eagle3 draft has one layer (a dflash drafter has more)")
-        if self.type == "dflash":
+        if self.type in BLOCK_DRAFTERS:
             self._check_block_drafter()
         _one_of(self, "sampling", ("coupled", "rejection"))
         _one_of(self, "schedule", ("every_step", "every_n", "adaptive"))
@@ -164,21 +172,33 @@ class DraftConfig(DraftLossConfig):
         _learning_rate(self, "lr")
 
     def _check_block_drafter(self) -> None:
-        """What a ``dflash`` drafter refuses (``ValueError`` naming the field)."""
-        if self.mode != "none" and self.num_speculative_tokens > self.block_size - 1:
+        """What a block drafter (``dflash``, ``dspark``) refuses (``ValueError`` naming the field)."""
+        most = self.block_size if self.type == "dspark" else self.block_size - 1
+        if self.mode != "none" and self.num_speculative_tokens > most:
             raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_tokens} > block_size - 1 = {self.block_size - 1}: a "
-                f"dflash round verifies at most the block's proposals"
+                f"num_speculative_tokens={self.num_speculative_tokens} > {most}, the proposals of a {self.type} block "
+                f"of block_size={self.block_size}: a round verifies at most the block's proposals"
             )
+        if self.type == "dspark":
+            _one_of(self, "markov_head_type", ("vanilla", "gated"))
+            if self.markov_rank is not None:
+                _at_least(self, "markov_rank", 0)
+            if self.loss_type != "ce":
+                raise ValueError(
+                    f"loss_type={self.loss_type!r}: a dspark drafter trains on DeepSpec's three terms (weights "
+                    f"dspark_ce_weight / dspark_l1_weight / dspark_confidence_weight); leave loss_type at 'ce'"
+                )
         if self.draft_vocab_size is not None:
             raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size}: a dflash drafter proposes through the policy's own head "
+                f"draft_vocab_size={self.draft_vocab_size}: a {self.type} drafter proposes through the policy's own head "
                 f"(its whole vocabulary); leave it null"
             )
 
 
-DRAFTER_TYPES = ("eagle3", "dflash")
+DRAFTER_TYPES = ("eagle3", "dflash", "dspark")
 """The drafters a recipe can name (``draft.type``)."""
+BLOCK_DRAFTERS = ("dflash", "dspark")
+"""The block drafters among them (one forward proposes a block; the block engine decodes with them)."""
 
 
 @dataclass

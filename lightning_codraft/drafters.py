@@ -1,14 +1,18 @@
 """The drafter protocol: every part of the library a drafter touches, and where each drafter implements it.
 
-A recipe names its drafter (``draft.type``: ``eagle3`` | ``dflash``, NeMo-RL's ``speculator_type`` names); a
+A recipe names its drafter (``draft.type``: ``eagle3`` | ``dflash`` | ``dspark``, NeMo-RL's ``speculator_type``
+names); a
 :class:`DrafterKind` says what that name means to every part (docs/design/drafters.md has the table):
 
-- **the model**: EAGLE-3 ``models.eagle3.Eagle3Draft``; DFlash ``models.dflash.DFlashDraft``.
+- **the model**: EAGLE-3 ``models.eagle3.Eagle3Draft``; DFlash ``models.dflash.DFlashDraft``; DSpark
+  ``models.dspark.DSparkDraft`` (DFlash plus the Markov and confidence heads).
 - **taps, the loss over a packed batch, CP / PP / FSDP2, implied rounds, the A/B, the warm start's loss**: EAGLE-3
   ``training.drafter.Eagle3Term`` (TTT unroll, branch attention merged into the ring); DFlash
-  ``training.dflash_term.DFlashTerm`` (anchors per document, the context on the ring, the mask embedding over PP).
-- **the engine round**: EAGLE-3 ``rollout.embedded.speculative.SpeculativeEngine``; DFlash
-  ``rollout.embedded.block.BlockSpeculativeEngine``.
+  ``training.dflash_term.DFlashTerm`` (anchors per document, the context on the ring, the mask embedding over PP);
+  DSpark ``training.dspark_term.DSparkTerm`` (DFlash's, plus the teacher-forced Markov bias and the three-term loss).
+- **the engine round**: EAGLE-3 ``rollout.embedded.speculative.SpeculativeEngine``; DFlash and DSpark
+  ``rollout.embedded.block.BlockSpeculativeEngine`` (DSpark's proposals drawn one position at a time through the
+  Markov head, from one drafter forward).
 - **export / load**: ``Eagle3Draft.save_pretrained`` / ``from_pretrained`` (vLLM ``eagle3``);
   ``DFlashDraft.save_pretrained`` / ``models.dflash_io.load_dflash`` (vLLM ``dflash``).
 - **refit**: the drafter's state dict, bucketed (``rollout.refit.sync``), for both (a DFlash drafter owns no
@@ -30,6 +34,8 @@ from torch import nn
 
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.dflash_io import load_dflash
+from lightning_codraft.models.dspark import DSparkDraft
+from lightning_codraft.models.dspark_io import load_dspark
 from lightning_codraft.models.eagle3 import Eagle3Draft
 from lightning_codraft.rollout.embedded.batch import decode_dtype
 from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
@@ -69,6 +75,17 @@ def _build_dflash(policy: nn.Module, d) -> DFlashDraft:
     return DFlashDraft.from_policy(policy, num_hidden_layers=d.num_layers, block_size=d.block_size)
 
 
+def _build_dspark(policy: nn.Module, d) -> DSparkDraft:
+    return DSparkDraft.from_policy(
+        policy,
+        markov_rank=d.markov_rank,
+        markov_head_type=d.markov_head_type,
+        confidence_head=d.confidence_head,
+        num_hidden_layers=d.num_layers,
+        block_size=d.block_size,
+    )
+
+
 def _eagle3_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
     return SpeculativeEngine(
         policy, draft, k, max_batch_size=max_batch_size, adaptive=adaptive, sampling=sampling, dtype=dtype
@@ -92,6 +109,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     ),
     "dflash": DrafterKind(
         "dflash", DFlashDraft, _build_dflash, _dflash_engine, DFlashDraft.save_pretrained, load_dflash
+    ),
+    "dspark": DrafterKind(
+        "dspark", DSparkDraft, _build_dspark, _dflash_engine, DSparkDraft.save_pretrained, load_dspark
     ),
 }
 """Every drafter type by its ``draft.type``."""

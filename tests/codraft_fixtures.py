@@ -7,6 +7,7 @@ import torch
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.models import Eagle3Draft, Policy, PolicyConfig
 from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.dspark import DSparkDraft
 
 VOCAB = 48
 
@@ -27,6 +28,20 @@ def make_dflash_models(seed: int = 0, block_size: int = 4, layers: int = 4, tied
     torch.manual_seed(seed + 1)
     drafter = DFlashDraft.from_policy(policy, taps=(1, 2, layers - 1), block_size=block_size, mask_token_id=VOCAB - 1)
     for p in drafter.parameters():  # larger than the default init, so the blocks' logits differ across rows
+        p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.fill_(1.0)
+    return policy, drafter
+
+
+def make_dspark_models(seed: int = 0, block_size: int = 4, layers: int = 4, **heads):
+    """The policy of :func:`make_models` and a one-layer DSpark drafter (taps 1, 2, 3; Markov rank 8 unless
+    ``heads`` say otherwise) for it, every weight drawn larger than the default init (as for DFlash's)."""
+    policy, _ = make_models(seed, layers=layers)
+    torch.manual_seed(seed + 1)
+    heads = {"markov_rank": 8, **heads}
+    drafter = DSparkDraft.from_policy(
+        policy, taps=(1, 2, layers - 1), block_size=block_size, mask_token_id=VOCAB - 1, **heads
+    )
+    for p in drafter.parameters():
         p.data.normal_(0, 0.2) if p.dim() > 1 else p.data.fill_(1.0)
     return policy, drafter
 

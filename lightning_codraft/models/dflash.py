@@ -201,6 +201,17 @@ class DFlashDraft(nn.Module):
             raise ValueError(f"{len(taps)} taps given; this drafter reads {len(self.config.taps)} ({self.config.taps})")
         return self.hidden_norm(self.fc(torch.cat(list(taps), dim=-1)))
 
+    @property
+    def first_slot(self) -> int:
+        """The block row of the first proposal: 1 (DFlash's at-position layout: row ``k >= 1`` predicts
+        ``x_{a+k}``; the anchor's row predicts nothing)."""
+        return 1
+
+    @property
+    def num_proposals(self) -> int:
+        """Proposals one block makes: the rows from :attr:`first_slot` on (``B - 1`` here)."""
+        return int(self.config.block_size) - self.first_slot
+
     def block_ids(self, anchor_ids: Tensor) -> Tensor:
         """``(N,)`` anchor token ids -> ``(N, B)`` block ids ``[anchor, MASK, ..]``."""
         block = torch.full(

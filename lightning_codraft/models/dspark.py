@@ -1,7 +1,11 @@
 """DSpark: the DFlash block drafter (models/dflash.py) plus the Markov and confidence heads (models/dspark_heads.py).
 
-Block position k's logits are the backbone's, through the policy's head, plus the Markov bias from the token at
-k - 1 (teacher-forced in training: the true previous token; at decode time the token drawn before it). The confidence
+Layout (DeepSpec's "next-token" layout, ``sample_from_anchor``): block row ``j = 0 .. B - 1`` predicts ``x_{a+j+1}``,
+so a block of B rows makes B proposals (the anchor's row included; vLLM's ``method: dspark`` verifies
+``block_size`` tokens); with ``sample_from_anchor=False`` DFlash's at-position layout (row ``j >= 1`` predicts
+``x_{a+j}``, B - 1 proposals). The proposal at row j has the backbone's logits through the policy's head plus the
+Markov bias from the token before it (``x_{a+j}``: the anchor's own token for the first; teacher-forced in training,
+the token drawn before it at decode time). The confidence
 head reads the block's hidden state at k (and the Markov embedding of the previous token with
 ``confidence_with_markov``) and predicts the probability that position k is accepted. Its loss:
 training/dspark_loss.py.
@@ -32,6 +36,8 @@ class DSparkConfig(DFlashConfig):
     """Whether the drafter predicts its acceptance per position."""
     confidence_with_markov: bool = False
     """The confidence head also reads the Markov embedding of the previous token."""
+    sample_from_anchor: bool = True
+    """DeepSpec's next-token layout (module docstring): the anchor's row proposes too (B proposals a block)."""
 
     def check(self) -> None:
         super().check()
@@ -63,6 +69,7 @@ class DSparkDraft(DFlashDraft):
         markov_head_type: str = "vanilla",
         confidence_head: bool = True,
         confidence_with_markov: bool = False,
+        sample_from_anchor: bool = True,
         **geometry,
     ) -> DSparkDraft:
         """A drafter for ``policy``: ``geometry`` as :meth:`DFlashDraft.from_policy` takes it (``taps``,
@@ -78,11 +85,16 @@ class DSparkDraft(DFlashDraft):
                 markov_head_type=markov_head_type,
                 confidence_head=confidence_head,
                 confidence_with_markov=confidence_with_markov,
+                sample_from_anchor=sample_from_anchor,
             )
         )
 
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.config.sample_from_anchor else 1
+
     def block_logits(self, hidden: Tensor, head_weight: Tensor, prev_ids: Tensor) -> Tensor:
-        """``(N, K, V)`` logits of block positions with hidden states ``(N, K, H)`` whose previous tokens are
+        """``(N, K, V)`` logits of proposal rows with hidden states ``(N, K, H)`` whose previous tokens are
         ``prev_ids`` ``(N, K)`` (teacher-forced): the backbone's through the policy's head, plus the Markov bias."""
         logits = self.logits(hidden, head_weight)
         if self.markov_head is not None:

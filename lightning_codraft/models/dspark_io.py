@@ -60,6 +60,7 @@ def from_deepspec_dict(d: dict) -> DSparkConfig:
         markov_head_type=str(d.get("markov_head_type", "vanilla")).lower(),
         confidence_head=bool(d.get("enable_confidence_head", False)),
         confidence_with_markov=bool(d.get("confidence_head_with_markov", False)),
+        sample_from_anchor=bool(d.get("sample_from_anchor", True)),
     )
 
 

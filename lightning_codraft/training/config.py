@@ -133,6 +133,13 @@ class DraftLossConfig:
     block_gamma: Optional[float] = None
     """A block drafter's position decay: position k weighs ``exp(-(k - 1) / gamma)``; None = DFlash's for the
     block size (7 for 16, 5 for 10, 4 for 8)."""
+    dspark_ce_weight: float = 0.1
+    """``dspark``: weight of the cross-entropy against the rollout's tokens (DeepSpec's 0.1)."""
+    dspark_l1_weight: float = 0.9
+    """``dspark``: weight of the L1 distance between the drafter's and the policy's distributions (DeepSpec's "TV"
+    term, 0.9; it is twice the total variation)."""
+    dspark_confidence_weight: float = 1.0
+    """``dspark``: weight of the confidence head's BCE against ``1 - L1 / 2`` (DeepSpec's 1.0)."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -143,6 +150,9 @@ class DraftLossConfig:
             raise ValueError(f"block_anchors={self.block_anchors} must be >= 1")
         if self.block_gamma is not None and self.block_gamma <= 0:
             raise ValueError(f"block_gamma={self.block_gamma} must be > 0 or None")
+        for name in ("dspark_ce_weight", "dspark_l1_weight", "dspark_confidence_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps={self.ttt_steps} must be >= 1")
         if not 0 < self.ttt_decay <= 1:

@@ -77,40 +77,40 @@ def block_loss(
     denominators: Optional[Tensor] = None,
     group=None,
 ) -> DraftLossOutput:
-    """The block loss of ``N`` blocks whose targets are already aligned with their positions.
+    """The block loss of ``N`` blocks whose targets are already aligned with their proposals.
 
     Args:
-        block_logits: ``(N, B, V)`` the drafter's logits (row 0, the anchor, is not scored).
-        target_logits: ``(N, B - 1, V)`` the policy's logits that block positions ``1 .. B - 1`` learn (detached
-            here).
-        counted: ``(N, B - 1)`` 1 where the position counts (inside the anchor's document, a draft target row).
-        weights: ``(B - 1,)`` each position's weight (:func:`block_position_weights`).
+        block_logits: ``(N, K, V)`` the drafter's logits at each block's K proposal rows (DFlash: block rows
+            ``1 .. B - 1``).
+        target_logits: ``(N, K, V)`` the policy's logits those proposals learn (detached here).
+        counted: ``(N, K)`` 1 where the position counts (inside the anchor's document, a draft target row).
+        weights: ``(K,)`` each position's weight (:func:`block_position_weights`).
         loss_type: the per-row loss, one of :data:`DRAFT_LOSSES`.
-        denominators: ``(B - 1,)`` what each position's sum is divided by (the step's counted rows over every
+        denominators: ``(K,)`` what each position's sum is divided by (the step's counted rows over every
             microbatch and rank); None: the counted rows of these blocks (over ``group``).
         group: the CP group whose ranks hold the other blocks of the batch: the sums' VALUES are the group's,
             their gradients this rank's part.
 
     Returns:
-        :class:`DraftLossOutput` with ``B - 1`` steps (block positions 1 .. B - 1).
+        :class:`DraftLossOutput` with K steps.
     """
     if loss_type not in DRAFT_LOSSES:
         raise ValueError(f"draft loss {loss_type!r} must be one of {DRAFT_LOSSES}")
-    N, B, V = block_logits.shape
-    if target_logits.shape != (N, B - 1, V) or counted.shape != (N, B - 1) or weights.shape != (B - 1,):
+    N, K, V = block_logits.shape
+    if target_logits.shape != (N, K, V) or counted.shape != (N, K) or weights.shape != (K,):
         raise ValueError(
             f"block_logits {tuple(block_logits.shape)}, target_logits {tuple(target_logits.shape)}, counted "
-            f"{tuple(counted.shape)} and weights {tuple(weights.shape)} disagree (expected (N, B - 1, V), "
-            f"(N, B - 1), (B - 1,))"
+            f"{tuple(counted.shape)} and weights {tuple(weights.shape)} disagree (expected (N, K, V), "
+            f"(N, K), (K,))"
         )
     nums, stats = [], []
-    for k in range(B - 1):
+    for k in range(K):
         with torch.no_grad():
             pl = target_logits[:, k].detach().float()
             target = torch.softmax(pl, dim=-1)
-            hit = (block_logits[:, k + 1].argmax(-1) == pl.argmax(-1)).float() * counted[:, k]
+            hit = (block_logits[:, k].argmax(-1) == pl.argmax(-1)).float() * counted[:, k]
             stats.append(torch.stack([counted[:, k].sum(), hit.sum()]))
-        nums.append(draft_loss_sum(block_logits[:, k + 1], target, counted[:, k].float(), loss_type))
+        nums.append(draft_loss_sum(block_logits[:, k], target, counted[:, k].float(), loss_type))
     local = torch.stack(nums)
     packed = reduced(torch.cat([local.detach()[:, None], torch.stack(stats).to(local)], 1), group)
     num = local + (packed[:, 0] - local.detach())  # the group's value, this rank's gradient
@@ -164,4 +164,4 @@ def dflash_draft_loss(
     rows_c = rows.clamp(max=T - 1)
     counted = (rows < ends[:, None]).float() * loss_mask.float()[rows_c]
     weights = block_position_weights(B - 1, gamma).to(block_logits.device)
-    return block_loss(block_logits, policy_logits.detach()[rows_c], counted, weights, loss_type, denominators)
+    return block_loss(block_logits[:, 1:], policy_logits.detach()[rows_c], counted, weights, loss_type, denominators)

@@ -102,9 +102,10 @@ class DFlashTerm:
     def __init__(self, draft: DFlashDraft):
         c = draft.config
         self.block_size, self._taps, self.mask_token_id = int(c.block_size), tuple(c.taps), int(c.mask_token_id)
+        self.first_slot = int(draft.first_slot)  # the block row of the first proposal (models/dflash.py)
 
     def num_positions(self, module) -> int:
-        return self.block_size - 1
+        return self.block_size - self.first_slot
 
     def taps(self, module) -> tuple[int, ...]:
         return self._taps
@@ -163,23 +164,26 @@ class DFlashTerm:
         group = module.parallel_dims.cp_group if batch.is_sharded else None
         return ring_gather_whole(local, batch.cu_seqlens, group)
 
-    @staticmethod
-    def _blocks(draft, ctx: Tensor, inputs: BlockInputs, anchors: Tensor, embeds: Tensor, batch: RLBatch) -> Tensor:
-        """``(N, B, V)`` logits of the blocks anchored at local rows ``anchors``."""
+    def _hidden(self, draft, ctx: Tensor, inputs: BlockInputs, anchors: Tensor, embeds: Tensor, batch) -> Tensor:
+        """``(N, K, H)`` the drafter's hidden states at the proposal rows of the blocks anchored at local rows
+        ``anchors`` (position ``k`` predicts ``x_{a+k+1}``, the target of row ``a + k``)."""
         rows = inputs.global_rows[anchors]
         visible = context_visibility(batch.cu_seqlens, rows, ctx.shape[0])
         hidden = draft(ctx, inputs.positions, embeds.to(ctx.dtype), inputs.positions[rows], visible)
+        return hidden[:, self.first_slot :]
+
+    def _head(self, draft, hidden: Tensor, inputs: BlockInputs, anchors: Tensor) -> Tensor:
+        """``(N, K, V)`` the proposals' logits from their hidden states: through the policy's head."""
         return DFlashDraft.logits(hidden, inputs.head.to(hidden.dtype))
 
-    def _loss(
-        self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch, weights: Tensor
-    ) -> tuple[DraftLossOutput, Tensor]:
-        """The block loss of this rank's anchors (values over the CP group), its positions weighed by ``weights``,
-        and the whole context it attended to."""
-        dims, c = module.parallel_dims, module.config
-        group = dims.cp_group if batch.is_sharded else None
-        ctx = self._context(module.draft, inputs, batch, module)
-        block_logits = self._blocks(module.draft, ctx, inputs, inputs.anchors, inputs.block_embeds, batch)
+    def _blocks(self, draft, ctx: Tensor, inputs: BlockInputs, anchors: Tensor, embeds: Tensor, batch) -> Tensor:
+        """``(N, K, V)`` proposal logits of the blocks anchored at local rows ``anchors``."""
+        return self._head(draft, self._hidden(draft, ctx, inputs, anchors, embeds, batch), inputs, anchors)
+
+    def _targets(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch) -> tuple[Tensor, Tensor]:
+        """``(N, K, V)`` the policy's logits each block position learns (detached) and ``(N, K)`` where it counts,
+        for this rank's anchors."""
+        group = module.parallel_dims.cp_group if batch.is_sharded else None
         K, policy_logits = self.num_positions(module), logits.detach()
         with torch.no_grad():
             targets = torch.stack(
@@ -188,6 +192,18 @@ class DFlashTerm:
             counted = torch.stack(
                 [batch.shift_left(batch.draft_targets, k, group=group)[inputs.anchors] for k in range(K)], 1
             )
+        return targets, counted
+
+    def _loss(
+        self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch, weights: Tensor
+    ) -> tuple[DraftLossOutput, Tensor, Tensor]:
+        """The block loss of this rank's anchors (values over the CP group), its positions weighed by ``weights``;
+        the whole context it attended to; the positions' weights in the value (``weights`` here)."""
+        dims, c = module.parallel_dims, module.config
+        group = dims.cp_group if batch.is_sharded else None
+        ctx = self._context(module.draft, inputs, batch, module)
+        block_logits = self._blocks(module.draft, ctx, inputs, inputs.anchors, inputs.block_embeds, batch)
+        targets, counted = self._targets(module, inputs, logits, batch)
         out = block_loss(
             block_logits,
             targets,
@@ -197,11 +213,10 @@ class DFlashTerm:
             None if batch.norm is None else batch.norm.draft,
             group=group if group_size(group) > 1 else None,
         )
-        return out, ctx
+        return out, ctx, weights
 
     def objective(self, module, inputs: BlockInputs, logits: Tensor, batch: RLBatch):
-        weights = self.position_weights(module)
-        out, ctx = self._loss(module, inputs, logits, batch, weights)
+        out, ctx, weights = self._loss(module, inputs, logits, batch, self.position_weights(module))
         d = global_draft_objective(lambda _: out, [], weights, module.parallel_dims.dp_group)
         return d, self._implied(module, module.draft, ctx.detach(), inputs, batch)
 
@@ -216,7 +231,7 @@ class DFlashTerm:
     @torch.no_grad()
     def _implied(self, module, draft, ctx: Tensor, inputs: BlockInputs, batch: RLBatch) -> Tensor:
         """``(K + 2,)`` the implied rounds of ``draft`` on this microbatch, summed over dp (module docstring)."""
-        dims, B = module.parallel_dims, self.block_size
+        dims = module.parallel_dims
         group = dims.cp_group if batch.is_sharded else None
         rows = torch.nonzero(batch.loss_mask > 0).flatten()  # a round at row i runs the block anchored at i + 1
 
@@ -226,7 +241,7 @@ class DFlashTerm:
                 embeds = self._block_embeds(inputs.tap0, inputs.mask, part)
                 yield part, self._blocks(draft, ctx, inputs, part, embeds, batch)
 
-        accept = block_row_acceptance(blocks(), B - 1, batch, module.config.temperature, group)
+        accept = block_row_acceptance(blocks(), self.num_positions(module), batch, module.config.temperature, group)
         counts = walk_rounds(accept, batch.loss_mask, batch.cu_seqlens, group=group).as_tensor()
         return reduced(counts, dims.dp_group)
 

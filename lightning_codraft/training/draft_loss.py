@@ -30,7 +30,7 @@ CP group is therefore the SUM over the group of the per-rank gradients.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -54,6 +54,9 @@ class DraftLossOutput:
             policy top-1, summed over ``group``.
         total: ``(K,)`` fp32 number of scored rows of each step (out-of-vocabulary top-1 included), over ``group``.
         in_vocab: ``(K,)`` fp32 scored rows whose policy top-1 is in the draft vocabulary (the loss rows).
+        extras: a drafter's own detached scalars (``draft/<name>``), each this batch's share of the step's value
+            over the CP group (summed over dp and microbatches like the loss), e.g. DSpark's probabilistic
+            acceptance.
     """
 
     loss: Tensor
@@ -61,6 +64,7 @@ class DraftLossOutput:
     correct: Tensor
     total: Tensor
     in_vocab: Optional[Tensor] = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> Tensor:

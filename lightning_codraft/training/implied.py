@@ -154,20 +154,20 @@ def block_row_acceptance(
     """Per row and block position, the probability that the engine accepts a block drafter's proposal.
 
     A round that starts at row ``i`` (the rollout has emitted ``x_{i+1}``, the pending token) runs the block
-    anchored at row ``a = i + 1``; its position ``k`` proposes ``x_{a+k}``, the target of row ``a + k - 1``. The
+    anchored at row ``a = i + 1``; its proposal ``k = 0 .. K - 1`` is ``x_{a+k+1}``, the target of row ``a + k``. The
     block's positions draw independently given the context, so, as for EAGLE-3's steps, a round's chain is the
     product of :func:`proposal_acceptance` over its positions.
 
     Args:
-        blocks: ``(anchors (N,), logits (N, B, V))`` pairs: local rows of ``batch`` (this rank's shard) and the
-            drafter's logits of the blocks anchored there (consumed one pair at a time; no communication).
-        num_positions: ``B - 1``.
+        blocks: ``(anchors (N,), logits (N, K, V))`` pairs: local rows of ``batch`` (this rank's shard) and the
+            drafter's proposal logits of the blocks anchored there (consumed one pair at a time; no communication).
+        num_positions: K, the proposals of a block.
         batch: the microbatch (``target_ids``, ``old_logprobs``, ``cu_seqlens``).
         temperature: the rollouts' sampling temperature (0: greedy).
         group: the CP group, or None.
 
     Returns:
-        ``(B - 1, T)`` float32, indexed by the round's row ``i = a - 1`` (0 where no block was given).
+        ``(K, T)`` float32, indexed by the round's row ``i = a - 1`` (0 where no block was given).
     """
     T, device = batch.target_ids.shape[0], batch.target_ids.device
     side = torch.stack(
@@ -179,7 +179,7 @@ def block_row_acceptance(
         ids = torch.arange(logits.shape[-1], device=device)
         for k in range(num_positions):
             x, lp_x, inside = shifted[k][anchors].unbind(1)
-            a = proposal_acceptance(logits[:, k + 1], x.round().long(), lp_x.float(), temperature, ids, ids)
+            a = proposal_acceptance(logits[:, k], x.round().long(), lp_x.float(), temperature, ids, ids)
             at_anchor[anchors, k] = a * inside.float()
     return shift_left(at_anchor, batch.cu_seqlens, 1, group=group, fill=0).T.contiguous()
 

@@ -32,7 +32,7 @@ from lightning_codraft.batch import RLBatch
 from lightning_codraft.models.vocab import check_vocabularies
 from lightning_codraft.parallel.parallel_dims import ParallelDims
 from lightning_codraft.parallel.pp_runner import PipelineRunner
-from lightning_codraft.training import dflash_term  # noqa: F401  (registers the DFlash drafter's term)
+from lightning_codraft.training import dflash_term, dspark_term  # noqa: F401  (register the block drafters' terms)
 from lightning_codraft.training.config import CoDraftModuleConfig
 from lightning_codraft.training.draft_loss import DraftLossOutput, ttt_draft_loss
 from lightning_codraft.training.drafter import DraftTerm, draft_term_for
@@ -288,6 +288,7 @@ class CoDraftModule(OptimizationHooks, ParallelHooks, LightningModule):
             record.draft_correct, record.draft_total, record.draft_in_vocab = d.correct, d.total, d.in_vocab
             metrics["draft/loss"] = d.loss.detach().float()
             metrics.update({f"draft/loss_step{k}": d.per_step[k] for k in range(d.per_step.numel())})
+            metrics.update({f"draft/{name}": v for name, v in d.extras.items()})
             if c.trains_draft:
                 loss = loss + c.draft_loss_weight * d.loss
                 value = value + c.draft_loss_weight * d.loss.detach()

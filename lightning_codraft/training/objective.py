@@ -79,6 +79,7 @@ class DraftObjective:
         correct: ``(K,)`` global count of scored rows whose draft top-1 equals the policy top-1.
         total: ``(K,)`` global count of scored rows.
         in_vocab: ``(K,)`` global count of scored rows whose policy top-1 is in the draft vocabulary.
+        extras: the drafter's own scalars (``DraftLossOutput.extras``), this microbatch's shares over dp x cp.
     """
 
     loss: Tensor
@@ -86,6 +87,7 @@ class DraftObjective:
     correct: Tensor
     total: Tensor
     in_vocab: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
 
 def unroll_weights(kind: str, decay: float, num_steps: int, rates: Optional[Tensor] = None) -> Tensor:
@@ -120,22 +122,21 @@ def global_draft_objective(
     """
     out = draft_loss(step_logits)
     in_vocab = out.total if out.in_vocab is None else out.in_vocab
-    packed = reduced(
-        torch.stack(
-            [
-                out.per_step_loss.to(torch.float64),
-                out.correct.to(torch.float64),
-                out.total.to(torch.float64),
-                in_vocab.to(torch.float64),
-            ]
-        ),
-        dp_group,
-    )
-    per_step = packed[0].float()
+    rows = [out.per_step_loss, out.correct, out.total, in_vocab]
+    names = sorted(out.extras)
+    extras = torch.stack([out.extras[n].detach().reshape(()) for n in names]) if names else out.total.new_zeros(0)
+    packed = reduced(torch.cat([torch.stack([r.to(torch.float64) for r in rows]).flatten(), extras.double()]), dp_group)
+    K = out.total.numel()
+    per_step, counts = packed[:K].float(), packed[K : 4 * K].view(3, K).float()
     value = (weights.to(per_step) * per_step).sum()
     local = out.loss + (value.to(out.loss) - out.loss).detach()
     return DraftObjective(
-        loss=local, per_step=per_step, correct=packed[1].float(), total=packed[2].float(), in_vocab=packed[3].float()
+        loss=local,
+        per_step=per_step,
+        correct=counts[0],
+        total=counts[1],
+        in_vocab=counts[2],
+        extras={n: v.float() for n, v in zip(names, packed[4 * K :])},
     )
 
 

@@ -18,9 +18,10 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def _drafter(policy, kind="vanilla"):
+def _drafter(policy, kind="vanilla", sample_from_anchor=True):
     torch.manual_seed(3)
-    d = DSparkDraft.from_policy(policy, markov_rank=8, markov_head_type=kind, block_size=4, mask_token_id=0)
+    d = DSparkDraft.from_policy(policy, markov_rank=8, markov_head_type=kind, block_size=4, mask_token_id=0,
+                                sample_from_anchor=sample_from_anchor)
     for p in d.markov_head.parameters():
         p.data.mul_(20.0)  # a bias strong enough to change proposals
     return d.eval()
@@ -40,18 +41,26 @@ def test_greedy_and_coupled_outputs_equal_plain_decoding(kind):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_the_markov_head_changes_the_proposals():
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["next-token", "at-position"])
+def test_the_markov_head_changes_the_proposals(sample_from_anchor):
+    """A zero Markov head proposes as the backbone alone: DSpark without a head in the next-token layout (B
+    proposals a block), DFlash itself in the at-position layout (B - 1)."""
     policy = make_policy(seed=1)
     prompts = random_prompts(6, policy.config.vocab_size, seed=5)
-    dspark = _drafter(policy)
-    dflash = DFlashDraft.from_policy(policy, block_size=4, mask_token_id=0)
-    dflash.load_state_dict({k: v for k, v in dspark.state_dict().items() if k in dflash.state_dict()})
+    dspark = _drafter(policy, sample_from_anchor=sample_from_anchor)
+    if sample_from_anchor:
+        plain = DSparkDraft.from_policy(policy, markov_rank=0, confidence_head=False, block_size=4, mask_token_id=0)
+    else:
+        plain = DFlashDraft.from_policy(policy, block_size=4, mask_token_id=0)
+    plain.load_state_dict({k: v for k, v in dspark.state_dict().items() if k in plain.state_dict()})
+    assert dspark.num_proposals == plain.num_proposals == (4 if sample_from_anchor else 3)
     stats = lambda d: [o.stats.accepted_per_position for o in  # noqa: E731
                        BlockSpeculativeEngine(policy, d.eval()).generate(prompts, 16, temperature=0.0)]
-    assert stats(dspark) != stats(dflash)
+    assert len(stats(dspark)[0]) == dspark.num_proposals
+    assert stats(dspark) != stats(plain)
     for p in dspark.markov_head.parameters():
         p.data.zero_()
-    assert stats(dspark) == stats(dflash)
+    assert stats(dspark) == stats(plain)
 
 
 @pytest.mark.parametrize("sampling", ["coupled", "rejection"])

@@ -8,8 +8,8 @@ A round of request ``i`` at policy length ``L`` (its pending token ``x_L`` not y
    the cost model's measured seconds (a verify of 1 + k tokens, the drafter's one forward whatever k is), before the
    round's proposals exist, so the choice cannot favour proposals that happen to be accepted (k = 0: a plain step);
 2. **propose**: the drafter's forward over the block ``[x_L, MASK x (B - 1)]`` (the policy's embedding) with the
-   request's context features at positions ``< L`` (docs/design/drafters.md); block rows ``1 .. k`` give ``k``
-   distributions through the policy's head, and one proposal is drawn from each (``TokenSampler.draw``: greedy,
+   request's context features at positions ``< L`` (docs/design/drafters.md); its first ``k`` proposal rows (rows
+   ``1 .. k`` for DFlash, ``0 .. k - 1`` for DSpark) give ``k`` distributions through the policy's head, and one proposal is drawn from each (``TokenSampler.draw``: greedy,
    coupled or rejection sampling, as the EAGLE-3 rounds draw theirs);
 3. **verify** ``[x_L, proposals]`` with ONE policy forward (``TokenSampler.verify``: the accepted prefix and the
    bonus token, lossless: greedy output equals plain decoding, samples follow the policy exactly);
@@ -95,9 +95,10 @@ class BlockSpeculativeEngine(EmbeddedWeights):
 
     Args:
         policy: a :class:`~lightning_codraft.models.Policy` (its ``decoder``, ``embed`` and ``lm_head``).
-        drafter: the block drafter; it proposes ``num_speculative_tokens`` tokens a round (at most ``B - 1``).
+        drafter: the block drafter; it proposes ``num_speculative_tokens`` tokens a round (at most its
+            ``num_proposals``: ``B - 1`` for DFlash, ``B`` for DSpark's next-token layout).
         num_speculative_tokens: proposals verified per round (the most, with ``adaptive``); default
-            ``block_size - 1``.
+            ``drafter.num_proposals``.
         sampling: ``coupled`` or ``rejection`` at temperature > 0 (as :class:`SpeculativeEngine`).
         max_batch_size: requests decoded together at most (None: all of a call's).
         adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a
@@ -116,10 +117,10 @@ class BlockSpeculativeEngine(EmbeddedWeights):
     ):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}")
-        B = int(drafter.config.block_size)
-        k = B - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-        if not 1 <= k <= B - 1:
-            raise ValueError(f"num_speculative_tokens={k} must be in [1, block_size - 1 = {B - 1}]")
+        most = int(drafter.num_proposals)  # B - 1 (DFlash), B (DSpark's next-token layout)
+        k = most if num_speculative_tokens is None else int(num_speculative_tokens)
+        if not 1 <= k <= most:
+            raise ValueError(f"num_speculative_tokens={k} must be in [1, the drafter's proposals per block = {most}]")
         pc, dc = policy.config, drafter.config
         if int(dc.hidden_size) != int(pc.hidden_size) or int(dc.vocab_size) != int(pc.vocab_size):
             raise ValueError(
@@ -333,7 +334,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         C = ctx.shape[1]
         positions = torch.arange(C, device=ctx.device).expand(ctx.shape[0], C)
         visible = positions < ctx_len[:, None]
-        hidden = d(ctx, positions, block, ctx_len, visible)[:, 1 : k + 1]
+        hidden = d(ctx, positions, block, ctx_len, visible)[:, d.first_slot : d.first_slot + k]
         logits = d.logits(hidden, self.policy.lm_head.weight)  # (B, k, V)
         markov = getattr(d, "markov_head", None)  # DSpark: each position biased by the token drawn before it
         if markov is None:
