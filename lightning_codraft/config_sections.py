@@ -106,6 +106,13 @@ class DraftConfig(DraftLossConfig):
     """``dspark``: ``vanilla`` (bias ``W2 W1[prev]``) or ``gated`` (gated by the block's hidden state)."""
     confidence_head: bool = True
     """``dspark``: predict each position's acceptance (logged; ``verify_length: confidence`` uses it)."""
+    verify_length: str = "fixed"
+    """How many proposals a round verifies: ``fixed`` (the round's k) or ``confidence`` (``dspark`` with its
+    confidence head: a prefix chosen from the block's hidden states, before any proposal is drawn, by the measured
+    cost model with ``adaptive``, else by ``confidence_threshold``; exact: docs/design/drafters.md)."""
+    confidence_threshold: float = 0.5
+    """``verify_length: confidence`` without ``adaptive``: the least mean probability that a verified position is
+    reached and accepted."""
     mode: str = "cotrain"
     """``cotrain`` (trained online with the policy), ``frozen`` (warm-started, then fixed), ``none`` (no draft)."""
     num_speculative_tokens: int = 4
@@ -153,6 +160,13 @@ class DraftConfig(DraftLossConfig):
         if self.type in BLOCK_DRAFTERS:
             self._check_block_drafter()
         _one_of(self, "sampling", ("coupled", "rejection"))
+        _one_of(self, "verify_length", ("fixed", "confidence"))
+        if self.verify_length == "confidence" and self.type != "dspark":
+            raise ValueError(
+                f"verify_length='confidence' reads a DSpark drafter's confidence head; draft.type={self.type!r} has none"
+            )
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold} must be in [0, 1]")
         _one_of(self, "schedule", ("every_step", "every_n", "adaptive"))
         for name, low in (
             ("num_speculative_tokens", 0),
@@ -181,6 +195,8 @@ class DraftConfig(DraftLossConfig):
             )
         if self.type == "dspark":
             _one_of(self, "markov_head_type", ("vanilla", "gated"))
+            if self.verify_length == "confidence" and not self.confidence_head:
+                raise ValueError("verify_length='confidence' needs confidence_head=true")
             if self.markov_rank is not None:
                 _at_least(self, "markov_rank", 0)
             if self.loss_type != "ce":

@@ -50,8 +50,8 @@ class DrafterKind:
         name: its ``draft.type``.
         model: its model class (a subclass is the same kind).
         build: ``build(policy, draft_config) -> drafter``, fresh, for ``policy``.
-        engine: ``engine(policy, drafter, k, sampling=, adaptive=, max_batch_size=, dtype=) -> RolloutEngine``, the
-            embedded engine that decodes with it.
+        engine: ``engine(policy, drafter, k, sampling=, adaptive=, max_batch_size=, dtype=, verify_length=,
+            confidence_threshold=) -> RolloutEngine``, the embedded engine that decodes with it.
         save: ``save(drafter, directory) -> directory``, in the format vLLM loads for it.
         load: ``load(directory) -> drafter``.
     """
@@ -86,13 +86,15 @@ def _build_dspark(policy: nn.Module, d) -> DSparkDraft:
     )
 
 
-def _eagle3_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
+def _eagle3_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None, **prefix):
+    if prefix.get("verify_length", "fixed") != "fixed":
+        raise ValueError(f"verify_length={prefix['verify_length']!r}: an EAGLE-3 draft has no confidence head")
     return SpeculativeEngine(
         policy, draft, k, max_batch_size=max_batch_size, adaptive=adaptive, sampling=sampling, dtype=dtype
     )
 
 
-def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None):
+def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None, dtype=None, **prefix):
     if draft is None or k == 0:  # plain decoding
         return SpeculativeEngine(policy, None, 0, max_batch_size=max_batch_size, sampling=sampling, dtype=dtype)
     weights = next(policy.parameters())
@@ -100,7 +102,9 @@ def _dflash_engine(policy, draft, k, *, sampling, adaptive, max_batch_size=None,
         raise ValueError(
             f"dtype={dtype!r}: the block engine decodes in the weights' dtype ({weights.dtype}); pass None"
         )
-    return BlockSpeculativeEngine(policy, draft, k, sampling=sampling, max_batch_size=max_batch_size, adaptive=adaptive)
+    return BlockSpeculativeEngine(
+        policy, draft, k, sampling=sampling, max_batch_size=max_batch_size, adaptive=adaptive, **prefix
+    )
 
 
 DRAFTERS: dict[str, DrafterKind] = {

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_codraft.models.dflash import DFlashConfig, DFlashDraft
+from lightning_codraft.models.dspark_export import save_dspark
 from lightning_codraft.models.dspark_heads import MARKOV_KINDS, ConfidenceHead, MarkovHead
 
 
@@ -92,6 +94,11 @@ class DSparkDraft(DFlashDraft):
     @property
     def first_slot(self) -> int:
         return 0 if self.config.sample_from_anchor else 1
+
+    def save_pretrained(self, path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in the layout vLLM loads with ``method: dspark`` and
+        DeepSpec reads (models/dspark_export.py; read back by ``models.dspark_io.load_dspark``)."""
+        return save_dspark(self, path)
 
     def block_logits(self, hidden: Tensor, head_weight: Tensor, prev_ids: Tensor) -> Tensor:
         """``(N, K, V)`` logits of proposal rows with hidden states ``(N, K, H)`` whose previous tokens are

@@ -104,3 +104,9 @@ def load_deepspec_dspark(path: str | Path, policy: Optional[nn.Module] = None) -
             raise ValueError(f"{path}: {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
     draft.load_state_dict(state)
     return draft
+
+
+def load_dspark(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DSparkDraft:
+    """A DSpark drafter from a directory written by :meth:`DSparkDraft.save_pretrained` (or a DeepSpec one without
+    its own embedding / head copies: :func:`load_deepspec_dspark` with the policy checks those)."""
+    return load_deepspec_dspark(path).to(device=device, dtype=dtype)

@@ -169,6 +169,7 @@ class RolloutWorker:
             adaptive=bool(d.adaptive and k),
             sampling=d.sampling,
             dtype=p.engine_dtype,
+            **({"verify_length": d.verify_length, "confidence_threshold": d.confidence_threshold} if k else {}),
         )
 
     def release(self) -> None:

@@ -23,7 +23,7 @@ from lightning_codraft.rl.draft_schedule import Decision, DraftSchedule, ab_diff
 from lightning_codraft.rl.experience import Rollout, build_rl_batch, group_advantages
 from lightning_codraft.rl.rollout_worker import rollout_seed
 from lightning_codraft.rl.run.build import fit_prompts
-from lightning_codraft.rl.step_metrics import StepMetrics, off_policy_metrics, overlap_metrics
+from lightning_codraft.rl.step_metrics import StepMetrics, drafter_metrics, off_policy_metrics, overlap_metrics
 from lightning_codraft.rl.tasks.rewards import RewardScores, as_reward_set, check_failure_budget
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutError
 from lightning_codraft.training.step import optimizer_step
@@ -423,5 +423,6 @@ class RLStep:
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
             **overlap_metrics(step, produced, self.worker.num_speculative_tokens > 0),
             **off_policy_metrics(m),
+            **drafter_metrics(m),
             reward_parts={name: g[f"reward/{name}"] for name in parts},
         )

@@ -128,6 +128,12 @@ class StepMetrics:
     mismatch_kl: float = math.nan
     """k3 estimate of KL(engine || trainer) per completion token: how far the behaviour log-probs are from the
     trainer's current ones (staleness and numerics)."""
+    prob_acceptance: float = math.nan
+    """DSpark: the probabilistic acceptance ``1 + sum cumprod(1 - TV)`` of the step's training blocks (NaN for other
+    drafters)."""
+    predicted_acceptance: float = math.nan
+    """DSpark: the acceptance its confidence head predicts on the same blocks (its calibration: against
+    ``prob_acceptance`` and the measured ``acceptance_length``)."""
     reward_parts: dict[str, float] = field(default_factory=dict)
     """With ``task.rewards``: each reward function's mean score (over the step's scored samples, unweighted), by
     name; logged as the columns ``reward/<name>``."""
@@ -177,6 +183,11 @@ def idle_share(busy_s: float, since: Optional[float], now: float) -> float:
     """Share of the seconds ``since .. now`` a producer busy for ``busy_s`` of them spent idle (NaN without a
     previous take: ``since`` None)."""
     return math.nan if since is None else max(0.0, 1.0 - busy_s / max(now - since, 1e-9))
+
+
+def drafter_metrics(m: dict[str, float]) -> dict[str, float]:
+    """A drafter's own figures of a step (DSpark's acceptance estimates; absent for the others)."""
+    return {k: m[f"draft/{k}"] for k in ("prob_acceptance", "predicted_acceptance") if f"draft/{k}" in m}
 
 
 def off_policy_metrics(m: dict[str, float]) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """`codraft fit` with draft.type=dflash: the block drafter warm-starts on the pool, co-trains in the RL step, drafts
 the rollouts through the block engine, is scored beside its frozen start (the live A/B) per block position, and is
-exported in the format vLLM's method dflash loads."""
+exported in the format vLLM's method dflash loads. The same for draft.type=dspark (with the confidence-chosen verify
+length), whose steps log its probabilistic and predicted acceptance, exported in vLLM's method dspark layout."""
 
 import math
 
@@ -11,6 +12,8 @@ from test_loop import micro_config
 from lightning_codraft.config import ConfigError
 from lightning_codraft.models.dflash import DFlashDraft
 from lightning_codraft.models.dflash_io import load_dflash
+from lightning_codraft.models.dspark import DSparkDraft
+from lightning_codraft.models.dspark_io import load_dspark
 from lightning_codraft.rl.reports.run_log import read_metrics
 from lightning_codraft.rl.run.loop import fit
 from lightning_codraft.rl.run.run_dir import export_run, load_run
@@ -50,7 +53,8 @@ def test_a_dflash_run_exports_the_vllm_dflash_checkpoint(dflash_run, tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["draft.num_speculative_tokens=4"], "block_size - 1"),
+    (["draft.num_speculative_tokens=4"], "proposals of a dflash block"),
+    (["draft.verify_length=confidence"], "confidence head"),
     (["parallel.engine_dtype=bfloat16"], "engine_dtype"),
     (["draft.draft_vocab_size=10"], "draft_vocab_size"),
     (["draft.type=eagle4"], "eagle3"),
@@ -80,3 +84,26 @@ def test_arms_of_two_drafter_types_start_from_the_same_policy(tmp_path):
     assert set(warm["eagle3"]["draft"]) != set(warm["dflash"]["draft"])  # each type's own drafter
     rewards = {n: res.results[n].rows[0]["reward"] for n in arms}
     assert rewards["eagle3"] == rewards["dflash"] == rewards["dflash-frozen"]
+
+
+def test_a_dspark_run_cotrains_with_the_confidence_prefix_and_exports_for_vllm(tmp_path):
+    out = tmp_path / "dspark"
+    extra = ["draft.type=dspark", "draft.num_speculative_tokens=4", "draft.verify_length=confidence",
+             "draft.markov_rank=8"]
+    res = fit(micro_config(out, *DFLASH, *extra), print_fn=lambda s: None)
+    assert res.completed and len(res.rows) == 3
+    for r in read_metrics(out / "metrics.csv"):
+        assert r["acceptance_length"] >= 1.0 and math.isfinite(r["draft_loss"])
+        assert 1.0 <= r["prob_acceptance"] <= 5.0 and 1.0 <= r["predicted_acceptance"] <= 5.0
+        assert 1.0 <= r["implied_acceptance"] <= 5.0
+    run = load_run(out)
+    assert isinstance(run.draft, DSparkDraft) and run.draft.num_proposals == 4
+    start = torch.load(out / "warm" / "weights.pt", weights_only=True)["draft"]
+    moved = {k.split(".")[0] for k, v in run.draft.state_dict().items() if not torch.equal(v, start[k])}
+    assert {"markov_head", "confidence_head"} <= moved
+    paths = export_run(out, tmp_path / "export")
+    loaded = load_dspark(paths["draft"])
+    for k, v in run.draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    with pytest.raises(ConfigError, match="proposals of a dspark block"):
+        micro_config(tmp_path / "bad", *DFLASH, "draft.type=dspark", "draft.num_speculative_tokens=5")

@@ -138,13 +138,13 @@ def test_a_verify_length_chosen_each_round_keeps_the_output_exact(fitted, monkey
     seeds = list(range(500, 506))
     log = []
     engine = BlockSpeculativeEngine(policy, drafter, 3, adaptive=_Scripted([3, 0, 1, 2, 3, 1], log))
-    forward = engine._propose
+    draw = engine._draw
 
-    def logged(pdec, ctx, ctx_len, pending, k, sampler, rn):
+    def logged(hidden, pending, k, sampler, rn):
         log.append(("propose", k))
-        return forward(pdec, ctx, ctx_len, pending, k, sampler, rn)
+        return draw(hidden, pending, k, sampler, rn)
 
-    monkeypatch.setattr(engine, "_propose", logged)
+    monkeypatch.setattr(engine, "_draw", logged)
     plain = SpeculativeEngine(policy, None, 0).generate(prompts, 20, temperature=temperature, request_seeds=seeds)
     got = engine.generate(prompts, 20, temperature=temperature, request_seeds=seeds)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]

@@ -37,6 +37,7 @@ from lightning_codraft.models.kv_cache import KVCache, hole_filling_order
 from lightning_codraft.rollout.embedded.adaptive import AcceptanceEstimates, AdaptiveConfig, SpeculationController
 from lightning_codraft.rollout.embedded.cost_model import CostModel, RoundClock
 from lightning_codraft.rollout.embedded.prefill import prefill
+from lightning_codraft.rollout.embedded.prefix import costed_length, threshold_length
 from lightning_codraft.rollout.embedded.round import charge_round
 from lightning_codraft.rollout.embedded.weights import EmbeddedWeights, mark_rows
 from lightning_codraft.rollout.engine import AcceptanceStats, RolloutOutput, validate_prompts
@@ -103,6 +104,10 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         max_batch_size: requests decoded together at most (None: all of a call's).
         adaptive: choose each round's k in ``0..K`` to maximise expected tokens per second (True: a
             :func:`block_controller`, kept across calls as its estimates and cost fits are; or one to use).
+        verify_length: ``fixed`` (verify the round's k) or ``confidence`` (a DSpark drafter's confidence head
+            shortens it, from the block's hidden states before any proposal is drawn: rollout/embedded/prefix.py).
+        confidence_threshold: ``confidence`` without ``adaptive``: the least mean probability a verified position
+            is reached and accepted.
     """
 
     def __init__(
@@ -114,6 +119,8 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         sampling: str = "coupled",
         max_batch_size: int | None = None,
         adaptive: bool | SpeculationController = False,
+        verify_length: str = "fixed",
+        confidence_threshold: float = 0.5,
     ):
         if sampling not in SAMPLING_MODES:
             raise ValueError(f"sampling={sampling!r} must be one of {SAMPLING_MODES}")
@@ -129,6 +136,20 @@ class BlockSpeculativeEngine(EmbeddedWeights):
             )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 or None")
+        if verify_length not in ("fixed", "confidence"):
+            raise ValueError(f"verify_length={verify_length!r} must be 'fixed' or 'confidence'")
+        if verify_length == "confidence":
+            if getattr(drafter, "confidence_head", None) is None:
+                raise ValueError("verify_length='confidence' needs a drafter with a confidence head (DSpark's)")
+            if drafter.config.confidence_with_markov:
+                raise ValueError(
+                    "verify_length='confidence' with a confidence head that reads the previous drafted token "
+                    "(confidence_with_markov): the length would depend on the proposals themselves, which breaks "
+                    "rejection sampling's exactness (docs/design/drafters.md); use a head on the hidden state alone"
+                )
+        if not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold={confidence_threshold} must be in [0, 1]")
+        self.verify_length, self.confidence_threshold = verify_length, float(confidence_threshold)
         self.policy, self.draft, self.num_speculative_tokens, self.sampling = policy, drafter, k, sampling
         self.max_batch_size = max_batch_size
         self.weight_versions = {"policy": -1, "draft": -1}
@@ -261,11 +282,15 @@ class BlockSpeculativeEngine(EmbeddedWeights):
                 self._calibrate(r, sampler, pdec)
                 clock.restart()  # the calibration is not this round's cost
             k = ctl.choose(r.estimates, remaining)
+        with clock.block("draft"):
+            hidden = self._block_hidden(pdec, r.ctx, r.ctx_len, r.pending, k)
+            if k and self.verify_length == "confidence":  # from the hidden states: before any proposal exists
+                k = self._confident_length(hidden[:, :k], remaining)
         with clock.block("policy"):  # rejection sampling draws the round's noise now (timed with the verify)
             out_pos = torch.tensor([len(out.tokens[i]) for i in r.active], device=r.pending.device)
             rn = sampler.start_round(r.noise, out_pos, k)
         with clock.block("draft"):
-            draft_ids, q = self._propose(pdec, r.ctx, r.ctx_len, r.pending, k, sampler, rn)
+            draft_ids, q = self._draw(hidden, r.pending, k, sampler, rn)
         with clock.block("policy"):
             committed = r.cache.lengths
             logits, seen = pdec.forward(torch.cat([r.pending[:, None], draft_ids], dim=1), r.cache, taps)
@@ -327,14 +352,38 @@ class BlockSpeculativeEngine(EmbeddedWeights):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``k`` proposals per row from ONE drafter forward over every row's block (anchored at its pending token,
         position ``ctx_len``); their q (rejection sampling only). k = 0: none, and no forward."""
+        return self._draw(self._block_hidden(pdec, ctx, ctx_len, pending, k), pending, k, sampler, rn)
+
+    def _block_hidden(
+        self, pdec, ctx: torch.Tensor, ctx_len: torch.Tensor, pending: torch.Tensor, k: int
+    ) -> torch.Tensor | None:
+        """``(B, k, H)`` the drafter's hidden states at every row's first ``k`` proposal rows (one forward over the
+        blocks anchored at the pending tokens, position ``ctx_len``); None for k = 0 (no forward)."""
         if k == 0:
-            return pending.new_zeros(pending.shape[0], 0), None
+            return None
         d = self.draft
         block = pdec.embed(d.block_ids(pending))
         C = ctx.shape[1]
         positions = torch.arange(C, device=ctx.device).expand(ctx.shape[0], C)
         visible = positions < ctx_len[:, None]
-        hidden = d(ctx, positions, block, ctx_len, visible)[:, d.first_slot : d.first_slot + k]
+        return d(ctx, positions, block, ctx_len, visible)[:, d.first_slot : d.first_slot + k]
+
+    def _confident_length(self, hidden: torch.Tensor, remaining: list[int]) -> int:
+        """How many proposals to verify, from the confidence head on ``hidden`` ``(B, k, H)`` alone
+        (rollout/embedded/prefix.py)."""
+        probs = torch.sigmoid(self.draft.confidence_logits(hidden, None).float())
+        if self.controller is not None:
+            return costed_length(self.controller, probs, remaining)
+        return threshold_length(probs, self.confidence_threshold)
+
+    def _draw(
+        self, hidden: torch.Tensor | None, pending: torch.Tensor, k: int, sampler, rn
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``k`` proposals per row drawn from the first ``k`` of ``hidden``'s rows; their q (rejection sampling
+        only). k = 0: none."""
+        if k == 0:
+            return pending.new_zeros(pending.shape[0], 0), None
+        d, hidden = self.draft, hidden[:, :k]
         logits = d.logits(hidden, self.policy.lm_head.weight)  # (B, k, V)
         markov = getattr(d, "markov_head", None)  # DSpark: each position biased by the token drawn before it
         if markov is None:

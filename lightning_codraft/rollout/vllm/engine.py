@@ -433,7 +433,10 @@ def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str |
 
 
 def draft_method(d: dict) -> str:
-    """vLLM's method for a drafter's ``config.json`` ``d``: ``dflash`` (z-lab's architecture or keys), else ``eagle3``."""
+    """vLLM's method for a drafter's ``config.json`` ``d``: ``dspark`` (DeepSpec's keys: ``markov_rank``),
+    ``dflash`` (z-lab's architecture or keys), else ``eagle3``."""
+    if "markov_rank" in d:
+        return "dspark"
     return "dflash" if DFLASH_ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d else "eagle3"
 
 
