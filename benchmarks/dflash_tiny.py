@@ -1,12 +1,14 @@
-"""DFlash against EAGLE-3 after the same warm-start budget: acceptance and rollout speed at batch B (``--batch-sizes``,
-default 1), T=0 and T=1, on prompts neither draft trained on.
+"""DSpark and DFlash against EAGLE-3 after the same warm-start budget: acceptance and rollout speed at batch B
+(``--batch-sizes``, default 1), T=0 and T=1, on prompts no draft trained on.
 
 Models (``--recipe``): the tiny-cpu recipe's SFT'd arithmetic policy (the default), or SmolLM2-135M-Instruct on GSM8K
 (``--recipe smollm2-135m-cpu``: its pool warm start, ``draft.warm_start.corpus=null``, so both drafters fit on the
 same pool for the same steps; the recipe's 58-minute corpus warm start is EAGLE-3's alone). The EAGLE-3 draft after
 the recipe's warm start (``CoDraftRun(...).setup()``; ``--init-from`` reuses a run's ``warm/weights.pt``), and a DFlash
-drafter (``DFlashDraft.from_policy``: one draft layer, block ``--block``) fitted for ``--steps`` steps (default: the
-recipe's EAGLE-3 warm-start steps) at ``--lr``
+drafter (``DFlashDraft.from_policy``: one draft layer, block ``--block``) and a DSpark drafter (``DSparkDraft``: the
+same backbone, block ``--block - 1`` in DeepSpec's next-token layout, so both propose ``--block - 1`` tokens a round;
+Markov rank ``--markov-rank``, a confidence head; DeepSpec's three-term loss) each fitted for ``--steps`` steps
+(default: the recipe's EAGLE-3 warm-start steps) at ``--lr``
 (``distill.pool.fit_on_pool`` through DFlash's term: the one fit loop, cosine to 10%) on
 the SAME pool of the policy's own samples the EAGLE-3 warm start uses (``distill.pool.sample_pool``: the recipe's
 ``draft.warm_start.batch_size`` x ``min(steps, 8)`` problems at the rollout temperature), with ``--anchors``
@@ -15,8 +17,10 @@ anchors per document.
 Arms, on ``max(B, --prompts)`` problems drawn with a benchmark seed minus every pool problem, B requests decoded
 together, ``--max-new-tokens`` tokens, coupled sampling with one seed per request: plain decoding, EAGLE-3 (fixed K =
 the recipe's, the embedded engine), DFlash (``block - 1`` proposals a round, one drafter forward: the block engine,
-rollout/embedded/block.py), and both adaptive (k in 0..K chosen each round by the engine's cost model from earlier
-rounds; one engine per drafter, its controller kept across cells as in a run). Every arm emits the same tokens
+rollout/embedded/block.py), DSpark (the same engine, proposals drawn through its Markov head), DSpark with the
+confidence-chosen verify length (``verify_length="confidence"``, threshold 0.5), and the three adaptive (k in 0..K
+chosen each round by the engine's cost model from earlier rounds; DSpark's then shortened by its confidence head and
+the cost model; one engine per drafter, its controller kept across cells as in a run). Every arm emits the same tokens
 (checked: lossless). Time: ``time.process_time()`` of this process with one torch thread, the arms alternating within each of
 ``--repeats`` repeats; speed-ups are medians of the per-repeat ratios against plain decoding of the same repeat.
 
@@ -38,6 +42,7 @@ import torch
 from lightning_codraft.config import load_config
 from lightning_codraft.distill.pool import POOL_SEED, fit_on_pool, pool_prompts, sample_pool
 from lightning_codraft.models.dflash import DFlashDraft
+from lightning_codraft.models.dspark import DSparkDraft
 from lightning_codraft.models.tokenizer import encode_prompt
 from lightning_codraft.rollout import AcceptanceStats, SpeculativeEngine
 from lightning_codraft.rollout.embedded.block import BlockSpeculativeEngine
@@ -46,7 +51,8 @@ from pages import command, md_table, pyplot, save_figure, write_json, write_page
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_SEED = 7_000_003  # the rollout benchmark's draw (disjoint from the warm-up seeds)
-ARMS = ("plain", "eagle3", "dflash", "eagle3-adaptive", "dflash-adaptive")
+ARMS = ("plain", "eagle3", "dflash", "dspark", "dspark-confidence", "eagle3-adaptive", "dflash-adaptive",
+        "dspark-adaptive")
 
 
 PAGES = {"tiny-cpu": "dflash_tiny", "smollm2-135m-cpu": "dflash_smollm2"}
@@ -71,13 +77,17 @@ def build(args):
     return cfg, policy, draft, tok, task
 
 
-def fit_dflash(cfg, policy, tok, task, args) -> tuple[DFlashDraft, list[float], list[float], set[str]]:
-    """A DFlash drafter fitted on the EAGLE-3 warm start's pool; its losses, its last step's top-1 accuracy per block
-    position (on the pool), the pool's problems."""
+def fit_dflash(cfg, policy, tok, task, args, kind="dflash") -> tuple[DFlashDraft, list[float], list[float], set[str]]:
+    """A block drafter (``kind``: dflash or dspark) fitted on the EAGLE-3 warm start's pool; its losses, its last
+    step's top-1 accuracy per block position (on the pool), the pool's problems."""
     ws = cfg.draft.warm_start
     samples = task.sample(pool_prompts(ws), seed=cfg.run.seed + POOL_SEED)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDraft.from_policy(policy, block_size=args.block, mask_token_id=int(tok.pad_token_id))
+    if kind == "dspark":
+        drafter = DSparkDraft.from_policy(policy, markov_rank=args.markov_rank, block_size=args.block - 1,
+                                          mask_token_id=int(tok.pad_token_id))
+    else:
+        drafter = DFlashDraft.from_policy(policy, block_size=args.block, mask_token_id=int(tok.pad_token_id))
     prompts = [encode_prompt(tok, s.prompt) for s in samples]
     batches = sample_pool(policy, drafter, prompts, ws, max_new_tokens=cfg.rl.max_new_tokens,
                           temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, seed=cfg.run.seed + POOL_SEED,
@@ -87,7 +97,7 @@ def fit_dflash(cfg, policy, tok, task, args) -> tuple[DFlashDraft, list[float], 
     def on_step(i, loss, accuracy):
         last[:] = [round(a, 2) for a in accuracy]
         if (i + 1) % max(1, args.steps // 5) == 0:
-            print(f"  DFlash fit step {i + 1}/{args.steps}: loss {loss:.3f}, position accuracy {last}", flush=True)
+            print(f"  {kind} fit step {i + 1}/{args.steps}: loss {loss:.3f}, position accuracy {last}", flush=True)
 
     module = CoDraftModule(policy, drafter, block_anchors=args.anchors, block_gamma=args.gamma)
     losses = fit_on_pool(module, batches, args.steps, args.lr, on_step=on_step)
@@ -129,10 +139,12 @@ def report(rows: list[dict], args, notes: list[str], out: Path) -> str:
              "-" if arm == "plain" else f"{r[arm]['mean_k']:.2f}",
              f"{r[arm]['speedup']:.2f}x ({r[arm]['range'][0]:.2f}-{r[arm]['range'][1]:.2f})",
              f"{r[arm]['cpu_s']:.2f}", "yes" if r["lossless"] else "**NO**"] for r in rows for arm in ARMS]
-    goal = [f"DFlash acceptance at T={r['T']:g}: {r['dflash']['acceptance']:.2f} (goal >= 5 at B=8: "
-            f"{'met' if r['dflash']['acceptance'] >= 5 else '**not met**'})" for r in rows if r["B"] == 1]
+    goal = [f"B=1 T={r['T']:g}: acceptance DSpark {r['dspark']['acceptance']:.2f}, DFlash "
+            f"{r['dflash']['acceptance']:.2f}, EAGLE-3 {r['eagle3']['acceptance']:.2f}; speed-up DSpark "
+            f"{r['dspark']['speedup']:.2f}x, with the confidence prefix {r['dspark-confidence']['speedup']:.2f}x"
+            for r in rows if r["B"] == 1]
     page = PAGES.get(args.recipe, f"dflash_{args.recipe}")
-    lines = [f"# DFlash against EAGLE-3 on {args.recipe}, after the same warm-start budget", "",
+    lines = [f"# DSpark and DFlash against EAGLE-3 on {args.recipe}, after the same warm-start budget", "",
              f"`{command('dflash_tiny.py')}`", "",
              f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread.", "",
              *[f"- {n}" for n in notes], "", *md_table(header, body), "", *[f"- {g}" for g in goal], "",
@@ -141,10 +153,10 @@ def report(rows: list[dict], args, notes: list[str], out: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, key, title in ((axes[0], "acceptance", "acceptance length"), (axes[1], "speedup", "speed-up vs plain")):
         for i, arm in enumerate(ARMS[1:]):
-            ax.bar([j + 0.2 * i for j in range(len(rows))], [r[arm][key] for r in rows], width=0.2, label=arm)
-        ax.set_xticks([j + 0.3 for j in range(len(rows))], [f"B={r['B']} T={r['T']:g}" for r in rows], fontsize=7)
+            ax.bar([j + 0.11 * i for j in range(len(rows))], [r[arm][key] for r in rows], width=0.11, label=arm)
+        ax.set_xticks([j + 0.35 for j in range(len(rows))], [f"B={r['B']} T={r['T']:g}" for r in rows], fontsize=7)
         ax.set_title(title)
-    axes[0].legend()
+    axes[0].legend(fontsize=6)
     save_figure(fig, out / f"{page}.png")
     return write_page(out / f"{page}.md", lines)
 
@@ -155,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default="tiny-cpu", choices=sorted(PAGES), help="the policy and its EAGLE-3 warm start")
     ap.add_argument("--steps", type=int, default=None, help="DFlash fit steps (default: the recipe's EAGLE-3 warm start)")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--markov-rank", type=int, default=None, help="DSpark's Markov rank (default min(256, hidden))")
     ap.add_argument("--gamma", type=float, default=5.0, help="position k weighs exp(-(k-1)/gamma)")
     ap.add_argument("--anchors", type=int, default=8, help="anchors per document and step")
     ap.add_argument("--prompts", type=int, default=32)
@@ -175,14 +188,20 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     drafter, losses, accuracy, pool = fit_dflash(cfg, policy, tok, task, args)
     fit_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spark, spark_losses, spark_accuracy, _ = fit_dflash(cfg, policy, tok, task, args, kind="dspark")
+    spark_s = time.perf_counter() - t0
     drawn = task.sample(20 * max(args.prompts, 64) + 200, seed=PROMPT_SEED)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     prompts = [encode_prompt(tok, s.prompt) for s in drawn if s.prompt not in pool][: max(args.prompts, *sizes)]
     K = cfg.draft.num_speculative_tokens
     engines = {"plain": SpeculativeEngine(policy, None, 0), "eagle3": SpeculativeEngine(policy, draft, K),
                "dflash": BlockSpeculativeEngine(policy, drafter),
+               "dspark": BlockSpeculativeEngine(policy, spark),
+               "dspark-confidence": BlockSpeculativeEngine(policy, spark, verify_length="confidence"),
                "eagle3-adaptive": SpeculativeEngine(policy, draft, K, adaptive=True),
-               "dflash-adaptive": BlockSpeculativeEngine(policy, drafter, adaptive=True)}
+               "dflash-adaptive": BlockSpeculativeEngine(policy, drafter, adaptive=True),
+               "dspark-adaptive": BlockSpeculativeEngine(policy, spark, adaptive=True, verify_length="confidence")}
     rows = []
     for B in (int(b) for b in args.batch_sizes.split(",")):
         for T in (float(t) for t in args.temperatures.split(",")):
@@ -199,8 +218,15 @@ def main(argv=None) -> int:
              f"{args.gamma}; loss {losses[0]:.2f} -> {losses[-1]:.2f} in {fit_s:.0f} s; top-1 accuracy per block "
              f"position on the pool at the end {accuracy}, against its acceptance on fresh prompts below (DFlash's "
              f"published drafters train on hundreds of thousands of samples, this one on {len(pool)} problems)",
+             f"DSpark: the same backbone, block {args.block - 1} in DeepSpec's next-token layout ({args.block - 1} "
+             f"proposals a round), Markov rank {spark.config.markov_rank}, a confidence head, DeepSpec's loss "
+             f"(CE 0.1, L1 0.9, confidence 1.0); the same steps, pool and anchors; loss {spark_losses[0]:.2f} -> "
+             f"{spark_losses[-1]:.2f} in {spark_s:.0f} s; top-1 accuracy per position on the pool {spark_accuracy}; "
+             "`dspark-confidence` verifies the prefix its confidence head chooses (threshold 0.5, from the hidden "
+             "states before any proposal is drawn)",
              "adaptive arms: each round's k in 0..K chosen by the engine's cost model from earlier rounds (a prefix "
-             "of the block for DFlash); their acceptance counts drafting rounds only",
+             "of the block for the block drafters; DSpark's then shortened by its confidence head and the cost "
+             "model); their acceptance counts drafting rounds only",
              f"prompts: `task.sample(.., seed={PROMPT_SEED})` outside the pool, max(B, {args.prompts}) a cell, B decoded "
              f"together; "
              f"{args.max_new_tokens} new tokens; coupled sampling; {args.repeats} repeats"]

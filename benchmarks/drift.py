@@ -3,6 +3,7 @@
     python benchmarks/drift.py [--config recipes/tiny-drift.yaml] [--name drift] [--out docs/benchmarks] [key=value ...]
     python benchmarks/drift.py --ablation [...]        # co-train every N steps, draft loss weight lambda
     python benchmarks/drift.py --dflash 8 [...]        # plus frozen and co-trained DFlash arms, block 8
+    python benchmarks/drift.py --dspark 7 [...]        # no draft, frozen and co-trained DSpark, block 7
 
 Main mode: arms no draft / frozen draft / co-trained draft from the same seeds and the same warm start, steps
 interleaved (lightning_codraft.rl.reports.compare), on a recipe whose RL really moves the policy (recipes/tiny-drift.yaml:
@@ -14,6 +15,13 @@ With ``--dflash B``: two more arms, a frozen and a co-trained DFlash block draft
 B - 1 proposals a round, one draft layer), warm-started by the same warm-start budget (``draft.warm_start``) on the
 same SFT'd policy, on the same prompts and seeds, interleaved with the others; their acceptance is judged the same
 way (paired co-trained - frozen over the last half).
+
+With ``--dspark B``: the arms no draft, frozen DSpark and co-trained DSpark (``draft.type=dspark``, block B in
+DeepSpec's next-token layout: B proposals a round, fixed K = B, full verify; both scored every step,
+``draft.score_frozen``), the same seeds, prompts and warm-start budget; co-trained against frozen by the paired
+per-step difference of the measured acceptance, and the confidence head's calibration per step: the acceptance it
+predicts on the step's rollouts (``predicted_acceptance``) against the engine's measured acceptance of the same
+rollouts, and DeepSpec's probabilistic acceptance (``prob_acceptance``).
 
 Ablation mode: co-trained arms that update the draft every 1 / 2 / 4 steps, with lambda in {0.1, 1, 10}, and at a
 third of the draft learning rate, next to
@@ -30,7 +38,7 @@ import math
 from pathlib import Path
 
 from lightning_codraft.config import load_config
-from lightning_codraft.rl.reports.compare import CompareResult, compare_arms, run_side_by_side
+from lightning_codraft.rl.reports.compare import CompareResult, compare_arms, paired_difference, run_side_by_side
 from lightning_codraft.rl.reports.run_log import plot_curves
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,14 +140,50 @@ NEAR_TIES = ("The arms' rollouts are the same samples (coupled sampling: a token
              "near tie; from then on that arm's policy takes slightly different updates (a small KL gap by the end).")
 
 
-def dflash_arms(args) -> dict:
-    """The frozen and co-trained DFlash arms' configs (``--dflash B``), the recipe's settings otherwise."""
-    B = args.dflash
-    extra = ["draft.type=dflash", f"draft.block_size={B}", f"draft.num_speculative_tokens={B - 1}",
-             "draft.adaptive=false"]
+def dflash_arms(args, kind: str = "dflash") -> dict:
+    """The frozen and co-trained block drafter arms' configs (``--dflash B`` / ``--dspark B``), the recipe's settings
+    otherwise (DSpark: every proposal verified, both arms scored every step)."""
+    B = getattr(args, kind)
+    extra = [f"draft.type={kind}", f"draft.block_size={B}", "draft.adaptive=false",
+             f"draft.num_speculative_tokens={B if kind == 'dspark' else B - 1}"]
+    if kind == "dspark":
+        extra.append("draft.score_frozen=true")
     cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides, *extra])
-    return {f"dflash-{mode}": dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=mode))
+    return {f"{kind}-{mode}": dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, mode=mode))
             for mode in ("frozen", "cotrain")}
+
+
+def dspark_goals(res: CompareResult) -> list[str]:
+    """The DSpark arms' lines: co-trained against frozen, and the confidence head's calibration."""
+    d = res.paired("dspark-cotrain", "dspark-frozen", "acceptance_length")
+    lines = [f"frozen DSpark's acceptance change, step 1 -> last quarter: "
+             f"{100 * acceptance_drift(res, 'dspark-frozen')[2]:+.1f}%",
+             f"co-trained DSpark's: {100 * acceptance_drift(res, 'dspark-cotrain')[2]:+.1f}%",
+             f"paired co-trained - frozen DSpark acceptance, last half: {d} "
+             f"({'above 0' if d.low > 0 else 'CI holds 0'})"]
+    for arm in ("dspark-frozen", "dspark-cotrain"):
+        err = [p - m for p, m in zip(res.series(arm, "predicted_acceptance"), res.series(arm, "acceptance_length"))]
+        q = max(1, len(err) // 4)
+        lines.append(f"{res.label(arm)}: predicted - measured acceptance, mean over steps {_mean(err):+.2f} "
+                     f"(mean |error| {_mean(abs(e) for e in err):.2f}; first quarter {_mean(err[:q]):+.2f}, last "
+                     f"quarter {_mean(err[-q:]):+.2f}); paired over the whole run: "
+                     f"{paired_difference(res.series(arm, 'predicted_acceptance'), res.series(arm, 'acceptance_length'))}")
+    return lines
+
+
+def calibration_table(res: CompareResult) -> str:
+    """Per step: each DSpark arm's measured acceptance, the confidence head's prediction and DeepSpec's
+    probabilistic acceptance on the same rollouts."""
+    arms = [a for a in ("dspark-frozen", "dspark-cotrain") if a in res.results]
+    head = "| step | KL from start | " + " | ".join(
+        f"{res.label(a)}: measured | predicted | prob." for a in arms) + " |"
+    lines = [head, "|---|---|" + "---|---|---|" * len(arms)]
+    kl = res.series(arms[-1], "kl")
+    for i in range(len(kl)):
+        cells = [f"{res.series(a, 'acceptance_length')[i]:.2f} | {res.series(a, 'predicted_acceptance')[i]:.2f} | "
+                 f"{res.series(a, 'prob_acceptance')[i]:.2f}" for a in arms]
+        lines.append(f"| {i + 1} | {kl[i]:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def dflash_goals(res: CompareResult) -> list[str]:
@@ -151,6 +195,40 @@ def dflash_goals(res: CompareResult) -> list[str]:
             f"paired co-trained - frozen DFlash acceptance, last half: {d} ({'above 0' if d.low > 0 else 'CI holds 0'})",
             f"paired co-trained DFlash - co-trained EAGLE-3 acceptance, last half (different proposals per round: "
             f"B - 1 against K): {e}"]
+
+
+def run_dspark(cfg, args) -> str:
+    arms = dflash_arms(args, "dspark")
+    base = arms["dspark-frozen"]  # the recipe with the DSpark drafter: every arm's warm start is DSpark's
+    configs = {"none": dataclasses.replace(base, draft=dataclasses.replace(base.draft, mode="none")), **arms}
+    res = run_side_by_side(configs, Path(cfg.run.out_dir) / "bench", base)
+    res.labels.update({"dspark-frozen": f"frozen DSpark (B={args.dspark})",
+                       "dspark-cotrain": f"co-trained DSpark (B={args.dspark})"})
+    out = Path(args.out)
+    png = plot_curves({res.label(a): r.rows for a, r in res.results.items()}, out / f"{args.name}_curves.png",
+                      keys=("reward", "kl", "acceptance_length", "predicted_acceptance", "rollout_s"),
+                      title="drift: frozen vs co-trained DSpark (same seeds)")
+    g = dspark_goals(res)
+    d = configs["dspark-cotrain"].draft
+    text = "\n".join([
+        f"# Drift with DSpark: frozen against co-trained, and how well its confidence head predicts ({args.name})",
+        "", setup_line(base, args), "",
+        f"DSpark arms: block {args.dspark} in DeepSpec's next-token layout ({args.dspark} proposals a round, every one "
+        f"verified: fixed K = {d.num_speculative_tokens}), one draft layer, Markov rank min(256, hidden), a confidence "
+        f"head, DeepSpec's loss (CE {d.dspark_ce_weight:g}, L1 {d.dspark_l1_weight:g}, confidence "
+        f"{d.dspark_confidence_weight:g}); the same warm-start budget on the same SFT'd policy, the same prompts and "
+        "seeds as the EAGLE-3 and DFlash arms of drift.md / drift_dflash.md. Both DSpark arms are scored on every "
+        "step's rollouts (`draft.score_frozen`): *predicted* is the acceptance length its confidence head predicts "
+        "(`1 + sum cumprod(sigmoid(c))` over the step's training blocks), *prob.* DeepSpec's probabilistic acceptance "
+        "(`1 + sum cumprod(1 - TV)` against the live policy), *measured* the engine's tokens per round on the same "
+        "rollouts.", "",
+        res.table(), "", drift_table(res), "", "Findings:", "", *[f"- {x}" for x in g], "", NEAR_TIES, "",
+        f"![curves]({png.name})", "", "Calibration per step:", "", calibration_table(res), "",
+        f"Reproduce: `python benchmarks/drift.py --dspark {args.dspark} --config {_shown(args.config)} --name "
+        f"{args.name}{' ' + ' '.join(args.overrides) if args.overrides else ''}`.", ""])
+    print(res.table())
+    print("\n".join(g))
+    return text
 
 
 def run_main(cfg, args) -> str:
@@ -241,13 +319,16 @@ def main(argv=None) -> None:
     ap.add_argument("--ablation", action="store_true")
     ap.add_argument("--dflash", type=int, default=0, metavar="B",
                     help="also run frozen and co-trained DFlash arms of block size B (0: none)")
+    ap.add_argument("--dspark", type=int, default=0, metavar="B",
+                    help="run no draft, frozen and co-trained DSpark of block size B instead (0: not this mode)")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     args = ap.parse_args(argv)
-    args.name = args.name or ("drift_ablation" if args.ablation else "drift_dflash" if args.dflash else "drift")
+    args.name = args.name or ("drift_ablation" if args.ablation else "drift_dflash" if args.dflash
+                              else "drift_dspark" if args.dspark else "drift")
     cfg = load_config(args.config, [f"run.out_dir=runs/bench-{args.name}", *args.overrides])
     if cfg.rl.steps < 4:
         ap.error(f"rl.steps={cfg.rl.steps}: the paired statistics over the last half need rl.steps >= 4")
-    text = run_ablation(cfg, args) if args.ablation else run_main(cfg, args)
+    text = run_ablation(cfg, args) if args.ablation else run_dspark(cfg, args) if args.dspark else run_main(cfg, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.md").write_text(text)

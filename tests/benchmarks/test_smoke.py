@@ -74,6 +74,15 @@ def test_drift_dflash_smoke(tmp_path):
     assert "paired co-trained - frozen DFlash acceptance" in md and (tmp_path / "f_curves.png").is_file()
 
 
+def test_drift_dspark_smoke(tmp_path):
+    text = _run("drift.py", "--dspark", 3, "--out", tmp_path, "--name", "s", f"run.out_dir={tmp_path / 'run'}",
+                "rl.steps=4", *_TINY_RL)
+    assert "co-trained DSpark (B=3) |" in text and "frozen DSpark (B=3) |" in text
+    md = (tmp_path / "s.md").read_text()
+    assert "paired co-trained - frozen DSpark acceptance" in md and "Calibration per step" in md
+    assert "predicted - measured acceptance" in md and (tmp_path / "s_curves.png").is_file()
+
+
 def test_drift_ablation_smoke(tmp_path):
     text = _run("drift.py", "--ablation", "--out", tmp_path, "--name", "a", f"run.out_dir={tmp_path / 'run'}",
                 "rl.steps=4", *_TINY_RL)
@@ -318,6 +327,7 @@ def test_dflash_tiny_smoke(tmp_path):
     assert "lossless True" in text and "| dflash |" not in text  # the table is on the page
     page = (tmp_path / "dflash_tiny.md").read_text()
     assert "| 1 | 0 | dflash |" in page and "| 3 | 1 | dflash-adaptive |" in page
+    assert "| 1 | 1 | dspark-confidence |" in page and "| 3 | 0 | dspark-adaptive |" in page
     assert (tmp_path / "dflash_tiny.png").is_file()
 
 
