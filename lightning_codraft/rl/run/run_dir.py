@@ -237,7 +237,7 @@ def load_run(run_dir: str | Path, step: Optional[int] = None) -> LoadedRun:
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = None) -> dict[str, Path]:
     """Write ``out_dir/policy`` (a Hugging Face model directory with its tokenizer: ``transformers`` and vLLM load
-    it) and ``out_dir/draft`` (the drafter's vLLM checkpoint: EAGLE-3's, or DFlash's), from :func:`load_run`; returns the paths written."""
+    it) and ``out_dir/draft`` (the drafter's vLLM checkpoint: EAGLE-3's, DFlash's or DSpark's), from :func:`load_run`; returns the paths written."""
     run = load_run(run_dir, step)
     out = Path(out_dir)
     paths = {"policy": Path(run.policy.save_pretrained(out / "policy"))}

@@ -248,7 +248,7 @@ class VLLMEngine(VLLMWeights):
     def from_modules(
         cls, policy, draft=None, num_speculative_tokens: int = 3, workdir: str | Path | None = None, **kwargs: Any
     ) -> VLLMEngine:
-        """Export ``policy`` (HF) and ``draft`` (its ``save_pretrained``: vLLM's EAGLE-3 or DFlash format) under ``workdir`` (default: a temp dir), start, and
+        """Export ``policy`` (HF) and ``draft`` (its ``save_pretrained``: vLLM's EAGLE-3, DFlash or DSpark format) under ``workdir`` (default: a temp dir), start, and
         (with ``verify_updates``) check that the engine holds exactly these modules' weights."""
         workdir = Path(workdir or tempfile.mkdtemp(prefix="codraft_vllm_"))
         policy.save_pretrained(workdir / "policy")
@@ -412,7 +412,7 @@ def _check_arguments(num_speculative_tokens: int, weight_update: str, adaptive: 
 
 
 def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str | None) -> dict | None:
-    """vLLM's ``speculative_config`` for the drafter in ``draft_dir`` (EAGLE-3 or DFlash: :func:`draft_method`; None
+    """vLLM's ``speculative_config`` for the drafter in ``draft_dir`` (EAGLE-3, DFlash or DSpark: :func:`draft_method`; None
     without one), after checking that the drafter fits the policy's ``config.json`` ``cfg``."""
     spec = None
     if k > 0:
@@ -433,21 +433,17 @@ def _speculative_config(cfg: dict, draft_dir, k: int, draft_sample_method: str |
 
 
 def draft_method(d: dict) -> str:
-    """vLLM's method for a drafter's ``config.json`` ``d``: ``dspark`` (DeepSpec's keys: ``markov_rank``),
-    ``dflash`` (z-lab's architecture or keys), else ``eagle3``."""
-    if "markov_rank" in d:
-        return "dspark"
-    return "dflash" if DFLASH_ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d else "eagle3"
+    """vLLM's method for a drafter's ``config.json`` ``d``: ``dspark`` (DeepSpec's ``markov_rank``), ``dflash``
+    (z-lab's architecture or keys), else ``eagle3``."""
+    dflash = DFLASH_ARCHITECTURE in (d.get("architectures") or []) or "dflash_config" in d
+    return "dspark" if "markov_rank" in d else "dflash" if dflash else "eagle3"
 
 
 def _no_sleep_reason(current_platform, enable_sleep: bool) -> str | None:
     """Why this engine cannot sleep (None: it can)."""
-    no_sleep = None
     if not current_platform.is_sleep_mode_available():
-        no_sleep = (
+        return (
             f"vLLM on '{current_platform.device_type}' has no sleep mode (its worker ignores sleep(): "
             "weights and KV cache stay resident); close() the engine to free its memory"
         )
-    elif not enable_sleep:
-        no_sleep = "this VLLMEngine was started without enable_sleep=True"
-    return no_sleep
+    return None if enable_sleep else "this VLLMEngine was started without enable_sleep=True"
