@@ -45,6 +45,8 @@ def test_a_deepspec_checkpoint_loads_with_equal_logits(tmp_path, kind):
         p.data.add_(0.05 * torch.randn_like(p))
     loaded = load_deepspec_dspark(_write(tmp_path, policy, draft), policy)
     assert loaded.config.taps == draft.config.taps and loaded.config.markov_head_type == kind
+    # DeepSpec's next-token layout (slot j supervised on x_{anchor+j+1}): every one of the block's rows proposes
+    assert loaded.first_slot == 0 and loaded.num_proposals == 4
     assert all(torch.equal(v, draft.state_dict()[k]) for k, v in loaded.state_dict().items())  # the backbone too
     hidden, prev = torch.randn(2, 4, policy.config.hidden_size), torch.tensor([[5, 6, 7, 8], [9, 1, 2, 3]])
     head = policy.lm_head.weight

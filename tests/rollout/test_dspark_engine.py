@@ -77,3 +77,27 @@ def test_dspark_sampling_is_distributed_as_the_policy(sampling):
     failures, stats, n_bonus = _distribution_failures(engine, 2, 0, 1.0, n=3000)
     assert not failures, failures
     assert 0.02 < stats.acceptance_rate < 0.95 and n_bonus > 30
+
+
+def test_the_bucketed_refit_pushes_both_heads():
+    """A refit of a trained drafter into an engine's own copy (rollout/refit: buckets, checksums verified) moves the
+    Markov and confidence heads with the backbone: the engine then proposes as one built on the trained drafter."""
+    import copy
+
+    from lightning_codraft.rollout.refit.sync import WeightSync
+
+    policy = make_policy(seed=1)
+    prompts = random_prompts(6, policy.config.vocab_size, seed=5)
+    trained = _drafter(policy)
+    stale = copy.deepcopy(trained)
+    for p in stale.parameters():
+        p.data.normal_(0, 0.1)
+    engine = BlockSpeculativeEngine(policy, stale, verify_length="confidence")
+    WeightSync(engine, lambda: (None, trained.state_dict()), bucket_bytes=4 * 2**10)(1, force=True)
+    for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                 "confidence_head.proj.bias"):
+        assert torch.equal(stale.state_dict()[name], trained.state_dict()[name]), name
+    want = BlockSpeculativeEngine(policy, trained, verify_length="confidence").generate(prompts, 16, temperature=0.0)
+    got = engine.generate(prompts, 16, temperature=0.0)
+    assert [o.stats.accepted_per_position for o in got] == [o.stats.accepted_per_position for o in want]
+    assert engine.weight_versions["draft"] == 1
