@@ -48,9 +48,14 @@ def to_hf_dict(c) -> dict:
 
 def save_dflash(draft, path: str | Path) -> Path:
     """Write ``draft`` as ``config.json`` + ``model.safetensors`` under ``path`` (created if needed)."""
+    return save_block_drafter(draft, path, to_hf_dict(draft.config))
+
+
+def save_block_drafter(draft, path: str | Path, config: dict) -> Path:
+    """Write ``config`` as ``config.json`` and ``draft``'s state dict as ``model.safetensors`` under ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(to_hf_dict(draft.config), indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     return path

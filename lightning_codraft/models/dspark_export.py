@@ -11,12 +11,9 @@ the checkpoint carries no embedding and no head (vLLM shares the target's).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from safetensors.torch import save_file
-
-from lightning_codraft.models.dflash_export import WEIGHTS_FILE
+from lightning_codraft.models.dflash_export import save_block_drafter
 from lightning_codraft.models.dflash_export import to_hf_dict as dflash_dict
 
 ARCHITECTURE = "DSparkDraftModel"
@@ -38,9 +35,4 @@ def to_dspark_dict(c) -> dict:
 
 def save_dspark(draft, path: str | Path) -> Path:
     """Write ``draft`` as ``config.json`` + ``model.safetensors`` under ``path`` (created if needed)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(to_dspark_dict(draft.config), indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-    return path
+    return save_block_drafter(draft, path, to_dspark_dict(draft.config))

@@ -1,12 +1,13 @@
 """DFlash inside CoDraftModule (one process): the block term equals the block loss computed by hand on the same
 anchors, never moves the policy's gradients, does not depend on num_microbatches, and its implied rounds equal a
-by-hand replay of greedy block verification."""
+by-hand replay of greedy block verification. The last two for DSpark's term too (its own by-hand checks:
+test_dspark_module.py)."""
 
 import copy
 
 import pytest
 import torch
-from codraft_fixtures import VOCAB, concat_batches, make_batch, make_dflash_models
+from codraft_fixtures import VOCAB, concat_batches, make_batch, make_dflash_models, make_dspark_models
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss
@@ -18,8 +19,13 @@ def _batch():
     return concat_batches([make_batch(40 + r, num_docs=3, max_len=20) for r in range(2)])
 
 
-def _module(M=1, **kw):
-    policy, drafter = make_dflash_models(block_size=4)
+MODELS = {"dflash": make_dflash_models, "dspark": make_dspark_models}
+DSPARK_KEYS = ("draft/l1", "draft/confidence_loss", "draft/prob_acceptance", "draft/predicted_acceptance",
+               "draft/confidence_error")
+
+
+def _module(M=1, kind="dflash", **kw):
+    policy, drafter = MODELS[kind](block_size=4)
     return CoDraftModule(policy, drafter, num_microbatches=M, block_anchors=5, **kw)
 
 
@@ -68,9 +74,10 @@ def test_block_term_equals_the_block_loss_by_hand():
         torch.testing.assert_close(got[f"draft.{n}"], p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_the_block_term_never_moves_the_policy_gradients():
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_the_block_term_never_moves_the_policy_gradients(kind):
     batch = _batch()
-    with_draft, without = _module(), _module(draft_loss_weight=0.0)
+    with_draft, without = _module(kind=kind), _module(kind=kind, draft_loss_weight=0.0)
     for m in (with_draft, without):
         m(batch).loss.backward()
     g1, g0 = _grads(with_draft), _grads(without)
@@ -80,16 +87,20 @@ def test_the_block_term_never_moves_the_policy_gradients():
         assert torch.equal(g1[n], g0[n]), n
     assert any(float(g.abs().sum()) > 0 for n, g in g1.items() if n.startswith("draft."))
     assert not any(n.startswith("draft.") for n in g0)
+    if kind == "dspark":
+        assert any(float(g.abs().sum()) > 0 for n, g in g1.items() if "markov_head" in n)
 
 
+@pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize("M", [2, 6])
-def test_the_block_term_does_not_depend_on_num_microbatches(M):
+def test_the_block_term_does_not_depend_on_num_microbatches(M, kind):
     batch = _batch()
-    ref, got = _module(1), _module(M)
+    ref, got = _module(1, kind), _module(M, kind)
     r, o = ref(batch), got(batch)
     r.loss.backward()
     o.loss.backward()
-    for key in ("loss", "draft/loss", "draft/top1_acceptance", "draft/implied_acceptance"):
+    for key in ("loss", "draft/loss", "draft/top1_acceptance", "draft/implied_acceptance",
+                *(DSPARK_KEYS if kind == "dspark" else ())):
         assert float(o.metrics[key]) == pytest.approx(float(r.metrics[key]), rel=1e-5), key
     gr, go = _grads(ref), _grads(got)
     assert set(gr) == set(go)
