@@ -92,3 +92,24 @@ def full_state(module) -> dict:
     """``module.state_dict()`` as numpy arrays, FSDP2 shards gathered into full tensors (a collective)."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone().numpy()
             for k, v in module.state_dict().items()}
+
+
+def block_forward_by_hand(module, batch: RLBatch, per_doc: int):
+    """Copies of ``module``'s policy and block drafter (gradients cleared), the step's anchors (``per_doc`` a
+    document), the policy's forward with taps 1, 2, 3, and the drafter's hidden states ``(N, B, H)`` of the blocks
+    anchored there, computed directly from the definitions (no term)."""
+    import copy
+
+    from lightning_codraft.training.dflash_loss import context_visibility
+    from lightning_codraft.training.dflash_term import draw_anchors
+
+    policy, drafter = copy.deepcopy(module.policy), copy.deepcopy(module.draft)
+    drafter.zero_grad(set_to_none=True)
+    anchors = torch.nonzero(draw_anchors(batch, per_doc)).flatten()
+    with torch.no_grad():
+        fw = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=(1, 2, 3))
+        embeds = policy.embed(drafter.block_ids(batch.input_ids[anchors]))
+    visible = context_visibility(batch.cu_seqlens, anchors, batch.num_rows)
+    pos = batch.position_ids
+    hidden = drafter(drafter.context(list(fw.taps)), pos, embeds, pos[anchors], visible)
+    return policy, drafter, anchors, fw, hidden

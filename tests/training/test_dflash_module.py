@@ -1,13 +1,19 @@
 """DFlash inside CoDraftModule (one process): the block term equals the block loss computed by hand on the same
 anchors, never moves the policy's gradients, does not depend on num_microbatches, and its implied rounds equal a
-by-hand replay of greedy block verification. The last two for DSpark's term too (its own by-hand checks:
-test_dspark_module.py)."""
+by-hand replay of greedy block verification. The last three for DSpark's term too (its replay draws each proposal
+through the Markov head; its loss by hand: test_dspark_module.py)."""
 
-import copy
 
 import pytest
 import torch
-from codraft_fixtures import VOCAB, concat_batches, make_batch, make_dflash_models, make_dspark_models
+from codraft_fixtures import (
+    VOCAB,
+    block_forward_by_hand,
+    concat_batches,
+    make_batch,
+    make_dflash_models,
+    make_dspark_models,
+)
 
 from lightning_codraft.batch import RLBatch
 from lightning_codraft.training.dflash_loss import context_visibility, dflash_draft_loss
@@ -54,15 +60,7 @@ def test_block_term_equals_the_block_loss_by_hand():
     out.loss.backward()
     got = {n: g for n, g in _grads(module).items() if n.startswith("draft.")}
 
-    policy, drafter = copy.deepcopy(module.policy), copy.deepcopy(module.draft)
-    drafter.zero_grad(set_to_none=True)
-    anchors = torch.nonzero(draw_anchors(batch, 5)).flatten()
-    with torch.no_grad():
-        fw = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, position_ids=batch.position_ids, taps=(1, 2, 3))
-        embeds = policy.embed(drafter.block_ids(batch.input_ids[anchors]))
-    visible = context_visibility(batch.cu_seqlens, anchors, batch.num_rows)
-    pos = batch.position_ids
-    hidden = drafter(drafter.context(list(fw.taps)), pos, embeds, pos[anchors], visible)
+    policy, drafter, anchors, fw, hidden = block_forward_by_hand(module, batch, 5)
     ref = dflash_draft_loss(drafter.logits(hidden, policy.lm_head.weight), fw.logits, anchors, batch.cu_seqlens,
                             batch.draft_targets, gamma=4.0)
     ref.loss.backward()
@@ -109,7 +107,9 @@ def test_the_block_term_does_not_depend_on_num_microbatches(M, kind):
 
 
 def _block_proposals(policy, drafter, ids, anchor):
-    """The drafter's greedy proposals (block positions 1 ..) for the block anchored at ``anchor`` of one document."""
+    """The drafter's greedy proposals for the block anchored at ``anchor`` of one document: DFlash's block rows
+    1 .. B - 1 each by its argmax; DSpark's rows 0 .. B - 1 one at a time, each the argmax of its base logits plus
+    the Markov bias of the proposal before it (the anchor's token for the first)."""
     t = torch.tensor(ids)
     cu, pos = torch.tensor([0, len(ids)], dtype=torch.int32), torch.arange(len(ids))
     with torch.no_grad():
@@ -117,7 +117,14 @@ def _block_proposals(policy, drafter, ids, anchor):
         emb = policy.embed(drafter.block_ids(t[anchor : anchor + 1]))
         vis = context_visibility(cu, torch.tensor([anchor]), len(ids))
         h = drafter(drafter.context(list(taps)), pos, emb, pos[anchor : anchor + 1], vis)
-        return drafter.logits(h, policy.lm_head.weight)[0, 1:].argmax(-1).tolist()
+        if getattr(drafter, "markov_head", None) is None:
+            return drafter.logits(h, policy.lm_head.weight)[0, 1:].argmax(-1).tolist()
+        prev, out = ids[anchor], []
+        for k in range(h.shape[1]):
+            step = drafter.block_logits(h[:, k : k + 1], policy.lm_head.weight, torch.tensor([[prev]]))
+            prev = int(step[0, 0].argmax())
+            out.append(prev)
+        return out
 
 
 def _drafted_batch(policy, drafter, num_docs=8, prompt_len=4, new=20):
@@ -137,11 +144,12 @@ def _drafted_batch(policy, drafter, num_docs=8, prompt_len=4, new=20):
     return RLBatch.pack(prompts, outs, [[0.0] * new] * num_docs, [1.0] * num_docs)
 
 
-def test_implied_rounds_replay_greedy_block_verification():
-    module = _module(temperature=0.0)
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_implied_rounds_replay_greedy_block_verification(kind):
+    module = _module(kind=kind, temperature=0.0)
     batch = _drafted_batch(module.policy, module.draft)
     out = module(batch)
-    B, rounds, accepted = module.draft.config.block_size, 0, 0
+    K, rounds, accepted = module.draft.num_proposals, 0, 0
     cu = batch.cu_seqlens.long().tolist()
     for s, e in zip(cu[:-1], cu[1:]):
         rows = [i for i in range(s, e) if batch.loss_mask[i] > 0]
@@ -150,7 +158,7 @@ def test_implied_rounds_replay_greedy_block_verification():
             a = i + 1
             proposals = _block_proposals(module.policy, module.draft, batch.input_ids[s:e].tolist(), a - s)
             n = 0
-            while n < B - 1 and a + n < e and proposals[n] == batch.target_ids[a + n]:
+            while n < K and a + n < e and proposals[n] == batch.target_ids[a + n]:
                 n += 1
             emitted = min(n + 1, last - i)
             rounds, accepted, i = rounds + 1, accepted + emitted - 1, i + emitted
