@@ -127,8 +127,8 @@ def dspark_block_loss(
     """DSpark's loss of ``N`` blocks as this rank's share of a step (module docstring).
 
     Args:
-        block_logits: ``(N, K, V)`` the drafter's logits at block positions ``1 .. K`` (Markov bias included).
-        policy_logits: ``(N, K, V)`` the policy's logits those positions learn (detached here).
+        block_logits: ``(N, K, V)`` the drafter's logits at each block's K proposals (Markov bias included).
+        policy_logits: ``(N, K, V)`` the policy's logits those proposals learn (detached here).
         targets: ``(N, K)`` the tokens they predict.
         counted: ``(N, K)`` 1 where the position counts (inside the anchor's document, a draft target row).
         confidence_logits: ``(N, K)`` the confidence head's logits, or None.
