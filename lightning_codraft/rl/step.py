@@ -422,7 +422,6 @@ class RLStep:
             step_s=step_s,
             tokens_per_s=float(gen.tokens) / max(gen.rollout_s, 1e-9),
             **overlap_metrics(step, produced, self.worker.num_speculative_tokens > 0),
-            **off_policy_metrics(m),
-            **drafter_metrics(m),
+            **off_policy_metrics(m) | drafter_metrics(m),
             reward_parts={name: g[f"reward/{name}"] for name in parts},
         )
