@@ -1,8 +1,7 @@
 """The drafter protocol: every part of the library a drafter touches, and where each drafter implements it.
 
 A recipe names its drafter (``draft.type``: ``eagle3`` | ``dflash`` | ``dspark``, NeMo-RL's ``speculator_type``
-names); a
-:class:`DrafterKind` says what that name means to every part (docs/design/drafters.md has the table):
+names); a :class:`DrafterKind` says what that name means to every part (docs/design/drafters.md has the table):
 
 - **the model**: EAGLE-3 ``models.eagle3.Eagle3Draft``; DFlash ``models.dflash.DFlashDraft``; DSpark
   ``models.dspark.DSparkDraft`` (DFlash plus the Markov and confidence heads).
@@ -14,8 +13,9 @@ names); a
   ``rollout.embedded.block.BlockSpeculativeEngine`` (DSpark's proposals drawn one position at a time through the
   Markov head, from one drafter forward).
 - **export / load**: ``Eagle3Draft.save_pretrained`` / ``from_pretrained`` (vLLM ``eagle3``);
-  ``DFlashDraft.save_pretrained`` / ``models.dflash_io.load_dflash`` (vLLM ``dflash``).
-- **refit**: the drafter's state dict, bucketed (``rollout.refit.sync``), for both (a DFlash drafter owns no
+  ``DFlashDraft.save_pretrained`` / ``models.dflash_io.load_dflash`` (vLLM ``dflash``);
+  ``DSparkDraft.save_pretrained`` / ``models.dspark_io.load_dspark`` (vLLM ``dspark``).
+- **refit**: the drafter's state dict, bucketed (``rollout.refit.sync``), for every kind (a block drafter owns no
   embedding and no head: the policy's are pushed with the policy).
 
 A research drafter registers a kind of its own (:func:`register_drafter`) and a term for its model class

@@ -169,7 +169,8 @@ class RolloutWorker:
             adaptive=bool(d.adaptive and k),
             sampling=d.sampling,
             dtype=p.engine_dtype,
-            **({"verify_length": d.verify_length, "confidence_threshold": d.confidence_threshold} if k else {}),
+            verify_length=d.verify_length,
+            confidence_threshold=d.confidence_threshold,
         )
 
     def release(self) -> None:

@@ -71,7 +71,7 @@ class DSparkTerm(DFlashTerm):
         hidden = self._hidden(draft, ctx, inputs, inputs.anchors, inputs.block_embeds, batch)
         tokens = inputs.tokens[inputs.anchors]
         prev, truth = tokens[:, :-1], tokens[:, 1:]
-        block_logits = draft.block_logits(hidden, inputs.head.to(hidden.dtype), prev)
+        block_logits = self._head(draft, hidden, inputs, inputs.anchors)
         confidence = draft.confidence_logits(hidden, prev)
         targets, counted = self._targets(module, inputs, logits, batch)
         out, value_weights = dspark_block_loss(

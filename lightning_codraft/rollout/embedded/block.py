@@ -285,7 +285,7 @@ class BlockSpeculativeEngine(EmbeddedWeights):
         with clock.block("draft"):
             hidden = self._block_hidden(pdec, r.ctx, r.ctx_len, r.pending, k)
             if k and self.verify_length == "confidence":  # from the hidden states: before any proposal exists
-                k = self._confident_length(hidden[:, :k], remaining)
+                k = self._confident_length(hidden, remaining)
         with clock.block("policy"):  # rejection sampling draws the round's noise now (timed with the verify)
             out_pos = torch.tensor([len(out.tokens[i]) for i in r.active], device=r.pending.device)
             rn = sampler.start_round(r.noise, out_pos, k)
